@@ -1,0 +1,3 @@
+"""raylm: elastic distributed language-model training on Ray."""
+
+__version__ = "0.1.0"

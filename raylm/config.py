@@ -1,0 +1,410 @@
+"""Run configuration: frozen dataclasses, loaded from YAML, then overridden from the command line.
+
+Precedence is CLI > YAML > defaults. The command line is exactly this dataclass tree: every field
+is reachable as ``--section.key=value`` and nothing else is. Every user mistake (an unknown key, a
+wrong type, an impossible value) raises :class:`ConfigError` naming the key, the value and what is
+allowed, before any Ray work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the key and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str = "raylm"
+    """Run name; RUN_DIR = storage_path / name. Starting the same name again resumes it."""
+    storage_path: str = "runs"
+    """Where runs (checkpoints, summary.json, the default MLflow store) live. Local path or URI."""
+    cache_dir: str = "~/.cache/raylm"
+    """Tokenizers, the extracted builtin corpus and prepared data, keyed by fingerprint."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    source: str | list[str] = "builtin"
+    """Corpus: 'builtin', a file, directory or glob of .txt/.md/.jsonl/.parquet/.arrow files, a
+    `datasets` save_to_disk directory, 'hf:NAME[:CONFIG]' for a Hugging Face hub dataset, a
+    directory written by `raylm prepare`, or a list of these."""
+    text_field: str = "text"
+    """Field holding the document text in JSONL, Parquet and Hugging Face datasets."""
+    text_unit: Literal["paragraph", "line", "file"] = "paragraph"
+    """What one document is in a plain text file: a blank-line separated paragraph, a line, or
+    the whole file."""
+    hf_split: str = "train"
+    """Split to read from a Hugging Face dataset."""
+    builtin_packages: list[str] = field(
+        default_factory=lambda: ["transformers", "torch", "ray", "datasets", "mlflow", "peft"]
+    )
+    """Installed packages whose docstrings form the builtin corpus (those not installed are
+    skipped)."""
+    seq_len: int = 256
+    """Tokens the model sees per sample; packed blocks hold seq_len + 1 tokens (inputs and the
+    shifted targets)."""
+    min_chars: int = 0
+    """Documents shorter than this many characters (after normalization) are dropped as
+    too_short."""
+    dedup: bool = True
+    """Drop exact duplicate documents (by a hash of the normalized text)."""
+    val_fraction: float = 0.01
+    """Share of documents (chosen by content hash, so stable across runs) held out for
+    validation."""
+    on_bad_record: Literal["skip", "error"] = "skip"
+    """'skip' drops and counts malformed, undecodable or field-less records; 'error' stops at the
+    first one, naming its file and line."""
+    max_bad_records_listed: int = 100
+    """How many bad records manifest.json lists by file and line (all are counted)."""
+    tokenize_batch_size: int = 512
+    """Documents per tokenizer call in the Ray Data map_batches stage."""
+    tokenize_concurrency: int = 0
+    """Tokenizer actors; 0 sizes the pool to the cluster's CPUs."""
+    rows_per_row_group: int = 256
+    """Packed blocks per Parquet row group; also the unit of the deterministic shuffle."""
+    shuffle_window: int = 16
+    """Row groups mixed together by the shuffle; a reader caches this many row groups."""
+    prefetch_batches: int = 2
+    """Batches each training worker fetches ahead of the one it trains on."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerConfig:
+    path: str | None = None
+    """Existing Hugging Face tokenizer directory; when unset, a byte-level BPE is trained."""
+    vocab_size: int = 8192
+    """Vocabulary size of the trained BPE tokenizer, special tokens included."""
+    min_frequency: int = 2
+    """Pairs seen fewer times than this are not merged."""
+    train_chars: int = 8_000_000
+    """Characters of the corpus (read deterministically from its start) used to train the BPE."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    preset: str = "tiny"
+    """Named architecture: tiny, 125m, 350m or 1b."""
+    path: str | None = None
+    """Local pretrained model directory; overrides the preset."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to train to (a resumed run continues to this step)."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, summed over workers and accumulation steps."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one worker."""
+    seed: int = 0
+    """Seeds the model initialisation and the global sample order."""
+    precision: Literal["auto", "fp32", "bf16-mixed", "bf16-true"] = "auto"
+    """'auto' is bf16-mixed on CUDA devices with bf16 and fp32 elsewhere."""
+    max_failures: int = 3
+    """Worker-group restarts allowed after failures before the run fails."""
+    log_every: int = 10
+    """Report metrics every this many steps."""
+    eval_every: int = 100
+    """Validate every this many steps (and at the end)."""
+    eval_batches: int = 8
+    """Validation micro-batches per worker at each evaluation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of warmup."""
+    schedule: Literal["cosine", "linear", "constant", "wsd", "cyclical"] = "cosine"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: int = 20
+    """Steps of linear warmup from 0 to lr."""
+    min_lr_ratio: float = 0.1
+    """Final (or lowest) learning rate as a fraction of lr."""
+    weight_decay: float = 0.1
+    """AdamW weight decay; never applied to norms, biases and embeddings."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    every: int = 100
+    """Save a checkpoint every this many steps (and at the end)."""
+    keep: int = 3
+    """Checkpoints kept; older ones are deleted."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    num_workers: int | list[int] = 1
+    """Training workers: an int, or [min, max] for elastic scaling."""
+    use_gpu: bool = False
+    """One GPU per worker."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved per training worker."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    enabled: bool = True
+    """Record the run in MLflow."""
+    uri: str | None = None
+    """MLflow tracking URI; unset uses MLFLOW_TRACKING_URI, else a local store in RUN_DIR."""
+    experiment: str = "raylm"
+    """MLflow experiment name."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneConfig:
+    lr_min: float = 1e-4
+    """Lower bound of the log-uniform peak-LR search space."""
+    lr_max: float = 1e-2
+    """Upper bound of the log-uniform peak-LR search space."""
+    schedules: list[str] = field(default_factory=lambda: ["cosine", "linear", "wsd"])
+    """Schedules the sweep chooses among."""
+    num_samples: int = 8
+    """Trials in the sweep."""
+    search: Literal["random", "grid", "optuna"] = "random"
+    """Search algorithm."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """``{"section.key": value}``: the shape MLflow params and overrides use."""
+        return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def _closest(name: str, choices: list[str], prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
+    return f" Did you mean '{prefix}{match[0]}'?" if match else ""
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+_NO = object()
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Return ``value`` as type ``tp`` or ``_NO``; never converts lossily (1.5 is not an int)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value if value in typing.get_args(tp) else _NO
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            out = _coerce(value, arg)
+            if out is not _NO:
+                return out
+        return _NO
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            return _NO
+        (item_tp,) = typing.get_args(tp)
+        items = [_coerce(v, item_tp) for v in value]
+        return _NO if any(i is _NO for i in items) else items
+    if tp is type(None):
+        return None if value is None else _NO
+    if tp is bool:
+        return value if isinstance(value, bool) else _NO
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return _NO
+    if tp is str:
+        # YAML reads `name: 123` as an int; a string field takes it as written.
+        if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
+            return _NO
+        return str(value)
+    raise AssertionError(f"unsupported config type {tp}")
+
+
+def _build_section(name: str, values: dict[str, Any]) -> Any:
+    cls = SECTIONS[name]
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(
+                f"Unknown config key '{name}.{key}'.{_closest(key, list(hints), name + '.')} "
+                f"Valid keys in '{name}': {', '.join(hints)}."
+            )
+        out = _coerce(value, hints[key])
+        if out is _NO:
+            raise ConfigError(
+                f"Invalid value for '{name}.{key}': {value!r}. Expected {_describe(hints[key])}."
+            )
+        kwargs[key] = out
+    return cls(**kwargs)
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"Invalid value for '{key}': {value!r}. Allowed: {allowed}.")
+
+
+def validate(cfg: Config) -> Config:
+    """Check the values that types alone do not catch; return ``cfg`` unchanged."""
+    d, tk, tr, op, sc, tu = cfg.data, cfg.tokenizer, cfg.train, cfg.optim, cfg.scaling, cfg.tune
+    _check(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name", cfg.run.name,
+           "a non-empty name without '/'")
+    sources = [d.source] if isinstance(d.source, str) else d.source
+    _check(bool(sources) and all(sources), "data.source", d.source, "a non-empty source or list")
+    _check(d.seq_len >= 8, "data.seq_len", d.seq_len, "an integer >= 8")
+    _check(d.min_chars >= 0, "data.min_chars", d.min_chars, "an integer >= 0")
+    _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "0 <= x < 1")
+    _check(d.max_bad_records_listed >= 0, "data.max_bad_records_listed",
+           d.max_bad_records_listed, "an integer >= 0")
+    _check(d.tokenize_batch_size >= 1, "data.tokenize_batch_size", d.tokenize_batch_size, ">= 1")
+    _check(d.tokenize_concurrency >= 0, "data.tokenize_concurrency", d.tokenize_concurrency,
+           "0 (auto) or a positive integer")
+    _check(d.rows_per_row_group >= 1, "data.rows_per_row_group", d.rows_per_row_group, ">= 1")
+    _check(d.shuffle_window >= 1, "data.shuffle_window", d.shuffle_window, ">= 1")
+    _check(d.prefetch_batches >= 0, "data.prefetch_batches", d.prefetch_batches, ">= 0")
+    _check(bool(d.text_field), "data.text_field", d.text_field, "a non-empty field name")
+    _check(tk.vocab_size >= 300, "tokenizer.vocab_size", tk.vocab_size,
+           ">= 300 (256 byte symbols plus merges and special tokens)")
+    _check(tk.min_frequency >= 1, "tokenizer.min_frequency", tk.min_frequency, ">= 1")
+    _check(tk.train_chars >= 1000, "tokenizer.train_chars", tk.train_chars, ">= 1000")
+    _check(tr.steps >= 1, "train.steps", tr.steps, "an integer >= 1")
+    _check(tr.global_batch_size >= 1, "train.global_batch_size", tr.global_batch_size, ">= 1")
+    _check(tr.micro_batch_size >= 1, "train.micro_batch_size", tr.micro_batch_size, ">= 1")
+    _check(tr.max_failures >= -1, "train.max_failures", tr.max_failures,
+           "-1 (unlimited) or an integer >= 0")
+    _check(tr.log_every >= 1, "train.log_every", tr.log_every, ">= 1")
+    _check(tr.eval_every >= 1, "train.eval_every", tr.eval_every, ">= 1")
+    _check(tr.eval_batches >= 1, "train.eval_batches", tr.eval_batches, ">= 1")
+    _check(op.lr > 0, "optim.lr", op.lr, "a number > 0")
+    _check(op.warmup_steps >= 0, "optim.warmup_steps", op.warmup_steps, ">= 0")
+    _check(0.0 <= op.min_lr_ratio <= 1.0, "optim.min_lr_ratio", op.min_lr_ratio, "0 <= x <= 1")
+    _check(op.weight_decay >= 0, "optim.weight_decay", op.weight_decay, ">= 0")
+    _check(0 <= op.beta1 < 1, "optim.beta1", op.beta1, "0 <= x < 1")
+    _check(0 <= op.beta2 < 1, "optim.beta2", op.beta2, "0 <= x < 1")
+    _check(op.grad_clip >= 0, "optim.grad_clip", op.grad_clip, ">= 0 (0 disables)")
+    _check(cfg.checkpoint.every >= 1, "checkpoint.every", cfg.checkpoint.every, ">= 1")
+    _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, ">= 1")
+    nw = sc.num_workers
+    if isinstance(nw, list):
+        _check(len(nw) == 2 and 1 <= nw[0] <= nw[1], "scaling.num_workers", nw,
+               "an integer >= 1 or [min, max] with 1 <= min <= max")
+    else:
+        _check(nw >= 1, "scaling.num_workers", nw, "an integer >= 1 or [min, max]")
+    _check(sc.cpus_per_worker > 0, "scaling.cpus_per_worker", sc.cpus_per_worker, "> 0")
+    _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],
+           "0 < lr_min < lr_max")
+    _check(tu.num_samples >= 1, "tune.num_samples", tu.num_samples, ">= 1")
+    known = typing.get_args(typing.get_type_hints(OptimConfig)["schedule"])
+    bad = [s for s in tu.schedules if s not in known]
+    _check(bool(tu.schedules) and not bad, "tune.schedules", tu.schedules,
+           f"a non-empty list drawn from {', '.join(known)}")
+    return cfg
+
+
+def parse_override(arg: str) -> tuple[str, Any]:
+    """``--section.key=value`` -> ``("section.key", value)``; the value is read as YAML."""
+    body = arg[2:] if arg.startswith("--") else arg
+    if "=" not in body or "." not in body.split("=", 1)[0]:
+        raise ConfigError(
+            f"Cannot read override {arg!r}: write it as --section.key=value "
+            f"(for example --train.steps=100)."
+        )
+    key, raw = body.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the YAML file at ``path``, then ``--section.key=value`` overrides."""
+    tree: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"Config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"Config file {p} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"Config file {p} must hold a mapping of sections, not "
+                              f"{type(loaded).__name__}.")
+        for section, values in loaded.items():
+            _merge(tree, section, values, origin=str(p))
+    for arg in overrides:
+        key, value = parse_override(arg)
+        section, _, name = key.partition(".")
+        _merge(tree, section, {name: value}, origin="command line")
+    cfg = Config(**{name: _build_section(name, values) for name, values in tree.items()})
+    return validate(cfg)
+
+
+def _merge(tree: dict, section: str, values: Any, *, origin: str) -> None:
+    if section not in tree:
+        raise ConfigError(
+            f"Unknown config section '{section}' ({origin}).{_closest(section, list(tree))} "
+            f"Sections: {', '.join(tree)}."
+        )
+    if not isinstance(values, dict):
+        raise ConfigError(f"Config section '{section}' ({origin}) must be a mapping of keys, "
+                          f"not {values!r}.")
+    tree[section].update(values)
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.run.storage_path).expanduser().resolve() / cfg.run.name
+
+
+def cache_dir(cfg: Config) -> Path:
+    return Path(cfg.run.cache_dir).expanduser().resolve()

@@ -1,0 +1,363 @@
+"""Text sources: where documents come from, and how one file becomes a stream of records.
+
+A source resolves, on the driver and before any Ray work, into a sorted list of
+:class:`SourceFile`; a missing path or an unknown dataset is a one-line :class:`SourceError`.
+Each file is then read by :func:`read_records`, which never raises on bad content: every record it
+sees comes out once, either with its normalized text or with the reason it was dropped, so the
+pipeline's counts always add up (``documents_read == documents_kept + sum(dropped)``).
+
+The builtin corpus is the documentation already installed with raylm: the docstrings of the
+modules, classes and functions of transformers, torch, ray, datasets, mlflow and peft, parsed with
+``ast`` (no imports). It needs no download, is the same for the same installed versions, and is
+about 21 MB of English prose and code examples (one document per docstring; about 30k documents,
+of which a good share are exact duplicates copied between model files).
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import unicodedata
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Format = Literal["text", "jsonl", "parquet", "arrow", "pydoc"]
+
+#: Why a record did not become a training document. Every record read gets exactly one outcome.
+DROP_REASONS = ("malformed", "missing_field", "empty", "duplicate", "undecodable", "too_short")
+#: Reasons that mean the input itself is broken (listed by file and line; fatal with
+#: ``on_bad_record: error``). The others are ordinary filtering.
+BAD_REASONS = frozenset({"malformed", "missing_field", "undecodable"})
+
+SUFFIX_FORMATS: dict[str, Format] = {
+    ".txt": "text", ".text": "text", ".md": "text", ".rst": "text",
+    ".jsonl": "jsonl", ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+PREPARED_MANIFEST = "manifest.json"
+
+
+class SourceError(ValueError):
+    """A source that cannot be read at all: missing path, unknown dataset, unknown file type."""
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str
+    format: Format
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record as read: ``text`` is set when kept, ``reason`` when dropped."""
+
+    text: str | None
+    reason: str | None
+    line: int
+    """1-based line (text/JSONL), row (Parquet/Arrow) or docstring line (pydoc); 0 for a whole
+    file (an empty file)."""
+
+
+def is_bad(reason: str | None, line: int) -> bool:
+    """Bad input (listed, fatal under on_bad_record=error): broken records and empty files."""
+    return reason in BAD_REASONS or (reason == "empty" and line == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving sources
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_sources(
+    source: str | list[str], *, builtin_packages: list[str], hf_split: str = "train"
+) -> list[SourceFile]:
+    """Expand ``data.source`` into the files to read, in a deterministic order."""
+    sources = [source] if isinstance(source, str) else list(source)
+    files: list[SourceFile] = []
+    for s in sources:
+        files.extend(_resolve_one(s, builtin_packages=builtin_packages, hf_split=hf_split))
+    if not files:
+        raise SourceError(f"data.source {source!r} contains no readable files "
+                          f"(known types: {', '.join(sorted(SUFFIX_FORMATS))}).")
+    return files
+
+
+def _resolve_one(s: str, *, builtin_packages: list[str], hf_split: str) -> list[SourceFile]:
+    if s == "builtin":
+        return builtin_files(builtin_packages)
+    if s.startswith("hf:"):
+        return _hub_dataset_files(s[3:], hf_split)
+    path = Path(s).expanduser()
+    if any(c in s for c in "*?["):
+        matches = sorted(glob.glob(str(path), recursive=True))
+        found = [f for m in matches for f in _files_under(Path(m), s)]
+        if not found:
+            raise SourceError(f"data.source: no files match {s!r}.")
+        return found
+    if not path.exists():
+        raise SourceError(f"data.source: path not found: {path}")
+    if path.is_dir() and (path / PREPARED_MANIFEST).is_file():
+        raise SourceError(f"data.source: {path} is a prepared directory; it cannot be mixed "
+                          f"with other sources.")
+    if path.is_dir() and _is_saved_hf_dataset(path):
+        return _saved_dataset_files(path, hf_split)
+    return _files_under(path, s)
+
+
+def _files_under(path: Path, origin: str) -> list[SourceFile]:
+    if path.is_file():
+        fmt = SUFFIX_FORMATS.get(path.suffix.lower())
+        if fmt is None:
+            raise SourceError(
+                f"data.source: {path} has an unknown file type {path.suffix!r}; "
+                f"use one of {', '.join(sorted(SUFFIX_FORMATS))}."
+            )
+        return [SourceFile(str(path.resolve()), fmt)]
+    files = sorted(
+        p for p in path.rglob("*")
+        if p.is_file() and p.suffix.lower() in SUFFIX_FORMATS and not p.name.startswith(".")
+    )
+    if not files:
+        raise SourceError(f"data.source: {origin!r} holds no files of a known type "
+                          f"({', '.join(sorted(SUFFIX_FORMATS))}).")
+    return [SourceFile(str(p.resolve()), SUFFIX_FORMATS[p.suffix.lower()]) for p in files]
+
+
+def is_prepared_dir(source: str | list[str]) -> bool:
+    return isinstance(source, str) and (Path(source).expanduser() / PREPARED_MANIFEST).is_file()
+
+
+def _is_saved_hf_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _saved_dataset_files(path: Path, split: str) -> list[SourceFile]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets raises several types for a damaged directory
+        raise SourceError(f"data.source: cannot load the saved dataset at {path}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise SourceError(f"data.hf_split: {split!r} is not a split of {path}; "
+                              f"it has {', '.join(ds)}.")
+        ds = ds[split]
+    return [SourceFile(f["filename"], "arrow") for f in ds.cache_files]
+
+
+def _hub_dataset_files(spec: str, split: str) -> list[SourceFile]:
+    import datasets
+
+    name, _, config = spec.partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split)
+    except Exception as e:  # hub errors come as many types: not found, offline, gated
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SourceError(
+            f"data.source: Hugging Face dataset {name!r} could not be loaded ({first}). "
+            f"Check the name, or download it elsewhere and point data.source at its "
+            f"save_to_disk directory."
+        ) from None
+    return [SourceFile(f["filename"], "arrow") for f in ds.cache_files]
+
+
+def builtin_files(packages: list[str]) -> list[SourceFile]:
+    """The ``.py`` files of the installed ``packages``, in sorted order (absent ones skipped)."""
+    files: list[SourceFile] = []
+    for pkg in packages:
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or spec.origin is None:
+            continue
+        root = Path(spec.origin).parent
+        files.extend(SourceFile(str(p), "pydoc") for p in sorted(root.rglob("*.py")))
+    if not files:
+        raise SourceError(f"data.builtin_packages: none of {packages} is installed; "
+                          f"name installed packages or set data.source to your corpus.")
+    return files
+
+
+def fingerprint_files(files: list[SourceFile]) -> str:
+    """Changes when any file is added, removed, resized or touched."""
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        st = os.stat(f.path)
+        h.update(f"{f.path}\0{f.format}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Reading records
+# --------------------------------------------------------------------------------------------
+
+
+def normalize(text: str) -> str:
+    """NFC, Unix newlines, no surrounding whitespace: the text that is hashed and tokenized."""
+    return unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n")).strip()
+
+
+def content_hash(text: str) -> int:
+    """64-bit hash of the normalized text: exact-duplicate key and the train/val splitter."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def read_records(
+    f: SourceFile, *, text_field: str = "text", text_unit: str = "paragraph", min_chars: int = 0
+) -> Iterator[Record]:
+    """Every record of one file, once, each with its text or its drop reason."""
+    raw = {
+        "text": _text_records,
+        "jsonl": _jsonl_records,
+        "parquet": _table_records,
+        "arrow": _table_records,
+        "pydoc": _pydoc_records,
+    }[f.format](f, text_field=text_field, text_unit=text_unit)
+    n = 0
+    for text, reason, line in raw:
+        n += 1
+        if reason is None:
+            text = normalize(text)
+            if not text:
+                reason = "empty"
+            elif len(text) < min_chars:
+                reason = "too_short"
+        yield Record(text if reason is None else None, reason, line)
+    if n == 0 and f.format != "pydoc":
+        # An empty file is not silently nothing: it is one record, dropped and listed. (A
+        # Python module without docstrings is just that, not bad input.)
+        yield Record(None, "empty", 0)
+
+
+def _text_records(f: SourceFile, *, text_unit: str, **_) -> Iterator[tuple]:
+    with open(f.path, "rb") as fh:
+        if text_unit == "file":
+            data = fh.read()
+            try:
+                yield data.decode("utf-8-sig"), None, 1
+            except UnicodeDecodeError:
+                yield None, "undecodable", 1
+            return
+        para: list[str] = []
+        start, bad = 0, False
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError:
+                line, bad_line = "\ufffd", True
+            else:
+                bad_line = False
+            if text_unit == "line":
+                if line.strip():
+                    yield (None, "undecodable", lineno) if bad_line else (line, None, lineno)
+                continue
+            if not line.strip() and not bad_line:
+                if para:
+                    yield (None, "undecodable", start) if bad else ("".join(para), None, start)
+                para, bad = [], False
+                continue
+            if not para:
+                start = lineno
+            para.append(line)
+            bad = bad or bad_line
+        if para:
+            yield (None, "undecodable", start) if bad else ("".join(para), None, start)
+
+
+def _jsonl_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
+    with open(f.path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue  # blank lines separate nothing and hold no record
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield None, "undecodable", lineno
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                yield None, "malformed", lineno
+                continue
+            if not isinstance(obj, dict):
+                yield None, "malformed", lineno
+                continue
+            value = obj.get(text_field)
+            if value is None:
+                yield None, "missing_field", lineno
+            elif not isinstance(value, str):
+                yield None, "malformed", lineno
+            else:
+                yield value, None, lineno
+
+
+def _table_batches(f: SourceFile, column: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if f.format == "parquet":
+        pf = pq.ParquetFile(f.path)
+        if column not in pf.schema_arrow.names:
+            return None, pf.metadata.num_rows
+        return pf.iter_batches(columns=[column], batch_size=4096), None
+    source = pa.memory_map(f.path)
+    try:
+        reader = pa.ipc.open_stream(source)
+    except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(source)
+        reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        # An Arrow file without the column is rare enough to read its schema lazily below.
+    else:
+        if column not in reader.schema.names:
+            return None, sum(b.num_rows for b in reader)
+    return reader, None
+
+
+def _table_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
+    batches, rows_without_field = _table_batches(f, text_field)
+    if batches is None:
+        for row in range(1, rows_without_field + 1):
+            yield None, "missing_field", row
+        return
+    row = 0
+    for batch in batches:
+        if text_field not in batch.schema.names:
+            for _ in range(batch.num_rows):
+                row += 1
+                yield None, "missing_field", row
+            continue
+        for value in batch.column(batch.schema.get_field_index(text_field)).to_pylist():
+            row += 1
+            if value is None:
+                yield None, "missing_field", row
+            elif isinstance(value, bytes):
+                try:
+                    yield value.decode("utf-8"), None, row
+                except UnicodeDecodeError:
+                    yield None, "undecodable", row
+            elif not isinstance(value, str):
+                yield None, "malformed", row
+            else:
+                yield value, None, row
+
+
+_DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _pydoc_records(f: SourceFile, **_) -> Iterator[tuple]:
+    try:
+        tree = ast.parse(Path(f.path).read_bytes())
+    except (SyntaxError, ValueError):
+        yield None, "malformed", 1
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, _DOC_NODES):
+            doc = ast.get_docstring(node, clean=True)
+            if doc is not None:
+                yield doc, None, getattr(node, "lineno", 1)

@@ -1,0 +1,544 @@
+"""The Ray Data pipeline: raw text -> packed blocks on disk -> ordered per-worker streams.
+
+Preparation (``prepare``) runs once per corpus and settings::
+
+    files --read (tasks)--> records --tokenize (actor pool)--> ids --driver--> dedup, split, pack
+                                                                         --> Parquet + manifest
+
+Reading and tokenizing are the expensive, parallel part and run as Ray Data tasks and actors,
+sized to the cluster. Deduplication, the train/validation split and packing stay on the driver,
+consuming the tokenized stream in file order (``preserve_order``): packing is inherently
+sequential (a block may hold the end of one document and the start of the next), and a fixed
+order is what makes the output, and so every later run, reproducible. The driver keeps one 8-byte
+hash per unique document (a Python set: ~70 bytes each, 70 MB for a million documents) and less
+than one row group of blocks; all else streams.
+
+Training (``build_train_data_config``) never uses ``streaming_split``: it hands out blocks to
+whichever worker asks first, so two runs see different orders (measured: two runs of
+``streaming_split(2, equal=True)`` over 2,000 rows gave each rank a different sequence). Instead
+each worker gets its own Ray Data stream of exactly the positions it owns in the global order
+(:mod:`raylm.packing`), read from the packed Parquet. Every rank reads the row groups of the
+current shuffle window and keeps its own rows, so storage reads scale with the worker count (for
+token data that is ~4 bytes per token per worker per epoch, small next to a training step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raylm.config import Config, cache_dir
+from raylm.corpus import (
+    DROP_REASONS,
+    PREPARED_MANIFEST,
+    SourceFile,
+    content_hash,
+    fingerprint_files,
+    is_bad,
+    read_records,
+    resolve_sources,
+)
+from raylm.packing import Packer, SampleOrder, position_ids, rank_positions
+from raylm.tokenizer import build_tokenizer, load_backend, tokenizer_fingerprint
+
+LAYOUT = "layout.json"
+SPLITS = ("train", "val")
+# 64 row groups per file: 16,384 blocks, ~17 MB at seq_len 256, ~130 MB at 2,048.
+ROW_GROUPS_PER_FILE = 64
+
+
+class BadRecordError(ValueError):
+    """A bad record under ``data.on_bad_record: error``."""
+
+
+# --------------------------------------------------------------------------------------------
+# Preparation: the Ray Data stages
+# --------------------------------------------------------------------------------------------
+
+_RECORD_SCHEMA = pa.schema([
+    ("text", pa.string()), ("reason", pa.string()), ("file_id", pa.int32()),
+    ("line", pa.int64()), ("hash", pa.uint64()),
+])
+
+
+def _read_files(batch: dict[str, np.ndarray], *, text_field: str, text_unit: str,
+                min_chars: int, chunk_rows: int = 4096):
+    """Ray Data UDF: file specs in, record tables out, ``chunk_rows`` at a time."""
+    cols: dict[str, list] = {name: [] for name in _RECORD_SCHEMA.names}
+    for path, fmt, file_id in zip(batch["path"], batch["format"], batch["file_id"]):
+        spec = SourceFile(str(path), str(fmt))
+        for rec in read_records(spec, text_field=text_field, text_unit=text_unit,
+                                min_chars=min_chars):
+            cols["text"].append(rec.text)
+            cols["reason"].append(rec.reason)
+            cols["file_id"].append(int(file_id))
+            cols["line"].append(rec.line)
+            cols["hash"].append(content_hash(rec.text) if rec.text is not None else 0)
+            if len(cols["text"]) >= chunk_rows:
+                yield pa.table(cols, schema=_RECORD_SCHEMA)
+                cols = {name: [] for name in _RECORD_SCHEMA.names}
+    if cols["text"]:
+        yield pa.table(cols, schema=_RECORD_SCHEMA)
+
+
+class _Tokenize:
+    """Ray Data actor: texts in, token ids (each document followed by EOS) out."""
+
+    def __init__(self, tokenizer_path: str) -> None:
+        self.tok, self.eos = load_backend(tokenizer_path)
+        # One Ray CPU per actor: the pool, not Rust threads inside each actor, gives the
+        # parallelism, so actors do not fight over cores.
+        self.encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        texts = table.column("text").to_pylist()
+        kept = [i for i, t in enumerate(texts) if t is not None]
+        encoded = self.encode([texts[i] for i in kept], add_special_tokens=False)
+        lengths = np.zeros(len(texts), dtype=np.int64)
+        pieces = []
+        for i, enc in zip(kept, encoded):
+            ids = enc.ids
+            ids.append(self.eos)
+            lengths[i] = len(ids)
+            pieces.append(np.asarray(ids, dtype=np.int32))
+        flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+        return table.drop_columns(["text"]).append_column("ids", ids)
+
+
+def _cluster_cpus() -> int:
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def build_tokenized_dataset(files: list[SourceFile], cfg: Config, tokenizer_path: str):
+    """The lazy Ray Data dataset of tokenized records, in file order."""
+    import ray
+
+    d = cfg.data
+    cpus = _cluster_cpus()
+    # Several read tasks per CPU balance files of very different sizes; more would only add
+    # per-task overhead (an 11k-file builtin corpus in 11k tasks is mostly scheduling).
+    num_tasks = min(len(files), cpus * 8)
+    items = [{"path": f.path, "format": f.format, "file_id": i} for i, f in enumerate(files)]
+    ds = ray.data.from_items(items, override_num_blocks=num_tasks)
+    ds.context.execution_options.preserve_order = True
+    ds = ds.map_batches(
+        _read_files,
+        batch_size=math.ceil(len(files) / num_tasks),
+        fn_kwargs={"text_field": d.text_field, "text_unit": d.text_unit,
+                   "min_chars": d.min_chars},
+    )
+    return ds.map_batches(
+        _Tokenize,
+        fn_constructor_kwargs={"tokenizer_path": tokenizer_path},
+        batch_format="pyarrow",
+        batch_size=d.tokenize_batch_size,
+        compute=ray.data.ActorPoolStrategy(size=d.tokenize_concurrency or cpus),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Preparation: the driver side (dedup, split, pack, write)
+# --------------------------------------------------------------------------------------------
+
+
+class BlockWriter:
+    """Writes blocks of one split as Parquet, in row groups of exactly ``group_rows`` rows (the
+    last may be short) so that row groups are the unit :class:`SampleOrder` permutes."""
+
+    def __init__(self, directory: Path, *, block_length: int, group_rows: int) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.block_length = block_length
+        self.group_rows = group_rows
+        self.schema = pa.schema([("input_ids", pa.list_(pa.int32())),
+                                 ("doc_starts", pa.list_(pa.int32()))])
+        self._blocks: list[np.ndarray] = []
+        self._starts: list[np.ndarray] = []
+        self._pending = 0
+        self._writer: pq.ParquetWriter | None = None
+        self._groups_in_file = 0
+        self.files: list[str] = []
+        self.group_sizes: list[int] = []
+
+    def add(self, blocks: np.ndarray, doc_starts: list[np.ndarray]) -> None:
+        if len(blocks):
+            self._blocks.append(blocks)
+            self._starts.extend(doc_starts)
+            self._pending += len(blocks)
+        while self._pending >= self.group_rows:
+            self._flush(self.group_rows)
+
+    def _flush(self, n: int) -> None:
+        stacked = np.concatenate(self._blocks)
+        rows, rest = stacked[:n], stacked[n:]
+        starts, self._starts = self._starts[:n], self._starts[n:]
+        self._blocks = [rest] if len(rest) else []
+        self._pending -= n
+        if self._writer is None or self._groups_in_file >= ROW_GROUPS_PER_FILE:
+            self._open()
+        offsets = pa.array(np.arange(n + 1, dtype=np.int32) * self.block_length)
+        ids = pa.ListArray.from_arrays(offsets, pa.array(rows.reshape(-1)))
+        lens = np.fromiter((len(s) for s in starts), dtype=np.int32, count=n)
+        s_off = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+        flat = np.concatenate(starts).astype(np.int32) if starts else np.zeros(0, np.int32)
+        doc = pa.ListArray.from_arrays(s_off, pa.array(flat, type=pa.int32()))
+        self._writer.write_table(pa.table([ids, doc], schema=self.schema), row_group_size=n)
+        self._groups_in_file += 1
+        self.group_sizes.append(n)
+
+    def _open(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        name = f"part-{len(self.files):05d}.parquet"
+        self.files.append(name)
+        self._writer = pq.ParquetWriter(self.dir / name, self.schema)
+        self._groups_in_file = 0
+
+    def close(self) -> None:
+        if self._pending:
+            self._flush(self._pending)
+        if self._writer is not None:
+            self._writer.close()
+
+
+def prepared_fingerprint(corpus_fp: str, tokenizer_id: str, cfg: Config) -> str:
+    d = cfg.data
+    return tokenizer_fingerprint(
+        corpus_fp, tokenizer=tokenizer_id, seq_len=d.seq_len, min_chars=d.min_chars,
+        dedup=d.dedup, val_fraction=d.val_fraction, text_field=d.text_field,
+        text_unit=d.text_unit, rows_per_row_group=d.rows_per_row_group, format=1,
+    )
+
+
+def resolve_tokenizer(cfg: Config, files: list[SourceFile], corpus_fp: str, log) -> Path:
+    t = cfg.tokenizer
+    if t.path:
+        load_backend(t.path)  # fail now, on the driver, with the tokenizer's own message
+        return Path(t.path).expanduser().resolve()
+    return build_tokenizer(
+        files, corpus_fingerprint=corpus_fp, cache_dir=cache_dir(cfg),
+        vocab_size=t.vocab_size, min_frequency=t.min_frequency, train_chars=t.train_chars,
+        text_field=cfg.data.text_field, text_unit=cfg.data.text_unit, log=log,
+    )
+
+
+def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None] = print
+            ) -> dict[str, Any]:
+    """Run the pipeline once; write ``output/{train,val}/*.parquet``, ``layout.json`` and
+    ``manifest.json`` (last, so a directory with a manifest is complete). Needs ``ray.init``."""
+    d = cfg.data
+    out = Path(output).expanduser().resolve()
+    if out.exists() and any(out.iterdir()) and not (out / PREPARED_MANIFEST).is_file():
+        raise ValueError(f"--output {out} exists and is not empty; choose a new directory "
+                         f"(an earlier `raylm prepare` output is replaced).")
+    files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
+    corpus_fp = fingerprint_files(files)
+    tok_path = resolve_tokenizer(cfg, files, corpus_fp, log)
+    _, eos = load_backend(tok_path)
+    fp = prepared_fingerprint(corpus_fp, str(tok_path), cfg)
+
+    for name in (PREPARED_MANIFEST, LAYOUT, *SPLITS):
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    L = d.seq_len + 1
+    writers = {s: BlockWriter(out / s, block_length=L, group_rows=d.rows_per_row_group)
+               for s in SPLITS}
+    packers = {s: Packer(L) for s in SPLITS}
+    val_cut = int(d.val_fraction * 2**64)
+
+    read = kept = 0
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    bad_records: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    t0 = last_log = time.monotonic()
+    log(f"prepare: {len(files)} files, tokenizer {tok_path}, blocks of {L} tokens")
+    ds = build_tokenized_dataset(files, cfg, str(tok_path))
+    for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+        reasons = table.column("reason").to_pylist()
+        hashes = table.column("hash").to_numpy()
+        lines = table.column("line").to_numpy()
+        file_ids = table.column("file_id").to_numpy()
+        ids = table.column("ids").combine_chunks()
+        flat, offsets = ids.values.to_numpy(), ids.offsets.to_numpy()
+        docs: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+        for i, reason in enumerate(reasons):
+            read += 1
+            if reason is None and d.dedup:
+                h = int(hashes[i])
+                if h in seen:
+                    reason = "duplicate"
+                else:
+                    seen.add(h)
+            if reason is not None:
+                dropped[reason] += 1
+                if is_bad(reason, int(lines[i])):
+                    where = {"file": files[file_ids[i]].path, "line": int(lines[i]),
+                             "reason": reason}
+                    if d.on_bad_record == "error":
+                        raise BadRecordError(
+                            f"{where['file']}:{where['line']}: {reason} record. "
+                            f"Fix the input, or set data.on_bad_record=skip to drop and count "
+                            f"such records."
+                        )
+                    if len(bad_records) < d.max_bad_records_listed:
+                        bad_records.append(where)
+                continue
+            kept += 1
+            split = "val" if int(hashes[i]) < val_cut else "train"
+            docs[split].append(flat[offsets[i]:offsets[i + 1]])
+        for s in SPLITS:
+            if docs[s]:
+                writers[s].add(*packers[s].add(docs[s]))
+        now = time.monotonic()
+        if now - last_log >= 5:
+            last_log = now
+            tokens = sum(p.tokens_in for p in packers.values())
+            log(f"prepare: {read:,} documents read, {kept:,} kept, {tokens:,} tokens, "
+                f"{sum(p.blocks_out for p in packers.values()):,} blocks "
+                f"({tokens / (now - t0):,.0f} tokens/s)")
+    for w in writers.values():
+        w.close()
+
+    tokens = sum(p.tokens_in for p in packers.values())
+    blocks = sum(p.blocks_out for p in packers.values())
+    tail = sum(p.tail_tokens for p in packers.values())
+    assert tokens == blocks * L + tail and read == kept + sum(dropped.values())
+    manifest = {
+        "documents_read": read,
+        "documents_kept": kept,
+        "dropped": dropped,
+        "bad_records": bad_records,
+        "tokens": tokens,
+        "block_length": L,
+        "blocks": blocks,
+        "tail_tokens_dropped": tail,
+        "tokenizer_path": str(tok_path),
+        "fingerprint": fp,
+    }
+    layout = {
+        "block_length": L,
+        "eos_id": eos,
+        "seq_len": d.seq_len,
+        "splits": {s: {"blocks": packers[s].blocks_out,
+                       "tail_tokens_dropped": packers[s].tail_tokens,
+                       "files": writers[s].files,
+                       "row_group_sizes": writers[s].group_sizes} for s in SPLITS},
+    }
+    (out / LAYOUT).write_text(json.dumps(layout))
+    tmp = out / f".{PREPARED_MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, out / PREPARED_MANIFEST)
+    elapsed = time.monotonic() - t0
+    log(f"prepare: done in {elapsed:.1f}s: {read:,} read, {kept:,} kept, dropped "
+        f"{ {k: v for k, v in dropped.items() if v} }, {tokens:,} tokens -> {blocks:,} blocks "
+        f"(train {packers['train'].blocks_out:,}, val {packers['val'].blocks_out:,}), "
+        f"{tail:,} tail tokens dropped")
+    return manifest
+
+
+def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
+    """The packed data for ``cfg``: ``data.source`` itself when it is a prepared directory,
+    else a cached preparation (made now if missing). Needs ``ray.init``."""
+    from raylm.corpus import is_prepared_dir
+
+    d = cfg.data
+    if is_prepared_dir(d.source):
+        path = Path(str(d.source)).expanduser().resolve()
+        layout = json.loads((path / LAYOUT).read_text())
+        if layout["seq_len"] != d.seq_len:
+            raise ValueError(f"data.seq_len={d.seq_len} but the prepared directory {path} "
+                             f"holds blocks for seq_len={layout['seq_len']}; set data.seq_len="
+                             f"{layout['seq_len']} or prepare again.")
+        return path
+    files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
+    corpus_fp = fingerprint_files(files)
+    tok = str(Path(cfg.tokenizer.path).expanduser().resolve()) if cfg.tokenizer.path else (
+        f"bpe:{cfg.tokenizer.vocab_size}:{cfg.tokenizer.min_frequency}:"
+        f"{cfg.tokenizer.train_chars}")
+    target = cache_dir(cfg) / "prepared" / prepared_fingerprint(corpus_fp, tok, cfg)
+    if (target / PREPARED_MANIFEST).is_file():
+        log(f"data: reusing prepared data {target}")
+        return target
+    prepare(cfg, target, log=log)
+    return target
+
+
+# --------------------------------------------------------------------------------------------
+# Training side: one ordered stream per worker
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackedSplit:
+    """Where one split's blocks are stored: files and row groups in storage order."""
+
+    directory: str
+    files: list[str]
+    row_group_sizes: list[int]
+    block_length: int
+
+    @classmethod
+    def load(cls, prepared: str | os.PathLike, split: str) -> "PackedSplit":
+        root = Path(prepared)
+        layout = json.loads((root / LAYOUT).read_text())
+        info = layout["splits"][split]
+        if not info["blocks"]:
+            raise ValueError(f"The prepared data in {root} has no {split} blocks; use a larger "
+                             f"corpus, a smaller data.seq_len, or a larger data.val_fraction.")
+        return cls(str(root / split), info["files"], info["row_group_sizes"],
+                   layout["block_length"])
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(self.row_group_sizes)
+
+    def group_locations(self) -> list[tuple[str, int]]:
+        """(file path, row group index in file) for every row group, in storage order."""
+        out = []
+        for name in self.files:
+            n = pq.ParquetFile(os.path.join(self.directory, name)).num_row_groups
+            out.extend((os.path.join(self.directory, name), g) for g in range(n))
+        assert len(out) == len(self.row_group_sizes)
+        return out
+
+
+class _ReadBlocks:
+    """Ray Data actor: a rank's local sample indices in, its blocks out (in order)."""
+
+    def __init__(self, split: PackedSplit, *, mode: str, seed: int, window: int, rank: int,
+                 world_size: int, start_step: int = 0, global_batch: int = 1) -> None:
+        self.split = split
+        self.mode, self.rank, self.world = mode, rank, world_size
+        self.start_step, self.global_batch = start_step, global_batch
+        self.order = SampleOrder(split.row_group_sizes, seed=seed, window=window)
+        self.locations = split.group_locations()
+        self.cache: OrderedDict[int, tuple[np.ndarray, list]] = OrderedDict()
+        self.cache_size = window + 1
+
+    def _group(self, g: int) -> tuple[np.ndarray, list]:
+        if g not in self.cache:
+            path, idx = self.locations[g]
+            t = pq.ParquetFile(path).read_row_group(idx)
+            ids = t.column("input_ids").combine_chunks()
+            tokens = ids.values.to_numpy().reshape(-1, self.split.block_length)
+            self.cache[g] = (tokens, t.column("doc_starts").to_pylist())
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(g)
+        return self.cache[g]
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        local = batch["id"]
+        if self.mode == "train":
+            positions = rank_positions(local, start_step=self.start_step,
+                                       global_batch=self.global_batch, rank=self.rank,
+                                       world_size=self.world)
+            rows = self.order.rows(positions)
+        else:  # evaluation: storage order, round robin over ranks
+            positions = local * self.world + self.rank
+            rows = positions
+        groups = np.searchsorted(self.order.group_offsets, rows, side="right") - 1
+        L = self.split.block_length
+        tokens = np.empty((len(rows), L), dtype=np.int64)
+        pos_ids = np.empty((len(rows), L), dtype=np.int64)
+        for i, (row, g) in enumerate(zip(rows, groups)):
+            block, starts = self._group(int(g))
+            r = int(row - self.order.group_offsets[g])
+            tokens[i] = block[r]
+            pos_ids[i] = position_ids(np.asarray(starts[r]), L)
+        return {"input_ids": tokens, "position_ids": pos_ids, "sample_position": positions,
+                "row": rows}
+
+
+def build_rank_dataset(split: PackedSplit, *, mode: str, rank: int, world_size: int,
+                       num_samples: int, seed: int = 0, window: int = 16, start_step: int = 0,
+                       global_batch: int = 1, batch_size: int = 64):
+    """Rank ``rank``'s stream: ``num_samples`` blocks in the order it consumes them."""
+    import ray
+
+    ds = ray.data.range(num_samples, override_num_blocks=max(1, min(64, num_samples // 256)))
+    ds.context.execution_options.preserve_order = True
+    return ds.map_batches(
+        _ReadBlocks,
+        fn_constructor_kwargs=dict(split=split, mode=mode, seed=seed, window=window, rank=rank,
+                                   world_size=world_size, start_step=start_step,
+                                   global_batch=global_batch),
+        batch_size=batch_size,
+        compute=ray.data.ActorPoolStrategy(size=1),
+        # Reading a cached row group is cheap next to a training step; a small CPU share lets
+        # the reader run beside workers that hold every CPU of their node.
+        num_cpus=0.1,
+    )
+
+
+def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None = None) -> int:
+    """Equal for all ranks (collectives need it): at most ``limit``, at most N // world."""
+    n = split.num_blocks // world_size
+    return n if limit is None else min(n, limit)
+
+
+def build_data_config(prepared: str | os.PathLike, *, seed: int, window: int, global_batch: int,
+                      num_steps: int, eval_samples: int | None,
+                      start_step: int | Callable[[], int] = 0):
+    """A ``ray.train.DataConfig`` that gives each worker its ordered streams.
+
+    ``train``: the samples of steps ``[start_step, num_steps)`` in the global order, sliced by
+    rank. ``val``: up to ``eval_samples`` blocks per rank, round robin in storage order.
+    ``start_step`` may be a callable, evaluated each time a worker group starts, so a restarted
+    group continues from the latest checkpoint.
+    """
+    import ray.train
+
+    train = PackedSplit.load(prepared, "train")
+    val = PackedSplit.load(prepared, "val") if eval_samples else None
+
+    class OrderedDataConfig(ray.train.DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            out: list[dict] = [{} for _ in range(world_size)]
+            step = start_step() if callable(start_step) else start_step
+            per_rank = global_batch // world_size
+            for name in datasets:
+                for rank in range(world_size):
+                    if name == "train":
+                        ds = build_rank_dataset(
+                            train, mode="train", rank=rank, world_size=world_size,
+                            num_samples=max(0, num_steps - step) * per_rank, seed=seed,
+                            window=window, start_step=step, global_batch=global_batch)
+                    elif name == "val":
+                        ds = build_rank_dataset(
+                            val, mode="eval", rank=rank, world_size=world_size,
+                            num_samples=eval_samples_per_rank(val, world_size, eval_samples))
+                    else:
+                        raise ValueError(f"unknown dataset {name!r}")
+                    out[rank][name] = ds.iterator()
+            return out
+
+    return OrderedDataConfig(datasets_to_split=[])
+
+
+def trainer_datasets(prepared: str | os.PathLike, *, with_val: bool) -> dict[str, Any]:
+    """The ``datasets=`` for TorchTrainer: the packed splits as Ray datasets (the DataConfig
+    above turns each into per-rank ordered streams)."""
+    import ray
+
+    root = Path(prepared)
+    names = ["train", "val"] if with_val else ["train"]
+    return {n: ray.data.read_parquet(str(root / n)) for n in names}

@@ -1,0 +1,138 @@
+"""Packing token streams into fixed-length blocks, and the one global order blocks are read in.
+
+Packing concatenates tokenized documents (each already ending in EOS) and cuts the stream into
+blocks of ``block_length = seq_len + 1`` tokens: no padding, every token trains, and a document
+may continue into the next block. The tokens after the last full block are dropped and counted
+(``tokens == blocks * block_length + tail_tokens_dropped``). Each block remembers where documents
+start inside it, so attention can be kept within documents.
+
+:class:`SampleOrder` defines the training stream: global position ``p`` of epoch ``p // N`` maps
+to one stored block, through a permutation that depends only on the seed and the data. Global
+step ``s`` consumes positions ``[s*B, (s+1)*B)`` and rank ``r`` of ``w`` takes the slice
+``[r*B/w, (r+1)*B/w)`` of it, so a checkpoint that stores the next position resumes exactly, on
+any number of workers. The permutation is two-level so readers stay sequential: row groups are
+permuted, then the rows of ``window`` consecutive row groups are permuted together. With 256-block
+row groups and a window of 16, every 4,096 consecutive positions come from 16 random row groups
+spread over the corpus, and a reader holds just those 16 row groups (16 MB at seq_len 2048) in
+memory. Memory for the order itself is one int per row group, not per block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+
+class Packer:
+    """Streams documents in, full blocks out; holds less than one block between calls."""
+
+    def __init__(self, block_length: int) -> None:
+        self.block_length = block_length
+        self._rest = np.zeros(0, dtype=np.int32)
+        self._rest_starts = np.zeros(0, dtype=np.int64)
+        self.tokens_in = 0
+        self.blocks_out = 0
+
+    def add(self, docs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Append ``docs``; return the blocks completed, shape (n, block_length), and for each
+        block the offsets inside it where a document starts."""
+        L = self.block_length
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        self.tokens_in += int(lengths.sum())
+        stream = np.concatenate([self._rest, *[np.asarray(d, dtype=np.int32) for d in docs]])
+        starts = np.concatenate(
+            [self._rest_starts, len(self._rest) + np.cumsum(lengths) - lengths]
+        )
+        n = len(stream) // L
+        blocks = stream[: n * L].reshape(n, L)
+        cut = np.searchsorted(starts, np.arange(n + 1) * L)
+        doc_starts = [starts[cut[i] : cut[i + 1]] - i * L for i in range(n)]
+        self._rest = stream[n * L :].copy()
+        self._rest_starts = starts[cut[n] :] - n * L
+        self.blocks_out += n
+        return blocks, doc_starts
+
+    @property
+    def tail_tokens(self) -> int:
+        """Tokens that did not fill a block (dropped when the stream ends)."""
+        return len(self._rest)
+
+
+def position_ids(doc_starts: np.ndarray, block_length: int) -> np.ndarray:
+    """Per-token position inside its document, restarting at every document start."""
+    pos = np.arange(block_length, dtype=np.int64)
+    if len(doc_starts) == 0:
+        return pos
+    # For each token, the most recent document start at or before it (0 if none).
+    starts = np.concatenate([[0], np.asarray(doc_starts, dtype=np.int64)])
+    last = starts[np.searchsorted(starts, pos, side="right") - 1]
+    return pos - last
+
+
+class SampleOrder:
+    """Global position -> stored row, for rows stored in row groups of ``group_sizes``."""
+
+    def __init__(self, group_sizes: list[int], *, seed: int, window: int) -> None:
+        if not group_sizes or min(group_sizes) < 1:
+            raise ValueError("SampleOrder needs at least one non-empty row group")
+        self.group_sizes = np.asarray(group_sizes, dtype=np.int64)
+        self.group_offsets = np.concatenate([[0], np.cumsum(self.group_sizes)])
+        self.num_rows = int(self.group_offsets[-1])
+        self.seed = seed
+        self.window = window
+        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row-group permutation, start position of each window) for ``epoch``."""
+        if epoch not in self._epochs:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.group_sizes))
+            sizes = self.group_sizes[perm]
+            window_sizes = np.add.reduceat(sizes, np.arange(0, len(sizes), self.window))
+            self._epochs[epoch] = (perm, np.concatenate([[0], np.cumsum(window_sizes)]))
+            while len(self._epochs) > 2:
+                self._epochs.popitem(last=False)
+        return self._epochs[epoch]
+
+    def _window_rows(self, epoch: int, w: int) -> np.ndarray:
+        key = (epoch, w)
+        if key not in self._windows:
+            perm, _ = self._epoch(epoch)
+            groups = perm[w * self.window : (w + 1) * self.window]
+            rows = np.concatenate(
+                [np.arange(self.group_offsets[g], self.group_offsets[g + 1]) for g in groups]
+            )
+            shuffle = np.random.default_rng([self.seed, epoch, w]).permutation(len(rows))
+            self._windows[key] = rows[shuffle]
+            while len(self._windows) > 4:
+                self._windows.popitem(last=False)
+        return self._windows[key]
+
+    def rows(self, positions: np.ndarray) -> np.ndarray:
+        """Stored row index for each global position (any epoch)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.empty_like(positions)
+        epochs, within = np.divmod(positions, self.num_rows)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            _, window_starts = self._epoch(int(epoch))
+            w_idx = np.searchsorted(window_starts, within[sel], side="right") - 1
+            res = np.empty(int(sel.sum()), dtype=np.int64)
+            for w in np.unique(w_idx):
+                m = w_idx == w
+                res[m] = self._window_rows(int(epoch), int(w))[within[sel][m] - window_starts[w]]
+            out[sel] = res
+        return out
+
+
+def rank_positions(
+    local_index: np.ndarray, *, start_step: int, global_batch: int, rank: int, world_size: int
+) -> np.ndarray:
+    """Global positions of the ``local_index``-th samples rank ``rank`` of ``world_size`` reads
+    from ``start_step`` on: it takes slice ``[rank*b, (rank+1)*b)`` of every global batch."""
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} does not divide by {world_size} workers")
+    per_rank = global_batch // world_size
+    step, j = np.divmod(np.asarray(local_index, dtype=np.int64), per_rank)
+    return (start_step + step) * global_batch + rank * per_rank + j
