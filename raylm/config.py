@@ -260,6 +260,12 @@ def _coerce(value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads 3e-4 (no dot) as a string.
+            try:
+                return float(value)
+            except ValueError:
+                return _NO
         return _NO
     if tp is str:
         # YAML reads `name: 123` as an int; a string field takes it as written.

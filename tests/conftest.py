@@ -1,0 +1,52 @@
+"""Shared fixtures: a small corpus made here (no downloads) and a tokenizer trained on it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+# Real English prose, written for these tests; enough distinct words to train a small BPE.
+PARAGRAPHS = [
+    "The river carried the boats past the old mill, where the miller counted sacks of grain "
+    "and wrote the numbers in a book that nobody else was allowed to read.",
+    "Training a language model means showing it text and asking it to guess the next token; "
+    "the loss measures how surprised it was, and the optimizer nudges every weight a little.",
+    "A cluster is only as useful as its scheduler: jobs that ask for the right resources start "
+    "quickly, while jobs that ask for too much wait for machines that may never come.",
+    "She opened the window, listened to the rain on the roof, and decided that the letter "
+    "could wait until morning, when the post office would open again.",
+    "Checkpoints record where training stood, so that a failure costs minutes instead of days; "
+    "the data position belongs in them as much as the weights do.",
+    "In winter the village gathered in the hall to hear stories about ships, storms, distant "
+    "harbours and the sailors who never came home.",
+    "Every tokenizer makes a trade between vocabulary size and sequence length: more merges "
+    "mean shorter sequences but a larger embedding table.",
+    "The library closed at six, but the caretaker let students stay until the last of them "
+    "had finished reading the chapter on thermodynamics.",
+]
+
+
+def make_docs(n: int, *, tag: str = "") -> list[str]:
+    """``n`` distinct documents built from the paragraphs above."""
+    out = []
+    for i in range(n):
+        a, b = PARAGRAPHS[i % len(PARAGRAPHS)], PARAGRAPHS[(i * 3 + 1) % len(PARAGRAPHS)]
+        out.append(f"{tag}Document {i}. {a} {b}")
+    return out
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from raylm.tokenizer import save_hf_tokenizer, train_bpe
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok = train_bpe(iter(make_docs(200) * 3), vocab_size=400, min_frequency=2)
+    save_hf_tokenizer(tok, out)
+    return out
