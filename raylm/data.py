@@ -95,10 +95,12 @@ def _read_files(batch: dict[str, np.ndarray], *, text_field: str, text_unit: str
 class _Tokenize:
     """Ray Data actor: texts in, token ids (each document followed by EOS) out."""
 
-    def __init__(self, tokenizer_path: str) -> None:
-        self.tok, self.eos = load_backend(tokenizer_path)
-        # One Ray CPU per actor: the pool, not Rust threads inside each actor, gives the
-        # parallelism, so actors do not fight over cores.
+    def __init__(self, tokenizer_json: str, eos_id: int) -> None:
+        from tokenizers import Tokenizer
+
+        # The serialized Rust tokenizer, not the directory: no transformers import per actor
+        # (seconds each), and the driver has already validated it.
+        self.tok, self.eos = Tokenizer.from_str(tokenizer_json), eos_id
         self.encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
 
     def __call__(self, table: pa.Table) -> pa.Table:
@@ -124,10 +126,11 @@ def _cluster_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def build_tokenized_dataset(files: list[SourceFile], cfg: Config, tokenizer_path: str):
+def build_tokenized_dataset(files: list[SourceFile], cfg: Config, tokenizer_path: str | Path):
     """The lazy Ray Data dataset of tokenized records, in file order."""
     import ray
 
+    backend, eos = load_backend(tokenizer_path)
     d = cfg.data
     cpus = _cluster_cpus()
     # Several read tasks per CPU balance files of very different sizes; more would only add
@@ -144,10 +147,10 @@ def build_tokenized_dataset(files: list[SourceFile], cfg: Config, tokenizer_path
     )
     return ds.map_batches(
         _Tokenize,
-        fn_constructor_kwargs={"tokenizer_path": tokenizer_path},
+        fn_constructor_kwargs={"tokenizer_json": backend.to_str(), "eos_id": eos},
         batch_format="pyarrow",
         batch_size=d.tokenize_batch_size,
-        compute=ray.data.ActorPoolStrategy(size=d.tokenize_concurrency or cpus),
+        compute=ray.data.ActorPoolStrategy(size=d.tokenize_concurrency or min(cpus, num_tasks)),
     )
 
 
@@ -270,7 +273,7 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
     seen: set[int] = set()
     t0 = last_log = time.monotonic()
     log(f"prepare: {len(files)} files, tokenizer {tok_path}, blocks of {L} tokens")
-    ds = build_tokenized_dataset(files, cfg, str(tok_path))
+    ds = build_tokenized_dataset(files, cfg, tok_path)
     for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         reasons = table.column("reason").to_pylist()
         hashes = table.column("hash").to_numpy()
