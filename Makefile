@@ -1,0 +1,21 @@
+# make demo   set up .venv if missing, then run the default job locally
+# make test   set up .venv if missing, then run the whole test suite
+VENV ?= .venv
+STAMP := $(VENV)/.raylm-installed
+
+.PHONY: env demo test bench-data
+
+$(STAMP): pyproject.toml scripts/env.sh
+	bash scripts/env.sh $(VENV)
+	touch $(STAMP)
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/raylm prepare --output runs/prepared
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests
+
+bench-data: $(STAMP)
+	$(VENV)/bin/python -m raylm.bench data --output runs/bench-data.json

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (if missing) and fill the project's virtual environment.
+#
+#   bash scripts/env.sh [VENV_DIR]      # default .venv
+#
+# torch is installed first and pinned to the CPU build 2.13.0, so the resolver never pulls a
+# multi-GB CUDA build onto a machine without a GPU. On a GPU machine set RAYLM_TORCH to the
+# install arguments of the CUDA build you want, e.g.
+#   RAYLM_TORCH="torch==2.13.0 --index-url <your CUDA wheel index>" bash scripts/env.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${1:-.venv}"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "env: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/pip"
+"$PIP" install --quiet --disable-pip-version-check --upgrade pip
+# shellcheck disable=SC2086
+"$PIP" install --quiet --disable-pip-version-check ${RAYLM_TORCH:-torch==2.13.0}
+"$PIP" install --quiet --disable-pip-version-check -e ".[dev]"
+"$VENV/bin/python" -c "import torch, ray, raylm; print(f'env: ready (torch {torch.__version__}, ray {ray.__version__})')"
