@@ -208,7 +208,9 @@ class Config:
         return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
 
 
-SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)
+}
 
 
 def _closest(name: str, choices: list[str], prefix: str = "") -> str:

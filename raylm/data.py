@@ -118,7 +118,7 @@ class _ReadAndTokenize:
 
     def __call__(self, batch: dict[str, np.ndarray]):
         files = [(SourceFile(str(p), str(f)), int(i))
-                 for p, f, i in zip(batch["path"], batch["format"], batch["file_id"])]
+                 for p, f, i in zip(batch["path"], batch["format"], batch["file_id"], strict=False)]
         for table in _records(files, **self.read_kwargs):
             yield self._tokenize(table)
 
@@ -128,7 +128,7 @@ class _ReadAndTokenize:
         encoded = self.tok.encode_batch([texts[i] for i in kept], add_special_tokens=False)
         lengths = np.zeros(len(texts), dtype=np.int64)
         pieces = []
-        for i, enc in zip(kept, encoded):
+        for i, enc in zip(kept, encoded, strict=False):
             ids = enc.ids
             ids.append(self.eos)
             lengths[i] = len(ids)
@@ -482,7 +482,7 @@ class _ReadBlocks:
         L = self.split.block_length
         tokens = np.empty((len(rows), L), dtype=np.int64)
         pos_ids = np.empty((len(rows), L), dtype=np.int64)
-        for i, (row, g) in enumerate(zip(rows, groups)):
+        for i, (row, g) in enumerate(zip(rows, groups, strict=False)):
             block, starts = self._group(int(g))
             r = int(row - self.order.group_offsets[g])
             tokens[i] = block[r]

@@ -173,7 +173,7 @@ def test_two_train_workers_read_disjoint_shards_covering_the_packed_set(
     # The blocks read are the stored blocks of those rows.
     stored = pq.read_table(out / "train").column("input_ids").to_pylist()
     assert all(stored[r] == b for r, b in zip(r0["rows"] + r1["rows"],
-                                                r0["blocks"] + r1["blocks"]))
+                                                r0["blocks"] + r1["blocks"], strict=False))
     # Validation: round robin in storage order, equal counts, together every block but the
     # remainder of an odd count.
     assert not set(r0["val_rows"]) & set(r1["val_rows"])
@@ -181,3 +181,17 @@ def test_two_train_workers_read_disjoint_shards_covering_the_packed_set(
     assert sorted(r0["val_rows"] + r1["val_rows"]) == list(range(val.num_blocks // 2 * 2))
     # The order is a shuffle, not storage order.
     assert np.any(np.diff(r0["rows"]) != 1)
+
+
+def test_training_reads_a_prepared_directory_or_caches_one(corpus, tokenizer_dir, tmp_path):
+    from raylm.data import prepared_dir
+
+    cfg = config(corpus, tokenizer_dir, tmp_path)
+    cached = prepared_dir(cfg, log=lambda s: None)  # raw source: prepared into the cache once
+    assert cached.parent == tmp_path / "cache" / "prepared"
+    assert prepared_dir(cfg, log=lambda s: None) == cached  # and reused
+    direct = load_config(None, [f"--data.source={cached}", "--data.seq_len=31"])
+    assert prepared_dir(direct) == cached
+    wrong = load_config(None, [f"--data.source={cached}", "--data.seq_len=64"])
+    with pytest.raises(ValueError, match="data.seq_len=64 but the prepared directory"):
+        prepared_dir(wrong)

@@ -1,0 +1,20 @@
+"""Tokenize and pack a corpus on a Ray cluster; write Parquet blocks and manifest.json.
+
+Locally (starts a Ray instance for the run):
+
+    python jobs/prepare.py --config jobs/configs/cpu_tiny.yaml --output runs/prepared
+
+Against a cluster (the job server sets RAY_ADDRESS, so the same file runs unchanged):
+
+    ray job submit --working-dir . -- \
+        python jobs/prepare.py --config jobs/configs/cpu_tiny.yaml --output /mnt/shared/prepared
+
+Any config key can be overridden as --section.key=value.
+"""
+
+import sys
+
+from raylm.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["prepare", *sys.argv[1:]]))
