@@ -58,6 +58,9 @@ class DataConfig:
     min_chars: int = 0
     """Documents shorter than this many characters (after normalization) are dropped as
     too_short."""
+    cross_document_attention: bool = True
+    """false: a token attends only to earlier tokens of its own document inside a packed
+    block (position ids restart per document)."""
     dedup: bool = True
     """Drop exact duplicate documents (by a hash of the normalized text)."""
     val_fraction: float = 0.01
@@ -98,6 +101,14 @@ class ModelConfig:
     """Named architecture: tiny, 125m, 350m or 1b."""
     path: str | None = None
     """Local pretrained model directory; overrides the preset."""
+    attention: Literal["auto", "sdpa", "flash_attention_2"] = "auto"
+    """Attention kernel: auto picks SDPA flash, or flash-attn's varlen kernel on CUDA when
+    documents must not attend to each other and flash-attn is installed."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in backward (less memory, ~30% more
+    compute)."""
+    compile: bool = False
+    """torch.compile each decoder block."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +143,10 @@ class OptimConfig:
     """Steps of linear warmup from 0 to lr."""
     min_lr_ratio: float = 0.1
     """Final (or lowest) learning rate as a fraction of lr."""
+    decay_fraction: float = 0.2
+    """wsd: share of the post-warmup steps spent decaying to the minimum."""
+    cycle_steps: int = 100
+    """cyclical: steps in one triangular cycle (peak -> minimum -> peak)."""
     weight_decay: float = 0.1
     """AdamW weight decay; never applied to norms, biases and embeddings."""
     beta1: float = 0.9
@@ -335,6 +350,9 @@ def validate(cfg: Config) -> Config:
     _check(op.lr > 0, "optim.lr", op.lr, "a number > 0")
     _check(op.warmup_steps >= 0, "optim.warmup_steps", op.warmup_steps, ">= 0")
     _check(0.0 <= op.min_lr_ratio <= 1.0, "optim.min_lr_ratio", op.min_lr_ratio, "0 <= x <= 1")
+    _check(0.0 < op.decay_fraction <= 1.0, "optim.decay_fraction", op.decay_fraction,
+           "0 < x <= 1")
+    _check(op.cycle_steps >= 2, "optim.cycle_steps", op.cycle_steps, "an integer >= 2")
     _check(op.weight_decay >= 0, "optim.weight_decay", op.weight_decay, ">= 0")
     _check(0 <= op.beta1 < 1, "optim.beta1", op.beta1, "0 <= x < 1")
     _check(0 <= op.beta2 < 1, "optim.beta2", op.beta2, "0 <= x < 1")

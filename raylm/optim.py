@@ -1,0 +1,76 @@
+"""AdamW with the usual parameter groups, and learning-rate schedules as pure functions.
+
+``lr_at(step)`` is the learning rate for optimizer step ``step`` (0-based) of ``total``:
+linear warmup from ``peak / warmup`` to ``peak`` over steps ``[0, warmup)``, then the schedule
+over ``progress = (step - warmup) / (total - warmup)`` in ``[0, 1]``, ending at
+``min_lr = peak * min_ratio``:
+
+    cosine     min + (peak - min) * (1 + cos(pi * progress)) / 2
+    linear     peak - (peak - min) * progress
+    constant   peak
+    wsd        peak until progress = 1 - decay_fraction, then linear to min (warmup-stable-decay)
+    cyclical   triangular between peak and min, period cycle_steps, starting at peak
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SCHEDULES = ("cosine", "linear", "constant", "wsd", "cyclical")
+
+
+def lr_at(step: int, *, schedule: str, peak: float, warmup: int, total: int,
+          min_ratio: float = 0.0, decay_fraction: float = 0.2, cycle_steps: int = 100) -> float:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"optim.schedule: unknown schedule {schedule!r}; choose one of "
+                         f"{', '.join(SCHEDULES)}.")
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    low = peak * min_ratio
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return low + (peak - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return peak - (peak - low) * progress
+    if schedule == "constant":
+        return peak
+    if schedule == "wsd":
+        start = 1.0 - decay_fraction
+        if progress <= start:
+            return peak
+        return peak - (peak - low) * (progress - start) / decay_fraction
+    # cyclical (triangular)
+    pos = (step - warmup) % cycle_steps / cycle_steps
+    return low + (peak - low) * abs(1.0 - 2.0 * pos)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices; never norms, biases or embeddings (a tied output head is the embedding,
+    and ``named_parameters`` lists it once under that name)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or "embed" in name or "norm" in name:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+                    device_type: str) -> torch.optim.AdamW:
+    # The fused kernel is one launch for all parameters on CUDA; on CPU the foreach path is
+    # the fast one.
+    fused = device_type == "cuda"
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=1e-8,
+                             fused=fused, foreach=None if fused else True)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
