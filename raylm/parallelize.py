@@ -1,0 +1,94 @@
+"""Apply parallelism to a model that knows nothing of it: activation checkpointing, then
+torch.compile, then FSDP2 ``fully_shard`` per decoder block and at the root.
+
+Sharding happens on the meta device, before any weight exists, so no process ever holds the full
+model; :func:`raylm.model.init_weights` then fills each rank's shards. Per-block sharding lets
+FSDP gather one block's parameters at a time (peak memory = shards + one block), and overlap the
+next block's all-gather with the current block's compute.
+
+Precision (``train.precision``):
+
+    fp32        parameters, compute, gradients and reduction in fp32
+    bf16-mixed  fp32 master parameters; FSDP casts to bf16 for compute (MixedPrecisionPolicy
+                param_dtype=bf16) and reduces gradients in fp32; bf16 autocast for the rest
+    bf16-true   parameters, compute and gradients in bf16 (least memory, least precise)
+
+``auto`` is bf16-mixed on CUDA devices with bf16 support, fp32 elsewhere: on CPUs without native
+bf16 (AVX2 only) bf16 autocast made a 7.4M-parameter Llama step 33x slower than fp32 (83 vs
+2,739 tokens/s, measured on this project's 2-core machines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    if precision != "auto":
+        if precision.startswith("bf16") and device_type == "cuda" and not (
+                torch.cuda.is_bf16_supported()):
+            raise ValueError(f"train.precision={precision} but this GPU has no bf16 support; "
+                             f"use fp32.")
+        return precision
+    if device_type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16-mixed"
+    return "fp32"
+
+
+def autocast(precision: str, device_type: str):
+    """The autocast context for forward passes under ``precision``."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated decoder layers of a transformers causal LM."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no model.layers; raylm shards Llama-style "
+                         f"decoder stacks (Llama, Mistral, Qwen2, ...).")
+    return layers
+
+
+def build_mesh(device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def parallelize(model: nn.Module, *, device_type: str, precision: str,
+                activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
+    """Checkpoint, compile and shard ``model`` in place (sharding only when torch.distributed
+    is initialized); returns it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if precision == "bf16-true":
+        model.to(torch.bfloat16)
+    blocks = decoder_blocks(model)
+    for i, block in enumerate(blocks):
+        if activation_checkpointing:
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        if compile:
+            block.compile()
+        blocks[i] = block
+    if not dist.is_initialized():
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if precision == "bf16-mixed":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()
+    mesh = build_mesh(device_type)
+    n = len(blocks)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model

@@ -1,0 +1,140 @@
+"""The training step and loop: the only place model, data, optimizer and checkpoints meet.
+
+The core (``build_training_model``, ``train_step``, ``evaluate``) needs only torch and
+transformers: it runs in one process, under torchrun, or inside Ray Train's workers.
+
+Loss arithmetic: every block holds exactly ``seq_len`` targets (no padding), so each
+micro-batch's mean cross-entropy divided by the accumulation steps, summed over micro-batches
+and averaged over ranks by FSDP's gradient reduction, is exactly the mean over the global batch:
+``global_batch = micro_batch x accumulation x workers`` sequences (16 x 256 = 4,096 targets per
+optimizer step with the defaults).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.attention import AttentionChoice, choose_attention
+from raylm.model import build_config, build_meta_model, init_weights
+from raylm.parallelize import autocast, parallelize, resolve_precision
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint needs besides model and optimizer to continue exactly."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    tokens_seen: int = 0
+    """Target tokens trained on, all workers."""
+    data_position: int = 0
+    """Next position in the global sample order (= step x global batch)."""
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.data_position = int(state["data_position"])
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    attention: AttentionChoice
+    precision: str
+    device: torch.device
+    config: object
+
+
+def build_training_model(*, preset: str | None, path: str | None, vocab_size: int, eos_id: int,
+                         device: torch.device, precision: str = "auto", attention: str = "auto",
+                         cross_document: bool = True, activation_checkpointing: bool = False,
+                         compile: bool = False, seed: int = 0) -> Built:
+    """Build on meta, parallelize, materialize on ``device``, initialize (or load pretrained
+    weights, read once on rank 0 and scattered)."""
+    choice = choose_attention(device.type, requested=attention, cross_document=cross_document)
+    precision = resolve_precision(precision, device.type)
+    config = build_config(preset=preset, path=path, vocab_size=vocab_size, eos_id=eos_id,
+                          attn_implementation=choice.implementation)
+    model = build_meta_model(config)
+    parallelize(model, device_type=device.type, precision=precision,
+                activation_checkpointing=activation_checkpointing, compile=compile)
+    model.to_empty(device=device)
+    if path:
+        from raylm.checkpoint import load_pretrained_weights
+
+        load_pretrained_weights(model, path)
+    else:
+        init_weights(model, seed=seed, num_layers=config.num_hidden_layers)
+    model.train()
+    return Built(model, choice, precision, device, config)
+
+
+def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: bool
+               ) -> torch.Tensor:
+    """Mean next-token cross-entropy of a batch of packed blocks (fp32 loss)."""
+    tokens = batch["input_ids"].to(built.device, non_blocking=True)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    kwargs = {}
+    if not cross_document:
+        kwargs["position_ids"] = batch["position_ids"][:, :-1].to(built.device,
+                                                                   non_blocking=True)
+    with built.attention.context(), autocast(built.precision, built.device.type):
+        logits = built.model(input_ids=inputs, **kwargs).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient norm over all shards (clipped when ``max_norm`` > 0)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    # Under FSDP the norm is a DTensor reduced over every shard; make it a plain tensor.
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def train_step(built: Built, optimizer: torch.optim.Optimizer,
+               micro_batches: Iterable[dict[str, torch.Tensor]], *, accumulation: int,
+               grad_clip: float, cross_document: bool = True) -> tuple[float, float]:
+    """One optimizer step over ``accumulation`` micro-batches; returns (loss averaged over the
+    global batch, global gradient norm before clipping)."""
+    total = torch.zeros((), device=built.device)
+    n = 0
+    for batch in micro_batches:
+        loss = batch_loss(built, batch, cross_document=cross_document)
+        (loss / accumulation).backward()
+        total += loss.detach()
+        n += 1
+    if n != accumulation:
+        raise RuntimeError(f"expected {accumulation} micro-batches, got {n}")
+    norm = clip_grad_norm(built.model, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mean = total / accumulation
+    if dist.is_initialized():
+        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+    return float(mean), float(norm)
+
+
+@torch.no_grad()
+def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
+             cross_document: bool = True) -> float:
+    """Mean loss over ``batches`` (equal counts on every rank), averaged over ranks."""
+    built.model.eval()
+    total = torch.zeros((), device=built.device)
+    n = torch.zeros((), device=built.device)
+    for batch in batches:
+        total += batch_loss(built, batch, cross_document=cross_document)
+        n += 1
+    built.model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        dist.all_reduce(n)
+    return float(total / n.clamp(min=1))
