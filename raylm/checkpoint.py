@@ -1,0 +1,178 @@
+"""Sharded checkpoints with torch.distributed.checkpoint, verified before they are trusted.
+
+A checkpoint directory holds the DCP shards of model and optimizer (each rank writes its own
+files; DCP's metadata lets a different world size load and reshard them), and
+``raylm_checkpoint.json``, written last by rank 0: the train state (step, tokens seen, data
+position), the model's shape, and the name and size of every file of every rank. A directory
+counts as a checkpoint only if that marker exists and every file it lists is there at its size,
+so a save cut short (a killed worker, a full disk, an interrupted upload) is skipped with a
+warning and the one before it is used. The learning-rate schedule is a pure function of the
+step, so it needs no state of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+MARKER = "raylm_checkpoint.json"
+log = logging.getLogger("raylm.checkpoint")
+
+# The model settings a checkpoint must agree with to be loaded into a model.
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+              "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "tie_word_embeddings")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: incomplete, corrupted or for another model."""
+
+
+def model_shape(config) -> dict[str, Any]:
+    return {k: getattr(config, k, None) for k in SHAPE_KEYS}
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {"model": get_model_state_dict(model)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+         state: dict[str, int], config) -> None:
+    """Write this rank's shards into ``directory`` (rank 0 also the marker, last)."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))
+    mine = {p.name: p.stat().st_size for p in path.iterdir()
+            if p.is_file() and p.name != MARKER}
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        files: dict[str, int] = {}
+        for f in everyone:
+            files.update(f)
+        marker = {"state": state, "model": model_shape(config), "files": files,
+                  "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        tmp = path / f".{MARKER}.tmp"
+        tmp.write_text(json.dumps(marker, indent=1))
+        os.replace(tmp, path / MARKER)
+
+
+def verify(directory: str | os.PathLike) -> dict[str, Any]:
+    """The marker of a complete checkpoint; :class:`CheckpointError` saying what is wrong."""
+    path = Path(directory)
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {MARKER} (save did not finish)") from None
+    except ValueError:
+        raise CheckpointError(f"{path}: {MARKER} is corrupted") from None
+    for name, size in marker["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{path}: {name} has {f.stat().st_size} bytes, "
+                                  f"expected {size} (truncated)")
+    return marker
+
+
+def check_compatible(marker: dict[str, Any], config, where: str) -> None:
+    want, have = model_shape(config), marker["model"]
+    diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diff.items())
+        raise CheckpointError(
+            f"The checkpoint {where} is for a different model ({detail}). Use the model.preset "
+            f"or model.path it was trained with, or start a new run (a new run.name).")
+
+
+def load(directory: str | os.PathLike, *, model: nn.Module,
+         optimizer: torch.optim.Optimizer | None, config) -> dict[str, int]:
+    """Load a verified checkpoint into ``model`` (and ``optimizer``); return its train state.
+    Works for any world size: DCP reshards to the current one."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    marker = verify(directory)
+    check_compatible(marker, config, str(directory))
+    sd = _state_dicts(model, optimizer)
+    dcp.load(sd, checkpoint_id=str(directory))
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, sd["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
+    return marker["state"]
+
+
+_RAY_CKPT = re.compile(r"^checkpoint_")
+
+
+def candidates(run_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoint directories under ``run_dir`` (Ray Train names them checkpoint_*), newest
+    step first (by marker; unreadable ones last)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+
+    def step_of(p: Path) -> int:
+        try:
+            return int(json.loads((p / MARKER).read_text())["state"]["step"])
+        except (OSError, ValueError, KeyError):
+            return -1
+
+    dirs = [p for p in root.iterdir() if p.is_dir() and _RAY_CKPT.match(p.name)]
+    return sorted(dirs, key=lambda p: (step_of(p), p.name), reverse=True)
+
+
+def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint of a run, skipping (and warning about) broken ones."""
+    for path in candidates(run_dir):
+        try:
+            return path, verify(path)
+        except CheckpointError as e:
+            warn(f"skipping incomplete checkpoint: {e}")
+    return None
+
+
+def load_pretrained_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Read a Hugging Face model directory's weights on rank 0 only and scatter them into the
+    (possibly sharded) ``model``: one read from storage, not one per worker."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    full: dict[str, torch.Tensor] = {}
+    if rank0:
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"model.path: {path} holds no .safetensors weights.")
+        for f in files:
+            full.update(load_file(str(f)))
+        if getattr(model.config, "tie_word_embeddings", False):
+            full.pop("lm_head.weight", None)
+    set_model_state_dict(model, full, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=True))
+    from raylm.model import reset_buffers
+
+    reset_buffers(model)

@@ -1,0 +1,110 @@
+"""Sharded checkpoints: saved by 2 gloo ranks, resumed on 1 (resharded), verified first."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.distributed.test_fsdp_parity import VOCAB, data, free_port
+
+STEPS = 4
+
+
+def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "tiny") -> list:
+    from raylm import checkpoint
+    from raylm.optim import build_optimizer
+    from raylm.train import build_training_model, train_step
+
+    built = build_training_model(preset=preset, path=None, vocab_size=VOCAB, eos_id=0,
+                                 device=torch.device("cpu"), precision="fp32", seed=0)
+    opt = build_optimizer(built.model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
+                          device_type="cpu")
+    per = 4 // world
+    start = 0
+    if resume:
+        start = checkpoint.load(ckpt, model=built.model, optimizer=opt,
+                                config=built.config)["step"]
+    losses = []
+    for step in range(start, STEPS):
+        batch = {k: v[rank * per:(rank + 1) * per] for k, v in data(step % 2).items()}
+        losses.append(train_step(built, opt, [batch], accumulation=1, grad_clip=1.0)[0])
+        if step + 1 == 2 and not resume:
+            checkpoint.save(ckpt, model=built.model, optimizer=opt, config=built.config,
+                            state={"step": 2, "tokens_seen": 2 * 4 * 32, "data_position": 8})
+    return losses
+
+
+def worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        losses = session(world, rank, ckpt, resume=False)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(losses, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    ckpt, out = str(root / "checkpoint_000"), str(root / "losses.json")
+    mp.spawn(worker, args=(2, free_port(), ckpt, out), nprocs=2, join=True)
+    with open(out) as f:
+        return ckpt, json.load(f)
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
+    from raylm import checkpoint
+
+    ckpt, uninterrupted = saved
+    marker = checkpoint.verify(ckpt)
+    assert marker["world_size"] == 2 and marker["state"]["step"] == 2
+    assert any(name.startswith("__1_") for name in marker["files"])  # rank 1's shard is listed
+    torch.set_num_threads(1)
+    resumed = session(1, 0, ckpt, resume=True)
+    assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)
+
+
+def test_truncated_checkpoint_is_refused_and_skipped(saved, tmp_path):
+    import shutil
+
+    from raylm import checkpoint
+
+    ckpt, _ = saved
+    good = tmp_path / "checkpoint_a"
+    bad = tmp_path / "checkpoint_b"
+    shutil.copytree(ckpt, good)
+    shutil.copytree(ckpt, bad)
+    marker = json.loads((bad / checkpoint.MARKER).read_text())
+    marker["state"]["step"] = 3  # the newer one
+    (bad / checkpoint.MARKER).write_text(json.dumps(marker))
+    shard = next(p for p in bad.iterdir() if p.name.startswith("__1_"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
+        checkpoint.verify(bad)
+    warnings = []
+    path, found = checkpoint.latest_verified(tmp_path, warn=warnings.append)
+    assert path == good and found["state"]["step"] == 2
+    assert len(warnings) == 1 and "checkpoint_b" in warnings[0]
+
+
+def test_changed_model_shape_refuses_to_load(saved):
+    from raylm import checkpoint
+    from raylm.model import build_config
+
+    ckpt, _ = saved
+
+    other = build_config(preset="125m", path=None, vocab_size=VOCAB, eos_id=0,
+                         attn_implementation="sdpa")
+    with pytest.raises(checkpoint.CheckpointError, match="for a different model .*hidden_size: "
+                       "checkpoint 64 vs model 768"):
+        checkpoint.check_compatible(checkpoint.verify(ckpt), other, ckpt)
