@@ -1,0 +1,66 @@
+"""Throughput, MFU, data stalls and memory.
+
+FLOPs per trained token follow the PaLM appendix convention: ``6 * N`` for the matmuls of
+forward and backward over the non-embedding parameters (the output head included, the embedding
+lookup not), plus ``12 * layers * hidden * seq_len`` for attention scores and values (no
+discount for causality). For the 1b preset at seq_len 2048 that is 6 x 1.04e9 + 12 x 16 x 2048 x
+2048 = 7.0e9 FLOPs per token; MFU = tokens/s x that / (devices x peak).
+
+Peaks are dense bf16 tensor-core figures from the vendors' data sheets, by device name; an
+unknown device (and every CPU) has no peak, and MFU is then reported as None, not guessed.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+# Dense (no sparsity) bf16 peak FLOP/s per device, from NVIDIA's data sheets.
+BF16_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+}
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    attn = hidden * head_dim * (2 * heads + 2 * kv)  # q, o and k, v projections
+    mlp = 3 * hidden * config.intermediate_size
+    non_embedding = layers * (attn + mlp) + hidden * config.vocab_size  # + output head
+    return 6.0 * non_embedding + 12.0 * layers * hidden * seq_len
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """Peak FLOP/s of one ``device`` at ``precision``; None when unknown (CPUs, fp32)."""
+    if device.type != "cuda" or not precision.startswith("bf16"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in BF16_PEAK_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def mfu(tokens_per_s: float, flops_token: float, peak: float | None, devices: int
+        ) -> float | None:
+    if peak is None or devices <= 0:
+        return None
+    return tokens_per_s * flops_token / (peak * devices)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this worker: CUDA allocator peak, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
+from raylm.model import build_config
+
+
+def test_flops_per_token_by_hand():
+    cfg = build_config(preset="1b", path=None, vocab_size=32000, eos_id=0,
+                       attn_implementation="sdpa")
+    # Per layer: q,o 2*2048*2048, k,v 2*2048*512, mlp 3*2048*8192; head 2048*32000.
+    per_layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192
+    n = 16 * per_layer + 2048 * 32000
+    assert flops_per_token(cfg, 2048) == 6 * n + 12 * 16 * 2048 * 2048
+    assert flops_per_token(cfg, 2048) == pytest.approx(7.04e9, rel=0.01)
+
+
+def test_mfu_arithmetic():
+    # 40k tok/s x 6.6 GFLOP/token on 1 device of 989 TFLOP/s = 26.7%.
+    assert mfu(40_000, 6.6e9, 989e12, 1) == pytest.approx(0.2669, abs=1e-4)
+    assert mfu(80_000, 6.6e9, 989e12, 2) == pytest.approx(0.2669, abs=1e-4)
+    assert mfu(1.0, 1.0, None, 1) is None
+
+
+def test_cpu_has_no_peak_and_memory_is_measured():
+    assert peak_flops(torch.device("cpu"), "fp32") is None
+    assert peak_memory_bytes(torch.device("cpu")) > 10 * 2**20
