@@ -2,6 +2,7 @@
 
     raylm config show [--config PATH] [--section.key=value ...]
     raylm prepare [--config PATH] [--section.key=value ...] --output DIR
+    raylm train [--config PATH] [--section.key=value ...]
 
 Every command takes ``--config PATH`` and any ``--section.key=value`` override of
 :mod:`raylm.config`; nothing else is a flag. User mistakes print one line and exit 2.
@@ -38,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--output", required=True, help="directory for the packed blocks")
     prep.add_argument("--address", default=None,
                       help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    tr = with_config(sub.add_parser(
+        "train", help="train a model with FSDP2 on Ray Train (resumes a run of the same name)"))
+    tr.add_argument("--address", default=None,
+                    help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
     return p
 
 
@@ -86,6 +91,15 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
+    from raylm.launch import train
+
+    _init_ray(args.address)
+    summary = train(cfg, log=lambda m: print(m, flush=True))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     rest, overrides = _split_overrides(argv)
@@ -97,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "prepare":
             return cmd_prepare(cfg, args)
+        if args.command == "train":
+            return cmd_train(cfg, args)
     except (ValueError, FileNotFoundError) as e:
         # ConfigError, SourceError, BadRecordError and tokenizer errors: one line, no trace.
         print(f"raylm: error: {e}", file=sys.stderr)

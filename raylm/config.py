@@ -416,6 +416,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     return validate(cfg)
 
 
+def config_from_dict(tree: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config from :meth:`Config.to_dict` output (how workers receive it)."""
+    return validate(Config(**{name: _build_section(name, dict(values))
+                              for name, values in tree.items()}))
+
+
 def _merge(tree: dict, section: str, values: Any, *, origin: str) -> None:
     if section not in tree:
         raise ConfigError(

@@ -497,8 +497,15 @@ def build_rank_dataset(split: PackedSplit, *, mode: str, rank: int, world_size: 
     """Rank ``rank``'s stream: ``num_samples`` blocks in the order it consumes them."""
     import ray
 
-    ds = ray.data.range(num_samples, override_num_blocks=max(1, min(64, num_samples // 256)))
+    # Sample indices as in-memory blocks of 256 (no read task: a read would need a whole CPU,
+    # which workers holding every CPU of their node do not leave). Small blocks keep the stream
+    # streaming: an output block is only handed on once its input block is done.
+    chunks = [pa.table({"id": np.arange(i, min(i + 256, num_samples), dtype=np.int64)})
+              for i in range(0, num_samples, 256)] or [pa.table({"id": np.zeros(0, np.int64)})]
+    ds = ray.data.from_arrow(chunks)
     ds.context.execution_options.preserve_order = True
+    # One stream per worker, each with its own progress bars, would bury the training log.
+    ds.context.enable_progress_bars = False
     return ds.map_batches(
         _ReadBlocks,
         fn_constructor_kwargs=dict(split=split, mode=mode, seed=seed, window=window, rank=rank,

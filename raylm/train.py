@@ -138,3 +138,135 @@ def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
         dist.all_reduce(total)
         dist.all_reduce(n)
     return float(total / n.clamp(min=1))
+
+
+# --------------------------------------------------------------------------------------------
+# The Ray Train worker loop
+# --------------------------------------------------------------------------------------------
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per optimizer step so that micro x accumulation x workers = global."""
+    per_step = micro_batch * world_size
+    if global_batch % per_step:
+        raise ValueError(
+            f"train.global_batch_size={global_batch} does not divide by train.micro_batch_size="
+            f"{micro_batch} x {world_size} workers; choose a global batch that is a multiple of "
+            f"{per_step}, or change the micro batch.")
+    return global_batch // per_step
+
+
+def train_loop_per_worker(loop_config: dict) -> None:
+    """Run by ``TorchTrainer`` on every worker: restore, train, evaluate, report, checkpoint.
+
+    Every worker calls ``ray.train.report`` at the same steps (Ray Train needs all of them);
+    metrics are global figures, identical on every rank.
+    """
+    import tempfile
+    import time
+
+    import ray.train
+    import ray.train.torch
+
+    from raylm import checkpoint as ckpt
+    from raylm.config import config_from_dict
+    from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
+    from raylm.optim import build_optimizer, lr_at, set_lr
+
+    cfg = config_from_dict(loop_config["config"])
+    run_dir = loop_config["run_dir"]
+    ctx = ray.train.get_context()
+    world, rank = ctx.get_world_size(), ctx.get_world_rank()
+    device = ray.train.torch.get_device()
+    if device.type == "cpu":
+        # One intra-op thread per reserved CPU: workers sharing a node must not oversubscribe.
+        torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    d, t, o = cfg.data, cfg.train, cfg.optim
+    cross_doc = d.cross_document_attention
+    built = build_training_model(
+        preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
+        eos_id=loop_config["eos_id"], device=device, precision=t.precision,
+        attention=cfg.model.attention, cross_document=cross_doc,
+        activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
+        seed=t.seed)
+    optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
+                                betas=(o.beta1, o.beta2), device_type=device.type)
+    state = TrainState()
+    found = ckpt.latest_verified(run_dir)
+    if found is not None:
+        state.load_state_dict(ckpt.load(found[0], model=built.model, optimizer=optimizer,
+                                        config=built.config))
+        if rank == 0:
+            print(f"raylm: resuming from step {state.step} ({found[0]})", flush=True)
+    resumed_from = state.step if found is not None else None
+    accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, world)
+    if state.data_position != state.step * t.global_batch_size:
+        raise ckpt.CheckpointError(
+            f"checkpoint data position {state.data_position} is not step {state.step} x "
+            f"train.global_batch_size={t.global_batch_size}; keep the global batch of the run.")
+
+    flops_token = flops_per_token(built.config, d.seq_len)
+    peak = peak_flops(device, built.precision)
+    tokens_per_step = t.global_batch_size * d.seq_len
+    train_batches = iter(ray.train.get_dataset_shard("train").iter_torch_batches(
+        batch_size=t.micro_batch_size, prefetch_batches=d.prefetch_batches))
+    val_shard = ray.train.get_dataset_shard("val")
+
+    wait_s = busy_s = 0.0
+    window_t0, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+    run_t0 = time.perf_counter()
+    while state.step < t.steps:
+        step_t0 = time.perf_counter()
+        micro = []
+        for _ in range(accumulation):
+            w0 = time.perf_counter()
+            micro.append(next(train_batches))
+            window_wait += time.perf_counter() - w0
+        lr = lr_at(state.step, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
+                   total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
+                   cycle_steps=o.cycle_steps)
+        set_lr(optimizer, lr)
+        loss, grad_norm = train_step(built, optimizer, micro, accumulation=accumulation,
+                                     grad_clip=o.grad_clip, cross_document=cross_doc)
+        state.step += 1
+        state.tokens_seen += tokens_per_step
+        state.data_position += t.global_batch_size
+        window_tokens += tokens_per_step
+        busy_s += time.perf_counter() - step_t0
+        last = state.step == t.steps
+        if state.step % t.log_every and state.step % cfg.checkpoint.every and not last:
+            continue
+        now = time.perf_counter()
+        elapsed = now - window_t0
+        tok_s = window_tokens / elapsed
+        wait_s += window_wait
+        metrics = {
+            "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": tok_s, "tokens_seen": state.tokens_seen,
+            "data_wait_fraction": window_wait / elapsed,
+            "data_wait_fraction_run": wait_s / max(busy_s, 1e-9),
+            "mfu": mfu(tok_s, flops_token, peak, world),
+            "peak_memory_gb": peak_memory_bytes(device) / 2**30,
+            "workers": world, "accumulation": accumulation,
+            "attention_backend": built.attention.backend, "precision": built.precision,
+            "resumed_from_step": resumed_from, "elapsed_s": now - run_t0,
+        }
+        if state.step % t.eval_every == 0 or last:
+            val = evaluate(built, _take(val_shard.iter_torch_batches(
+                batch_size=t.micro_batch_size), t.eval_batches), cross_document=cross_doc)
+            metrics.update(val_loss=val, val_perplexity=float(torch.exp(torch.tensor(val))))
+        if state.step % cfg.checkpoint.every == 0 or last:
+            with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
+                ckpt.save(tmp, model=built.model, optimizer=optimizer,
+                          state=state.state_dict(), config=built.config)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        else:
+            ray.train.report(metrics)
+        window_t0, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+
+
+def _take(iterable, n: int):
+    for i, item in enumerate(iterable):
+        if i >= n:
+            return
+        yield item
