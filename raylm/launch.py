@@ -137,6 +137,10 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
     from raylm.tokenizer import load_backend
 
     rd = run_dir(cfg)
+    # The vocabulary is not known before the data is prepared, and no check needs it.
+    provisional = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
+                               eos_id=0, attn_implementation="sdpa")
+    check_request(cfg, max_positions=max_positions(provisional))
     prepared = prepared_dir(cfg, log=log)
     manifest = json.loads((prepared / "manifest.json").read_text())
     layout = json.loads((prepared / LAYOUT).read_text())
@@ -144,7 +148,6 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
     vocab = backend.get_vocab_size()
     model_cfg = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=vocab,
                              eos_id=eos, attn_implementation="sdpa")
-    check_request(cfg, max_positions=max_positions(model_cfg))
     found = checkpoint.latest_verified(rd, warn=lambda m: log(f"warning: {m}"))
     if found is not None:
         checkpoint.check_compatible(found[1], model_cfg, str(found[0]))

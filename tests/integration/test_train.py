@@ -1,0 +1,77 @@
+"""`raylm train` end to end on a local Ray cluster: tiny model, 2 workers, CPU, fp32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import ray
+
+from raylm.config import load_config
+from raylm.launch import train
+from tests.conftest import make_docs, write_jsonl
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("train")
+    write_jsonl(root / "corpus.jsonl", make_docs(400))
+    return [f"--data.source={root / 'corpus.jsonl'}", f"--tokenizer.path={tokenizer_dir}",
+            "--data.seq_len=32", "--data.val_fraction=0.1", f"--run.cache_dir={root}/cache",
+            f"--run.storage_path={root}/runs", "--model.preset=tiny", "--train.precision=fp32",
+            "--train.global_batch_size=8", "--train.micro_batch_size=2",
+            "--scaling.num_workers=2", "--optim.schedule=constant", "--optim.warmup_steps=5",
+            "--optim.lr=3e-3", "--train.log_every=5", "--train.eval_every=10",
+            "--train.eval_batches=2", "--tracking.enabled=false"]
+
+
+def run(base, *extra):
+    return train(load_config(None, [*base, *extra]), log=lambda m: None)
+
+
+def test_train_resume_equals_uninterrupted(base):
+    full = run(base, "--run.name=full", "--train.steps=30", "--checkpoint.every=10")
+    assert full["final_step"] == 30 and full["resumed_from_step"] is None
+    assert full["restarts"] == 0 and full["attention_backend"] == "sdpa-flash-cpu"
+    assert full["precision"] == "fp32" and full["mfu"] is None  # no known peak on a CPU
+    assert full["checkpoint_path"] and full["val_loss"] < 5.6  # from ln(320) = 5.77
+
+    first = run(base, "--run.name=split", "--train.steps=20", "--checkpoint.every=10")
+    assert first["final_step"] == 20
+    resumed = run(base, "--run.name=split", "--train.steps=30", "--checkpoint.every=10")
+    assert resumed["resumed_from_step"] == 20 and resumed["final_step"] == 30
+    # fp32 on CPU: the resumed run ends where the uninterrupted one does.
+    assert resumed["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
+    assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
+    summary = json.loads((base_dir(base) / "split" / "summary.json").read_text())
+    assert summary == resumed
+    assert set(summary) == {
+        "final_step", "train_loss", "val_loss", "tokens_per_s", "mfu", "data_wait_fraction",
+        "wall_s", "checkpoint_path", "mlflow_run_id", "mlflow_tracking_uri",
+        "resumed_from_step", "restarts", "attention_backend", "precision"}
+
+
+def base_dir(base):
+    from pathlib import Path
+
+    return Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
+
+
+def test_bad_requests_fail_before_workers_start(base):
+    with pytest.raises(ValueError, match="does not divide by train.micro_batch_size=2 x 2 "
+                                         "workers"):
+        run(base, "--run.name=bad1", "--train.global_batch_size=6")
+    with pytest.raises(ValueError, match="needs 8 CPUs but the cluster has 4"):
+        run(base, "--run.name=bad2", "--scaling.num_workers=8",
+            "--train.global_batch_size=16")
+    with pytest.raises(ValueError, match="data.seq_len=2048 is above the model's 1024"):
+        run(base, "--run.name=bad3", "--data.seq_len=2048")
