@@ -1,4 +1,4 @@
-# make demo   set up .venv if missing, then run the default job locally
+# make demo   set up .venv if missing, then run the default job locally (prepare + train)
 # make test   set up .venv if missing, then run the whole test suite
 VENV ?= .venv
 STAMP := $(VENV)/.raylm-installed
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml scripts/env.sh
 env: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/raylm prepare --output runs/prepared
+	$(VENV)/bin/raylm train
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests
