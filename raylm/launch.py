@@ -88,12 +88,14 @@ def check_request(cfg: Config, *, max_positions: int) -> None:
                              f"{cpus:g}; lower one of them.")
 
 
-def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id: int):
+def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id: int,
+                  mlflow_run_id: str | None = None, mlflow_tracking_uri: str | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from raylm import checkpoint
     from raylm.data import build_data_config, trainer_datasets
+    from raylm.tracking import MLflowCallback
     from raylm.train import train_loop_per_worker
 
     sc, t = cfg.scaling, cfg.train
@@ -111,7 +113,8 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "run_dir": rd, "vocab_size": vocab_size,
-                           "eos_id": eos_id},
+                           "eos_id": eos_id, "mlflow_run_id": mlflow_run_id,
+                           "mlflow_tracking_uri": mlflow_tracking_uri},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
@@ -119,7 +122,8 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
             storage_path=str(Path(rd).parent),
             failure_config=FailureConfig(max_failures=t.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[ProgressCallback(rd, t.steps)],
+            callbacks=[ProgressCallback(rd, t.steps)] + (
+                [MLflowCallback(mlflow_run_id, mlflow_tracking_uri)] if mlflow_run_id else []),
         ),
         datasets=trainer_datasets(prepared, with_val=True),
         dataset_config=build_data_config(
@@ -131,7 +135,7 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
 
 def train(cfg: Config, *, log=print) -> dict[str, Any]:
     """Prepare data if needed, fit, and write ``RUN_DIR/summary.json``. Needs ``ray.init``."""
-    from raylm import checkpoint
+    from raylm import checkpoint, tracking
     from raylm.data import LAYOUT, prepared_dir
     from raylm.model import build_config, max_positions
     from raylm.tokenizer import load_backend
@@ -156,8 +160,17 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
     blocks = layout["splits"]["train"]["blocks"]
     log(f"raylm: training {cfg.model.path or cfg.model.preset} on {blocks:,} blocks of "
         f"{layout['seq_len']} tokens, run dir {rd}")
+    run_id, uri = tracking.start_run(cfg, log=log)
+    if run_id:
+        log(f"raylm: MLflow run {run_id} at {uri}")
     t0 = time.time()
-    result = build_trainer(cfg, prepared, vocab_size=vocab, eos_id=eos).fit()
+    failed = True
+    try:
+        result = build_trainer(cfg, prepared, vocab_size=vocab, eos_id=eos,
+                               mlflow_run_id=run_id, mlflow_tracking_uri=uri).fit()
+        failed = result.error is not None
+    finally:
+        tracking.finish_run(run_id, uri, failed=failed)
     wall = time.time() - t0
     m = result.metrics or {}
     final = checkpoint.latest_verified(rd)
@@ -173,8 +186,8 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
         "data_wait_fraction": m.get("data_wait_fraction_run"),
         "wall_s": round(wall, 2),
         "checkpoint_path": str(final[0]) if final else None,
-        "mlflow_run_id": None,
-        "mlflow_tracking_uri": None,
+        "mlflow_run_id": run_id,
+        "mlflow_tracking_uri": uri,
         "resumed_from_step": m.get("resumed_from_step"),
         "restarts": restarts,
         "attention_backend": m.get("attention_backend"),
@@ -184,4 +197,7 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
     (rd / "summary.json").write_text(json.dumps(summary, indent=2))
     log(f"raylm: done: step {summary['final_step']}, val loss {summary['val_loss']}, "
         f"checkpoint {summary['checkpoint_path']}, summary {rd / 'summary.json'}")
+    if run_id:
+        log(f"raylm: MLflow run {run_id} ({uri}); browse with: mlflow ui --backend-store-uri "
+            f"{uri}")
     return summary

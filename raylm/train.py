@@ -206,6 +206,13 @@ def train_loop_per_worker(loop_config: dict) -> None:
             f"checkpoint data position {state.data_position} is not step {state.step} x "
             f"train.global_batch_size={t.global_batch_size}; keep the global batch of the run.")
 
+    monitor = None
+    if ctx.get_local_rank() == 0:
+        from raylm.tracking import start_node_monitor
+
+        monitor = start_node_monitor(loop_config.get("mlflow_run_id"),
+                                     loop_config.get("mlflow_tracking_uri"),
+                                     node=f"node{ctx.get_node_rank()}")
     flops_token = flops_per_token(built.config, d.seq_len)
     peak = peak_flops(device, built.precision)
     tokens_per_step = t.global_batch_size * d.seq_len
@@ -271,6 +278,8 @@ def train_loop_per_worker(loop_config: dict) -> None:
         else:
             ray.train.report(metrics)
         window_t0, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+    if monitor is not None:
+        monitor.finish()
 
 
 def _take(iterable, n: int):

@@ -1,0 +1,167 @@
+"""MLflow: exactly one run per raylm run, written from the Ray Train controller, never per worker.
+
+The driver creates the run (or finds it again: its id is kept in ``RUN_DIR/mlflow_run.json``, so
+a resumed or restarted run logs into the same MLflow run) and logs the resolved config as
+params. :class:`MLflowCallback`, a Ray Train V2 ``UserCallback``, runs on the controller and logs
+every reported metric at its step, the attention backend and precision that actually ran, and
+every checkpoint location. System metrics come from MLflow's own ``SystemMetricsMonitor``,
+started on one worker per node with that node's id, so CPU, memory and (through NVML) GPU
+utilisation and memory of the training nodes land in the same run as ``system/<node>/...``.
+
+Tracking never stops training: if the store is unreachable, the error is printed once and the
+run continues untracked (``mlflow_run_id: null`` in summary.json).
+
+Default store: ``sqlite:///<storage_path>/mlflow.db`` with artifacts in
+``<storage_path>/mlartifacts`` (no server; browse with ``mlflow ui --backend-store-uri
+sqlite:///runs/mlflow.db``). ``tracking.uri`` or ``MLFLOW_TRACKING_URI`` points at a server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from raylm.config import Config, run_dir
+
+try:
+    from ray.train.v2.api.callback import UserCallback
+except ImportError:  # pragma: no cover - Ray without Train V2
+    UserCallback = object
+
+RUN_FILE = "mlflow_run.json"
+# Reported values that describe the run rather than measure it: params, not metrics.
+DESCRIPTIVE = ("attention_backend", "precision")
+
+
+def resolve_uri(cfg: Config) -> str:
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{run_dir(cfg).parent / 'mlflow.db'}"
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _param_value(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+
+
+def start_run(cfg: Config, *, log=print) -> tuple[str | None, str | None]:
+    """(run id, tracking uri) of this raylm run's MLflow run, created or found again; (None,
+    None) when tracking is off or the store cannot be reached (said once)."""
+    if not cfg.tracking.enabled:
+        return None, None
+    uri = resolve_uri(cfg)
+    rd = run_dir(cfg)
+    # A dead server must cost seconds, not MLflow's default minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    try:
+        client = _client(uri)
+        saved = rd / RUN_FILE
+        if saved.is_file():
+            known = json.loads(saved.read_text())
+            if known.get("tracking_uri") == uri:
+                run = client.get_run(known["run_id"])
+                client.update_run(run.info.run_id, status="RUNNING")
+                return run.info.run_id, uri
+        exp = client.get_experiment_by_name(cfg.tracking.experiment)
+        if exp is None:
+            artifacts = None
+            if uri.startswith("sqlite:///"):
+                artifacts = str(Path(uri[len("sqlite:///"):]).parent / "mlartifacts")
+            exp_id = client.create_experiment(cfg.tracking.experiment,
+                                              artifact_location=artifacts)
+        else:
+            exp_id = exp.experiment_id
+        run = client.create_run(exp_id, run_name=cfg.run.name,
+                                tags={"raylm.run_dir": str(rd), "raylm.run_name": cfg.run.name})
+        from mlflow.entities import Param
+
+        params = [Param(k, _param_value(v)[:6000]) for k, v in sorted(cfg.flat().items())]
+        for i in range(0, len(params), 100):
+            client.log_batch(run.info.run_id, params=params[i:i + 100])
+        rd.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
+        return run.info.run_id, uri
+    except Exception as e:  # MLflow raises many types for an unreachable or broken store
+        log(f"warning: MLflow at {uri} is unavailable, training continues untracked: "
+            f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+        return None, None
+
+
+def finish_run(run_id: str | None, uri: str | None, *, failed: bool) -> None:
+    if not run_id:
+        return
+    try:
+        _client(uri).set_terminated(run_id, status="FAILED" if failed else "FINISHED")
+    except Exception:  # the failure was already reported when it first happened
+        pass
+
+
+class MLflowCallback(UserCallback):
+    """On the Ray Train controller: every report's metrics, at their step, into one run."""
+
+    def __init__(self, run_id: str, uri: str) -> None:
+        self.run_id, self.uri = run_id, uri
+        self.checkpoints: list[dict[str, Any]] = []
+        self.params_logged = False
+        self.broken = False
+        self._client = None
+
+    def _safe(self, fn, *args, **kwargs) -> None:
+        if self.broken:
+            return
+        try:
+            if self._client is None:
+                self._client = _client(self.uri)
+            fn(self._client, *args, **kwargs)
+        except Exception as e:  # never let tracking stop training; say so once
+            self.broken = True
+            print(f"warning: MLflow logging failed, training continues untracked: "
+                  f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}", flush=True)
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        self._safe(self._log, metrics[0], checkpoint)
+
+    def _log(self, client, m: dict[str, Any], checkpoint) -> None:
+        from mlflow.entities import Metric, Param
+
+        now = int(time.time() * 1000)
+        step = int(m["step"])
+        values = [Metric(k, float(v), now, step) for k, v in m.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"]
+        params = []
+        if not self.params_logged:
+            params = [Param(k, str(m[k])) for k in DESCRIPTIVE if k in m]
+            self.params_logged = True
+        client.log_batch(self.run_id, metrics=values, params=params)
+        if checkpoint is not None:
+            self.checkpoints.append({"step": step, "path": checkpoint.path})
+            client.set_tag(self.run_id, "raylm.checkpoint_latest", checkpoint.path)
+            client.log_dict(self.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json")
+
+
+def start_node_monitor(run_id: str | None, uri: str | None, node: str):
+    """MLflow's system-metrics monitor for this node (CPU, memory, disk, network, and GPU
+    through NVML when present), logging into the run as ``system/<node>/...``."""
+    if not run_id:
+        return None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=5, samples_before_logging=1,
+                                       resume_logging=True, node_id=node, tracking_uri=uri)
+        monitor.start()
+        return monitor
+    except Exception as e:  # system metrics are a nicety; training goes on without them
+        print(f"warning: MLflow system metrics unavailable on {node}: {e}", flush=True)
+        return None
