@@ -3,6 +3,8 @@
     raylm config show [--config PATH] [--section.key=value ...]
     raylm prepare [--config PATH] [--section.key=value ...] --output DIR
     raylm train [--config PATH] [--section.key=value ...]
+    raylm export RUN_DIR --output DIR
+    raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T]
 
 Every command takes ``--config PATH`` and any ``--section.key=value`` override of
 :mod:`raylm.config`; nothing else is a flag. User mistakes print one line and exit 2.
@@ -43,6 +45,16 @@ def _parser() -> argparse.ArgumentParser:
         "train", help="train a model with FSDP2 on Ray Train (resumes a run of the same name)"))
     tr.add_argument("--address", default=None,
                     help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
+    ex = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face "
+                                       "model directory")
+    ex.add_argument("run_dir", help="the run directory (run.storage_path/run.name)")
+    ex.add_argument("--output", required=True, help="directory for the exported model")
+    gen = sub.add_parser("generate", help="sample text from a run directory or exported model")
+    gen.add_argument("source", help="a run directory or an exported model directory")
+    gen.add_argument("--prompt", default="", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    gen.add_argument("--seed", type=int, default=0)
     return p
 
 
@@ -105,6 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest, overrides = _split_overrides(argv)
     args = _parser().parse_args(rest)
     try:
+        if args.command == "export":
+            from raylm.export import export
+
+            print(f"exported to {export(args.run_dir, args.output)}")
+            return 0
+        if args.command == "generate":
+            from raylm.export import generate
+
+            print(args.prompt + generate(args.source, args.prompt,
+                                         max_new_tokens=args.max_new_tokens,
+                                         temperature=args.temperature, seed=args.seed))
+            return 0
         cfg = load_config(args.config, overrides)
         if args.command == "config":
             sys.stdout.write(cfg.to_yaml())

@@ -137,6 +137,7 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
     """Prepare data if needed, fit, and write ``RUN_DIR/summary.json``. Needs ``ray.init``."""
     from raylm import checkpoint, tracking
     from raylm.data import LAYOUT, prepared_dir
+    from raylm.export import write_run_info
     from raylm.model import build_config, max_positions
     from raylm.tokenizer import load_backend
 
@@ -160,6 +161,8 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
     blocks = layout["splits"]["train"]["blocks"]
     log(f"raylm: training {cfg.model.path or cfg.model.preset} on {blocks:,} blocks of "
         f"{layout['seq_len']} tokens, run dir {rd}")
+    write_run_info(rd, config=cfg.to_dict(), vocab_size=vocab, eos_id=eos,
+                   tokenizer_path=manifest["tokenizer_path"])
     run_id, uri = tracking.start_run(cfg, log=log)
     if run_id:
         log(f"raylm: MLflow run {run_id} at {uri}")

@@ -38,16 +38,23 @@ def train_run(base, *extra):
     return train(load_config(None, [*base, *extra]), log=lambda m: None)
 
 
-def test_train_resume_equals_uninterrupted(base):
+@pytest.fixture(scope="module")
+def trained(base):
+    """An uninterrupted 30-step run, and one stopped at 20 then resumed to 30."""
     full = train_run(base, "--run.name=full", "--train.steps=30", "--checkpoint.every=10")
+    first = train_run(base, "--run.name=split", "--train.steps=20", "--checkpoint.every=10")
+    resumed = train_run(base, "--run.name=split", "--train.steps=30", "--checkpoint.every=10")
+    return full, first, resumed
+
+
+def test_train_resume_equals_uninterrupted(base, trained):
+    full, first, resumed = trained
     assert full["final_step"] == 30 and full["resumed_from_step"] is None
     assert full["restarts"] == 0 and full["attention_backend"] == "sdpa-flash-cpu"
     assert full["precision"] == "fp32" and full["mfu"] is None  # no known peak on a CPU
     assert full["checkpoint_path"] and full["val_loss"] < 5.6  # from ln(320) = 5.77
 
-    first = train_run(base, "--run.name=split", "--train.steps=20", "--checkpoint.every=10")
     assert first["final_step"] == 20
-    resumed = train_run(base, "--run.name=split", "--train.steps=30", "--checkpoint.every=10")
     assert resumed["resumed_from_step"] == 20 and resumed["final_step"] == 30
     # fp32 on CPU: the resumed run ends where the uninterrupted one does.
     assert resumed["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
@@ -87,6 +94,28 @@ def base_dir(base):
     from pathlib import Path
 
     return Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
+
+
+def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raylm.cli import main
+    from raylm.export import generate, load_run_model
+
+    run_dir = base_dir(base) / "full"
+    assert main(["export", str(run_dir), "--output", str(tmp_path / "hf")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ours, _, step = load_run_model(run_dir)
+    assert step == 30
+    ids = tok("The river carried the boats", return_tensors="pt")["input_ids"]
+    import torch
+
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ours(ids).logits)
+    text = generate(tmp_path / "hf", "The river", max_new_tokens=12, temperature=0)
+    assert text == generate(run_dir, "The river", max_new_tokens=12, temperature=0)
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) >= 1
 
 
 def test_unreachable_mlflow_does_not_stop_training(base):

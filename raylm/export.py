@@ -1,0 +1,93 @@
+"""From a run directory to a Hugging Face model directory, and sampling text from either.
+
+A run directory is self-describing: ``raylm train`` writes ``RUN_DIR/run.json`` (the resolved
+config, vocabulary and EOS id) and a copy of the tokenizer in ``RUN_DIR/tokenizer``. Export loads
+the newest verified checkpoint on one process (DCP gathers the shards of any world size into
+full tensors) and writes ``config.json``, ``model.safetensors`` and the tokenizer files, which
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+RUN_INFO = "run.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+def write_run_info(run_dir: Path, *, config: dict, vocab_size: int, eos_id: int,
+                   tokenizer_path: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_INFO).write_text(json.dumps(
+        {"config": config, "vocab_size": vocab_size, "eos_id": eos_id}, indent=1))
+    target = run_dir / TOKENIZER_DIR
+    if not target.exists():
+        shutil.copytree(tokenizer_path, target)
+
+
+def load_run_model(run_dir: str | Path):
+    """(model in eval mode, tokenizer directory, step) from a run's newest verified
+    checkpoint."""
+    from raylm import checkpoint
+    from raylm.config import config_from_dict
+    from raylm.model import build_config, build_meta_model, reset_buffers
+
+    rd = Path(run_dir).expanduser()
+    if not (rd / RUN_INFO).is_file():
+        raise ValueError(f"{rd} is not a raylm run directory (no {RUN_INFO}); pass the "
+                         f"directory `raylm train` printed as its run dir.")
+    info = json.loads((rd / RUN_INFO).read_text())
+    cfg = config_from_dict(info["config"])
+    found = checkpoint.latest_verified(rd)
+    if found is None:
+        raise ValueError(f"{rd} holds no complete checkpoint to export.")
+    config = build_config(preset=cfg.model.preset, path=cfg.model.path,
+                          vocab_size=info["vocab_size"], eos_id=info["eos_id"],
+                          attn_implementation="sdpa")
+    model = build_meta_model(config)
+    model.to_empty(device="cpu")
+    reset_buffers(model)  # rotary frequencies are not in checkpoints
+    state = checkpoint.load(found[0], model=model, optimizer=None, config=config)
+    model.eval()
+    return model, rd / TOKENIZER_DIR, int(state["step"])
+
+
+def export(run_dir: str | Path, output: str | Path) -> Path:
+    model, tokenizer_dir, step = load_run_model(run_dir)
+    out = Path(output).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.use_cache = True
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in Path(tokenizer_dir).iterdir():
+        shutil.copy(f, out / f.name)
+    (out / "raylm_export.json").write_text(json.dumps(
+        {"run_dir": str(Path(run_dir).resolve()), "step": step}, indent=1))
+    return out
+
+
+@torch.no_grad()
+def generate(source: str | Path, prompt: str, *, max_new_tokens: int = 64,
+             temperature: float = 0.8, top_k: int = 50, seed: int = 0) -> str:
+    """Sample a continuation of ``prompt`` from a run directory or an exported model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(source).expanduser()
+    if (src / RUN_INFO).is_file():
+        model, tok_dir, _ = load_run_model(src)
+    elif (src / "config.json").is_file():
+        model, tok_dir = AutoModelForCausalLM.from_pretrained(str(src)), src
+    else:
+        raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if ids.shape[1] == 0:
+        ids = torch.tensor([[tok.eos_token_id]])
+    torch.manual_seed(seed)
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                         temperature=temperature if temperature > 0 else None, top_k=top_k,
+                         pad_token_id=tok.eos_token_id, use_cache=True)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
