@@ -1,6 +1,7 @@
 """python -m raylm.bench NAME --output FILE.json [options]
 
-    data    Ray Data tokenize+pack vs datasets.Dataset.map(num_proc=2)
+    data      Ray Data tokenize+pack vs datasets.Dataset.map(num_proc=2)
+    overhead  raylm single-worker training vs a bare PyTorch loop
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--num-proc", type=int, default=2, help="baseline processes")
     data.add_argument("--repeats", type=int, default=3, help="timed runs of each side")
     data.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    ov = sub.add_parser("overhead", help="training tokens/s: raylm (1 worker) vs bare PyTorch")
+    ov.add_argument("--output", required=True)
+    ov.add_argument("--preset", default="tiny")
+    ov.add_argument("--steps", type=int, default=120)
+    ov.add_argument("--micro-batch", type=int, default=8)
+    ov.add_argument("--seq-len", type=int, default=256)
+    ov.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
 
     if args.name == "data":
@@ -31,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run(packages=args.packages.split(","), num_files=args.files,
                      seq_len=args.seq_len, num_proc=args.num_proc,
                      repeats=args.repeats, workdir=args.workdir)
+    elif args.name == "overhead":
+        from raylm.bench.overhead import run
+
+        result = run(preset=args.preset, steps=args.steps, micro_batch=args.micro_batch,
+                     seq_len=args.seq_len, workdir=args.workdir)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -38,14 +38,14 @@ def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "ti
     return losses
 
 
-def worker(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+def worker(rank: int, world: int, port: int, ckpt: str, out: str, resume: bool = False) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        losses = session(world, rank, ckpt, resume=False)
+        losses = session(world, rank, ckpt, resume=resume)
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(losses, f)
@@ -71,6 +71,16 @@ def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
     assert any(name.startswith("__1_") for name in marker["files"])  # rank 1's shard is listed
     torch.set_num_threads(1)
     resumed = session(1, 0, ckpt, resume=True)
+    assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks_exactly(tmp_path):
+    torch.set_num_threads(1)
+    ckpt, out = str(tmp_path / "checkpoint_1"), str(tmp_path / "losses.json")
+    uninterrupted = session(1, 0, ckpt, resume=False)  # saves plain tensors at step 2
+    mp.spawn(worker, args=(2, free_port(), ckpt, out, True), nprocs=2, join=True)
+    with open(out) as f:
+        resumed = json.load(f)
     assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)
 
 

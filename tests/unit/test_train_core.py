@@ -61,3 +61,23 @@ def test_train_state_round_trip():
     t = TrainState()
     t.load_state_dict(s.state_dict())
     assert t == s
+
+
+def test_precisions_are_honored_when_asked():
+    from raylm.parallelize import resolve_precision
+    from raylm.train import batch_loss
+
+    assert resolve_precision("auto", "cpu") == "fp32"  # no native bf16 here: 33x slower
+    true = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
+                                device=torch.device("cpu"), precision="bf16-true", seed=0)
+    assert {p.dtype for p in true.model.parameters()} == {torch.bfloat16}
+    mixed = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
+                                 device=torch.device("cpu"), precision="bf16-mixed", seed=0)
+    assert {p.dtype for p in mixed.model.parameters()} == {torch.float32}  # fp32 masters
+    seen = []
+    hook = mixed.model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    loss = batch_loss(mixed, batch(2), cross_document=True)
+    hook.remove()
+    assert seen == [torch.bfloat16] and loss.dtype == torch.float32
+    fp32 = built()
+    assert abs(float(loss) - float(batch_loss(fp32, batch(2), cross_document=True))) < 0.05
