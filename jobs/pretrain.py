@@ -1,0 +1,20 @@
+"""Train a language model on a Ray cluster (prepares the data first when needed).
+
+Locally (starts a Ray instance for the run):
+
+    python jobs/pretrain.py --config jobs/configs/cpu_tiny.yaml
+
+Against a cluster (the job server sets RAY_ADDRESS, so the same file runs unchanged):
+
+    ray job submit --working-dir . -- python jobs/pretrain.py --config jobs/configs/cpu_tiny.yaml
+
+Any config key can be overridden as --section.key=value. Running it again with the same
+run.name and run.storage_path resumes from the run's latest checkpoint.
+"""
+
+import sys
+
+from raylm.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["train", *sys.argv[1:]]))
