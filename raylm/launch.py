@@ -158,6 +158,13 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
         checkpoint.check_compatible(found[1], model_cfg, str(found[0]))
         log(f"raylm: run {cfg.run.name!r} exists; resuming from step "
             f"{found[1]['state']['step']} of {cfg.train.steps} ({found[0]})")
+    max_workers = (cfg.scaling.num_workers[1] if isinstance(cfg.scaling.num_workers, list)
+                   else cfg.scaling.num_workers)
+    val_blocks = layout["splits"]["val"]["blocks"]
+    if val_blocks < max_workers:
+        raise ValueError(f"the validation split has {val_blocks} blocks, fewer than the "
+                         f"{max_workers} workers that evaluate it; raise data.val_fraction "
+                         f"(now {cfg.data.val_fraction}) or use a larger corpus.")
     blocks = layout["splits"]["train"]["blocks"]
     log(f"raylm: training {cfg.model.path or cfg.model.preset} on {blocks:,} blocks of "
         f"{layout['seq_len']} tokens, run dir {rd}")

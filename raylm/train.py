@@ -137,7 +137,7 @@ def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
     if dist.is_initialized():
         dist.all_reduce(total)
         dist.all_reduce(n)
-    return float(total / n.clamp(min=1))
+    return float(total / n) if n > 0 else float("nan")
 
 
 # --------------------------------------------------------------------------------------------

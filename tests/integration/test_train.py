@@ -133,3 +133,7 @@ def test_bad_requests_fail_before_workers_start(base):
             "--train.global_batch_size=16")
     with pytest.raises(ValueError, match="data.seq_len=2048 is above the model's 1024"):
         train_run(base, "--run.name=bad3", "--data.seq_len=2048")
+    with pytest.raises(ValueError, match="the validation split has 0 blocks, fewer than the 2"):
+        train_run(base, "--run.name=bad4", "--data.val_fraction=0.0")
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        train_run(base, "--run.name=bad5", "--model.preset=huge")
