@@ -118,6 +118,23 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
     assert len(tok(text, add_special_tokens=False)["input_ids"]) >= 1
 
 
+def test_continue_from_exported_model_without_cross_document_attention(base, trained,
+                                                                       tmp_path):
+    from raylm.cli import main
+
+    hf = tmp_path / "hf"
+    assert main(["export", str(base_dir(base) / "full"), "--output", str(hf)]) == 0
+    full = trained[0]
+    # The pretrained weights are read on rank 0 and scattered to the 2 FSDP workers; the run
+    # starts where the exported one ended, not from a random model (ln 320 = 5.77).
+    out = train_run(base, "--run.name=finetune", f"--model.path={hf}",
+                    f"--tokenizer.path={hf}", "--train.steps=5", "--optim.lr=1e-4",
+                    "--optim.warmup_steps=1", "--train.eval_every=5",
+                    "--data.cross_document_attention=false")
+    assert out["final_step"] == 5 and out["attention_backend"] == "sdpa-flash-cpu"
+    assert out["val_loss"] < full["val_loss"] + 0.3 < 5.77
+
+
 def test_unreachable_mlflow_does_not_stop_training(base):
     out = train_run(base, "--run.name=nomlflow", "--train.steps=5", "--scaling.num_workers=1",
               "--tracking.uri=http://127.0.0.1:9")
