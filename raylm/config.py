@@ -74,7 +74,7 @@ class DataConfig:
     tokenize_batch_size: int = 512
     """Documents per tokenizer call in the Ray Data map_batches stage."""
     tokenize_concurrency: int = 0
-    """Tokenizer actors; 0 sizes the pool to the cluster's CPUs."""
+    """Concurrent read-and-tokenize tasks; 0 runs one per free CPU of the cluster."""
     rows_per_row_group: int = 256
     """Packed blocks per Parquet row group; also the unit of the deterministic shuffle."""
     shuffle_window: int = 16

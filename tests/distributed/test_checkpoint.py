@@ -49,6 +49,9 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, resume: bool =
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(losses, f)
+        # Leave together: the store lives in rank 0, and a rank still tearing down gloo when
+        # rank 0 exits aborts ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -57,6 +57,9 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
         run(world, rank, out)
         if rank == 0:
             torch.save(out, path)
+        # Leave together: the store lives in rank 0, and a rank still tearing down gloo when
+        # rank 0 exits aborts ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -8,7 +8,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 
 from raylm.cli import main
 from raylm.config import load_config
@@ -16,15 +15,7 @@ from raylm.corpus import DROP_REASONS
 from raylm.data import PackedSplit, build_data_config, prepare, trainer_datasets
 from tests.conftest import make_docs, write_jsonl
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    # Four logical CPUs on this two-core machine: two training workers plus the readers.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +164,7 @@ def test_two_train_workers_read_disjoint_shards_covering_the_packed_set(
     # The blocks read are the stored blocks of those rows.
     stored = pq.read_table(out / "train").column("input_ids").to_pylist()
     assert all(stored[r] == b for r, b in zip(r0["rows"] + r1["rows"],
-                                                r0["blocks"] + r1["blocks"], strict=False))
+                                                r0["blocks"] + r1["blocks"], strict=True))
     # Validation: round robin in storage order, equal counts, together every block but the
     # remainder of an odd count.
     assert not set(r0["val_rows"]) & set(r1["val_rows"])

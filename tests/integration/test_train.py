@@ -5,20 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import ray
 
 from raylm.config import load_config
 from raylm.launch import train
 from tests.conftest import make_docs, write_jsonl
 
-pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
 
 @pytest.fixture(scope="module")
