@@ -248,7 +248,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
         window_tokens += tokens_per_step
         busy_s += time.perf_counter() - step_t0
         last = state.step == t.steps
-        if state.step % t.log_every and state.step % cfg.checkpoint.every and not last:
+        evaluate_now = state.step % t.eval_every == 0 or last
+        save_now = state.step % cfg.checkpoint.every == 0 or last
+        if state.step % t.log_every and not evaluate_now and not save_now:
             continue
         now = time.perf_counter()
         elapsed = now - window_t0
@@ -266,11 +268,11 @@ def train_loop_per_worker(loop_config: dict) -> None:
             "resumed_from_step": resumed_from, "elapsed_s": now - run_t0,
             "data_startup_s": data_startup_s,
         }
-        if state.step % t.eval_every == 0 or last:
+        if evaluate_now:
             val = evaluate(built, _take(val_shard.iter_torch_batches(
                 batch_size=t.micro_batch_size), t.eval_batches), cross_document=cross_doc)
             metrics.update(val_loss=val, val_perplexity=float(torch.exp(torch.tensor(val))))
-        if state.step % cfg.checkpoint.every == 0 or last:
+        if save_now:
             with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
                 ckpt.save(tmp, model=built.model, optimizer=optimizer,
                           state=state.state_dict(), config=built.config)
