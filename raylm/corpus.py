@@ -298,6 +298,7 @@ def _jsonl_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
 
 
 def _table_batches(f: SourceFile, column: str):
+    """(record batches, None), or (None, row count) when the file has no ``column``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -307,16 +308,16 @@ def _table_batches(f: SourceFile, column: str):
             return None, pf.metadata.num_rows
         return pf.iter_batches(columns=[column], batch_size=4096), None
     source = pa.memory_map(f.path)
-    try:
-        reader = pa.ipc.open_stream(source)
-    except pa.ArrowInvalid:
+    try:  # `datasets` writes the streaming format
+        stream = pa.ipc.open_stream(source)
+        schema, batches = stream.schema, stream
+    except pa.ArrowInvalid:  # the random-access file format
         reader = pa.ipc.open_file(source)
-        reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        # An Arrow file without the column is rare enough to read its schema lazily below.
-    else:
-        if column not in reader.schema.names:
-            return None, sum(b.num_rows for b in reader)
-    return reader, None
+        schema = reader.schema
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    if column not in schema.names:
+        return None, sum(b.num_rows for b in batches)
+    return batches, None
 
 
 def _table_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
@@ -327,11 +328,6 @@ def _table_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
         return
     row = 0
     for batch in batches:
-        if text_field not in batch.schema.names:
-            for _ in range(batch.num_rows):
-                row += 1
-                yield None, "missing_field", row
-            continue
         for value in batch.column(batch.schema.get_field_index(text_field)).to_pylist():
             row += 1
             if value is None:

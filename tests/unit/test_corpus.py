@@ -152,3 +152,18 @@ def test_builtin_corpus_is_real_prose_and_deterministic():
     words = Counter(w.lower() for t in texts for w in t.split())
     # English function words dominate real prose.
     assert {"the", "of", "to", "a"} <= {w for w, _ in words.most_common(30)}
+
+
+def test_arrow_stream_and_file_formats(tmp_path):
+    table = pa.table({"text": ["first", None], "blob": [b"x", b"\xff"]})
+    with pa.ipc.new_file(tmp_path / "f.arrow", table.schema) as w:
+        w.write_table(table)
+    with pa.ipc.new_stream(tmp_path / "s.arrow", table.schema) as w:
+        w.write_table(table)
+    for name in ("f.arrow", "s.arrow"):
+        assert reasons(tmp_path / name, "arrow") == [(None, 1), ("missing_field", 2)]
+        # Binary text columns are decoded as UTF-8, and bad bytes are counted.
+        assert reasons(tmp_path / name, "arrow", text_field="blob") == [(None, 1),
+                                                                        ("undecodable", 2)]
+        assert reasons(tmp_path / name, "arrow", text_field="nope") == [("missing_field", 1),
+                                                                        ("missing_field", 2)]
