@@ -39,12 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     prep = with_config(sub.add_parser(
         "prepare", help="tokenize and pack data.source into Parquet blocks + manifest.json"))
     prep.add_argument("--output", required=True, help="directory for the packed blocks")
-    prep.add_argument("--address", default=None,
-                      help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
-    tr = with_config(sub.add_parser(
+    with_config(sub.add_parser(
         "train", help="train a model with FSDP2 on Ray Train (resumes a run of the same name)"))
-    tr.add_argument("--address", default=None,
-                    help="Ray cluster address (default: RAY_ADDRESS, else a local cluster)")
     ex = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face "
                                        "model directory")
     ex.add_argument("run_dir", help="the run directory (run.storage_path/run.name)")
@@ -79,13 +75,11 @@ def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def _init_ray(address: str | None) -> None:
     import logging
-    import os
 
     import ray
 
-    # Ray Data's own progress bars are the progress display; silence the startup chatter.
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     if not ray.is_initialized():
+        # Warnings and up from Ray itself; raylm prints its own progress.
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
 
 
@@ -96,7 +90,7 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
     d = cfg.data
     # Resolve sources before starting Ray: a missing path fails in a second, not after init.
     resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
-    _init_ray(args.address)
+    _init_ray(cfg.run.ray_address)
     manifest = prepare(cfg, args.output, log=lambda m: print(m, flush=True))
     print(json.dumps({k: v for k, v in manifest.items() if k != "bad_records"}, indent=2))
     print(f"wrote {args.output}/manifest.json")
@@ -106,7 +100,7 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     from raylm.launch import train
 
-    _init_ray(args.address)
+    _init_ray(cfg.run.ray_address)
     summary = train(cfg, log=lambda m: print(m, flush=True))
     print(json.dumps(summary, indent=2))
     return 0

@@ -30,6 +30,9 @@ class RunConfig:
     """Run name; RUN_DIR = storage_path / name. Starting the same name again resumes it."""
     storage_path: str = "runs"
     """Where runs (checkpoints, summary.json, the default MLflow store) live. Local path or URI."""
+    ray_address: str | None = None
+    """Ray cluster to join ('auto', 'ray://HOST:10001'); unset: RAY_ADDRESS if set, else a
+    new local cluster."""
     cache_dir: str = "~/.cache/raylm"
     """Tokenizers, the extracted builtin corpus and prepared data, keyed by fingerprint."""
 
