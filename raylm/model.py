@@ -102,6 +102,12 @@ def build_meta_model(config) -> nn.Module:
     return model
 
 
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers parallelism adds (activation checkpointing,
+    torch.compile), so initialization and checkpoints see the model's own names."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(),
                           "little") & ((1 << 63) - 1)
@@ -120,7 +126,8 @@ def init_weights(model: nn.Module, *, seed: int, num_layers: int) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     residual_std = INIT_STD / (2 * num_layers) ** 0.5
-    for name, param in model.named_parameters():
+    for wrapped_name, param in model.named_parameters():
+        name = canonical_name(wrapped_name)
         shape = param.shape
         if name.endswith("norm.weight") or param.ndim == 1 and "norm" in name:
             full = torch.ones(shape)
