@@ -269,8 +269,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
             "data_startup_s": data_startup_s,
         }
         if evaluate_now:
-            val = evaluate(built, _take(val_shard.iter_torch_batches(
-                batch_size=t.micro_batch_size), t.eval_batches), cross_document=cross_doc)
+            # The val stream holds eval_batches micro-batches per rank (fewer, and the same
+            # number on every rank, when the split is small).
+            val = evaluate(built, val_shard.iter_torch_batches(batch_size=t.micro_batch_size),
+                           cross_document=cross_doc)
             metrics.update(val_loss=val, val_perplexity=float(torch.exp(torch.tensor(val))))
         if save_now:
             with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
@@ -283,9 +285,3 @@ def train_loop_per_worker(loop_config: dict) -> None:
     if monitor is not None:
         monitor.finish()
 
-
-def _take(iterable, n: int):
-    for i, item in enumerate(iterable):
-        if i >= n:
-            return
-        yield item
