@@ -229,8 +229,19 @@ class BlockWriter:
             self._writer.close()
 
 
-def prepared_fingerprint(corpus_fp: str, tokenizer_id: str, cfg: Config) -> str:
+def _tokenizer_id(cfg: Config) -> str:
+    """What determines the tokenizer: its directory, or the settings a BPE is trained with
+    (the corpus is in the fingerprint separately)."""
+    t = cfg.tokenizer
+    if t.path:
+        return str(Path(t.path).expanduser().resolve())
+    return f"bpe:{t.vocab_size}:{t.min_frequency}:{t.train_chars}"
+
+
+def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
+    """Names the cached preparation and is the manifest's ``fingerprint``."""
     d = cfg.data
+    tokenizer_id = _tokenizer_id(cfg)
     return tokenizer_fingerprint(
         corpus_fp, tokenizer=tokenizer_id, seq_len=d.seq_len, min_chars=d.min_chars,
         dedup=d.dedup, val_fraction=d.val_fraction, text_field=d.text_field,
@@ -264,7 +275,7 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
     corpus_fp = fingerprint_files(files)
     tok_path = resolve_tokenizer(cfg, files, corpus_fp, log)
     _, eos = load_backend(tok_path)
-    fp = prepared_fingerprint(corpus_fp, str(tok_path), cfg)
+    fp = prepared_fingerprint(corpus_fp, cfg)
 
     for name in (PREPARED_MANIFEST, LAYOUT, *SPLITS):
         target = out / name
@@ -384,10 +395,7 @@ def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
         return path
     files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
     corpus_fp = fingerprint_files(files)
-    tok = str(Path(cfg.tokenizer.path).expanduser().resolve()) if cfg.tokenizer.path else (
-        f"bpe:{cfg.tokenizer.vocab_size}:{cfg.tokenizer.min_frequency}:"
-        f"{cfg.tokenizer.train_chars}")
-    target = cache_dir(cfg) / "prepared" / prepared_fingerprint(corpus_fp, tok, cfg)
+    target = cache_dir(cfg) / "prepared" / prepared_fingerprint(corpus_fp, cfg)
     if (target / PREPARED_MANIFEST).is_file():
         log(f"data: reusing prepared data {target}")
         return target

@@ -181,6 +181,8 @@ def test_training_reads_a_prepared_directory_or_caches_one(corpus, tokenizer_dir
     cached = prepared_dir(cfg, log=lambda s: None)  # raw source: prepared into the cache once
     assert cached.parent == tmp_path / "cache" / "prepared"
     assert prepared_dir(cfg, log=lambda s: None) == cached  # and reused
+    manifest = json.loads((cached / "manifest.json").read_text())
+    assert cached.name == manifest["fingerprint"]  # one fingerprint, not two
     direct = load_config(None, [f"--data.source={cached}", "--data.seq_len=31"])
     assert prepared_dir(direct) == cached
     wrong = load_config(None, [f"--data.source={cached}", "--data.seq_len=64"])
