@@ -1,13 +1,13 @@
 """Sharded checkpoints with torch.distributed.checkpoint, verified before they are trusted.
 
 A checkpoint directory holds the DCP shards of model and optimizer (each rank writes its own
-files; DCP's metadata lets a different world size load and reshard them), and
-``raylm_checkpoint.json``, written last by rank 0: the train state (step, tokens seen, data
-position), the model's shape, and the name and size of every file of every rank. A directory
-counts as a checkpoint only if that marker exists and every file it lists is there at its size,
-so a save cut short (a killed worker, a full disk, an interrupted upload) is skipped with a
-warning and the one before it is used. The learning-rate schedule is a pure function of the
-step, so it needs no state of its own.
+files; DCP's metadata lets a different world size load and reshard them), the sample ledger
+``samples.npy`` (see ``raylm.ledger``), and ``raylm_checkpoint.json``, written last by rank 0:
+the train state (step, tokens seen, data position), the model's shape, and the name and size
+of every file of every rank. A directory counts as a checkpoint only if that marker exists and
+every file it lists is there at its size, so a save cut short (a killed worker, a full disk, an
+interrupted upload) is skipped with a warning and the one before it is used. The learning-rate
+schedule is a pure function of the step, so it needs no state of its own.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
 MARKER = "raylm_checkpoint.json"
+SAMPLES = "samples.npy"
 log = logging.getLogger("raylm.checkpoint")
 
 # The model settings a checkpoint must agree with to be loaded into a model.
@@ -53,11 +55,14 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None):
 
 
 def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict[str, int], config) -> None:
-    """Write this rank's shards into ``directory`` (rank 0 also the marker, last)."""
+         state: dict[str, int], config, samples: np.ndarray | None = None) -> None:
+    """Write this rank's shards into ``directory`` (rank 0 also ``samples``, the sample
+    ledger, and the marker, last)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))
+    if samples is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        np.save(path / SAMPLES, samples)
     mine = {p.name: p.stat().st_size for p in path.iterdir()
             if p.is_file() and p.name != MARKER}
     everyone = [mine]
@@ -122,6 +127,13 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
         set_state_dict(model, optimizer, model_state_dict=sd["model"],
                        optim_state_dict=sd["optim"])
     return marker["state"]
+
+
+def load_samples(directory: str | os.PathLike) -> np.ndarray | None:
+    """The sample ledger of a checkpoint: the stored rows of every step, ``(steps, global
+    batch)``; None if the run did not keep one."""
+    path = Path(directory) / SAMPLES
+    return np.load(path) if path.is_file() else None
 
 
 _RAY_CKPT = re.compile(r"^checkpoint_")

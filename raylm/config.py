@@ -127,13 +127,18 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16-true"] = "auto"
     """'auto' is bf16-mixed on CUDA devices with bf16 and fp32 elsewhere."""
     max_failures: int = 3
-    """Worker-group restarts allowed after failures before the run fails."""
+    """Worker-group restarts allowed after failures (a lost worker or node, a preempted worker)
+    before the run fails; -1 for no limit. Each restart resumes from the latest checkpoint."""
     log_every: int = 10
     """Report metrics every this many steps."""
     eval_every: int = 100
     """Validate every this many steps (and at the end)."""
     eval_batches: int = 8
     """Validation micro-batches per worker at each evaluation."""
+    sample_ledger: bool = True
+    """Keep in every checkpoint the stored rows each optimizer step trained on (4 bytes per
+    sample) and account for them in summary.json: samples duplicated or skipped across
+    restarts and resizes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,6 +181,19 @@ class ScalingConfig:
     """One GPU per worker."""
     cpus_per_worker: float = 1.0
     """CPUs reserved per training worker."""
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources each training worker asks for, e.g. ``{trainer: 1}`` to place
+    workers only on the nodes (or the autoscaling node group) that advertise that resource."""
+    resize_interval_s: float = 60.0
+    """Elastic runs: how often Ray Train looks for room to grow the worker group (seconds).
+    Growing restarts the group from the latest checkpoint, so each check that finds room costs
+    up to ``checkpoint.every`` steps."""
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(fewest, most) training workers."""
+        nw = self.num_workers
+        return (nw[0], nw[1]) if isinstance(nw, list) else (nw, nw)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,6 +262,9 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if origin is list:
         return f"a list of {_describe(typing.get_args(tp)[0])}"
+    if origin is dict:
+        k, v = typing.get_args(tp)
+        return f"a mapping of {_describe(k)} to {_describe(v)}"
     if tp is type(None):
         return "null"
     return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
@@ -271,6 +292,12 @@ def _coerce(value: Any, tp: Any) -> Any:
         (item_tp,) = typing.get_args(tp)
         items = [_coerce(v, item_tp) for v in value]
         return _NO if any(i is _NO for i in items) else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            return _NO
+        key_tp, value_tp = typing.get_args(tp)
+        out = {_coerce(k, key_tp): _coerce(v, value_tp) for k, v in value.items()}
+        return _NO if any(k is _NO or v is _NO for k, v in out.items()) else out
     if tp is type(None):
         return None if value is None else _NO
     if tp is bool:
@@ -369,6 +396,12 @@ def validate(cfg: Config) -> Config:
     else:
         _check(nw >= 1, "scaling.num_workers", nw, "an integer >= 1 or [min, max]")
     _check(sc.cpus_per_worker > 0, "scaling.cpus_per_worker", sc.cpus_per_worker, "> 0")
+    _check(all(v > 0 and k not in ("CPU", "GPU") for k, v in sc.worker_resources.items()),
+           "scaling.worker_resources", sc.worker_resources,
+           "custom resource names (not CPU/GPU: use scaling.cpus_per_worker and "
+           "scaling.use_gpu) with amounts > 0")
+    _check(sc.resize_interval_s >= 0, "scaling.resize_interval_s", sc.resize_interval_s,
+           ">= 0")
     _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],
            "0 < lr_min < lr_max")
     _check(tu.num_samples >= 1, "tune.num_samples", tu.num_samples, ">= 1")

@@ -6,12 +6,17 @@ against the cluster) is checked here, on the driver, before any worker starts.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raylm import ledger
 from raylm.config import Config, run_dir
+from raylm.events import RunEvents, summarize
 
 try:  # the controller-side callback base class (Ray Train V2)
     from ray.train.v2.api.callback import UserCallback
@@ -22,17 +27,41 @@ EVENTS = "events.jsonl"
 
 
 class ProgressCallback(UserCallback):
-    """Runs on the Ray Train controller: one progress line per report, and a record of every
-    worker-group failure in ``RUN_DIR/events.jsonl``."""
+    """Runs on the Ray Train controller: one progress line per report; every failure, restart
+    and resize in ``RUN_DIR/events.jsonl`` (and to ``on_event``)."""
 
-    def __init__(self, run_dir: str, total_steps: int) -> None:
+    def __init__(self, run_dir: str, total_steps: int, *, invocation: str,
+                 on_event: Callable[[list[dict[str, Any]], int], None] | None = None) -> None:
         self.run_dir = run_dir
         self.total_steps = total_steps
+        self.events = RunEvents(invocation)
+        self.on_event = on_event
+
+    def _write(self, event: dict[str, Any]) -> None:
+        path = Path(self.run_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / EVENTS, "a") as f:
+            f.write(json.dumps(event) + "\n")
+        if self.on_event is not None:
+            self.on_event(read_events(self.run_dir), self.events.last_step or 0)
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         m = metrics[0]
+        if m.get("event") == "group_start":
+            event = self.events.group_started(m["group"], now=time.time())
+            self._write(event)
+            if event["event"] == "start":
+                print(f"raylm: {event['workers']} workers ready at step {event['from_step']} "
+                      f"(data stream started in {m['data_startup_s']:.1f}s)", flush=True)
+            else:
+                print(f"raylm: {event['event']} {event['from_workers']} -> "
+                      f"{event['to_workers']} workers, resumed from step "
+                      f"{event['resumed_from_step']} (last report at step {event['at_step']}), "
+                      f"{event['time_lost_s']:.1f}s lost", flush=True)
+            return
+        self.events.report(m, now=time.time())
         step = m["step"]
-        rate = m["elapsed_s"] / max(1, step - (m.get("resumed_from_step") or 0))
+        rate = self.events.step_time
         eta = rate * (self.total_steps - step)
         line = (f"step {step}/{self.total_steps}  loss {m['loss']:.4f}  "
                 f"lr {m['lr']:.2e}  {m['tokens_per_s']:,.0f} tok/s  "
@@ -44,13 +73,20 @@ class ProgressCallback(UserCallback):
         print(line, flush=True)
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
-        event = {"event": "worker_failure", "time": time.time(),
-                 "ranks": sorted(worker_exceptions),
-                 "error": repr(next(iter(worker_exceptions.values())))[:500]}
-        path = Path(self.run_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        with open(path / EVENTS, "a") as f:
-            f.write(json.dumps(event) + "\n")
+        error = next(iter(worker_exceptions.values()))
+        text = str(error).strip().splitlines()
+        self._write(self.events.failure(
+            ranks=sorted(worker_exceptions), now=time.time(),
+            error=f"{type(error).__name__}: {text[0] if text else ''}"[:300]))
+
+
+def read_events(run_dir: str | Path, invocation: str | None = None) -> list[dict[str, Any]]:
+    """The records in ``RUN_DIR/events.jsonl`` (of one invocation, if given)."""
+    path = Path(run_dir) / EVENTS
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if invocation is None or r.get("invocation") == invocation]
 
 
 def cluster_capacity() -> dict[str, float]:
@@ -61,13 +97,18 @@ def cluster_capacity() -> dict[str, float]:
 
 def check_request(cfg: Config, *, max_positions: int) -> None:
     """Refuse impossible runs before workers start."""
-    from raylm.train import accumulation_steps
-
     sc, t = cfg.scaling, cfg.train
-    max_workers = sc.num_workers[1] if isinstance(sc.num_workers, list) else sc.num_workers
-    min_workers = sc.num_workers[0] if isinstance(sc.num_workers, list) else sc.num_workers
-    accumulation_steps(t.global_batch_size, t.micro_batch_size, max_workers)
-    accumulation_steps(t.global_batch_size, t.micro_batch_size, min_workers)
+    min_workers, max_workers = sc.worker_range
+    counts = range(min_workers, max_workers + 1)
+    bad = [n for n in counts if t.global_batch_size % n]
+    if bad:
+        fits = math.lcm(*counts)
+        raise ValueError(
+            f"train.global_batch_size={t.global_batch_size} cannot be split equally over "
+            f"{', '.join(map(str, bad))} workers, which scaling.num_workers={sc.num_workers} "
+            f"allows; every worker count in the range must divide the global batch (for "
+            f"example train.global_batch_size={fits * max(1, round(t.global_batch_size / fits))}"
+            f"), or narrow the range.")
     if cfg.data.seq_len > max_positions:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} is above the model's "
                          f"{max_positions} positions; lower data.seq_len or choose a model "
@@ -89,19 +130,20 @@ def check_request(cfg: Config, *, max_positions: int) -> None:
 
 
 def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id: int,
-                  mlflow_run_id: str | None = None, mlflow_tracking_uri: str | None = None):
+                  invocation: str, mlflow_run_id: str | None = None,
+                  mlflow_tracking_uri: str | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from raylm import checkpoint
     from raylm.data import build_data_config, trainer_datasets
-    from raylm.tracking import MLflowCallback
+    from raylm.tracking import MLflowCallback, log_events
     from raylm.train import train_loop_per_worker
 
     sc, t = cfg.scaling, cfg.train
     rd = str(run_dir(cfg))
     workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
-    resources = {"CPU": sc.cpus_per_worker}
+    resources = {"CPU": sc.cpus_per_worker, **sc.worker_resources}
     if sc.use_gpu:
         resources["GPU"] = 1
 
@@ -116,13 +158,17 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
                            "eos_id": eos_id, "mlflow_run_id": mlflow_run_id,
                            "mlflow_tracking_uri": mlflow_tracking_uri},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
-                                     resources_per_worker=resources),
+                                     resources_per_worker=resources,
+                                     elastic_resize_monitor_interval_s=sc.resize_interval_s),
         run_config=RunConfig(
             name=cfg.run.name,
             storage_path=str(Path(rd).parent),
             failure_config=FailureConfig(max_failures=t.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[ProgressCallback(rd, t.steps)] + (
+            callbacks=[ProgressCallback(
+                rd, t.steps, invocation=invocation,
+                on_event=(functools.partial(log_events, mlflow_run_id, mlflow_tracking_uri)
+                          if mlflow_run_id else None))] + (
                 [MLflowCallback(mlflow_run_id, mlflow_tracking_uri)] if mlflow_run_id else []),
         ),
         datasets=trainer_datasets(prepared, with_val=True),
@@ -158,8 +204,7 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
         checkpoint.check_compatible(found[1], model_cfg, str(found[0]))
         log(f"raylm: run {cfg.run.name!r} exists; resuming from step "
             f"{found[1]['state']['step']} of {cfg.train.steps} ({found[0]})")
-    max_workers = (cfg.scaling.num_workers[1] if isinstance(cfg.scaling.num_workers, list)
-                   else cfg.scaling.num_workers)
+    max_workers = cfg.scaling.worker_range[1]
     val_blocks = layout["splits"]["val"]["blocks"]
     if val_blocks < max_workers:
         raise ValueError(f"the validation split has {val_blocks} blocks, fewer than the "
@@ -173,22 +218,26 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
     run_id, uri = tracking.start_run(cfg, log=log)
     if run_id:
         log(f"raylm: MLflow run {run_id} at {uri}")
+    invocation = f"{time.time():.6f}"
     t0 = time.time()
-    failed = True
+    error = None
     try:
         result = build_trainer(cfg, prepared, vocab_size=vocab, eos_id=eos,
-                               mlflow_run_id=run_id, mlflow_tracking_uri=uri).fit()
-        failed = result.error is not None
+                               invocation=invocation, mlflow_run_id=run_id,
+                               mlflow_tracking_uri=uri).fit()
+        m = result.metrics or {}
+    except Exception as e:  # Ray Train raises once max_failures is used up
+        error, m = e, {}
     finally:
-        tracking.finish_run(run_id, uri, failed=failed)
+        tracking.finish_run(run_id, uri, failed=error is not None)
     wall = time.time() - t0
-    m = result.metrics or {}
     final = checkpoint.latest_verified(rd)
-    restarts = 0
-    if (rd / EVENTS).is_file():
-        restarts = sum(1 for line in (rd / EVENTS).read_text().splitlines() if line.strip())
+    records = read_events(rd, invocation)
+    start = next((r for r in records if r["event"] == "start"), None)
+    final_step = m.get("step") or (final[1]["state"]["step"] if final else None)
     summary = {
-        "final_step": m.get("step"),
+        "status": "failed" if error is not None else "finished",
+        "final_step": final_step,
         "train_loss": m.get("loss"),
         "val_loss": m.get("val_loss"),
         "tokens_per_s": m.get("tokens_per_s"),
@@ -198,15 +247,28 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
         "checkpoint_path": str(final[0]) if final else None,
         "mlflow_run_id": run_id,
         "mlflow_tracking_uri": uri,
-        "resumed_from_step": m.get("resumed_from_step"),
-        "restarts": restarts,
+        "resumed_from_step": (start["from_step"] or None) if start else None,
+        "workers": m.get("workers"),
+        **summarize(records),
+        "samples": None,
         "attention_backend": m.get("attention_backend"),
         "precision": m.get("precision"),
     }
+    rows = checkpoint.load_samples(final[0]) if final else None
+    if rows is not None:
+        summary["samples"] = ledger.account(
+            rows, group_sizes=layout["splits"]["train"]["row_group_sizes"],
+            seed=cfg.train.seed, window=cfg.data.shuffle_window)
     rd.mkdir(parents=True, exist_ok=True)
     (rd / "summary.json").write_text(json.dumps(summary, indent=2))
+    if error is not None:
+        log(f"raylm: failed at step {final_step} after {summary['failures']} failures; the "
+            f"latest checkpoint is {summary['checkpoint_path']}; run again with the same "
+            f"run.name to resume. Summary: {rd / 'summary.json'}")
+        raise error
     log(f"raylm: done: step {summary['final_step']}, val loss {summary['val_loss']}, "
-        f"checkpoint {summary['checkpoint_path']}, summary {rd / 'summary.json'}")
+        f"{summary['restarts']} restarts, {summary['resizes']} resizes, checkpoint "
+        f"{summary['checkpoint_path']}, summary {rd / 'summary.json'}")
     if run_id:
         log(f"raylm: MLflow run {run_id} ({uri}); browse with: mlflow ui --backend-store-uri "
             f"{uri}")

@@ -130,6 +130,8 @@ class MLflowCallback(UserCallback):
                   f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}", flush=True)
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        if metrics[0].get("event") == "group_start":  # recorded as an event, not a metric
+            return
         self._safe(self._log, metrics[0], checkpoint)
 
     def _log(self, client, m: dict[str, Any], checkpoint) -> None:
@@ -165,3 +167,21 @@ def start_node_monitor(run_id: str | None, uri: str | None, node: str):
     except Exception as e:  # system metrics are a nicety; training goes on without them
         print(f"warning: MLflow system metrics unavailable on {node}: {e}", flush=True)
         return None
+
+
+def log_events(run_id: str, uri: str, records: list[dict[str, Any]], step: int) -> None:
+    """Failures, restarts and resizes: ``events.json`` in the run's artifacts, and the counts
+    ``restarts`` and ``resizes`` as metrics at the step they happened."""
+    from mlflow.entities import Metric
+
+    from raylm.events import summarize
+
+    try:
+        client = _client(uri)
+        client.log_dict(run_id, {"events": records}, "events.json")
+        counts = summarize(records)
+        now = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(k, float(counts[k]), now, step)
+                                          for k in ("restarts", "resizes", "failures")])
+    except Exception as e:  # tracking never stops training
+        print(f"warning: MLflow could not record a run event: {e}", flush=True)

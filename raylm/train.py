@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -145,15 +146,35 @@ def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
 # --------------------------------------------------------------------------------------------
 
 
-def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
-    """Micro-batches per optimizer step so that micro x accumulation x workers = global."""
-    per_step = micro_batch * world_size
-    if global_batch % per_step:
+def batch_plan(global_batch: int, micro_batch: int, world_size: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) so that micro x accumulation x workers = global.
+
+    The global batch is fixed by the config; when the worker count changes (an elastic resize,
+    a restart on fewer nodes) each rank's share changes, and it is split into equal
+    micro-batches no larger than ``micro_batch`` (16 sequences on 2 workers: 8 each, 1 x 8;
+    on 1 worker: 2 x 8; on 3 workers: impossible, 16 does not divide by 3).
+    """
+    if global_batch % world_size:
         raise ValueError(
-            f"train.global_batch_size={global_batch} does not divide by train.micro_batch_size="
-            f"{micro_batch} x {world_size} workers; choose a global batch that is a multiple of "
-            f"{per_step}, or change the micro batch.")
-    return global_batch // per_step
+            f"train.global_batch_size={global_batch} does not divide by {world_size} workers, so "
+            f"the workers cannot share every global batch equally; use a global batch that is a "
+            f"multiple of {world_size}, or other worker counts.")
+    per_rank = global_batch // world_size
+    micro = max(m for m in range(1, min(micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro
+
+
+def check_positions(positions: np.ndarray, *, step: int, global_batch: int, rank: int,
+                    world_size: int) -> None:
+    """The samples a rank is about to train at ``step`` (0-based) must be its slice of that
+    global batch; anything else would silently train on the wrong data."""
+    per_rank = global_batch // world_size
+    first = step * global_batch + rank * per_rank
+    if not np.array_equal(positions, np.arange(first, first + per_rank)):
+        raise RuntimeError(
+            f"rank {rank}: the data stream is at positions {positions[:4].tolist()}... but step "
+            f"{step} needs {first}..{first + per_rank - 1}; the stream and the checkpoint "
+            f"disagree about where the run is.")
 
 
 def train_loop_per_worker(loop_config: dict) -> None:
@@ -162,6 +183,16 @@ def train_loop_per_worker(loop_config: dict) -> None:
     Every worker calls ``ray.train.report`` at the same steps (Ray Train needs all of them);
     metrics are global figures, identical on every rank.
     """
+    from raylm import preemption
+
+    preemption.install_in_ray_worker()
+    try:
+        _train(loop_config)
+    finally:
+        preemption.uninstall_in_ray_worker()
+
+
+def _train(loop_config: dict) -> None:
     import itertools
     import tempfile
     import time
@@ -170,10 +201,12 @@ def train_loop_per_worker(loop_config: dict) -> None:
     import ray.train.torch
 
     from raylm import checkpoint as ckpt
+    from raylm import ledger, preemption
     from raylm.config import config_from_dict
     from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
     from raylm.optim import build_optimizer, lr_at, set_lr
 
+    started = time.time()
     cfg = config_from_dict(loop_config["config"])
     run_dir = loop_config["run_dir"]
     ctx = ray.train.get_context()
@@ -198,13 +231,24 @@ def train_loop_per_worker(loop_config: dict) -> None:
         state.load_state_dict(ckpt.load(found[0], model=built.model, optimizer=optimizer,
                                         config=built.config))
         if rank == 0:
-            print(f"raylm: resuming from step {state.step} ({found[0]})", flush=True)
+            print(f"raylm: {world} workers resuming from step {state.step} ({found[0]})",
+                  flush=True)
     resumed_from = state.step if found is not None else None
-    accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, world)
+    # The sample ledger continues the checkpoint's; every rank decides alike (it gathers).
+    keep_ledger = t.sample_ledger and (found is None or ckpt.load_samples(found[0]) is not None)
+    history = None
+    if keep_ledger and rank == 0:
+        history = ckpt.load_samples(found[0]) if found is not None else np.zeros(
+            (0, t.global_batch_size), np.int32)
+    pending: list[np.ndarray] = []
+    micro_batch, accumulation = batch_plan(t.global_batch_size, t.micro_batch_size, world)
     if state.data_position != state.step * t.global_batch_size:
         raise ckpt.CheckpointError(
             f"checkpoint data position {state.data_position} is not step {state.step} x "
             f"train.global_batch_size={t.global_batch_size}; keep the global batch of the run.")
+    # Identifies this worker group to the controller, which turns a change of group into a
+    # restart or resize record.
+    group = {"started": started, "workers": world, "from_step": state.step}
 
     monitor = None
     if ctx.get_local_rank() == 0:
@@ -217,7 +261,7 @@ def train_loop_per_worker(loop_config: dict) -> None:
     peak = peak_flops(device, built.precision)
     tokens_per_step = t.global_batch_size * d.seq_len
     train_batches = iter(ray.train.get_dataset_shard("train").iter_torch_batches(
-        batch_size=t.micro_batch_size, prefetch_batches=d.prefetch_batches))
+        batch_size=micro_batch, prefetch_batches=d.prefetch_batches))
     val_shard = ray.train.get_dataset_shard("val")
     # Starting the stream (actors, first blocks) is a one-off cost, reported on its own rather
     # than folded into the steady-state data-wait fraction.
@@ -225,6 +269,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
     if state.step < t.steps:
         train_batches = itertools.chain([next(train_batches)], train_batches)
     data_startup_s = time.perf_counter() - startup_t0
+    # Tells the controller this group is ready: it records the start, restart or resize.
+    ray.train.report({"event": "group_start", "step": state.step, "group": group,
+                      "data_startup_s": data_startup_s})
 
     wait_s = busy_s = 0.0
     window_t0, window_tokens, window_wait = time.perf_counter(), 0, 0.0
@@ -236,6 +283,9 @@ def train_loop_per_worker(loop_config: dict) -> None:
             w0 = time.perf_counter()
             micro.append(next(train_batches))
             window_wait += time.perf_counter() - w0
+        check_positions(torch.cat([b["sample_position"] for b in micro]).numpy(),
+                        step=state.step, global_batch=t.global_batch_size, rank=rank,
+                        world_size=world)
         lr = lr_at(state.step, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
                    total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
                    cycle_steps=o.cycle_steps)
@@ -245,11 +295,14 @@ def train_loop_per_worker(loop_config: dict) -> None:
         state.step += 1
         state.tokens_seen += tokens_per_step
         state.data_position += t.global_batch_size
+        if keep_ledger:
+            pending.append(torch.cat([b["row"] for b in micro]).numpy())
         window_tokens += tokens_per_step
         busy_s += time.perf_counter() - step_t0
         last = state.step == t.steps
-        evaluate_now = state.step % t.eval_every == 0 or last
-        save_now = state.step % cfg.checkpoint.every == 0 or last
+        preempted = preemption.any_rank_requested(device)
+        evaluate_now = (state.step % t.eval_every == 0 or last) and not preempted
+        save_now = state.step % cfg.checkpoint.every == 0 or last or preempted
         if state.step % t.log_every and not evaluate_now and not save_now:
             continue
         now = time.perf_counter()
@@ -263,10 +316,10 @@ def train_loop_per_worker(loop_config: dict) -> None:
             "data_wait_fraction_run": wait_s / max(busy_s, 1e-9),
             "mfu": mfu(tok_s, flops_token, peak, world),
             "peak_memory_gb": peak_memory_bytes(device) / 2**30,
-            "workers": world, "accumulation": accumulation,
+            "workers": world, "accumulation": accumulation, "micro_batch": micro_batch,
             "attention_backend": built.attention.backend, "precision": built.precision,
             "resumed_from_step": resumed_from, "elapsed_s": now - run_t0,
-            "data_startup_s": data_startup_s,
+            "data_startup_s": data_startup_s, "preempted": preempted,
         }
         if evaluate_now:
             # The val stream holds eval_batches micro-batches per rank (fewer, and the same
@@ -275,13 +328,21 @@ def train_loop_per_worker(loop_config: dict) -> None:
                            cross_document=cross_doc)
             metrics.update(val_loss=val, val_perplexity=float(torch.exp(torch.tensor(val))))
         if save_now:
+            if keep_ledger:
+                new_rows = ledger.gather(pending, device)
+                if rank == 0:
+                    history = np.concatenate([history, new_rows])
+                pending = []
             with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
                 ckpt.save(tmp, model=built.model, optimizer=optimizer,
-                          state=state.state_dict(), config=built.config)
+                          state=state.state_dict(), config=built.config, samples=history)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
         else:
             ray.train.report(metrics)
+        if preempted:
+            raise preemption.Preempted(
+                f"a worker was asked to stop (SIGTERM); checkpoint saved at step {state.step}, "
+                f"the run resumes from it")
         window_t0, window_tokens, window_wait = time.perf_counter(), 0, 0.0
     if monitor is not None:
         monitor.finish()
-

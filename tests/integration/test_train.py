@@ -77,9 +77,13 @@ def test_train_resume_equals_uninterrupted(base, trained):
     runs = client.search_runs([mrun.info.experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["full", "split"]
     assert set(summary) == {
-        "final_step", "train_loss", "val_loss", "tokens_per_s", "mfu", "data_wait_fraction",
-        "wall_s", "checkpoint_path", "mlflow_run_id", "mlflow_tracking_uri",
-        "resumed_from_step", "restarts", "attention_backend", "precision"}
+        "status", "final_step", "train_loss", "val_loss", "tokens_per_s", "mfu",
+        "data_wait_fraction", "wall_s", "checkpoint_path", "mlflow_run_id",
+        "mlflow_tracking_uri", "resumed_from_step", "workers", "restarts", "resizes",
+        "failures", "interruptions", "samples", "attention_backend", "precision"}
+    # 30 steps x 8 sequences, in the seed's order, over two invocations.
+    assert summary["samples"] == {"steps": 30, "trained": 240, "duplicated": 0,
+                                  "skipped": 0, "in_order": True}
 
 
 def base_dir(base):
@@ -134,9 +138,12 @@ def test_unreachable_mlflow_does_not_stop_training(base):
 
 
 def test_bad_requests_fail_before_workers_start(base):
-    with pytest.raises(ValueError, match="does not divide by train.micro_batch_size=2 x 2 "
+    with pytest.raises(ValueError, match="global_batch_size=9 cannot be split equally over 2 "
                                          "workers"):
-        train_run(base, "--run.name=bad1", "--train.global_batch_size=6")
+        train_run(base, "--run.name=bad1", "--train.global_batch_size=9")
+    with pytest.raises(ValueError, match=r"over 3 workers, which scaling.num_workers=\[2, 4\] "
+                                         r"allows.*train.global_batch_size=12\)"):
+        train_run(base, "--run.name=bad1", "--scaling.num_workers=[2,4]")
     with pytest.raises(ValueError, match="needs 8 CPUs but the cluster has 4"):
         train_run(base, "--run.name=bad2", "--scaling.num_workers=8",
             "--train.global_batch_size=16")
@@ -146,3 +153,117 @@ def test_bad_requests_fail_before_workers_start(base):
         train_run(base, "--run.name=bad4", "--data.val_fraction=0.0")
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         train_run(base, "--run.name=bad5", "--model.preset=huge")
+
+
+# --------------------------------------------------------------------------------------------
+# Faults: processes killed from outside, preemption, resizes, broken checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def train_workers():
+    """The live Ray Train worker processes of the (one) run in progress."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"])
+            if any("ray::RayTrainWorker" in part for part in (p.info["cmdline"] or []))]
+
+
+def run_and_interfere(base, args, *, when_step: int, act, timeout: float = 240.0):
+    """Start a run in a thread; once it has a verified checkpoint at ``when_step`` or later,
+    call ``act()`` from outside the training; return the run's summary."""
+    import threading
+    import time
+
+    from raylm import checkpoint
+
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(summary=train_run(base, *args)),
+                              daemon=True)
+    run_dir = base_dir(base) / next(a for a in args if a.startswith("--run.name=")).split("=")[1]
+    thread.start()
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = checkpoint.latest_verified(run_dir, warn=lambda m: None)
+        if found and found[1]["state"]["step"] >= when_step:
+            act()
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError(f"no checkpoint at step {when_step} within {timeout}s")
+    thread.join(timeout)
+    assert "summary" in out, "the run did not finish"
+    return out["summary"]
+
+
+def assert_exact_samples(summary, steps):
+    """The final checkpoint's ledger: every sample of the seed's order, once, in order."""
+    assert summary["samples"] == {"steps": steps, "trained": 8 * steps, "duplicated": 0,
+                                  "skipped": 0, "in_order": True}
+
+
+def test_worker_killed_with_sigkill_restarts_and_ends_like_uninterrupted(base, trained):
+    import signal
+
+    killed = []
+
+    def kill_one():
+        victim = train_workers()[0]
+        killed.append(victim.pid)
+        victim.send_signal(signal.SIGKILL)
+
+    out = run_and_interfere(
+        base, ["--run.name=sigkill", "--train.steps=30", "--checkpoint.every=5"],
+        when_step=5, act=kill_one)
+    assert killed and out["status"] == "finished"
+    assert out["final_step"] == 30 and out["restarts"] == 1 and out["failures"] >= 1
+    (restart,) = out["interruptions"]
+    assert restart["event"] == "restart" and restart["from_workers"] == restart["to_workers"] == 2
+    assert restart["resumed_from_step"] >= 5 and restart["resumed_from_step"] % 5 == 0
+    assert restart["failures"] >= 1 and restart["cause"]
+    assert_exact_samples(out, 30)
+    full = trained[0]
+    assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
+    assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_resumes_from_it(base, trained):
+    import signal
+
+    out = run_and_interfere(
+        base, ["--run.name=sigterm", "--train.steps=30", "--checkpoint.every=5"],
+        when_step=5, act=lambda: train_workers()[-1].send_signal(signal.SIGTERM))
+    assert out["final_step"] == 30 and out["restarts"] == 1
+    (restart,) = out["interruptions"]
+    # The preempted group saved at the step it had reached, so nothing is trained twice.
+    assert "Preempted" in restart["cause"] and restart["steps_redone"] == 0
+    assert restart["resumed_from_step"] == restart["at_step"] > 5
+    assert_exact_samples(out, 30)
+    full = trained[0]
+    assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
+    assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
+
+
+def test_resume_on_fewer_and_more_workers_with_a_truncated_checkpoint(base, trained):
+    from raylm import checkpoint
+
+    run = ["--run.name=resize", "--checkpoint.every=5", "--checkpoint.keep=5"]
+    two = train_run(base, *run, "--train.steps=10")
+    one = train_run(base, *run, "--train.steps=20", "--scaling.num_workers=1")
+    assert two["workers"] == 2 and one["workers"] == 1 and one["resumed_from_step"] == 10
+    # Cut the newest checkpoint short, as a save killed half-way would leave it.
+    newest, marker = checkpoint.latest_verified(base_dir(base) / "resize")
+    assert marker["state"]["step"] == 20 and marker["world_size"] == 1
+    shard = max((p for p in newest.iterdir() if p.suffix == ".distcp"),
+                key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    logs = []
+    again = train(load_config(None, [*base, *run, "--train.steps=30"]), log=logs.append)
+    assert any("skipping incomplete checkpoint" in m and "truncated" in m for m in logs), logs
+    assert again["resumed_from_step"] == 15 and again["workers"] == 2
+    # Steps 16-20 were trained twice (the second time counts): nothing duplicated or skipped.
+    assert_exact_samples(again, 30)
+    # The same 8 sequences per step throughout; 1 worker sums its micro-batches where 2
+    # workers average over ranks, which moves the loss by float rounding only.
+    full = trained[0]
+    assert again["train_loss"] == pytest.approx(full["train_loss"], abs=2e-4)
+    assert again["val_loss"] == pytest.approx(full["val_loss"], abs=2e-4)

@@ -1,0 +1,59 @@
+"""The sample ledger: the stored rows every optimizer step trained on, kept in each
+checkpoint, and the accounting that shows a run with restarts and resizes trained each sample
+exactly as often as an uninterrupted one.
+
+Each rank keeps the ``row`` column of the batches it trained since the last checkpoint; at a
+checkpoint they are gathered into rank 0's ledger, ``(steps, global batch)`` int32 in position
+order, saved as ``samples.npy`` beside the shards. A checkpoint's ledger therefore describes
+exactly the updates its weights hold: steps lost to a failure never enter it, and steps
+trained again after a restart enter it once. :func:`account` compares it with the order the
+seed defines (``SampleOrder``), so it counts from the data the workers received, not from the
+step arithmetic. Size: 4 bytes per sample (a 1B-token run of 2,048-token blocks: 2 MB).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def gather(rows: list[np.ndarray], device: torch.device) -> np.ndarray | None:
+    """Rank 0: the global rows of the steps in ``rows`` (each rank's slice per step, all
+    ranks the same number of steps) as ``(steps, global batch)``; other ranks: None."""
+    mine = torch.as_tensor(np.stack(rows) if rows else np.zeros((0, 0)), dtype=torch.int64)
+    if not dist.is_initialized():
+        return mine.numpy().astype(np.int32)
+    mine = mine.to(device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    if dist.get_rank() != 0:
+        return None
+    # Rank r holds slice r of every global batch: concatenating along the batch dimension
+    # puts each step's samples in position order.
+    return torch.cat(parts, dim=1).cpu().numpy().astype(np.int32)
+
+
+def account(rows: np.ndarray, *, group_sizes: list[int], seed: int, window: int
+            ) -> dict[str, Any]:
+    """A ledger ``(steps, global batch)`` against the seed's order for as many samples.
+
+    ``duplicated``: samples trained more often than the order asks; ``skipped``: less often;
+    ``in_order``: the exact sequence, sample by sample.
+    """
+    from raylm.packing import SampleOrder
+
+    order = SampleOrder(group_sizes, seed=seed, window=window)
+    trained = rows.reshape(-1).astype(np.int64)
+    expected = order.rows(np.arange(len(trained)))
+    want = np.bincount(expected, minlength=order.num_rows)
+    have = np.bincount(trained, minlength=order.num_rows)
+    return {
+        "steps": int(rows.shape[0]),
+        "trained": int(len(trained)),
+        "duplicated": int(np.maximum(have - want, 0).sum()),
+        "skipped": int(np.maximum(want - have, 0).sum()),
+        "in_order": bool(np.array_equal(trained, expected)),
+    }
