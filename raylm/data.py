@@ -526,13 +526,14 @@ def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None
 
 def build_data_config(prepared: str | os.PathLike, *, seed: int, window: int, global_batch: int,
                       num_steps: int, eval_samples: int | None,
-                      start_step: int | Callable[[], int] = 0):
+                      start_step: int | Callable[[int], int] = 0):
     """A ``ray.train.DataConfig`` that gives each worker its ordered streams.
 
     ``train``: the samples of steps ``[start_step, num_steps)`` in the global order, sliced by
     rank. ``val``: up to ``eval_samples`` blocks per rank, round robin in storage order.
-    ``start_step`` may be a callable, evaluated each time a worker group starts, so a restarted
-    group continues from the latest checkpoint.
+    ``start_step`` may be a callable of the world size, evaluated once for each worker group
+    (when it asks for its data), so a restarted or resized group continues from the latest
+    checkpoint.
     """
     import ray.train
 
@@ -542,7 +543,10 @@ def build_data_config(prepared: str | os.PathLike, *, seed: int, window: int, gl
     class OrderedDataConfig(ray.train.DataConfig):
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
             out: list[dict] = [{} for _ in range(world_size)]
-            step = start_step() if callable(start_step) else start_step
+            # Called once per dataset name; the train split decides the start.
+            step = 0
+            if "train" in datasets:
+                step = start_step(world_size) if callable(start_step) else start_step
             per_rank = global_batch // world_size
             for name in datasets:
                 for rank in range(world_size):

@@ -1,92 +1,107 @@
-"""Restarts and resizes, as the Ray Train controller sees them.
+"""Restarts and resizes: a log of what happened to a run's worker groups, and what it cost.
 
-Ray Train's public controller callback tells of reports and of worker exceptions, not of
-worker groups. Each worker group therefore makes one report when it is ready to train (how
-many workers, the step it resumed from), and that report closes the interruption before it:
+Ray Train's public hooks tell of reports and of worker exceptions, not of worker groups. So
+``RUN_DIR/events.jsonl`` collects three kinds of record, each appended by the process that
+sees it happen:
 
-- ``restart``: the group before failed (a lost worker or node, a preempted worker) and this
-  one resumed from the latest checkpoint;
-- ``resize``: Ray Train replaced a healthy group by one of another size (an elastic run that
-  found room to grow).
+- ``group_start`` (workers, step it resumes from): raylm's ``DataConfig`` runs once per worker
+  group, on the head node, when the group asks for its data;
+- ``failure`` (ranks, error): the controller callback's ``after_exception``;
+- ``progress`` (step, seconds per step): the controller callback, at every report.
 
-Each record says from how many workers to how many, the last step reported before
-(``at_step``), the step resumed from, the steps to train again, and the time lost: wall time
-from the last report before the interruption until the new group is ready, plus the time the
-steps to train again took at the speed before.
+:func:`interruptions` derives from them, as a pure function, one record per change of worker
+group after the first: ``restart`` when the group before failed (a lost worker or node, a
+preempted worker), ``resize`` when Ray Train replaced a healthy group by one of another size.
+Each says from how many workers to how many, the last step reported before (``at_step``), the
+step resumed from, the steps trained again (``at_step - resumed_from_step``), and the time
+lost: wall time from the last report before the interruption to the first report after it,
+less the time the steps beyond ``at_step`` took at the speed before (None if the group never
+reported).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from pathlib import Path
 from typing import Any
 
+EVENTS = "events.jsonl"
 
-class RunEvents:
-    """The interruption records of one ``raylm train`` invocation (pure bookkeeping)."""
 
-    def __init__(self, invocation: str) -> None:
-        self.invocation = invocation
-        self.group: dict[str, Any] | None = None
-        self.last_step: int | None = None
-        self.last_time: float | None = None
-        self.step_time = 0.0
-        self.failures: list[dict[str, Any]] = []
-        self.records: list[dict[str, Any]] = []
+def append(run_dir: str | os.PathLike, invocation: str, event: str, **fields: Any
+           ) -> dict[str, Any]:
+    """Append one record (small single-line appends from several processes do not mix)."""
+    record = {"invocation": invocation, "event": event, "time": time.time(), **fields}
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / EVENTS, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
 
-    def _record(self, event: dict[str, Any]) -> dict[str, Any]:
-        event = {"invocation": self.invocation, **event}
-        self.records.append(event)
-        return event
 
-    def failure(self, *, ranks: list[int], error: str, now: float) -> dict[str, Any]:
-        event = self._record({"event": "failure", "time": now, "ranks": ranks,
-                              "error": error, "last_step": self.last_step})
-        self.failures.append(event)
-        return event
+def read(run_dir: str | os.PathLike, invocation: str | None = None) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/events.jsonl`` (of one invocation, if given), in order."""
+    path = Path(run_dir) / EVENTS
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if invocation is None or r["invocation"] == invocation]
 
-    def group_started(self, group: dict[str, Any], *, now: float) -> dict[str, Any]:
-        """A worker group is ready to train (every group reports this once, first)."""
-        if self.group is None and self.last_step is None:
-            event = {"event": "start", "time": now, "workers": group["workers"],
-                     "from_step": group["from_step"], "failures_before": len(self.failures)}
-        else:
-            at = self.last_step if self.last_step is not None else group["from_step"]
-            redone = max(0, at - group["from_step"])
-            idle = now - self.last_time if self.last_time is not None else 0.0
-            event = {
-                "event": "restart" if self.failures else "resize",
-                "time": now,
-                "from_workers": self.group["workers"] if self.group else None,
-                "to_workers": group["workers"],
-                "at_step": at,
-                "resumed_from_step": group["from_step"],
-                "steps_redone": redone,
-                "time_lost_s": round(idle + redone * self.step_time, 2),
-                "failures": len(self.failures),
-                "cause": self.failures[-1]["error"] if self.failures else "resize",
-            }
-        self.group, self.failures = group, []
-        self.last_step, self.last_time = group["from_step"], now
-        return self._record(event)
 
-    def report(self, metrics: dict[str, Any], *, now: float) -> None:
-        """Account for rank 0's report of a training step."""
-        step = int(metrics["step"])
-        done = step - self.group["from_step"] if self.group else 0
-        if done > 0:
-            self.step_time = metrics["elapsed_s"] / done
-        self.last_step, self.last_time = step, now
-
-    def interruptions(self) -> list[dict[str, Any]]:
-        return [e for e in self.records if e["event"] in ("restart", "resize")]
+def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The restart and resize records of one invocation's events (see the module doc)."""
+    out: list[dict[str, Any]] = []
+    group = None  # the current group's start record
+    last = None  # the last progress record of the current group
+    step_time = 0.0
+    failures: list[dict[str, Any]] = []
+    pending = None  # an interruption waiting for the new group's first report
+    for r in records:
+        kind = r["event"]
+        if kind == "failure":
+            failures.append(r)
+        elif kind == "group_start":
+            if pending is not None:
+                out.append(pending)
+            pending = None
+            if group is not None:
+                at, since = ((last["step"], last["time"]) if last is not None
+                             else (group["from_step"], group["time"]))
+                pending = {
+                    "event": "restart" if failures else "resize",
+                    "from_workers": group["workers"],
+                    "to_workers": r["workers"],
+                    "at_step": at,
+                    "resumed_from_step": r["from_step"],
+                    "steps_redone": max(0, at - r["from_step"]),
+                    "time_lost_s": None,
+                    "failures": len(failures),
+                    "cause": failures[-1]["error"] if failures else "resize",
+                    "_since": since,
+                    "_step_time": step_time,
+                }
+            group, last, failures = r, None, []
+        elif kind == "progress":
+            if pending is not None:
+                beyond = max(0, r["step"] - pending["at_step"])
+                lost = r["time"] - pending["_since"] - beyond * pending["_step_time"]
+                pending["time_lost_s"] = round(max(0.0, lost), 2)
+                out.append(pending)
+                pending = None
+            last, step_time = r, r["step_time"]
+    if pending is not None:
+        out.append(pending)
+    return [{k: v for k, v in e.items() if not k.startswith("_")} for e in out]
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary.json fields for one invocation's records."""
-    inter = [e for e in records if e["event"] in ("restart", "resize")]
+    inter = interruptions(records)
     return {
         "restarts": sum(e["event"] == "restart" for e in inter),
         "resizes": sum(e["from_workers"] != e["to_workers"] for e in inter),
-        "failures": sum(e["event"] == "failure" for e in records),
-        "interruptions": [{k: v for k, v in e.items() if k not in ("invocation", "time")}
-                          for e in inter],
+        "failures": sum(r["event"] == "failure" for r in records),
+        "interruptions": inter,
     }

@@ -14,58 +14,47 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raylm import ledger
+from raylm import events, ledger
 from raylm.config import Config, run_dir
-from raylm.events import RunEvents, summarize
 
 try:  # the controller-side callback base class (Ray Train V2)
     from ray.train.v2.api.callback import UserCallback
 except ImportError:  # pragma: no cover - Ray without Train V2
     UserCallback = object
 
-EVENTS = "events.jsonl"
-
-
 class ProgressCallback(UserCallback):
-    """Runs on the Ray Train controller: one progress line per report; every failure, restart
-    and resize in ``RUN_DIR/events.jsonl`` (and to ``on_event``)."""
+    """Runs on the Ray Train controller: one progress line per report, and the ``failure``
+    and ``progress`` records of ``RUN_DIR/events.jsonl``. When a report is the first of a new
+    worker group it prints the restart or resize and passes all records to ``on_event``."""
 
     def __init__(self, run_dir: str, total_steps: int, *, invocation: str,
                  on_event: Callable[[list[dict[str, Any]], int], None] | None = None) -> None:
         self.run_dir = run_dir
         self.total_steps = total_steps
-        self.events = RunEvents(invocation)
+        self.invocation = invocation
         self.on_event = on_event
-
-    def _write(self, event: dict[str, Any]) -> None:
-        path = Path(self.run_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        with open(path / EVENTS, "a") as f:
-            f.write(json.dumps(event) + "\n")
-        if self.on_event is not None:
-            self.on_event(read_events(self.run_dir), self.events.last_step or 0)
+        self.known = 0  # interruptions already announced
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         m = metrics[0]
-        if m.get("event") == "group_start":
-            event = self.events.group_started(m["group"], now=time.time())
-            self._write(event)
-            if event["event"] == "start":
-                print(f"raylm: {event['workers']} workers ready at step {event['from_step']} "
-                      f"(data stream started in {m['data_startup_s']:.1f}s)", flush=True)
-            else:
-                print(f"raylm: {event['event']} {event['from_workers']} -> "
-                      f"{event['to_workers']} workers, resumed from step "
-                      f"{event['resumed_from_step']} (last report at step {event['at_step']}), "
-                      f"{event['time_lost_s']:.1f}s lost", flush=True)
-            return
-        self.events.report(m, now=time.time())
         step = m["step"]
-        rate = self.events.step_time
-        eta = rate * (self.total_steps - step)
+        step_time = m["elapsed_s"] / max(1, step - (m.get("resumed_from_step") or 0))
+        events.append(self.run_dir, self.invocation, "progress", step=step,
+                      step_time=step_time)
+        records = events.read(self.run_dir, self.invocation)
+        found = events.interruptions(records)
+        for e in found[self.known:]:
+            lost = f"{e['time_lost_s']:.1f}s" if e["time_lost_s"] is not None else "unknown"
+            print(f"raylm: {e['event']} {e['from_workers']} -> {e['to_workers']} workers, "
+                  f"resumed from step {e['resumed_from_step']} (last report at step "
+                  f"{e['at_step']}), time lost {lost}", flush=True)
+        if len(found) > self.known and self.on_event is not None:
+            self.on_event(events.read(self.run_dir), step)
+        self.known = len(found)
         line = (f"step {step}/{self.total_steps}  loss {m['loss']:.4f}  "
                 f"lr {m['lr']:.2e}  {m['tokens_per_s']:,.0f} tok/s  "
-                f"data wait {100 * m['data_wait_fraction']:.1f}%  ETA {eta:.0f}s")
+                f"data wait {100 * m['data_wait_fraction']:.1f}%  "
+                f"ETA {step_time * (self.total_steps - step):.0f}s")
         if "val_loss" in m:
             line += f"  val {m['val_loss']:.4f}"
         if checkpoint is not None:
@@ -75,18 +64,9 @@ class ProgressCallback(UserCallback):
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         error = next(iter(worker_exceptions.values()))
         text = str(error).strip().splitlines()
-        self._write(self.events.failure(
-            ranks=sorted(worker_exceptions), now=time.time(),
-            error=f"{type(error).__name__}: {text[0] if text else ''}"[:300]))
-
-
-def read_events(run_dir: str | Path, invocation: str | None = None) -> list[dict[str, Any]]:
-    """The records in ``RUN_DIR/events.jsonl`` (of one invocation, if given)."""
-    path = Path(run_dir) / EVENTS
-    if not path.is_file():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if invocation is None or r.get("invocation") == invocation]
+        events.append(self.run_dir, self.invocation, "failure",
+                      ranks=sorted(worker_exceptions),
+                      error=f"{type(error).__name__}: {text[0] if text else ''}"[:300])
 
 
 def cluster_capacity() -> dict[str, float]:
@@ -147,10 +127,13 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
     if sc.use_gpu:
         resources["GPU"] = 1
 
-    def start_step() -> int:
-        # Evaluated each time a worker group starts: the same checkpoint the workers load.
+    def start_step(world_size: int) -> int:
+        # Evaluated once per worker group, when it asks for its data: the checkpoint the
+        # workers load. Recorded, as it is the one moment the driver side learns of a group.
         found = checkpoint.latest_verified(rd)
-        return int(found[1]["state"]["step"]) if found else 0
+        step = int(found[1]["state"]["step"]) if found else 0
+        events.append(rd, invocation, "group_start", workers=world_size, from_step=step)
+        return step
 
     return TorchTrainer(
         train_loop_per_worker,
@@ -232,8 +215,8 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
         tracking.finish_run(run_id, uri, failed=error is not None)
     wall = time.time() - t0
     final = checkpoint.latest_verified(rd)
-    records = read_events(rd, invocation)
-    start = next((r for r in records if r["event"] == "start"), None)
+    records = events.read(rd, invocation)
+    start = next((r for r in records if r["event"] == "group_start"), None)
     final_step = m.get("step") or (final[1]["state"]["step"] if final else None)
     summary = {
         "status": "failed" if error is not None else "finished",
@@ -249,7 +232,7 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
         "mlflow_tracking_uri": uri,
         "resumed_from_step": (start["from_step"] or None) if start else None,
         "workers": m.get("workers"),
-        **summarize(records),
+        **events.summarize(records),
         "samples": None,
         "attention_backend": m.get("attention_backend"),
         "precision": m.get("precision"),

@@ -170,18 +170,24 @@ def start_node_monitor(run_id: str | None, uri: str | None, node: str):
 
 
 def log_events(run_id: str, uri: str, records: list[dict[str, Any]], step: int) -> None:
-    """Failures, restarts and resizes: ``events.json`` in the run's artifacts, and the counts
-    ``restarts`` and ``resizes`` as metrics at the step they happened."""
+    """Failures, restarts and resizes of every invocation of the run: ``events.json`` in its
+    artifacts, and the counts ``restarts``, ``resizes`` and ``failures`` as metrics at the step
+    of the report that saw them."""
     from mlflow.entities import Metric
 
     from raylm.events import summarize
 
+    by_invocation: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_invocation.setdefault(r["invocation"], []).append(r)
+    parts = [summarize(rs) for rs in by_invocation.values()]
     try:
         client = _client(uri)
-        client.log_dict(run_id, {"events": records}, "events.json")
-        counts = summarize(records)
+        client.log_dict(run_id, {
+            "interruptions": [e for p in parts for e in p["interruptions"]],
+            "failures": [r for r in records if r["event"] == "failure"]}, "events.json")
         now = int(time.time() * 1000)
-        client.log_batch(run_id, metrics=[Metric(k, float(counts[k]), now, step)
+        client.log_batch(run_id, metrics=[Metric(k, float(sum(p[k] for p in parts)), now, step)
                                           for k in ("restarts", "resizes", "failures")])
     except Exception as e:  # tracking never stops training
         print(f"warning: MLflow could not record a run event: {e}", flush=True)

@@ -206,7 +206,6 @@ def _train(loop_config: dict) -> None:
     from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
     from raylm.optim import build_optimizer, lr_at, set_lr
 
-    started = time.time()
     cfg = config_from_dict(loop_config["config"])
     run_dir = loop_config["run_dir"]
     ctx = ray.train.get_context()
@@ -246,9 +245,6 @@ def _train(loop_config: dict) -> None:
         raise ckpt.CheckpointError(
             f"checkpoint data position {state.data_position} is not step {state.step} x "
             f"train.global_batch_size={t.global_batch_size}; keep the global batch of the run.")
-    # Identifies this worker group to the controller, which turns a change of group into a
-    # restart or resize record.
-    group = {"started": started, "workers": world, "from_step": state.step}
 
     monitor = None
     if ctx.get_local_rank() == 0:
@@ -269,9 +265,6 @@ def _train(loop_config: dict) -> None:
     if state.step < t.steps:
         train_batches = itertools.chain([next(train_batches)], train_batches)
     data_startup_s = time.perf_counter() - startup_t0
-    # Tells the controller this group is ready: it records the start, restart or resize.
-    ray.train.report({"event": "group_start", "step": state.step, "group": group,
-                      "data_startup_s": data_startup_s})
 
     wait_s = busy_s = 0.0
     window_t0, window_tokens, window_wait = time.perf_counter(), 0, 0.0

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from raylm import events
 from raylm.config import load_config
-from raylm.launch import read_events, train
+from raylm.launch import train
 from tests.conftest import make_docs, write_jsonl
 
 pytestmark = pytest.mark.integration
@@ -67,8 +68,8 @@ def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir):
 
     wait_for(lambda: checkpoint_step() >= 5, "the first checkpoint of 2 workers")
     c.remove_node(nodes[1])
-    wait_for(lambda: [e for e in read_events(run_dir) if e["event"] == "restart"],
-             "the run to continue on 1 worker")
+    wait_for(lambda: [e for e in events.read(run_dir) if e["event"] == "group_start"
+                      and e["workers"] == 1], "the run to continue on 1 worker")
     c.add_node(num_cpus=1, resources={"trainer": 1})
     thread.join(300)
     assert "summary" in out, "the run did not finish"

@@ -262,8 +262,10 @@ def test_resume_on_fewer_and_more_workers_with_a_truncated_checkpoint(base, trai
     assert again["resumed_from_step"] == 15 and again["workers"] == 2
     # Steps 16-20 were trained twice (the second time counts): nothing duplicated or skipped.
     assert_exact_samples(again, 30)
-    # The same 8 sequences per step throughout; 1 worker sums its micro-batches where 2
-    # workers average over ranks, which moves the loss by float rounding only.
+    # The same 8 sequences in every step; only the order in which fp32 gradients are summed
+    # differs (1 worker: 4 micro-batches in turn; 2 workers: 2 each, then averaged), which
+    # Adam can turn into parameter changes of ~1e-5 (tests/distributed). Measured here: equal
+    # to the last digit; the bound leaves room for that rounding.
     full = trained[0]
-    assert again["train_loss"] == pytest.approx(full["train_loss"], abs=2e-4)
-    assert again["val_loss"] == pytest.approx(full["val_loss"], abs=2e-4)
+    assert again["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
+    assert again["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)

@@ -26,8 +26,10 @@ def test_cli_beats_yaml_beats_defaults(tmp_path):
 
 def test_override_values_are_typed():
     cfg = load_config(None, ["--scaling.num_workers=[1, 2]", "--data.dedup=false",
-                             "--data.source=[a.jsonl, b.txt]", "--optim.lr=1", "--run.name=42"])
-    assert cfg.scaling.num_workers == [1, 2]
+                             "--data.source=[a.jsonl, b.txt]", "--optim.lr=1", "--run.name=42",
+                             "--scaling.worker_resources={trainer: 1}"])
+    assert cfg.scaling.num_workers == [1, 2] and cfg.scaling.worker_range == (1, 2)
+    assert cfg.scaling.worker_resources == {"trainer": 1.0}
     assert cfg.data.dedup is False
     assert cfg.data.source == ["a.jsonl", "b.txt"]
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
@@ -49,6 +51,9 @@ def test_override_values_are_typed():
         ("--tune.schedules=[cosine, zigzag]", "'tune.schedules'"),
         ("--train.precision=fp8", "one of 'auto', 'fp32', 'bf16-mixed', 'bf16-true'"),
         ("--train", "write it as --section.key=value"),
+        ("--scaling.worker_resources=4", "Expected a mapping of a string to a number."),
+        ("--scaling.worker_resources={GPU: 1}", "not CPU/GPU: use scaling.cpus_per_worker and "
+                                                "scaling.use_gpu"),
     ],
 )
 def test_bad_overrides_name_key_value_and_fix(override, message):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from raylm.events import RunEvents, summarize
+from raylm.events import interruptions, summarize
 from raylm.ledger import account, gather
 from raylm.packing import SampleOrder
 from raylm.train import batch_plan, check_positions
@@ -34,33 +34,39 @@ def test_check_positions_accepts_only_the_ranks_slice_of_the_step():
         check_positions(np.arange(24, 28), step=3, global_batch=8, rank=1, world_size=2)
 
 
-def group(started, workers, from_step):
-    return {"started": started, "workers": workers, "from_step": from_step}
+def test_interruptions_tell_restarts_from_resizes_with_steps_and_time_lost():
+    def rec(event, time, **fields):
+        return {"invocation": "i", "event": event, "time": time, **fields}
 
-
-def test_run_events_tell_restarts_from_resizes_with_steps_and_time_lost():
-    ev = RunEvents("inv")
-    assert ev.group_started(group(1.0, 2, 0), now=90.0)["event"] == "start"
-    ev.report({"step": 10, "elapsed_s": 10.0}, now=100.0)
-    ev.report({"step": 20, "elapsed_s": 20.0}, now=110.0)  # 1 s per step
-    ev.failure(ranks=[1], error="ActorDiedError: node lost", now=113.0)
-    # A group of 1 worker is ready at t=125, resuming from the step-20 checkpoint: 15 s
-    # without progress since the report of step 20, nothing to train again.
-    restart = ev.group_started(group(2.0, 1, 20), now=125.0)
-    assert restart == {"invocation": "inv", "event": "restart", "time": 125.0,
-                       "from_workers": 2, "to_workers": 1, "at_step": 20,
-                       "resumed_from_step": 20, "steps_redone": 0, "time_lost_s": 15.0,
+    records = [
+        rec("group_start", 90.0, workers=2, from_step=0),
+        rec("progress", 100.0, step=10, step_time=1.0),
+        rec("progress", 110.0, step=20, step_time=1.0),
+        rec("failure", 113.0, ranks=[1], error="ActorDiedError: node lost"),
+        # A group of 1 resumes from the step-20 checkpoint and reports step 25 at t=135:
+        # 25 s since the report of step 20, of which 5 steps x 1 s were progress.
+        rec("group_start", 120.0, workers=1, from_step=20),
+        rec("progress", 135.0, step=25, step_time=2.0),
+        rec("progress", 145.0, step=30, step_time=2.0),
+        # Grown without a failure, back to the step-25 checkpoint after step 30 was reported:
+        # 5 steps to train again; step 35 at t=175 is 30 s after step 30, 5 steps x 2 s of
+        # which were progress.
+        rec("group_start", 150.0, workers=2, from_step=25),
+        rec("progress", 175.0, step=35, step_time=1.0),
+        # Lost again before reporting, and a group that never reports.
+        rec("failure", 180.0, ranks=[0], error="Preempted: SIGTERM"),
+        rec("group_start", 190.0, workers=2, from_step=35),
+    ]
+    restart, resize, last = interruptions(records)
+    assert restart == {"event": "restart", "from_workers": 2, "to_workers": 1, "at_step": 20,
+                       "resumed_from_step": 20, "steps_redone": 0, "time_lost_s": 20.0,
                        "failures": 1, "cause": "ActorDiedError: node lost"}
-    ev.report({"step": 30, "elapsed_s": 20.0}, now=145.0)  # 2 s per step
-    # Grown without a failure, back to the step-25 checkpoint after step 30 was reported:
-    # 5 s idle plus 5 steps x 2 s to train again.
-    resize = ev.group_started(group(3.0, 2, 25), now=150.0)
     assert resize["event"] == "resize" and resize["steps_redone"] == 5
     assert (resize["from_workers"], resize["to_workers"]) == (1, 2)
-    assert resize["time_lost_s"] == 15.0
-    s = summarize(ev.records)
-    assert (s["restarts"], s["resizes"], s["failures"]) == (1, 2, 1)
-    assert [i["event"] for i in s["interruptions"]] == ["restart", "resize"]
+    assert resize["time_lost_s"] == 20.0
+    assert last["cause"] == "Preempted: SIGTERM" and last["time_lost_s"] is None
+    s = summarize(records)
+    assert (s["restarts"], s["resizes"], s["failures"]) == (2, 2, 2)
 
 
 def test_ledger_accounting_counts_duplicates_and_gaps():
