@@ -266,76 +266,79 @@ def _train(loop_config: dict) -> None:
         train_batches = itertools.chain([next(train_batches)], train_batches)
     data_startup_s = time.perf_counter() - startup_t0
 
-    wait_s = busy_s = 0.0
-    window_t0, window_tokens, window_wait = time.perf_counter(), 0, 0.0
-    run_t0 = time.perf_counter()
-    while state.step < t.steps:
-        step_t0 = time.perf_counter()
-        micro = []
-        for _ in range(accumulation):
-            w0 = time.perf_counter()
-            micro.append(next(train_batches))
-            window_wait += time.perf_counter() - w0
-        check_positions(torch.cat([b["sample_position"] for b in micro]).numpy(),
-                        step=state.step, global_batch=t.global_batch_size, rank=rank,
-                        world_size=world)
-        lr = lr_at(state.step, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
-                   total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
-                   cycle_steps=o.cycle_steps)
-        set_lr(optimizer, lr)
-        loss, grad_norm = train_step(built, optimizer, micro, accumulation=accumulation,
-                                     grad_clip=o.grad_clip, cross_document=cross_doc)
-        state.step += 1
-        state.tokens_seen += tokens_per_step
-        state.data_position += t.global_batch_size
-        if keep_ledger:
-            pending.append(torch.cat([b["row"] for b in micro]).numpy())
-        window_tokens += tokens_per_step
-        busy_s += time.perf_counter() - step_t0
-        last = state.step == t.steps
-        preempted = preemption.any_rank_requested(device)
-        evaluate_now = (state.step % t.eval_every == 0 or last) and not preempted
-        save_now = state.step % cfg.checkpoint.every == 0 or last or preempted
-        if state.step % t.log_every and not evaluate_now and not save_now:
-            continue
-        now = time.perf_counter()
-        elapsed = now - window_t0
-        tok_s = window_tokens / elapsed
-        wait_s += window_wait
-        metrics = {
-            "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": tok_s, "tokens_seen": state.tokens_seen,
-            "data_wait_fraction": window_wait / elapsed,
-            "data_wait_fraction_run": wait_s / max(busy_s, 1e-9),
-            "mfu": mfu(tok_s, flops_token, peak, world),
-            "peak_memory_gb": peak_memory_bytes(device) / 2**30,
-            "workers": world, "accumulation": accumulation, "micro_batch": micro_batch,
-            "attention_backend": built.attention.backend, "precision": built.precision,
-            "resumed_from_step": resumed_from, "elapsed_s": now - run_t0,
-            "data_startup_s": data_startup_s, "preempted": preempted,
-        }
-        if evaluate_now:
-            # The val stream holds eval_batches micro-batches per rank (fewer, and the same
-            # number on every rank, when the split is small).
-            val = evaluate(built, val_shard.iter_torch_batches(batch_size=t.micro_batch_size),
-                           cross_document=cross_doc)
-            metrics.update(val_loss=val, val_perplexity=float(torch.exp(torch.tensor(val))))
-        if save_now:
-            if keep_ledger:
-                new_rows = ledger.gather(pending, device)
-                if rank == 0:
-                    history = np.concatenate([history, new_rows])
-                pending = []
-            with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
-                ckpt.save(tmp, model=built.model, optimizer=optimizer,
-                          state=state.state_dict(), config=built.config, samples=history)
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
-        else:
-            ray.train.report(metrics)
-        if preempted:
-            raise preemption.Preempted(
-                f"a worker was asked to stop (SIGTERM); checkpoint saved at step {state.step}, "
-                f"the run resumes from it")
+    try:
+        wait_s = busy_s = 0.0
         window_t0, window_tokens, window_wait = time.perf_counter(), 0, 0.0
-    if monitor is not None:
-        monitor.finish()
+        run_t0 = time.perf_counter()
+        while state.step < t.steps:
+            step_t0 = time.perf_counter()
+            micro = []
+            for _ in range(accumulation):
+                w0 = time.perf_counter()
+                micro.append(next(train_batches))
+                window_wait += time.perf_counter() - w0
+            check_positions(torch.cat([b["sample_position"] for b in micro]).numpy(),
+                            step=state.step, global_batch=t.global_batch_size, rank=rank,
+                            world_size=world)
+            lr = lr_at(state.step, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
+                       total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
+                       cycle_steps=o.cycle_steps)
+            set_lr(optimizer, lr)
+            loss, grad_norm = train_step(built, optimizer, micro, accumulation=accumulation,
+                                         grad_clip=o.grad_clip, cross_document=cross_doc)
+            state.step += 1
+            state.tokens_seen += tokens_per_step
+            state.data_position += t.global_batch_size
+            if keep_ledger:
+                pending.append(torch.cat([b["row"] for b in micro]).numpy())
+            window_tokens += tokens_per_step
+            busy_s += time.perf_counter() - step_t0
+            last = state.step == t.steps
+            # Every rank takes part in the vote; at the last step the final save covers it.
+            preempted = preemption.any_rank_requested(device) and not last
+            evaluate_now = (state.step % t.eval_every == 0 or last) and not preempted
+            save_now = state.step % cfg.checkpoint.every == 0 or last or preempted
+            if state.step % t.log_every and not evaluate_now and not save_now:
+                continue
+            now = time.perf_counter()
+            elapsed = now - window_t0
+            tok_s = window_tokens / elapsed
+            wait_s += window_wait
+            metrics = {
+                "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "tokens_per_s": tok_s, "tokens_seen": state.tokens_seen,
+                "data_wait_fraction": window_wait / elapsed,
+                "data_wait_fraction_run": wait_s / max(busy_s, 1e-9),
+                "mfu": mfu(tok_s, flops_token, peak, world),
+                "peak_memory_gb": peak_memory_bytes(device) / 2**30,
+                "workers": world, "accumulation": accumulation, "micro_batch": micro_batch,
+                "attention_backend": built.attention.backend, "precision": built.precision,
+                "resumed_from_step": resumed_from, "elapsed_s": now - run_t0,
+                "data_startup_s": data_startup_s, "preempted": preempted,
+            }
+            if evaluate_now:
+                # The val stream holds eval_batches micro-batches per rank (fewer, and the same
+                # number on every rank, when the split is small).
+                val = evaluate(built, val_shard.iter_torch_batches(batch_size=t.micro_batch_size),
+                               cross_document=cross_doc)
+                metrics.update(val_loss=val, val_perplexity=float(torch.exp(torch.tensor(val))))
+            if save_now:
+                if keep_ledger:
+                    new_rows = ledger.gather(pending, device)
+                    if rank == 0:
+                        history = np.concatenate([history, new_rows])
+                    pending = []
+                with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
+                    ckpt.save(tmp, model=built.model, optimizer=optimizer,
+                              state=state.state_dict(), config=built.config, samples=history)
+                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            else:
+                ray.train.report(metrics)
+            if preempted:
+                raise preemption.Preempted(
+                    f"a worker was asked to stop (SIGTERM); checkpoint saved at step {state.step}, "
+                    f"the run resumes from it")
+            window_t0, window_tokens, window_wait = time.perf_counter(), 0, 0.0
+    finally:
+        if monitor is not None:
+            monitor.finish()

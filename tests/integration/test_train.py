@@ -238,6 +238,15 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_from_it(base, trained)
     assert "Preempted" in restart["cause"] and restart["steps_redone"] == 0
     assert restart["resumed_from_step"] == restart["at_step"] > 5
     assert_exact_samples(out, 30)
+    # MLflow has the restart too: the event list and the count at the step that saw it.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(out["mlflow_tracking_uri"])
+    logged = json.loads(open(client.download_artifacts(out["mlflow_run_id"],
+                                                       "events.json")).read())
+    assert logged["interruptions"] == out["interruptions"]
+    restarts = client.get_metric_history(out["mlflow_run_id"], "restarts")
+    assert [m.value for m in restarts] == [1.0] and restarts[0].step > restart["at_step"]
     full = trained[0]
     assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
     assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
