@@ -34,23 +34,32 @@ class ProgressCallback(UserCallback):
         self.invocation = invocation
         self.on_event = on_event
         self.known = 0  # interruptions already announced
+        self.records: list[dict[str, Any]] = []  # this invocation's, read so far
+        self.offset = 0  # bytes of events.jsonl read so far
+        self.unsettled = 0  # records from here on may change the interruptions
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        m = metrics[0]
+        self._safely(self._report, metrics[0], checkpoint)
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        self._safely(self._failure, worker_exceptions)
+
+    def _safely(self, fn, *args) -> None:
+        # An exception in a controller callback ends the whole run; the progress log and the
+        # event records are not worth that.
+        try:
+            fn(*args)
+        except Exception as e:
+            print(f"warning: raylm progress callback: {type(e).__name__}: {e}", flush=True)
+
+    def _report(self, m: dict[str, Any], checkpoint) -> None:
         step = m["step"]
         step_time = m["elapsed_s"] / max(1, step - (m.get("resumed_from_step") or 0))
         events.append(self.run_dir, self.invocation, "progress", step=step,
                       step_time=step_time)
-        records = events.read(self.run_dir, self.invocation)
-        found = events.interruptions(records)
-        for e in found[self.known:]:
-            lost = f"{e['time_lost_s']:.1f}s" if e["time_lost_s"] is not None else "unknown"
-            print(f"raylm: {e['event']} {e['from_workers']} -> {e['to_workers']} workers, "
-                  f"resumed from step {e['resumed_from_step']} (last report at step "
-                  f"{e['at_step']}), time lost {lost}", flush=True)
-        if len(found) > self.known and self.on_event is not None:
-            self.on_event(events.read(self.run_dir), step)
-        self.known = len(found)
+        self._read_new()
+        if any(r["event"] != "progress" for r in self.records[self.unsettled:]):
+            self._announce(step)
         line = (f"step {step}/{self.total_steps}  loss {m['loss']:.4f}  "
                 f"lr {m['lr']:.2e}  {m['tokens_per_s']:,.0f} tok/s  "
                 f"data wait {100 * m['data_wait_fraction']:.1f}%  "
@@ -61,12 +70,42 @@ class ProgressCallback(UserCallback):
             line += f"  checkpoint {checkpoint.path}"
         print(line, flush=True)
 
-    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+    def _failure(self, worker_exceptions: dict[int, Exception]) -> None:
         error = next(iter(worker_exceptions.values()))
         text = str(error).strip().splitlines()
         events.append(self.run_dir, self.invocation, "failure",
                       ranks=sorted(worker_exceptions),
                       error=f"{type(error).__name__}: {text[0] if text else ''}"[:300])
+
+    def _announce(self, step: int) -> None:
+        found = events.interruptions(self.records)
+        # The last one is still open until its group reports (an earlier one whose group
+        # never reported is final, its time lost unknown).
+        done = found[:-1] if found and found[-1]["time_lost_s"] is None else found
+        for e in done[self.known:]:
+            lost = "unknown" if e["time_lost_s"] is None else f"{e['time_lost_s']:.1f}s"
+            print(f"raylm: {e['event']} {e['from_workers']} -> {e['to_workers']} workers, "
+                  f"resumed from step {e['resumed_from_step']} (last report at step "
+                  f"{e['at_step']}), time lost {lost}", flush=True)
+        if len(done) > self.known and self.on_event is not None:
+            self.on_event(events.read(self.run_dir), step)
+        self.known = len(done)
+        if len(done) == len(found):  # nothing waits for a group's first report
+            self.unsettled = len(self.records)
+
+    def _read_new(self) -> None:
+        # Group starts are appended by another process; read only what is new, so a long
+        # run does not parse its whole log at every report.
+        path = Path(self.run_dir) / events.EVENTS
+        with open(path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
+            record = json.loads(line) if line.strip() else None
+            if record is not None and record["invocation"] == self.invocation:
+                self.records.append(record)
 
 
 def cluster_capacity() -> dict[str, float]:

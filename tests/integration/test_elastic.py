@@ -42,10 +42,13 @@ def wait_for(predicate, what: str, timeout: float = 180.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir):
+def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir, monkeypatch):
     from raylm import checkpoint
 
     c, nodes = cluster
+    # After the node is lost, Ray Train first waits this long (60 s by default) for a group of
+    # the old size before the elastic policy settles for fewer workers.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
     write_jsonl(tmp_path / "corpus.jsonl", make_docs(400))
     cfg = load_config(None, [
         f"--data.source={tmp_path / 'corpus.jsonl'}", f"--tokenizer.path={tokenizer_dir}",
