@@ -3,6 +3,7 @@
     raylm config show [--config PATH] [--section.key=value ...]
     raylm prepare [--config PATH] [--section.key=value ...] --output DIR
     raylm train [--config PATH] [--section.key=value ...]
+    raylm tune [--config PATH] [--section.key=value ...]
     raylm export RUN_DIR --output DIR
     raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T]
 
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--output", required=True, help="directory for the packed blocks")
     with_config(sub.add_parser(
         "train", help="train a model with FSDP2 on Ray Train (resumes a run of the same name)"))
+    with_config(sub.add_parser(
+        "tune", help="sweep learning-rate schedules with Ray Tune, each trial a training run "
+                     "(resumes a sweep of the same name)"))
     ex = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face "
                                        "model directory")
     ex.add_argument("run_dir", help="the run directory (run.storage_path/run.name)")
@@ -106,6 +110,16 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
+    from raylm.tune import check_sweep, sweep
+
+    check_sweep(cfg)  # before Ray starts
+    _init_ray(cfg.run.ray_address)
+    summary = sweep(cfg, log=lambda m: print(m, flush=True))
+    print(json.dumps(summary["best"], indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     rest, overrides = _split_overrides(argv)
@@ -131,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_prepare(cfg, args)
         if args.command == "train":
             return cmd_train(cfg, args)
+        if args.command == "tune":
+            return cmd_tune(cfg, args)
     except (ValueError, FileNotFoundError) as e:
         # ConfigError, SourceError, BadRecordError and tokenizer errors: one line, no trace.
         print(f"raylm: error: {e}", file=sys.stderr)

@@ -214,10 +214,20 @@ class TuneConfig:
     """Upper bound of the log-uniform peak-LR search space."""
     schedules: list[str] = field(default_factory=lambda: ["cosine", "linear", "wsd"])
     """Schedules the sweep chooses among."""
+    warmup_steps: list[int] = field(default_factory=list)
+    """Warmup steps to choose among; empty keeps optim.warmup_steps."""
+    min_lr_ratios: list[float] = field(default_factory=list)
+    """Minimum-LR ratios to choose among; empty keeps optim.min_lr_ratio."""
+    weight_decays: list[float] = field(default_factory=list)
+    """Weight decays to choose among; empty keeps optim.weight_decay."""
     num_samples: int = 8
-    """Trials in the sweep."""
+    """Trials in the sweep (random and optuna); grid runs every combination once."""
+    lr_points: int = 3
+    """grid: peak LRs, spaced evenly on a log scale from lr_max down to lr_min."""
     search: Literal["random", "grid", "optuna"] = "random"
-    """Search algorithm."""
+    """Search algorithm: random, grid, or optuna (TPE, through Ray Tune's OptunaSearch)."""
+    max_concurrent: int = 0
+    """Trials at a time; 0 runs as many as the cluster has room for."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -405,6 +415,15 @@ def validate(cfg: Config) -> Config:
     _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],
            "0 < lr_min < lr_max")
     _check(tu.num_samples >= 1, "tune.num_samples", tu.num_samples, ">= 1")
+    _check(tu.lr_points >= 1, "tune.lr_points", tu.lr_points, ">= 1")
+    _check(tu.max_concurrent >= 0, "tune.max_concurrent", tu.max_concurrent,
+           "0 (as many as fit) or a positive integer")
+    _check(all(w >= 0 for w in tu.warmup_steps), "tune.warmup_steps", tu.warmup_steps,
+           "integers >= 0")
+    _check(all(0 <= r <= 1 for r in tu.min_lr_ratios), "tune.min_lr_ratios", tu.min_lr_ratios,
+           "numbers 0 <= x <= 1")
+    _check(all(w >= 0 for w in tu.weight_decays), "tune.weight_decays", tu.weight_decays,
+           "numbers >= 0")
     known = typing.get_args(typing.get_type_hints(OptimConfig)["schedule"])
     bad = [s for s in tu.schedules if s not in known]
     _check(bool(tu.schedules) and not bad, "tune.schedules", tu.schedules,

@@ -150,7 +150,7 @@ def check_request(cfg: Config, *, max_positions: int) -> None:
 
 def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id: int,
                   invocation: str, mlflow_run_id: str | None = None,
-                  mlflow_tracking_uri: str | None = None):
+                  mlflow_tracking_uri: str | None = None, callbacks: list | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -191,7 +191,8 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
                 rd, t.steps, invocation=invocation,
                 on_event=(functools.partial(log_events, mlflow_run_id, mlflow_tracking_uri)
                           if mlflow_run_id else None))] + (
-                [MLflowCallback(mlflow_run_id, mlflow_tracking_uri)] if mlflow_run_id else []),
+                [MLflowCallback(mlflow_run_id, mlflow_tracking_uri)] if mlflow_run_id else []
+            ) + list(callbacks or []),
         ),
         datasets=trainer_datasets(prepared, with_val=True),
         dataset_config=build_data_config(
@@ -201,8 +202,12 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
     )
 
 
-def train(cfg: Config, *, log=print) -> dict[str, Any]:
-    """Prepare data if needed, fit, and write ``RUN_DIR/summary.json``. Needs ``ray.init``."""
+def train(cfg: Config, *, log=print, callbacks: list | None = None,
+          mlflow_parent: tuple[str, str] | None = None) -> dict[str, Any]:
+    """Prepare data if needed, fit, and write ``RUN_DIR/summary.json``. Needs ``ray.init``.
+
+    A sweep's trial adds Ray Train ``callbacks`` (its Tune reporter) and nests its MLflow run
+    under ``mlflow_parent`` (run id, tracking uri)."""
     from raylm import checkpoint, tracking
     from raylm.data import LAYOUT, prepared_dir
     from raylm.export import write_run_info
@@ -237,7 +242,9 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
         f"{layout['seq_len']} tokens, run dir {rd}")
     write_run_info(rd, config=cfg.to_dict(), vocab_size=vocab, eos_id=eos,
                    tokenizer_path=manifest["tokenizer_path"])
-    run_id, uri = tracking.start_run(cfg, log=log)
+    run_id, uri = tracking.start_run(
+        cfg, log=log, parent_run_id=mlflow_parent[0] if mlflow_parent else None,
+        uri=mlflow_parent[1] if mlflow_parent else None)
     if run_id:
         log(f"raylm: MLflow run {run_id} at {uri}")
     invocation = f"{time.time():.6f}"
@@ -246,7 +253,7 @@ def train(cfg: Config, *, log=print) -> dict[str, Any]:
     try:
         result = build_trainer(cfg, prepared, vocab_size=vocab, eos_id=eos,
                                invocation=invocation, mlflow_run_id=run_id,
-                               mlflow_tracking_uri=uri).fit()
+                               mlflow_tracking_uri=uri, callbacks=callbacks).fit()
         m = result.metrics or {}
     except Exception as e:  # Ray Train raises once max_failures is used up
         error, m = e, {}

@@ -54,12 +54,14 @@ def _param_value(v: Any) -> str:
     return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
 
 
-def start_run(cfg: Config, *, log=print) -> tuple[str | None, str | None]:
+def start_run(cfg: Config, *, log=print, parent_run_id: str | None = None,
+              uri: str | None = None) -> tuple[str | None, str | None]:
     """(run id, tracking uri) of this raylm run's MLflow run, created or found again; (None,
-    None) when tracking is off or the store cannot be reached (said once)."""
+    None) when tracking is off or the store cannot be reached (said once). A sweep's trials
+    pass the sweep's run as ``parent_run_id`` (and its ``uri``), so they nest under it."""
     if not cfg.tracking.enabled:
         return None, None
-    uri = resolve_uri(cfg)
+    uri = uri or resolve_uri(cfg)
     rd = run_dir(cfg)
     # A dead server must cost seconds, not MLflow's default minutes of retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -82,8 +84,10 @@ def start_run(cfg: Config, *, log=print) -> tuple[str | None, str | None]:
                                               artifact_location=artifacts)
         else:
             exp_id = exp.experiment_id
-        run = client.create_run(exp_id, run_name=cfg.run.name,
-                                tags={"raylm.run_dir": str(rd), "raylm.run_name": cfg.run.name})
+        tags = {"raylm.run_dir": str(rd), "raylm.run_name": cfg.run.name}
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
+        run = client.create_run(exp_id, run_name=cfg.run.name, tags=tags)
         from mlflow.entities import Param
 
         params = [Param(k, _param_value(v)[:6000]) for k, v in sorted(cfg.flat().items())]
@@ -191,3 +195,30 @@ def log_events(run_id: str, uri: str, records: list[dict[str, Any]], step: int) 
                                           for k in ("restarts", "resizes", "failures")])
     except Exception as e:  # tracking never stops training
         print(f"warning: MLflow could not record a run event: {e}", flush=True)
+
+
+def log_sweep(run_id: str, uri: str, summary: dict[str, Any], plot_path: Path) -> None:
+    """The sweep's parent run: its summary and plot as artifacts, the best validation loss
+    and config, and the tag ``raylm.best`` on the best trial's (child) run."""
+    from mlflow.entities import Metric, Param
+
+    try:
+        client = _client(uri)
+        client.log_dict(run_id, summary, "tune_summary.json")
+        if plot_path.is_file():
+            client.log_artifact(run_id, str(plot_path))
+        best = summary["best"]
+        if best is None:
+            return
+        client.log_batch(run_id, metrics=[Metric("best_val_loss", best["val_loss"],
+                                                 int(time.time() * 1000), 0)],
+                         params=[Param(f"best.{k}", _param_value(v))
+                                 for k, v in best["config"].items()])
+        if best["checkpoint_path"]:
+            trial_run = Path(best["checkpoint_path"]).parent / RUN_FILE
+            if trial_run.is_file():
+                child = json.loads(trial_run.read_text())["run_id"]
+                client.set_tag(child, "raylm.best", "true")
+                client.set_tag(run_id, "raylm.best_run_id", child)
+    except Exception as e:  # the sweep's results are on disk either way
+        print(f"warning: MLflow could not record the sweep summary: {e}", flush=True)

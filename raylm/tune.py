@@ -1,0 +1,276 @@
+"""Learning-rate schedule sweeps: ``raylm tune``.
+
+Each Ray Tune trial is a whole raylm training run: a Tune function trainable that builds and
+fits its own TorchTrainer (Ray Train V2's way of running Train inside Tune), so a trial can be
+a multi-worker FSDP2 run with its own restarts. Ray Train's ``TuneReportCallback`` forwards the
+trial's reports to Tune, where ASHA stops the trials whose validation loss trails. Search:
+random, grid, or Optuna's TPE through Tune's ``OptunaSearch``; nothing here is a hand-written
+searcher or scheduler.
+
+Every report of a trial carries ``val_loss`` (Tune refuses results without the metric it
+optimizes), so trials report, evaluate and checkpoint at the same steps: ``train.eval_every``.
+
+Layout: ``RUN_DIR`` (storage path / run name) is Tune's experiment directory; trial ``ID``
+trains in ``RUN_DIR/trials/ID`` (its checkpoints, summary.json, MLflow run nested under the
+sweep's). ``RUN_DIR/tune_summary.json``, ``best.yaml`` and ``val_loss.png`` are written at the
+end. Running ``raylm tune`` again with the same name resumes the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from raylm.config import Config, config_from_dict, run_dir
+
+METRIC = "val_loss"
+
+
+def check_sweep(cfg: Config) -> None:
+    """What can be wrong with the sweep itself, before Ray starts (ranges and schedules are
+    checked by the config loader)."""
+    if cfg.train.steps < cfg.train.eval_every:
+        raise ValueError(f"train.steps={cfg.train.steps} is below train.eval_every="
+                         f"{cfg.train.eval_every}: trials would report once, at the end, and "
+                         f"early stopping could not act; lower train.eval_every.")
+
+
+def search_space(cfg: Config) -> dict[str, Any]:
+    """The Tune param space, keyed by config key (``optim.lr``, ...)."""
+    from ray import tune
+
+    tu, o = cfg.tune, cfg.optim
+    choices = {"optim.schedule": tu.schedules,
+               "optim.warmup_steps": tu.warmup_steps or [o.warmup_steps],
+               "optim.min_lr_ratio": tu.min_lr_ratios or [o.min_lr_ratio],
+               "optim.weight_decay": tu.weight_decays or [o.weight_decay]}
+    if tu.search == "grid":
+        n = tu.lr_points
+        # Largest first, so that ASHA has records to compare the smallest (slowest) against.
+        lrs = [tu.lr_max * (tu.lr_min / tu.lr_max) ** (i / max(1, n - 1)) for i in range(n)]
+        space = {"optim.lr": tune.grid_search(lrs if n > 1 else [tu.lr_max])}
+        space.update({k: tune.grid_search(list(v)) for k, v in choices.items()})
+        return space
+    space = {"optim.lr": tune.loguniform(tu.lr_min, tu.lr_max)}
+    space.update({k: tune.choice(list(v)) for k, v in choices.items()})
+    return space
+
+
+def trial_config(base: dict[str, dict[str, Any]], params: dict[str, Any], *, trials_dir: str,
+                 trial_id: str, prepared: str) -> Config:
+    """The raylm config of one trial: the sweep's, with the trial's parameters."""
+    tree = {section: dict(values) for section, values in base.items()}
+    for key, value in params.items():
+        section, name = key.split(".", 1)
+        tree[section][name] = value
+    every = tree["train"].get("eval_every", 100)
+    tree["train"]["log_every"] = every
+    tree["checkpoint"]["every"] = every
+    tree["run"].update(name=trial_id, storage_path=trials_dir)
+    tree["data"]["source"] = prepared
+    return config_from_dict(tree)
+
+
+def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: str,
+              parent: tuple[str, str] | None) -> None:
+    """The Tune function trainable: one raylm training run."""
+    from ray import tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from raylm.launch import train
+
+    trial_id = tune.get_context().get_trial_id()
+    cfg = trial_config(base, params, trials_dir=trials_dir, trial_id=trial_id,
+                       prepared=prepared)
+    train(cfg, callbacks=[TuneReportCallback()], mlflow_parent=parent)
+
+
+def trial_resources(cfg: Config) -> dict[str, float]:
+    """What one trial's workers need at most (its driver and Train controller need none)."""
+    workers = cfg.scaling.worker_range[1]
+    need = {"CPU": workers * cfg.scaling.cpus_per_worker}
+    if cfg.scaling.use_gpu:
+        need["GPU"] = float(workers)
+    for name, amount in cfg.scaling.worker_resources.items():
+        need[name] = workers * amount
+    return need
+
+
+def concurrent_trials(cfg: Config, capacity: dict[str, float]) -> int:
+    """How many trials the cluster holds at once (``tune.max_concurrent`` caps it)."""
+    need = trial_resources(cfg)
+    # Each worker's data reader takes 0.1 CPU beside it (see raylm.data).
+    need["CPU"] += 0.1 * cfg.scaling.worker_range[1]
+    fit = min(int(capacity.get(k, 0.0) // v) for k, v in need.items() if v > 0)
+    if fit < 1:
+        have = ", ".join(f"{k} {capacity.get(k, 0):g}" for k in need)
+        want = ", ".join(f"{k} {v:g}" for k, v in need.items())
+        raise ValueError(f"Not even one trial fits the cluster: a trial needs {want}, the "
+                         f"cluster has {have}; lower scaling.num_workers or "
+                         f"scaling.cpus_per_worker, or add nodes.")
+    return min(fit, cfg.tune.max_concurrent) if cfg.tune.max_concurrent else fit
+
+
+def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
+    """Run (or resume) the sweep; write tune_summary.json, best.yaml and val_loss.png.
+    Needs ``ray.init``."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from raylm import tracking
+    from raylm.data import prepared_dir
+    from raylm.launch import check_request, cluster_capacity
+    from raylm.model import build_config, max_positions
+
+    check_sweep(cfg)
+    provisional = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
+                               eos_id=0, attn_implementation="sdpa")
+    concurrent = concurrent_trials(cfg, cluster_capacity())
+    check_request(cfg, max_positions=max_positions(provisional))
+    rd = run_dir(cfg)
+    # Prepared once here, rather than by every trial at once.
+    prepared = str(prepared_dir(cfg, log=log))
+    parent_id, uri = tracking.start_run(cfg, log=log)
+    parent = (parent_id, uri) if parent_id else None
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, base=cfg.to_dict(), trials_dir=str(rd / "trials"),
+                             prepared=prepared, parent=parent),
+        # The trial's own process only drives its TorchTrainer (Tune refuses an empty
+        # request); the workers hold the CPUs, and max_concurrent_trials counts them.
+        {"CPU": 0.01})
+    t = cfg.train
+    scheduler = ASHAScheduler(time_attr="step", max_t=t.steps, grace_period=t.eval_every,
+                              reduction_factor=2)
+    searcher = None
+    if cfg.tune.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        searcher = OptunaSearch(seed=t.seed)
+    if tune.Tuner.can_restore(str(rd)):
+        log(f"raylm: resuming the sweep in {rd}")
+        tuner = tune.Tuner.restore(str(rd), trainable, resume_errored=True)
+    else:
+        log(f"raylm: sweep of {cfg.tune.search} search, up to {concurrent} trials at a time, "
+            f"in {rd}")
+        tuner = tune.Tuner(
+            trainable,
+            param_space=search_space(cfg),
+            tune_config=tune.TuneConfig(
+                metric=METRIC, mode="min", scheduler=scheduler, search_alg=searcher,
+                num_samples=1 if cfg.tune.search == "grid" else cfg.tune.num_samples,
+                max_concurrent_trials=concurrent),
+            run_config=tune.RunConfig(name=cfg.run.name, storage_path=str(rd.parent)),
+        )
+    failed = True
+    try:
+        results = tuner.fit()
+        summary = summarize(results, cfg, parent)
+        write_outputs(summary, cfg, log=log)
+        if parent:
+            tracking.log_sweep(parent_id, uri, summary, rd / "val_loss.png")
+        failed = False
+    finally:
+        if parent:
+            tracking.finish_run(parent_id, uri, failed=failed)
+    return summary
+
+
+def summarize(results, cfg: Config, parent: tuple[str, str] | None) -> dict[str, Any]:
+    from raylm import checkpoint
+
+    rd = run_dir(cfg)
+    trials = []
+    for r in results:
+        df = r.metrics_dataframe
+        history = [] if df is None or METRIC not in df else [
+            [int(s), float(v)] for s, v in zip(df["step"], df[METRIC], strict=True)
+            if not math.isnan(v)]
+        steps = max((s for s, _ in history), default=0)
+        trial_id = r.metrics.get("trial_id")  # Tune adds it to every result
+        found = checkpoint.latest_verified(rd / "trials" / str(trial_id), warn=lambda m: None)
+        trials.append({
+            "trial_id": trial_id,
+            "config": {k: v for k, v in r.config.items()},
+            "val_loss": min((v for _, v in history), default=None),
+            "steps": steps,
+            "stopped_early": r.error is None and steps < cfg.train.steps,
+            "error": str(r.error).splitlines()[0] if r.error else None,
+            "checkpoint_path": str(found[0]) if found else None,
+            "history": history,
+        })
+    done = [t for t in trials if t["val_loss"] is not None]
+    best = min(done, key=lambda t: t["val_loss"]) if done else None
+    return {
+        "trials": trials,
+        "best": None if best is None else {
+            "trial_id": best["trial_id"], "config": best["config"],
+            "val_loss": best["val_loss"], "checkpoint_path": best["checkpoint_path"]},
+        "mlflow_parent_run_id": parent[0] if parent else None,
+        "mlflow_tracking_uri": parent[1] if parent else None,
+    }
+
+
+def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print) -> None:
+    import yaml
+
+    rd = run_dir(cfg)
+    rd.mkdir(parents=True, exist_ok=True)
+    (rd / "tune_summary.json").write_text(json.dumps(summary, indent=2))
+    if summary["best"]:
+        tree = cfg.to_dict()
+        for key, value in summary["best"]["config"].items():
+            section, name = key.split(".", 1)
+            tree[section][name] = value
+        tree["run"]["name"] = f"{cfg.run.name}-best"
+        (rd / "best.yaml").write_text(
+            f"# Best trial {summary['best']['trial_id']} of sweep {cfg.run.name}: val_loss "
+            f"{summary['best']['val_loss']:.4f}\n" + yaml.safe_dump(tree, sort_keys=False))
+    plot(summary, rd / "val_loss.png", total_steps=cfg.train.steps)
+    log(table(summary))
+    log(f"raylm: sweep done: {rd / 'tune_summary.json'}, {rd / 'best.yaml'}, "
+        f"{rd / 'val_loss.png'}")
+
+
+def table(summary: dict[str, Any]) -> str:
+    keys = sorted({k for t in summary["trials"] for k in t["config"]})
+    head = ["trial", *[k.split(".")[1] for k in keys], "val_loss", "steps", "stopped"]
+    rows = []
+    for t in sorted(summary["trials"], key=lambda t: (t["val_loss"] is None, t["val_loss"])):
+        cells = [str(t["trial_id"])]
+        for k in keys:
+            v = t["config"].get(k)
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        cells += [f"{t['val_loss']:.4f}" if t["val_loss"] is not None else "-",
+                  str(t["steps"]), "early" if t["stopped_early"] else ""]
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+                     for r in [head, *rows])
+
+
+def plot(summary: dict[str, Any], path: Path, *, total_steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    best = summary["best"]["trial_id"] if summary["best"] else None
+    for t in summary["trials"]:
+        if not t["history"]:
+            continue
+        steps, losses = zip(*t["history"], strict=True)
+        lr = t["config"].get("optim.lr")
+        label = f"{t['trial_id']}: lr {lr:.2g} {t['config'].get('optim.schedule', '')}"
+        ax.plot(steps, losses, marker="o", lw=2.5 if t["trial_id"] == best else 1.2,
+                label=label + (" (best)" if t["trial_id"] == best else ""))
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats)")
+    ax.set_xlim(0, total_steps)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
