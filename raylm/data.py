@@ -496,12 +496,14 @@ def build_rank_dataset(split: PackedSplit, *, mode: str, rank: int, world_size: 
     """Rank ``rank``'s stream: ``num_samples`` blocks in the order it consumes them."""
     import ray
 
-    # Sample indices as in-memory blocks of 256 (no read task: a read would need a whole CPU,
-    # which workers holding every CPU of their node do not leave). Small blocks keep the stream
-    # streaming: an output block is only handed on once its input block is done.
+    # Sample indices as in-memory blocks of 256. No remote task may be needed to make them:
+    # a read, and even from_arrow's metadata task, asks for a whole CPU, which training
+    # workers holding every CPU of their node do not leave (the stream then waits forever).
+    # from_blocks computes the metadata here. Small blocks keep the stream streaming: an
+    # output block is only handed on once its input block is done.
     chunks = [pa.table({"id": np.arange(i, min(i + 256, num_samples), dtype=np.int64)})
               for i in range(0, num_samples, 256)] or [pa.table({"id": np.zeros(0, np.int64)})]
-    ds = ray.data.from_arrow(chunks)
+    ds = ray.data.from_blocks(chunks)
     ds.context.execution_options.preserve_order = True
     # One stream per worker, each with its own progress bars, would bury the training log.
     ds.context.enable_progress_bars = False

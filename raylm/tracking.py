@@ -207,6 +207,13 @@ def log_sweep(run_id: str, uri: str, summary: dict[str, Any], plot_path: Path) -
         client.log_dict(run_id, summary, "tune_summary.json")
         if plot_path.is_file():
             client.log_artifact(run_id, str(plot_path))
+        for t in summary["trials"]:
+            # A trial that ASHA stopped was ended from outside: close its run as killed.
+            saved = Path(summary["trials_dir"]) / str(t["trial_id"]) / RUN_FILE
+            if t["stopped_early"] and saved.is_file():
+                child = json.loads(saved.read_text())["run_id"]
+                client.set_tag(child, "raylm.stopped_early", "true")
+                client.set_terminated(child, status="KILLED")
         best = summary["best"]
         if best is None:
             return

@@ -141,7 +141,9 @@ def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
         # request); the workers hold the CPUs, and max_concurrent_trials counts them.
         {"CPU": 0.01})
     t = cfg.train
-    scheduler = ASHAScheduler(time_attr="step", max_t=t.steps, grace_period=t.eval_every,
+    # max_t one past the last step: ASHA stops a trial that reaches max_t, which would end a
+    # finished trial before it writes its summary and closes its MLflow run.
+    scheduler = ASHAScheduler(time_attr="step", max_t=t.steps + 1, grace_period=t.eval_every,
                               reduction_factor=2)
     searcher = None
     if cfg.tune.search == "optuna":
@@ -209,6 +211,7 @@ def summarize(results, cfg: Config, parent: tuple[str, str] | None) -> dict[str,
             "val_loss": best["val_loss"], "checkpoint_path": best["checkpoint_path"]},
         "mlflow_parent_run_id": parent[0] if parent else None,
         "mlflow_tracking_uri": parent[1] if parent else None,
+        "trials_dir": str(rd / "trials"),
     }
 
 

@@ -85,9 +85,12 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial(swept):
     assert parent.data.metrics["best_val_loss"] == pytest.approx(swept["best"]["val_loss"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"tune_summary.json", "val_loss.png"} <= artifacts
+    stopped = {t["trial_id"] for t in swept["trials"] if t["stopped_early"]}
     for child in children:
         history = client.get_metric_history(child.info.run_id, "val_loss")
         assert history and history[0].step == 5
+        early = child.data.tags["raylm.run_name"] in stopped
+        assert child.info.status == ("KILLED" if early else "FINISHED")
 
 
 def test_bad_sweeps_fail_before_any_trial(base):
@@ -102,3 +105,39 @@ def test_bad_sweeps_fail_before_any_trial(base):
         sweep(load_config(None, [*base, "--run.name=huge", "--scaling.num_workers=2",
                                  "--scaling.cpus_per_worker=3"]), log=print)
 
+
+def test_an_interrupted_sweep_resumes(base, tmp_path):
+    """`raylm tune` stopped with Ctrl-C once its first trial is done; the same command again
+    finishes the sweep without training that trial a second time."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
+    args = [sys.executable, "-m", "raylm", "tune", *base, "--run.name=resumed",
+            "--tune.lr_points=2", "--tune.max_concurrent=1", "--train.steps=10"]
+    env = {**os.environ, "RAY_ADDRESS": ""}  # each run starts its own local Ray
+    trials = root / "resumed" / "trials"
+    first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(trials.glob("*/summary.json")):
+        time.sleep(0.5)
+    assert list(trials.glob("*/summary.json")), "the first trial did not finish"
+    first.send_signal(signal.SIGINT)
+    out, _ = first.communicate(timeout=120)
+    done = [p.parent.name for p in trials.glob("*/summary.json")]
+    assert len(done) == 1, out[-3000:]
+
+    second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming the sweep" in second.stdout
+    summary = json.loads((root / "resumed" / "tune_summary.json").read_text())
+    assert len(summary["trials"]) == 2
+    assert {t["trial_id"] for t in summary["trials"]} >= set(done)
+    # The trial finished before the interruption trained once: one invocation in its log.
+    records = [json.loads(line) for line in (trials / done[0] / "events.jsonl").read_text()
+               .splitlines()]
+    assert len({r["invocation"] for r in records}) == 1
