@@ -88,7 +88,8 @@ def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: 
 
 
 def trial_resources(cfg: Config) -> dict[str, float]:
-    """What one trial's workers need at most (its driver and Train controller need none)."""
+    """What one trial's workers need at most (its own process asks for 0.01 CPU, its Train
+    controller for none)."""
     workers = cfg.scaling.worker_range[1]
     need = {"CPU": workers * cfg.scaling.cpus_per_worker}
     if cfg.scaling.use_gpu:
