@@ -200,7 +200,7 @@ def log_events(run_id: str, uri: str, records: list[dict[str, Any]], step: int) 
 def log_sweep(run_id: str, uri: str, summary: dict[str, Any], plot_path: Path) -> None:
     """The sweep's parent run: its summary and plot as artifacts, the best validation loss
     and config, and the tag ``raylm.best`` on the best trial's (child) run."""
-    from mlflow.entities import Metric, Param
+    from mlflow.entities import Metric, RunTag
 
     try:
         client = _client(uri)
@@ -217,10 +217,12 @@ def log_sweep(run_id: str, uri: str, summary: dict[str, Any], plot_path: Path) -
         best = summary["best"]
         if best is None:
             return
+        # Tags, not params: a resumed sweep may find a better trial, and MLflow params never
+        # change once logged.
         client.log_batch(run_id, metrics=[Metric("best_val_loss", best["val_loss"],
                                                  int(time.time() * 1000), 0)],
-                         params=[Param(f"best.{k}", _param_value(v))
-                                 for k, v in best["config"].items()])
+                         tags=[RunTag(f"raylm.best.{k}", _param_value(v))
+                               for k, v in best["config"].items()])
         if best["checkpoint_path"]:
             trial_run = Path(best["checkpoint_path"]).parent / RUN_FILE
             if trial_run.is_file():

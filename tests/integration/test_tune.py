@@ -83,6 +83,8 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial(swept):
     best = [c for c in children if c.data.tags.get("raylm.best") == "true"]
     assert len(best) == 1 and parent.data.tags["raylm.best_run_id"] == best[0].info.run_id
     assert parent.data.metrics["best_val_loss"] == pytest.approx(swept["best"]["val_loss"])
+    assert float(parent.data.tags["raylm.best.optim.lr"]) == pytest.approx(
+        swept["best"]["config"]["optim.lr"])
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"tune_summary.json", "val_loss.png"} <= artifacts
     stopped = {t["trial_id"] for t in swept["trials"] if t["stopped_early"]}
