@@ -85,7 +85,8 @@ def test_ledger_accounting_counts_duplicates_and_gaps():
     assert (got["duplicated"], got["skipped"], got["in_order"]) == (0, 0, False)
 
 
-def test_ledger_gathers_rank_slices_into_position_order():
-    # One process: its slices are the whole batch.
+def test_ledger_gather_on_one_process_keeps_each_steps_rows():
+    # One process: its slice is the whole batch. The order over 2 ranks is checked by the
+    # integration runs, whose ledgers must match the seed's order sample by sample.
     out = gather([np.array([5, 6]), np.array([7, 8])], torch.device("cpu"))
     assert out.dtype == np.int32 and out.tolist() == [[5, 6], [7, 8]]
