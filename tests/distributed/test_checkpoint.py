@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.test_fsdp_parity import VOCAB, data, free_port
+from tests.distributed.test_fsdp_parity import VOCAB, data, exit_now, free_port
 
 STEPS = 4
 
@@ -49,11 +49,12 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, resume: bool =
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(losses, f)
-        # Leave together: the store lives in rank 0, and a rank still tearing down gloo when
-        # rank 0 exits aborts ("terminate called without an active exception").
+        # Leave together: the store lives in rank 0 and must outlive every rank's last call.
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_now()
 
 
 @pytest.fixture(scope="module")
