@@ -184,6 +184,14 @@ class ScalingConfig:
     worker_resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources each training worker asks for, e.g. ``{trainer: 1}`` to place
     workers only on the nodes (or the autoscaling node group) that advertise that resource."""
+    data_resources: dict[str, float] = field(default_factory=dict)
+    """Extra Ray resources every Ray Data task and actor asks for (tokenizing in prepare, each
+    worker's reader), e.g. ``{data_node: 0.001}`` where a CPU node group advertises
+    ``data_node: 1000``: the autoscaler then grows that group for data work, and data work never
+    lands on training nodes that lack the resource."""
+    wait_for_nodes: bool = False
+    """The cluster autoscales: a run or sweep that does not fit the nodes running now waits for
+    the autoscaler to add nodes, instead of being refused before it starts."""
     resize_interval_s: float = 60.0
     """Elastic runs: how often Ray Train looks for room to grow the worker group (seconds).
     Growing restarts the group from the latest checkpoint, so each check that finds room costs
@@ -406,10 +414,11 @@ def validate(cfg: Config) -> Config:
     else:
         _check(nw >= 1, "scaling.num_workers", nw, "an integer >= 1 or [min, max]")
     _check(sc.cpus_per_worker > 0, "scaling.cpus_per_worker", sc.cpus_per_worker, "> 0")
-    _check(all(v > 0 and k not in ("CPU", "GPU") for k, v in sc.worker_resources.items()),
-           "scaling.worker_resources", sc.worker_resources,
-           "custom resource names (not CPU/GPU: use scaling.cpus_per_worker and "
-           "scaling.use_gpu) with amounts > 0")
+    for key in ("worker_resources", "data_resources"):
+        res = getattr(sc, key)
+        _check(all(v > 0 and k not in ("CPU", "GPU") for k, v in res.items()),
+               f"scaling.{key}", res, "custom resource names (not CPU/GPU: use "
+               "scaling.cpus_per_worker and scaling.use_gpu) with amounts > 0")
     _check(sc.resize_interval_s >= 0, "scaling.resize_interval_s", sc.resize_interval_s,
            ">= 0")
     _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],

@@ -161,6 +161,8 @@ def build_tokenized_dataset(files: list[SourceFile], cfg: Config, tokenizer_path
             text_unit=d.text_unit, min_chars=d.min_chars, batch_size=d.tokenize_batch_size),
         batch_size=math.ceil(len(files) / num_tasks),
         compute=ray.data.TaskPoolStrategy(size=d.tokenize_concurrency or None),
+        # Custom resources of the data node group (if any): see scaling.data_resources.
+        resources=dict(cfg.scaling.data_resources) or None,
     )
 
 
@@ -492,8 +494,10 @@ class _ReadBlocks:
 
 def build_rank_dataset(split: PackedSplit, *, mode: str, rank: int, world_size: int,
                        num_samples: int, seed: int = 0, window: int = 16, start_step: int = 0,
-                       global_batch: int = 1, batch_size: int = 64):
-    """Rank ``rank``'s stream: ``num_samples`` blocks in the order it consumes them."""
+                       global_batch: int = 1, batch_size: int = 64,
+                       resources: dict[str, float] | None = None):
+    """Rank ``rank``'s stream: ``num_samples`` blocks in the order it consumes them; its reader
+    asks for ``resources`` (custom Ray resources) besides 0.1 CPU."""
     import ray
 
     # Sample indices as in-memory blocks of 256. No remote task may be needed to make them:
@@ -517,6 +521,7 @@ def build_rank_dataset(split: PackedSplit, *, mode: str, rank: int, world_size: 
         # Reading a cached row group is cheap next to a training step; a small CPU share lets
         # the reader run beside workers that hold every CPU of their node.
         num_cpus=0.1,
+        resources=dict(resources or {}) or None,
     )
 
 
@@ -528,7 +533,8 @@ def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None
 
 def build_data_config(prepared: str | os.PathLike, *, seed: int, window: int, global_batch: int,
                       num_steps: int, eval_samples: int | None,
-                      start_step: int | Callable[[int], int] = 0):
+                      start_step: int | Callable[[int], int] = 0,
+                      resources: dict[str, float] | None = None):
     """A ``ray.train.DataConfig`` that gives each worker its ordered streams.
 
     ``train``: the samples of steps ``[start_step, num_steps)`` in the global order, sliced by
@@ -556,11 +562,13 @@ def build_data_config(prepared: str | os.PathLike, *, seed: int, window: int, gl
                         ds = build_rank_dataset(
                             train, mode="train", rank=rank, world_size=world_size,
                             num_samples=max(0, num_steps - step) * per_rank, seed=seed,
-                            window=window, start_step=step, global_batch=global_batch)
+                            window=window, start_step=step, global_batch=global_batch,
+                            resources=resources)
                     elif name == "val":
                         ds = build_rank_dataset(
                             val, mode="eval", rank=rank, world_size=world_size,
-                            num_samples=eval_samples_per_rank(val, world_size, eval_samples))
+                            num_samples=eval_samples_per_rank(val, world_size, eval_samples),
+                            resources=resources)
                     else:
                         raise ValueError(f"unknown dataset {name!r}")
                     out[rank][name] = ds.iterator()

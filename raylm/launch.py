@@ -132,20 +132,24 @@ def check_request(cfg: Config, *, max_positions: int) -> None:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} is above the model's "
                          f"{max_positions} positions; lower data.seq_len or choose a model "
                          f"with more positions.")
+    if sc.wait_for_nodes:
+        return
     have = cluster_capacity()
     if sc.use_gpu:
         gpus = have.get("GPU", 0)
         if min_workers > gpus:
             raise ValueError(f"scaling.num_workers={sc.num_workers} needs {min_workers} GPUs but "
-                             f"the cluster has {gpus:g}; lower scaling.num_workers or add GPU "
-                             f"nodes.")
+                             f"the cluster has {gpus:g}; lower scaling.num_workers, add GPU "
+                             f"nodes, or set scaling.wait_for_nodes=true if the cluster "
+                             f"autoscales.")
     else:
         cpus = have.get("CPU", 0)
         need = min_workers * sc.cpus_per_worker
         if need > cpus:
             raise ValueError(f"scaling.num_workers={sc.num_workers} x scaling.cpus_per_worker="
                              f"{sc.cpus_per_worker:g} needs {need:g} CPUs but the cluster has "
-                             f"{cpus:g}; lower one of them.")
+                             f"{cpus:g}; lower one of them, or set scaling.wait_for_nodes=true "
+                             f"if the cluster autoscales.")
 
 
 def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id: int,
@@ -198,7 +202,8 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
         dataset_config=build_data_config(
             prepared, seed=t.seed, window=cfg.data.shuffle_window,
             global_batch=t.global_batch_size, num_steps=t.steps,
-            eval_samples=t.eval_batches * t.micro_batch_size, start_step=start_step),
+            eval_samples=t.eval_batches * t.micro_batch_size, start_step=start_step,
+            resources=sc.data_resources),
     )
 
 

@@ -101,6 +101,9 @@ def trial_resources(cfg: Config) -> dict[str, float]:
 
 def concurrent_trials(cfg: Config, capacity: dict[str, float]) -> int:
     """How many trials the cluster holds at once (``tune.max_concurrent`` caps it)."""
+    if cfg.scaling.wait_for_nodes:
+        # Tune queues the trials that do not fit yet; the autoscaler grows the cluster for them.
+        return cfg.tune.max_concurrent or cfg.tune.num_samples
     need = trial_resources(cfg)
     # Each worker's data reader takes 0.1 CPU beside it (see raylm.data).
     need["CPU"] += 0.1 * cfg.scaling.worker_range[1]
