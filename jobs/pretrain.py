@@ -13,8 +13,13 @@ run.name and run.storage_path resumes from the run's latest checkpoint.
 """
 
 import sys
+from pathlib import Path
 
-from raylm.cli import main
+# The project root first: a job submitted with --working-dir . runs the raylm it shipped, not
+# an older one installed on the cluster.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from raylm.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

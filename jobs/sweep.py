@@ -16,8 +16,13 @@ val_loss.png. Running it again with the same run.name resumes an interrupted swe
 """
 
 import sys
+from pathlib import Path
 
-from raylm.cli import main
+# The project root first: a job submitted with --working-dir . runs the raylm it shipped, not
+# an older one installed on the cluster.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from raylm.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["tune", *sys.argv[1:]]))

@@ -4,11 +4,16 @@
     raylm prepare [--config PATH] [--section.key=value ...] --output DIR
     raylm train [--config PATH] [--section.key=value ...]
     raylm tune [--config PATH] [--section.key=value ...]
+    raylm submit [--config PATH] [--section.key=value ...] --address http://HEAD:8265
+                 [--command train|tune] [--env KEY=VALUE ...] [--pip PKG ...] [--image URI]
+                 [--no-wait]
+    raylm jobs list|status ID|logs ID [--follow]|stop ID [--address http://HEAD:8265]
     raylm export RUN_DIR --output DIR
     raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T]
 
-Every command takes ``--config PATH`` and any ``--section.key=value`` override of
-:mod:`raylm.config`; nothing else is a flag. User mistakes print one line and exit 2.
+Every command that runs something takes ``--config PATH`` and any ``--section.key=value``
+override of :mod:`raylm.config`; the other flags say where and how (cluster address, job
+environment), never what to train. User mistakes print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -45,6 +50,30 @@ def _parser() -> argparse.ArgumentParser:
     with_config(sub.add_parser(
         "tune", help="sweep learning-rate schedules with Ray Tune, each trial a training run "
                      "(resumes a sweep of the same name)"))
+    sb = with_config(sub.add_parser(
+        "submit", help="run `raylm train` (or tune) as a job on a Ray cluster's job server and "
+                       "follow its logs"))
+    sb.add_argument("--address", help="job server, e.g. http://127.0.0.1:8265 (default: "
+                                      "RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
+    sb.add_argument("--command", dest="job_command", default="train", choices=["train", "tune"],
+                    help="what the job runs (default: train)")
+    sb.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="environment variable for the job, e.g. MLFLOW_TRACKING_URI or "
+                         "HF_TOKEN (repeatable)")
+    sb.add_argument("--pip", action="append", default=[], metavar="PKG",
+                    help="extra pip package installed for the job (repeatable)")
+    sb.add_argument("--image", help="container image the job runs in (runtime_env image_uri)")
+    sb.add_argument("--no-code", action="store_true",
+                    help="use the raylm installed on the cluster instead of shipping this one")
+    sb.add_argument("--no-wait", action="store_true",
+                    help="print the job id and return instead of following the logs")
+    jb = sub.add_parser("jobs", help="list, inspect, follow or stop jobs on a Ray cluster")
+    jb.add_argument("action", choices=["list", "status", "logs", "stop"])
+    jb.add_argument("job", nargs="?", help="submission id (all but list)")
+    jb.add_argument("--address", help="job server, e.g. http://127.0.0.1:8265 (default: "
+                                      "RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
+    jb.add_argument("--follow", action="store_true", help="logs: keep streaming until the "
+                                                          "job ends")
     ex = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face "
                                        "model directory")
     ex.add_argument("run_dir", help="the run directory (run.storage_path/run.name)")
@@ -120,6 +149,46 @@ def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_submit(cfg: Config, args: argparse.Namespace) -> int:
+    from raylm.submit import parse_env, submit
+
+    if cfg.run.ray_address:
+        raise ValueError(f"run.ray_address={cfg.run.ray_address!r} is set, but a submitted job "
+                         f"runs on the cluster's head and joins that cluster itself; unset it.")
+    _, status = submit(cfg, address=args.address, command=args.job_command,
+                       env=parse_env(args.env), pip=args.pip, image=args.image,
+                       ship_code=not args.no_code, wait=not args.no_wait,
+                       out=lambda m: print(m, flush=True))
+    return 0 if status in (None, "SUCCEEDED") else 1
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from raylm import submit
+
+    jobs = submit.client(args.address)
+    if args.action == "list":
+        print(submit.table(submit.list_rows(jobs)))
+        return 0
+    if not args.job:
+        raise ValueError(f"raylm jobs {args.action} needs a submission id (see raylm jobs "
+                         f"list).")
+    if args.action == "status":
+        info = jobs.get_job_info(args.job)
+        print(json.dumps({"id": args.job, "status": str(info.status.value),
+                          "message": info.message, "entrypoint": info.entrypoint,
+                          "metadata": info.metadata, "start_time_ms": info.start_time,
+                          "end_time_ms": info.end_time}, indent=2))
+        return 0
+    if args.action == "logs":
+        if args.follow:
+            return 0 if submit.follow(jobs, args.job) == "SUCCEEDED" else 1
+        sys.stdout.write(jobs.get_job_logs(args.job))
+        return 0
+    status = submit.stop(jobs, args.job)
+    print(f"raylm: {args.job} {status}")
+    return 0 if status in submit.TERMINAL else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     rest, overrides = _split_overrides(argv)
@@ -137,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          max_new_tokens=args.max_new_tokens,
                                          temperature=args.temperature, seed=args.seed))
             return 0
+        if args.command == "jobs":
+            return cmd_jobs(args)
         cfg = load_config(args.config, overrides)
         if args.command == "config":
             sys.stdout.write(cfg.to_yaml())
@@ -147,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_train(cfg, args)
         if args.command == "tune":
             return cmd_tune(cfg, args)
+        if args.command == "submit":
+            return cmd_submit(cfg, args)
     except (ValueError, FileNotFoundError) as e:
         # ConfigError, SourceError, BadRecordError and tokenizer errors: one line, no trace.
         print(f"raylm: error: {e}", file=sys.stderr)

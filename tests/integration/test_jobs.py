@@ -1,0 +1,150 @@
+"""Jobs on a real Ray head started with `ray start --head` on 127.0.0.1, reached through its
+job server as a remote cluster would be: `raylm submit`, plain `ray job submit` of
+jobs/pretrain.py, `raylm jobs list|status|logs|stop`. Token authentication stays on, with a
+token of the test's own (never the user's ~/.ray/auth_token)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_fsdp_parity import free_port
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+TINY = "jobs/configs/cpu_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jobs")
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "PATH": f"{BIN}:{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    gcs, dashboard = free_port(), free_port()
+    subprocess.run(
+        [BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2",
+         "--disable-usage-stats"],
+        env=env, check=True, capture_output=True)
+    # The job settings every run here shares: the tiny config, in this test's own directories,
+    # a few steps. Prepared data is cached in cache_dir, so only the first job prepares.
+    overrides = [f"--run.storage_path={root}/runs", f"--run.cache_dir={root}/cache",
+                 "--train.steps=10", "--train.log_every=5", "--train.eval_every=10",
+                 "--checkpoint.every=10"]
+    yield {"address": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{gcs}", "env": env,
+           "root": root, "overrides": overrides}
+    subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
+
+
+def run(head, *args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], env=head["env"], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def raylm(head, *args, timeout=300) -> subprocess.CompletedProcess:
+    return run(head, BIN / "raylm", *args, timeout=timeout)
+
+
+def summary(head, name: str) -> dict:
+    return json.loads((head["root"] / "runs" / name / "summary.json").read_text())
+
+
+def test_raylm_submit_runs_the_job_and_follows_it(head):
+    db = head["root"] / "mlflow.db"
+    p = raylm(head, "submit", "--address", head["address"], "--config", TINY,
+              "--run.name=via-raylm", *head["overrides"],
+              "--env", f"MLFLOW_TRACKING_URI=sqlite:///{db}")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    job = p.stdout.split("raylm: submitted ", 1)[1].split()[0]
+    assert job.startswith("raylm-via-raylm-")
+    # The logs were followed to the end: the run's own last lines, then the job's status.
+    assert "raylm: done: step 10" in p.stdout
+    assert f"raylm: {job} SUCCEEDED" in p.stdout
+
+    s = summary(head, "via-raylm")
+    assert s["status"] == "finished" and s["final_step"] == 10
+    assert s["samples"]["skipped"] == 0 and s["samples"]["duplicated"] == 0
+    # The env var reached the job: the run was recorded in the store it named.
+    assert s["mlflow_tracking_uri"] == f"sqlite:///{db}"
+    with sqlite3.connect(db) as con:
+        status = con.execute("select status from runs where run_uuid = ?",
+                             (s["mlflow_run_id"],)).fetchone()
+    assert status == ("FINISHED",)
+
+    listed = raylm(head, "jobs", "list", "--address", head["address"])
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(job))
+    assert "SUCCEEDED" in row and "via-raylm" in row
+    info = json.loads(raylm(head, "jobs", "status", job, "--address", head["address"]).stdout)
+    assert info["status"] == "SUCCEEDED"
+    assert info["metadata"] == {"raylm.run_name": "via-raylm", "raylm.command": "train"}
+    logs = raylm(head, "jobs", "logs", job, "--address", head["address"]).stdout
+    assert "raylm: done: step 10" in logs
+
+
+def test_plain_ray_job_submit_of_the_entrypoint(head):
+    p = run(head, BIN / "ray", "job", "submit", "--address", head["address"],
+            "--working-dir", ".", "--", "python", "jobs/pretrain.py", "--config", TINY,
+            "--run.name=via-ray", "--tracking.enabled=false", *head["overrides"])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "raylm: done: step 10" in p.stdout
+    job = p.stdout.split("Job '", 1)[1].split("'", 1)[0]
+    assert f"Job '{job}' succeeded" in p.stdout
+
+    s = summary(head, "via-ray")
+    assert s["status"] == "finished" and s["final_step"] == 10
+    assert s["checkpoint_path"].startswith(str(head["root"] / "runs" / "via-ray"))
+    logs = raylm(head, "jobs", "logs", job, "--address", head["address"]).stdout
+    assert "raylm: done: step 10" in logs
+
+
+def test_a_running_job_stops_and_frees_the_cluster(head):
+    p = raylm(head, "submit", "--address", head["address"], "--config", TINY,
+              "--run.name=stopped", "--tracking.enabled=false", "--no-wait",
+              *head["overrides"], "--train.steps=100000")
+    assert p.returncode == 0, p.stderr[-3000:]
+    job = p.stdout.split("raylm: submitted ", 1)[1].split()[0]
+
+    # Stop it while it trains, not while it is still starting.
+    deadline = time.monotonic() + 180
+    while "step 5/100000" not in raylm(head, "jobs", "logs", job, "--address",
+                                       head["address"]).stdout:
+        assert time.monotonic() < deadline, "the job never reached step 5"
+        time.sleep(2)
+    p = raylm(head, "jobs", "stop", job, "--address", head["address"])
+    assert p.returncode == 0 and f"raylm: {job} STOPPED" in p.stdout, p.stdout + p.stderr
+
+    # The training workers went with the job: every CPU is free again.
+    probe = ("import ray, time\n"
+             f"ray.init(address={head['gcs']!r}, logging_level='ERROR')\n"
+             "for _ in range(60):\n"
+             "    if ray.available_resources().get('CPU') == 2: break\n"
+             "    time.sleep(1)\n"
+             "print(ray.available_resources().get('CPU'))\n")
+    free = run(head, sys.executable, "-c", probe)
+    assert free.stdout.strip().splitlines()[-1] == "2.0", free.stdout + free.stderr
+
+
+def test_submit_refuses_bad_input_before_contacting_the_cluster(head):
+    p = raylm(head, "submit", "--config", TINY, "--address", "127.0.0.1:6379")
+    assert p.returncode == 2 and "http://127.0.0.1:8265" in p.stderr
+    p = raylm(head, "submit", "--config", TINY, "--address", head["address"],
+              "--train.steps=0")
+    assert p.returncode == 2 and "train.steps" in p.stderr
+    p = raylm(head, "submit", "--config", TINY, "--address", head["address"], "--env", "NOEQ")
+    assert p.returncode == 2 and "KEY=VALUE" in p.stderr
+    # Without the token, the message says how to provide it.
+    env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    p = subprocess.run([BIN / "raylm", "jobs", "list", "--address", head["address"]], env=env,
+                       text=True, capture_output=True, timeout=60)
+    assert p.returncode == 2 and "RAY_AUTH_MODE=token" in p.stderr, p.stderr
