@@ -54,6 +54,7 @@ def test_override_values_are_typed():
         ("--scaling.worker_resources=4", "Expected a mapping of a string to a number."),
         ("--scaling.worker_resources={GPU: 1}", "not CPU/GPU: use scaling.cpus_per_worker and "
                                                 "scaling.use_gpu"),
+        ("--scaling.data_resources={CPU: 1}", "Invalid value for 'scaling.data_resources'"),
     ],
 )
 def test_bad_overrides_name_key_value_and_fix(override, message):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from raylm.config import load_config
 from raylm.events import interruptions, summarize
 from raylm.ledger import account, gather
 from raylm.packing import SampleOrder
@@ -90,3 +91,22 @@ def test_ledger_gather_on_one_process_keeps_each_steps_rows():
     # integration runs, whose ledgers must match the seed's order sample by sample.
     out = gather([np.array([5, 6]), np.array([7, 8])], torch.device("cpu"))
     assert out.dtype == np.int32 and out.tolist() == [[5, 6], [7, 8]]
+
+
+def test_capacity_check_refuses_unless_the_cluster_autoscales(monkeypatch):
+    from raylm import launch
+
+    # The cluster as it is now: one CPU.
+    monkeypatch.setattr(launch, "cluster_capacity", lambda: {"CPU": 1.0})
+    cfg = load_config(None, ["--scaling.num_workers=2", "--train.global_batch_size=8"])
+    with pytest.raises(ValueError, match="needs 2 CPUs but the cluster has 1; .* "
+                                         "scaling.wait_for_nodes=true"):
+        launch.check_request(cfg, max_positions=1024)
+    waits = load_config(None, ["--scaling.num_workers=2", "--train.global_batch_size=8",
+                               "--scaling.wait_for_nodes=true"])
+    launch.check_request(waits, max_positions=1024)
+    # Batch arithmetic is still checked: no autoscaler makes 3 workers share 8 sequences.
+    with pytest.raises(ValueError, match="cannot be split equally over 3 workers"):
+        launch.check_request(load_config(None, [
+            "--scaling.num_workers=3", "--train.global_batch_size=8",
+            "--scaling.wait_for_nodes=true"]), max_positions=1024)

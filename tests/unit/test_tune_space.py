@@ -56,3 +56,12 @@ def test_concurrent_trials_counts_worker_resources():
         concurrent_trials(cfg, {"CPU": 2})
     gpu = load_config(None, ["--scaling.num_workers=4", "--scaling.use_gpu=true"])
     assert concurrent_trials(gpu, {"CPU": 64, "GPU": 8}) == 2
+
+
+def test_autoscaling_cluster_queues_trials_instead_of_refusing():
+    # Nothing fits the nodes running now; the autoscaler adds them as Tune queues trials.
+    cfg = load_config(None, ["--scaling.num_workers=2", "--scaling.wait_for_nodes=true",
+                             "--tune.num_samples=6"])
+    assert concurrent_trials(cfg, {"CPU": 1}) == 6
+    capped = load_config(None, ["--scaling.wait_for_nodes=true", "--tune.max_concurrent=2"])
+    assert concurrent_trials(capped, {}) == 2
