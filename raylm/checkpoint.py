@@ -6,16 +6,20 @@ files; DCP's metadata lets a different world size load and reshard them), the sa
 the train state (step, tokens seen, data position), the model's shape, and the name and size
 of every file of every rank. A directory counts as a checkpoint only if that marker exists and
 every file it lists is there at its size, so a save cut short (a killed worker, a full disk, an
-interrupted upload) is skipped with a warning and the one before it is used. The learning-rate
-schedule is a pure function of the step, so it needs no state of its own.
+interrupted upload) is skipped with a warning and the one before it is used. Checkpoints
+may live in object storage (see ``raylm.storage``): they are verified there, and fetched to
+local disk to be loaded. The learning-rate schedule is a pure function of the step, so it
+needs no state of its own.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+
+from raylm import storage
 
 MARKER = "raylm_checkpoint.json"
 SAMPLES = "samples.npy"
@@ -81,21 +87,21 @@ def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.opt
 
 
 def verify(directory: str | os.PathLike) -> dict[str, Any]:
-    """The marker of a complete checkpoint; :class:`CheckpointError` saying what is wrong."""
-    path = Path(directory)
+    """The marker of a complete checkpoint (a path or URI); :class:`CheckpointError` saying
+    what is wrong."""
+    d = str(directory)
     try:
-        marker = json.loads((path / MARKER).read_text())
+        marker = json.loads(storage.read_text(storage.join(d, MARKER)))
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {MARKER} (save did not finish)") from None
+        raise CheckpointError(f"{d}: no {MARKER} (save did not finish)") from None
     except ValueError:
-        raise CheckpointError(f"{path}: {MARKER} is corrupted") from None
+        raise CheckpointError(f"{d}: {MARKER} is corrupted") from None
     for name, size in marker["files"].items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{path}: {name} is missing")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"{path}: {name} has {f.stat().st_size} bytes, "
-                                  f"expected {size} (truncated)")
+        found = storage.size(storage.join(d, name))
+        if found is None:
+            raise CheckpointError(f"{d}: {name} is missing")
+        if found != size:
+            raise CheckpointError(f"{d}: {name} has {found} bytes, expected {size} (truncated)")
     return marker
 
 
@@ -118,7 +124,12 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
     marker = verify(directory)
     check_compatible(marker, config, str(directory))
     sd = _state_dicts(model, optimizer)
-    dcp.load(sd, checkpoint_id=str(directory))
+    if storage.is_uri(directory):
+        # DCP reads local files: each process fetches the checkpoint once, then reads it.
+        with tempfile.TemporaryDirectory(prefix="raylm-restore-") as local:
+            dcp.load(sd, checkpoint_id=str(storage.download(directory, local)))
+    else:
+        dcp.load(sd, checkpoint_id=str(directory))
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -132,31 +143,29 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
 def load_samples(directory: str | os.PathLike) -> np.ndarray | None:
     """The sample ledger of a checkpoint: the stored rows of every step, ``(steps, global
     batch)``; None if the run did not keep one."""
-    path = Path(directory) / SAMPLES
-    return np.load(path) if path.is_file() else None
+    path = storage.join(str(directory), SAMPLES)
+    return np.load(io.BytesIO(storage.read_bytes(path))) if storage.is_file(path) else None
 
 
 _RAY_CKPT = re.compile(r"^checkpoint_")
 
 
-def candidates(run_dir: str | os.PathLike) -> list[Path]:
+def candidates(run_dir: str | os.PathLike) -> list[str]:
     """Checkpoint directories under ``run_dir`` (Ray Train names them checkpoint_*), newest
     step first (by marker; unreadable ones last)."""
-    root = Path(run_dir)
-    if not root.is_dir():
-        return []
+    root = str(run_dir)
 
-    def step_of(p: Path) -> int:
+    def step_of(p: str) -> int:
         try:
-            return int(json.loads((p / MARKER).read_text())["state"]["step"])
+            return int(json.loads(storage.read_text(storage.join(p, MARKER)))["state"]["step"])
         except (OSError, ValueError, KeyError):
             return -1
 
-    dirs = [p for p in root.iterdir() if p.is_dir() and _RAY_CKPT.match(p.name)]
-    return sorted(dirs, key=lambda p: (step_of(p), p.name), reverse=True)
+    dirs = [storage.join(root, n) for n in storage.list_dirs(root) if _RAY_CKPT.match(n)]
+    return sorted(dirs, key=lambda p: (step_of(p), p), reverse=True)
 
 
-def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning) -> tuple[Path, dict] | None:
+def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning) -> tuple[str, dict] | None:
     """The newest complete checkpoint of a run, skipping (and warning about) broken ones."""
     for path in candidates(run_dir):
         try:

@@ -29,7 +29,9 @@ class RunConfig:
     name: str = "raylm"
     """Run name; RUN_DIR = storage_path / name. Starting the same name again resumes it."""
     storage_path: str = "runs"
-    """Where runs (checkpoints, summary.json, the default MLflow store) live. Local path or URI."""
+    """Where runs (checkpoints, summary.json, the default MLflow store) live: a local path,
+    a path every node mounts, or object storage (s3://BUCKET/PREFIX, gs://..., any URI pyarrow
+    opens). Multi-node runs need one of the last two."""
     ray_address: str | None = None
     """Ray cluster to join ('auto', 'ray://HOST:10001'); unset: RAY_ADDRESS if set, else a
     new local cluster."""
@@ -498,8 +500,18 @@ def _merge(tree: dict, section: str, values: Any, *, origin: str) -> None:
     tree[section].update(values)
 
 
-def run_dir(cfg: Config) -> Path:
-    return Path(cfg.run.storage_path).expanduser().resolve() / cfg.run.name
+def storage_root(cfg: Config) -> str:
+    """``run.storage_path`` as Ray Train and Tune take it: a URI as given, a path absolute."""
+    from raylm import storage
+
+    return storage.normalize(cfg.run.storage_path)
+
+
+def run_dir(cfg: Config) -> str:
+    """RUN_DIR: ``storage_path/name``, a local path or a URI (see :mod:`raylm.storage`)."""
+    from raylm import storage
+
+    return storage.join(storage_root(cfg), cfg.run.name)
 
 
 def cache_dir(cfg: Config) -> Path:

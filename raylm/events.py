@@ -24,29 +24,28 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
+
+from raylm import storage
 
 EVENTS = "events.jsonl"
 
 
 def append(run_dir: str | os.PathLike, invocation: str, event: str, **fields: Any
            ) -> dict[str, Any]:
-    """Append one record (small single-line appends from several processes do not mix)."""
+    """Append one record to ``RUN_DIR/events.jsonl`` (a path or URI)."""
     record = {"invocation": invocation, "event": event, "time": time.time(), **fields}
-    path = Path(run_dir)
-    path.mkdir(parents=True, exist_ok=True)
-    with open(path / EVENTS, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    storage.append_text(storage.join(str(run_dir), EVENTS), json.dumps(record) + "\n")
     return record
 
 
 def read(run_dir: str | os.PathLike, invocation: str | None = None) -> list[dict[str, Any]]:
     """The records of ``RUN_DIR/events.jsonl`` (of one invocation, if given), in order."""
-    path = Path(run_dir) / EVENTS
-    if not path.is_file():
+    path = storage.join(str(run_dir), EVENTS)
+    if not storage.is_file(path):
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in storage.read_text(path).splitlines()
+               if line.strip()]
     return [r for r in records if invocation is None or r["invocation"] == invocation]
 
 

@@ -11,36 +11,38 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
+
+from raylm import storage
 
 RUN_INFO = "run.json"
 TOKENIZER_DIR = "tokenizer"
 
 
-def write_run_info(run_dir: Path, *, config: dict, vocab_size: int, eos_id: int,
+def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
                    tokenizer_path: str) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RUN_INFO).write_text(json.dumps(
+    storage.write_text(storage.join(run_dir, RUN_INFO), json.dumps(
         {"config": config, "vocab_size": vocab_size, "eos_id": eos_id}, indent=1))
-    target = run_dir / TOKENIZER_DIR
-    if not target.exists():
-        shutil.copytree(tokenizer_path, target)
+    target = storage.join(run_dir, TOKENIZER_DIR)
+    if not storage.is_dir(target):
+        storage.upload(tokenizer_path, target)
 
 
 def load_run_model(run_dir: str | Path):
-    """(model in eval mode, tokenizer directory, step) from a run's newest verified
-    checkpoint."""
+    """(model in eval mode, local tokenizer directory, step) from a run's newest verified
+    checkpoint. A run in object storage has its tokenizer fetched to a temporary directory."""
     from raylm import checkpoint
     from raylm.config import config_from_dict
     from raylm.model import build_config, build_meta_model, reset_buffers
 
-    rd = Path(run_dir).expanduser()
-    if not (rd / RUN_INFO).is_file():
+    rd = storage.normalize(run_dir)
+    if not storage.is_file(storage.join(rd, RUN_INFO)):
         raise ValueError(f"{rd} is not a raylm run directory (no {RUN_INFO}); pass the "
                          f"directory `raylm train` printed as its run dir.")
-    info = json.loads((rd / RUN_INFO).read_text())
+    info = json.loads(storage.read_text(storage.join(rd, RUN_INFO)))
     cfg = config_from_dict(info["config"])
     found = checkpoint.latest_verified(rd)
     if found is None:
@@ -53,7 +55,11 @@ def load_run_model(run_dir: str | Path):
     reset_buffers(model)  # rotary frequencies are not in checkpoints
     state = checkpoint.load(found[0], model=model, optimizer=None, config=config)
     model.eval()
-    return model, rd / TOKENIZER_DIR, int(state["step"])
+    tokenizer_dir = storage.join(rd, TOKENIZER_DIR)
+    if storage.is_uri(rd):
+        tokenizer_dir = str(storage.download(tokenizer_dir,
+                                             tempfile.mkdtemp(prefix="raylm-tokenizer-")))
+    return model, Path(tokenizer_dir), int(state["step"])
 
 
 def export(run_dir: str | Path, output: str | Path) -> Path:
@@ -65,7 +71,7 @@ def export(run_dir: str | Path, output: str | Path) -> Path:
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy(f, out / f.name)
     (out / "raylm_export.json").write_text(json.dumps(
-        {"run_dir": str(Path(run_dir).resolve()), "step": step}, indent=1))
+        {"run_dir": storage.normalize(run_dir), "step": step}, indent=1))
     return out
 
 
@@ -75,10 +81,10 @@ def generate(source: str | Path, prompt: str, *, max_new_tokens: int = 64,
     """Sample a continuation of ``prompt`` from a run directory or an exported model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = Path(source).expanduser()
-    if (src / RUN_INFO).is_file():
+    src = storage.normalize(source)
+    if storage.is_file(storage.join(src, RUN_INFO)):
         model, tok_dir, _ = load_run_model(src)
-    elif (src / "config.json").is_file():
+    elif storage.is_file(storage.join(src, "config.json")) and not storage.is_uri(src):
         model, tok_dir = AutoModelForCausalLM.from_pretrained(str(src)), src
     else:
         raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")

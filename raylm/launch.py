@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raylm import events, ledger
-from raylm.config import Config, run_dir
+from raylm import events, ledger, storage
+from raylm.config import Config, run_dir, storage_root
 
 try:  # the controller-side callback base class (Ray Train V2)
     from ray.train.v2.api.callback import UserCallback
@@ -96,10 +96,7 @@ class ProgressCallback(UserCallback):
     def _read_new(self) -> None:
         # Group starts are appended by another process; read only what is new, so a long
         # run does not parse its whole log at every report.
-        path = Path(self.run_dir) / events.EVENTS
-        with open(path, "rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
+        chunk = storage.read_bytes(storage.join(self.run_dir, events.EVENTS), self.offset)
         complete = chunk[: chunk.rfind(b"\n") + 1]
         self.offset += len(complete)
         for line in complete.decode().splitlines():
@@ -164,7 +161,7 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
     from raylm.train import train_loop_per_worker
 
     sc, t = cfg.scaling, cfg.train
-    rd = str(run_dir(cfg))
+    rd = run_dir(cfg)
     workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
     resources = {"CPU": sc.cpus_per_worker, **sc.worker_resources}
     if sc.use_gpu:
@@ -188,7 +185,7 @@ def build_trainer(cfg: Config, prepared: str | Path, *, vocab_size: int, eos_id:
                                      elastic_resize_monitor_interval_s=sc.resize_interval_s),
         run_config=RunConfig(
             name=cfg.run.name,
-            storage_path=str(Path(rd).parent),
+            storage_path=storage_root(cfg),
             failure_config=FailureConfig(max_failures=t.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             callbacks=[ProgressCallback(
@@ -224,6 +221,8 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     provisional = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
                                eos_id=0, attn_implementation="sdpa")
     check_request(cfg, max_positions=max_positions(provisional))
+    if cfg.tracking.enabled and mlflow_parent is None:
+        tracking.resolve_uri(cfg)  # a store that cannot exist fails now, not after the data
     prepared = prepared_dir(cfg, log=log)
     manifest = json.loads((prepared / "manifest.json").read_text())
     layout = json.loads((prepared / LAYOUT).read_text())
@@ -293,16 +292,16 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
         summary["samples"] = ledger.account(
             rows, group_sizes=layout["splits"]["train"]["row_group_sizes"],
             seed=cfg.train.seed, window=cfg.data.shuffle_window)
-    rd.mkdir(parents=True, exist_ok=True)
-    (rd / "summary.json").write_text(json.dumps(summary, indent=2))
+    summary_path = storage.join(rd, "summary.json")
+    storage.write_text(summary_path, json.dumps(summary, indent=2))
     if error is not None:
         log(f"raylm: failed at step {final_step} after {summary['failures']} failures; the "
             f"latest checkpoint is {summary['checkpoint_path']}; run again with the same "
-            f"run.name to resume. Summary: {rd / 'summary.json'}")
+            f"run.name to resume. Summary: {summary_path}")
         raise error
     log(f"raylm: done: step {summary['final_step']}, val loss {summary['val_loss']}, "
         f"{summary['restarts']} restarts, {summary['resizes']} resizes, checkpoint "
-        f"{summary['checkpoint_path']}, summary {rd / 'summary.json'}")
+        f"{summary['checkpoint_path']}, summary {summary_path}")
     if run_id:
         log(f"raylm: MLflow run {run_id} ({uri}); browse with: mlflow ui --backend-store-uri "
             f"{uri}")

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raylm.config import Config, run_dir
+from raylm import storage
+from raylm.config import Config, run_dir, storage_root
 
 try:
     from ray.train.v2.api.callback import UserCallback
@@ -41,7 +42,12 @@ def resolve_uri(cfg: Config) -> str:
         return cfg.tracking.uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{run_dir(cfg).parent / 'mlflow.db'}"
+    if storage.is_uri(cfg.run.storage_path):
+        raise ValueError(
+            f"run.storage_path={cfg.run.storage_path!r} is object storage, where MLflow's "
+            f"default SQLite store cannot live: set tracking.uri (an MLflow server, e.g. "
+            f"http://HEAD:5000) or MLFLOW_TRACKING_URI, or tracking.enabled=false.")
+    return f"sqlite:///{os.path.join(storage_root(cfg), 'mlflow.db')}"
 
 
 def _client(uri: str):
@@ -68,9 +74,9 @@ def start_run(cfg: Config, *, log=print, parent_run_id: str | None = None,
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     try:
         client = _client(uri)
-        saved = rd / RUN_FILE
-        if saved.is_file():
-            known = json.loads(saved.read_text())
+        saved = storage.join(rd, RUN_FILE)
+        if storage.is_file(saved):
+            known = json.loads(storage.read_text(saved))
             if known.get("tracking_uri") == uri:
                 run = client.get_run(known["run_id"])
                 client.update_run(run.info.run_id, status="RUNNING")
@@ -84,7 +90,7 @@ def start_run(cfg: Config, *, log=print, parent_run_id: str | None = None,
                                               artifact_location=artifacts)
         else:
             exp_id = exp.experiment_id
-        tags = {"raylm.run_dir": str(rd), "raylm.run_name": cfg.run.name}
+        tags = {"raylm.run_dir": rd, "raylm.run_name": cfg.run.name}
         if parent_run_id:
             tags["mlflow.parentRunId"] = parent_run_id
         run = client.create_run(exp_id, run_name=cfg.run.name, tags=tags)
@@ -93,8 +99,7 @@ def start_run(cfg: Config, *, log=print, parent_run_id: str | None = None,
         params = [Param(k, _param_value(v)[:6000]) for k, v in sorted(cfg.flat().items())]
         for i in range(0, len(params), 100):
             client.log_batch(run.info.run_id, params=params[i:i + 100])
-        rd.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
+        storage.write_text(saved, json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
         return run.info.run_id, uri
     except Exception as e:  # MLflow raises many types for an unreachable or broken store
         log(f"warning: MLflow at {uri} is unavailable, training continues untracked: "
@@ -209,9 +214,9 @@ def log_sweep(run_id: str, uri: str, summary: dict[str, Any], plot_path: Path) -
             client.log_artifact(run_id, str(plot_path))
         for t in summary["trials"]:
             # A trial that ASHA stopped was ended from outside: close its run as killed.
-            saved = Path(summary["trials_dir"]) / str(t["trial_id"]) / RUN_FILE
-            if t["stopped_early"] and saved.is_file():
-                child = json.loads(saved.read_text())["run_id"]
+            saved = storage.join(summary["trials_dir"], str(t["trial_id"]), RUN_FILE)
+            if t["stopped_early"] and storage.is_file(saved):
+                child = json.loads(storage.read_text(saved))["run_id"]
                 client.set_tag(child, "raylm.stopped_early", "true")
                 client.set_terminated(child, status="KILLED")
         best = summary["best"]
@@ -224,9 +229,9 @@ def log_sweep(run_id: str, uri: str, summary: dict[str, Any], plot_path: Path) -
                          tags=[RunTag(f"raylm.best.{k}", _param_value(v))
                                for k, v in best["config"].items()])
         if best["checkpoint_path"]:
-            trial_run = Path(best["checkpoint_path"]).parent / RUN_FILE
-            if trial_run.is_file():
-                child = json.loads(trial_run.read_text())["run_id"]
+            trial_run = storage.join(storage.parent(best["checkpoint_path"]), RUN_FILE)
+            if storage.is_file(trial_run):
+                child = json.loads(storage.read_text(trial_run))["run_id"]
                 client.set_tag(child, "raylm.best", "true")
                 client.set_tag(run_id, "raylm.best_run_id", child)
     except Exception as e:  # the sweep's results are on disk either way

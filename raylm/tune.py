@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from raylm.config import Config, config_from_dict, run_dir
+from raylm import storage
+from raylm.config import Config, config_from_dict, run_dir, storage_root
 
 METRIC = "val_loss"
 
@@ -133,13 +135,15 @@ def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
                                eos_id=0, attn_implementation="sdpa")
     concurrent = concurrent_trials(cfg, cluster_capacity())
     check_request(cfg, max_positions=max_positions(provisional))
+    if cfg.tracking.enabled:
+        tracking.resolve_uri(cfg)  # a store that cannot exist fails now, not after the data
     rd = run_dir(cfg)
     # Prepared once here, rather than by every trial at once.
     prepared = str(prepared_dir(cfg, log=log))
     parent_id, uri = tracking.start_run(cfg, log=log)
     parent = (parent_id, uri) if parent_id else None
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, base=cfg.to_dict(), trials_dir=str(rd / "trials"),
+        tune.with_parameters(run_trial, base=cfg.to_dict(), trials_dir=storage.join(rd, "trials"),
                              prepared=prepared, parent=parent),
         # The trial's own process only drives its TorchTrainer (Tune refuses an empty
         # request); the workers hold the CPUs, and max_concurrent_trials counts them.
@@ -154,9 +158,9 @@ def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
         from ray.tune.search.optuna import OptunaSearch
 
         searcher = OptunaSearch(seed=t.seed)
-    if tune.Tuner.can_restore(str(rd)):
+    if tune.Tuner.can_restore(rd):
         log(f"raylm: resuming the sweep in {rd}")
-        tuner = tune.Tuner.restore(str(rd), trainable, resume_errored=True)
+        tuner = tune.Tuner.restore(rd, trainable, resume_errored=True)
     else:
         log(f"raylm: sweep of {cfg.tune.search} search, up to {concurrent} trials at a time, "
             f"in {rd}")
@@ -167,15 +171,17 @@ def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
                 metric=METRIC, mode="min", scheduler=scheduler, search_alg=searcher,
                 num_samples=1 if cfg.tune.search == "grid" else cfg.tune.num_samples,
                 max_concurrent_trials=concurrent),
-            run_config=tune.RunConfig(name=cfg.run.name, storage_path=str(rd.parent)),
+            run_config=tune.RunConfig(name=cfg.run.name, storage_path=storage_root(cfg)),
         )
     failed = True
     try:
         results = tuner.fit()
         summary = summarize(results, cfg, parent)
-        write_outputs(summary, cfg, log=log)
-        if parent:
-            tracking.log_sweep(parent_id, uri, summary, rd / "val_loss.png")
+        with tempfile.TemporaryDirectory(prefix="raylm-sweep-") as tmp:
+            png = Path(tmp) / "val_loss.png"
+            write_outputs(summary, cfg, log=log, plot_path=png)
+            if parent:
+                tracking.log_sweep(parent_id, uri, summary, png)
         failed = False
     finally:
         if parent:
@@ -195,7 +201,8 @@ def summarize(results, cfg: Config, parent: tuple[str, str] | None) -> dict[str,
             if not math.isnan(v)]
         steps = max((s for s, _ in history), default=0)
         trial_id = r.metrics.get("trial_id")  # Tune adds it to every result
-        found = checkpoint.latest_verified(rd / "trials" / str(trial_id), warn=lambda m: None)
+        found = checkpoint.latest_verified(storage.join(rd, "trials", str(trial_id)),
+                                           warn=lambda m: None)
         trials.append({
             "trial_id": trial_id,
             "config": {k: v for k, v in r.config.items()},
@@ -215,29 +222,35 @@ def summarize(results, cfg: Config, parent: tuple[str, str] | None) -> dict[str,
             "val_loss": best["val_loss"], "checkpoint_path": best["checkpoint_path"]},
         "mlflow_parent_run_id": parent[0] if parent else None,
         "mlflow_tracking_uri": parent[1] if parent else None,
-        "trials_dir": str(rd / "trials"),
+        "trials_dir": storage.join(rd, "trials"),
     }
 
 
-def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print) -> None:
+def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print,
+                  plot_path: Path | None = None) -> None:
+    """tune_summary.json, best.yaml and val_loss.png into RUN_DIR (the plot is drawn at
+    ``plot_path`` first, when given, and copied)."""
     import yaml
 
     rd = run_dir(cfg)
-    rd.mkdir(parents=True, exist_ok=True)
-    (rd / "tune_summary.json").write_text(json.dumps(summary, indent=2))
+    storage.write_text(storage.join(rd, "tune_summary.json"), json.dumps(summary, indent=2))
     if summary["best"]:
         tree = cfg.to_dict()
         for key, value in summary["best"]["config"].items():
             section, name = key.split(".", 1)
             tree[section][name] = value
         tree["run"]["name"] = f"{cfg.run.name}-best"
-        (rd / "best.yaml").write_text(
+        storage.write_text(
+            storage.join(rd, "best.yaml"),
             f"# Best trial {summary['best']['trial_id']} of sweep {cfg.run.name}: val_loss "
             f"{summary['best']['val_loss']:.4f}\n" + yaml.safe_dump(tree, sort_keys=False))
-    plot(summary, rd / "val_loss.png", total_steps=cfg.train.steps)
+    with tempfile.TemporaryDirectory(prefix="raylm-plot-") as tmp:
+        drawn = plot_path or Path(tmp) / "val_loss.png"
+        plot(summary, drawn, total_steps=cfg.train.steps)
+        storage.write_bytes(storage.join(rd, "val_loss.png"), drawn.read_bytes())
     log(table(summary))
-    log(f"raylm: sweep done: {rd / 'tune_summary.json'}, {rd / 'best.yaml'}, "
-        f"{rd / 'val_loss.png'}")
+    log(f"raylm: sweep done: {storage.join(rd, 'tune_summary.json')}, "
+        f"{storage.join(rd, 'best.yaml')}, {storage.join(rd, 'val_loss.png')}")
 
 
 def table(summary: dict[str, Any]) -> str:

@@ -107,7 +107,7 @@ def test_truncated_checkpoint_is_refused_and_skipped(saved, tmp_path):
         checkpoint.verify(bad)
     warnings = []
     path, found = checkpoint.latest_verified(tmp_path, warn=warnings.append)
-    assert path == good and found["state"]["step"] == 2
+    assert path == str(good) and found["state"]["step"] == 2
     assert len(warnings) == 1 and "checkpoint_b" in warnings[0]
 
 
@@ -122,3 +122,20 @@ def test_changed_model_shape_refuses_to_load(saved):
     with pytest.raises(checkpoint.CheckpointError, match="for a different model .*hidden_size: "
                        "checkpoint 64 vs model 768"):
         checkpoint.check_compatible(checkpoint.verify(ckpt), other, ckpt)
+
+
+def test_checkpoint_in_object_storage_is_found_verified_and_resumed(saved, tmp_path):
+    """The same checkpoint under a URI (file://, which takes raylm's object-storage path:
+    listing, verifying and fetching through pyarrow's filesystems) resumes exactly."""
+    import shutil
+
+    from raylm import checkpoint
+
+    ckpt, uninterrupted = saved
+    shutil.copytree(ckpt, tmp_path / "run" / "checkpoint_000")
+    run_uri = f"file://{tmp_path}/run"
+    path, marker = checkpoint.latest_verified(run_uri)
+    assert path == f"{run_uri}/checkpoint_000" and marker["state"]["step"] == 2
+    torch.set_num_threads(1)
+    resumed = session(1, 0, path, resume=True)
+    assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -86,9 +87,31 @@ def test_train_resume_equals_uninterrupted(base, trained):
                                   "skipped": 0, "in_order": True}
 
 
-def base_dir(base):
-    from pathlib import Path
+def test_run_in_object_storage_resumes_exactly(base, trained, tmp_path):
+    """run.storage_path as a URI (file://: the object-storage path, through pyarrow's
+    filesystems): checkpoints, events, summary and run files live there, and a resumed run
+    ends where the uninterrupted one does."""
+    from raylm import storage
+    from raylm.export import load_run_model
 
+    uri = f"file://{tmp_path}/bucket/runs"
+    run = [f"--run.storage_path={uri}", "--run.name=remote", "--checkpoint.every=10",
+           f"--tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
+    first = train_run(base, *run, "--train.steps=20")
+    resumed = train_run(base, *run, "--train.steps=30")
+    assert first["checkpoint_path"].startswith(f"{uri}/remote/checkpoint_")
+    assert resumed["resumed_from_step"] == 20 and resumed["final_step"] == 30
+    full = trained[0]
+    assert resumed["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
+    assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
+    assert resumed["samples"]["skipped"] == 0 and resumed["samples"]["duplicated"] == 0
+    saved = json.loads(storage.read_text(f"{uri}/remote/summary.json"))
+    assert saved == resumed
+    _, tokenizer_dir, step = load_run_model(f"{uri}/remote")
+    assert step == 30 and (tokenizer_dir / "tokenizer.json").is_file()
+
+
+def base_dir(base):
     return Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
 
 
@@ -262,7 +285,7 @@ def test_resume_on_fewer_and_more_workers_with_a_truncated_checkpoint(base, trai
     # Cut the newest checkpoint short, as a save killed half-way would leave it.
     newest, marker = checkpoint.latest_verified(base_dir(base) / "resize")
     assert marker["state"]["step"] == 20 and marker["world_size"] == 1
-    shard = max((p for p in newest.iterdir() if p.suffix == ".distcp"),
+    shard = max((p for p in Path(newest).iterdir() if p.suffix == ".distcp"),
                 key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     logs = []

@@ -1,0 +1,61 @@
+"""raylm.storage on a local directory and through a URI (file://, pyarrow's filesystem path,
+the one s3:// and gs:// take)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raylm import storage
+from raylm.config import load_config, run_dir
+from raylm.tracking import resolve_uri
+
+
+@pytest.fixture(params=["path", "uri"])
+def root(request, tmp_path):
+    return str(tmp_path) if request.param == "path" else f"file://{tmp_path}"
+
+
+def test_files_round_trip(root, tmp_path):
+    f = storage.join(root, "a", "summary.json")
+    assert storage.size(f) is None and not storage.is_file(f)
+    with pytest.raises(FileNotFoundError):
+        storage.read_text(f)
+    storage.write_text(f, "{}")
+    storage.write_text(f, '{"x": 1}')  # replaced whole
+    assert storage.read_text(f) == '{"x": 1}' and storage.size(f) == 8
+    assert storage.read_bytes(f, offset=2) == b'x": 1}'
+    log = storage.join(root, "a", "events.jsonl")
+    storage.append_text(log, "one\n")
+    storage.append_text(log, "two\n")
+    assert storage.read_text(log) == "one\ntwo\n"
+    storage.write_text(storage.join(root, "a", "checkpoint_1", "m.json"), "1")
+    assert storage.list_dirs(storage.join(root, "a")) == ["checkpoint_1"]
+    assert storage.list_dirs(storage.join(root, "missing")) == []
+    assert storage.is_dir(storage.join(root, "a")) and not storage.is_dir(f)
+    assert storage.parent(f) == storage.join(root, "a") and storage.name(f) == "summary.json"
+    # No temporary files left beside the ones written.
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "checkpoint_1", "events.jsonl", "summary.json"]
+
+
+def test_directories_travel_both_ways(root, tmp_path):
+    src = tmp_path / "local"
+    (src / "sub").mkdir(parents=True)
+    (src / "tokenizer.json").write_text("t")
+    (src / "sub" / "x").write_text("y")
+    remote = storage.join(root, "runs", "tokenizer")
+    storage.upload(src, remote)
+    back = storage.download(remote, tmp_path / "back")
+    assert (back / "tokenizer.json").read_text() == "t" and (back / "sub" / "x").read_text() == "y"
+
+
+def test_run_dir_of_a_uri_and_mlflow_default(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = load_config(None, ["--run.storage_path=s3://bucket/runs/", "--run.name=r1"])
+    assert run_dir(cfg) == "s3://bucket/runs/r1"
+    with pytest.raises(ValueError, match="run.storage_path='s3://bucket/runs/' is object storage"
+                                         ".*set tracking.uri"):
+        resolve_uri(cfg)
+    local = load_config(None, [f"--run.storage_path={tmp_path}", "--run.name=r1"])
+    assert run_dir(local) == str(tmp_path / "r1")
+    assert resolve_uri(local) == f"sqlite:///{tmp_path}/mlflow.db"
