@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from raylm import storage
 from raylm.config import Config
 
 JOB_CONFIG = "raylm_job.yaml"
@@ -102,6 +103,13 @@ def submit(cfg: Config, *, address: str | None, command: str = "train",
     Returns (submission id, final status or None when not waiting)."""
     if command not in COMMANDS:
         raise ValueError(f"--command {command!r}: choose one of {', '.join(COMMANDS)}.")
+    sp = cfg.run.storage_path
+    if not storage.is_uri(sp) and not sp.startswith(("/", "~")):
+        # Relative to the job's working directory, a temporary copy deleted with the job.
+        raise ValueError(f"run.storage_path={sp!r} is relative: a submitted job would leave its "
+                         f"checkpoints and summary in its temporary working directory. Use an "
+                         f"absolute path on the cluster (a shared mount for several nodes) or "
+                         f"object storage, e.g. --run.storage_path=s3://BUCKET/runs.")
     jobs = client(address)
     staging = Path(tempfile.mkdtemp(prefix="raylm-submit-"))
     try:

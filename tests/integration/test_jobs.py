@@ -136,12 +136,16 @@ def test_a_running_job_stops_and_frees_the_cluster(head):
 
 
 def test_submit_refuses_bad_input_before_contacting_the_cluster(head):
-    p = raylm(head, "submit", "--config", TINY, "--address", "127.0.0.1:6379")
+    p = raylm(head, "submit", "--config", TINY, "--address", "127.0.0.1:6379",
+              *head["overrides"])
     assert p.returncode == 2 and "http://127.0.0.1:8265" in p.stderr
     p = raylm(head, "submit", "--config", TINY, "--address", head["address"],
               "--train.steps=0")
     assert p.returncode == 2 and "train.steps" in p.stderr
-    p = raylm(head, "submit", "--config", TINY, "--address", head["address"], "--env", "NOEQ")
+    p = raylm(head, "submit", "--config", TINY, "--address", head["address"])
+    assert p.returncode == 2 and "run.storage_path='runs' is relative" in p.stderr
+    p = raylm(head, "submit", "--config", TINY, "--address", head["address"], "--env", "NOEQ",
+              *head["overrides"])
     assert p.returncode == 2 and "KEY=VALUE" in p.stderr
     # Without the token, the message says how to provide it.
     env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
