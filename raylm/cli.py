@@ -6,7 +6,7 @@
     raylm tune [--config PATH] [--section.key=value ...]
     raylm submit [--config PATH] [--section.key=value ...] --address http://HEAD:8265
                  [--command train|tune] [--env KEY=VALUE ...] [--pip PKG ...] [--image URI]
-                 [--no-wait]
+                 [--no-code] [--no-wait]
     raylm jobs list|status ID|logs ID [--follow]|stop ID [--address http://HEAD:8265]
     raylm export RUN_DIR --output DIR
     raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T]
@@ -172,8 +172,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if not args.job:
         raise ValueError(f"raylm jobs {args.action} needs a submission id (see raylm jobs "
                          f"list).")
-    if args.action == "status":
+    try:
+        # An unknown id must fail in one line (the job server answers 404).
         info = jobs.get_job_info(args.job)
+    except RuntimeError as e:
+        raise ValueError(f"job {args.job!r}: {e} (see raylm jobs list)") from None
+    if args.action == "status":
         print(json.dumps({"id": args.job, "status": str(info.status.value),
                           "message": info.message, "entrypoint": info.entrypoint,
                           "metadata": info.metadata, "start_time_ms": info.start_time,

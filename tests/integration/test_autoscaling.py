@@ -1,10 +1,12 @@
 """Autoscaling on one machine: Ray's AutoscalingCluster runs the real autoscaler with fake
-node types that mirror cluster/aws.yaml's groups. A run that needs 2 training workers starts
-with only the head; the autoscaler adds the data node for Ray Data work and two training nodes
-for the workers, and the run completes with every piece where its group says."""
+node types that mirror cluster/aws.yaml's groups. A job (`raylm submit`) that needs 2 training
+workers starts with only the head; the autoscaler adds the data node for Ray Data work and two
+training nodes for the workers, and the run completes with every piece where its group
+says."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,13 +15,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raylm.config import load_config
-from raylm.launch import train
 from tests.conftest import make_docs, write_jsonl
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
 # CPU stand-in for the GPU group: training workers ask for one of these instead of a GPU.
 TRAIN_SLOT = "fake_gpu"
 
@@ -62,7 +63,6 @@ def fake_cluster_config(head_resources: dict, node_types: dict, **settings) -> d
 
 @pytest.fixture(scope="module")
 def autoscaling():
-    import ray
     from ray.cluster_utils import AutoscalingCluster
 
     class Cluster(AutoscalingCluster):
@@ -73,40 +73,58 @@ def autoscaling():
 
     # The cluster is started with `ray` from this environment. Token authentication: `ray
     # start` turns it on when this user has a token, which a first local ray.init writes;
-    # make one the same way if no test has yet.
+    # make one the same way if no test has yet. This process never joins the cluster: the
+    # run is a submitted job and the checks run in a probe process, so no Ray state of this
+    # cluster outlives the module in pytest's process.
     saved = dict(os.environ)
-    bin_dir = Path(sys.executable).parent
-    os.environ["PATH"] = f"{bin_dir}:{os.environ['PATH']}"
+    os.environ["PATH"] = f"{BIN}:{os.environ['PATH']}"
     if not Path("~/.ray/auth_token").expanduser().is_file():
-        subprocess.run([bin_dir / "ray", "get-auth-token", "--generate"], check=True,
+        subprocess.run([BIN / "ray", "get-auth-token", "--generate"], check=True,
                        capture_output=True)
     types = fake_node_types()
+    # `ray start --head` serves the job API on 127.0.0.1:8265.
     cluster = Cluster(head_resources={"CPU": 1}, worker_node_types=types,
                       idle_timeout_minutes=5)
-    cluster.start()
-    ray.init(address="auto", log_to_driver=False)
-    yield types
-    ray.shutdown()
+    cluster.start(override_env={"RAY_AUTH_MODE": "token"})
+    yield types, {**os.environ, "RAY_AUTH_MODE": "token"}
     cluster.shutdown()
     os.environ.clear()
     os.environ.update(saved)
 
 
-def alive_nodes() -> list[dict]:
-    import ray
+PROBE = """
+import json, ray
+from ray.util.state import list_actors, list_tasks
+ray.init(address="auto", logging_level="ERROR")
+nodes = [n for n in ray.nodes() if n["Alive"]]
+print(json.dumps({
+    "nodes": [{"id": n["NodeID"], "resources": n["Resources"]} for n in nodes],
+    "workers": [a.node_id for a in list_actors(
+        filters=[("class_name", "=", "RayTrainWorker")], limit=100)],
+    "readers": [a.node_id for a in list_actors(limit=1000) if "_ReadBlocks" in a.class_name],
+    "tokenize": [t.node_id for t in list_tasks(limit=10000)
+                 if "_read_and_tokenize" in t.name],
+}))
+"""
 
-    return [n for n in ray.nodes() if n["Alive"]]
+
+def probe(env) -> dict:
+    p = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def test_training_group_scales_up_from_zero_and_the_run_completes(autoscaling, tmp_path,
                                                                   tokenizer_dir):
-    from ray.util.state import list_actors, list_tasks
-
-    assert autoscaling["gpu_train"]["min_workers"] == 0
-    assert len(alive_nodes()) == 1  # the head alone
+    types, env = autoscaling
+    assert types["gpu_train"]["min_workers"] == 0
+    assert len(probe(env)["nodes"]) == 1  # the head alone
 
     write_jsonl(tmp_path / "corpus.jsonl", make_docs(300))
-    cfg = load_config(str(ROOT / "jobs/configs/cpu_tiny.yaml"), [
+    job = subprocess.run([
+        BIN / "raylm", "submit", "--address", "http://127.0.0.1:8265",
+        "--config", ROOT / "jobs/configs/cpu_tiny.yaml",
         f"--data.source={tmp_path / 'corpus.jsonl'}", f"--tokenizer.path={tokenizer_dir}",
         "--data.seq_len=32", "--data.val_fraction=0.1", f"--run.cache_dir={tmp_path}/cache",
         f"--run.storage_path={tmp_path}/runs", "--run.name=autoscaled",
@@ -115,21 +133,20 @@ def test_training_group_scales_up_from_zero_and_the_run_completes(autoscaling, t
         "--checkpoint.every=10", "--tracking.enabled=false",
         # What jobs/configs/gpu_1b_multinode.yaml asks of the cluster, on CPUs.
         "--scaling.num_workers=2", f"--scaling.worker_resources={{{TRAIN_SLOT}: 1}}",
-        "--scaling.data_resources={data_node: 0.001}", "--scaling.wait_for_nodes=true"])
-    summary = train(cfg, log=print)
+        "--scaling.data_resources={data_node: 0.001}", "--scaling.wait_for_nodes=true"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
 
+    summary = json.loads((tmp_path / "runs" / "autoscaled" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["final_step"] == 10
     assert summary["workers"] == 2 and summary["restarts"] == 0
     assert summary["samples"]["skipped"] == 0 and summary["samples"]["duplicated"] == 0
 
-    nodes = alive_nodes()
-    train_nodes = {n["NodeID"] for n in nodes if TRAIN_SLOT in n["Resources"]}
-    data_nodes = {n["NodeID"] for n in nodes if "data_node" in n["Resources"]}
+    seen = probe(env)
+    train_nodes = {n["id"] for n in seen["nodes"] if TRAIN_SLOT in n["resources"]}
+    data_nodes = {n["id"] for n in seen["nodes"] if "data_node" in n["resources"]}
     assert len(train_nodes) == 2 and len(data_nodes) == 1  # both groups grew from zero
-    workers = list_actors(filters=[("class_name", "=", "RayTrainWorker")], limit=100)
-    assert workers and {a.node_id for a in workers} == train_nodes
+    assert seen["workers"] and set(seen["workers"]) == train_nodes
     # Ray Data's work (tokenizing in prepare, each worker's reader) ran on the data node only.
-    readers = [a for a in list_actors(limit=1000) if "_ReadBlocks" in a.class_name]
-    assert readers and {a.node_id for a in readers} <= data_nodes
-    tokenize = [t for t in list_tasks(limit=10000) if "_read_and_tokenize" in t.name]
-    assert tokenize and {t.node_id for t in tokenize} <= data_nodes
+    assert seen["readers"] and set(seen["readers"]) <= data_nodes
+    assert seen["tokenize"] and set(seen["tokenize"]) <= data_nodes

@@ -147,6 +147,8 @@ def test_submit_refuses_bad_input_before_contacting_the_cluster(head):
     p = raylm(head, "submit", "--config", TINY, "--address", head["address"], "--env", "NOEQ",
               *head["overrides"])
     assert p.returncode == 2 and "KEY=VALUE" in p.stderr
+    p = raylm(head, "jobs", "status", "raylm-no-such-job", "--address", head["address"])
+    assert p.returncode == 2 and "job 'raylm-no-such-job'" in p.stderr, p.stderr
     # Without the token, the message says how to provide it.
     env = {k: v for k, v in head["env"].items() if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
     p = subprocess.run([BIN / "raylm", "jobs", "list", "--address", head["address"]], env=env,
