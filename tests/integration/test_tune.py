@@ -124,10 +124,13 @@ def test_an_interrupted_sweep_resumes(base, tmp_path):
     trials = root / "resumed" / "trials"
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
+    # Interrupt once the second trial has begun (it writes run.json first): only then has
+    # Tune recorded the first one as finished. A trial stopped between writing its summary
+    # and Tune hearing that it returned is, rightly, resumed (and trained 0 more steps).
     deadline = time.time() + 300
-    while time.time() < deadline and not list(trials.glob("*/summary.json")):
+    while time.time() < deadline and len(list(trials.glob("*/run.json"))) < 2:
         time.sleep(0.5)
-    assert list(trials.glob("*/summary.json")), "the first trial did not finish"
+    assert len(list(trials.glob("*/run.json"))) == 2, "the second trial did not start"
     first.send_signal(signal.SIGINT)
     out, _ = first.communicate(timeout=120)
     done = [p.parent.name for p in trials.glob("*/summary.json")]
