@@ -132,7 +132,10 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     from raylm.launch import train
+    from raylm.tracking import resolve_uri
 
+    if cfg.tracking.enabled:
+        resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
     _init_ray(cfg.run.ray_address)
     summary = train(cfg, log=lambda m: print(m, flush=True))
     print(json.dumps(summary, indent=2))
@@ -143,6 +146,10 @@ def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
     from raylm.tune import check_sweep, sweep
 
     check_sweep(cfg)  # before Ray starts
+    if cfg.tracking.enabled:
+        from raylm.tracking import resolve_uri
+
+        resolve_uri(cfg)
     _init_ray(cfg.run.ray_address)
     summary = sweep(cfg, log=lambda m: print(m, flush=True))
     print(json.dumps(summary["best"], indent=2))
