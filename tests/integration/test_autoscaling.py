@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import make_docs, write_jsonl
+from tests.conftest import tiny_run
 
 pytestmark = pytest.mark.integration
 
@@ -121,13 +121,10 @@ def test_training_group_scales_up_from_zero_and_the_run_completes(autoscaling, t
     assert types["gpu_train"]["min_workers"] == 0
     assert len(probe(env)["nodes"]) == 1  # the head alone
 
-    write_jsonl(tmp_path / "corpus.jsonl", make_docs(300))
     job = subprocess.run([
         BIN / "raylm", "submit", "--address", "http://127.0.0.1:8265",
         "--config", ROOT / "jobs/configs/cpu_tiny.yaml",
-        f"--data.source={tmp_path / 'corpus.jsonl'}", f"--tokenizer.path={tokenizer_dir}",
-        "--data.seq_len=32", "--data.val_fraction=0.1", f"--run.cache_dir={tmp_path}/cache",
-        f"--run.storage_path={tmp_path}/runs", "--run.name=autoscaled",
+        *tiny_run(tmp_path, tokenizer_dir, docs=300), "--run.name=autoscaled",
         "--train.steps=10", "--train.global_batch_size=8", "--train.micro_batch_size=4",
         "--train.log_every=5", "--train.eval_every=10", "--train.eval_batches=2",
         "--checkpoint.every=10", "--tracking.enabled=false",

@@ -11,7 +11,7 @@ import pytest
 from raylm import events
 from raylm.config import load_config
 from raylm.launch import train
-from tests.conftest import make_docs, write_jsonl
+from tests.conftest import tiny_run
 
 pytestmark = pytest.mark.integration
 
@@ -49,12 +49,9 @@ def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir, monkeypatch
     # After the node is lost, Ray Train first waits this long (60 s by default) for a group of
     # the old size before the elastic policy settles for fewer workers.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
-    write_jsonl(tmp_path / "corpus.jsonl", make_docs(400))
     cfg = load_config(None, [
-        f"--data.source={tmp_path / 'corpus.jsonl'}", f"--tokenizer.path={tokenizer_dir}",
-        "--data.seq_len=32", "--data.val_fraction=0.1", f"--run.cache_dir={tmp_path}/cache",
-        f"--run.storage_path={tmp_path}/runs", "--run.name=elastic", "--model.preset=tiny",
-        "--train.precision=fp32", "--train.global_batch_size=8", "--train.micro_batch_size=2",
+        *tiny_run(tmp_path, tokenizer_dir), "--run.name=elastic",
+        "--train.global_batch_size=8", "--train.micro_batch_size=2",
         "--train.steps=200", "--train.log_every=5", "--train.eval_every=100",
         "--train.eval_batches=2", "--checkpoint.every=5", "--optim.lr=3e-3",
         "--scaling.num_workers=[1,2]", "--scaling.worker_resources={trainer: 1}",

@@ -9,7 +9,7 @@ import pytest
 
 from raylm.config import load_config
 from raylm.launch import train
-from tests.conftest import make_docs, write_jsonl
+from tests.conftest import tiny_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
@@ -17,11 +17,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("train")
-    write_jsonl(root / "corpus.jsonl", make_docs(400))
-    return [f"--data.source={root / 'corpus.jsonl'}", f"--tokenizer.path={tokenizer_dir}",
-            "--data.seq_len=32", "--data.val_fraction=0.1", f"--run.cache_dir={root}/cache",
-            f"--run.storage_path={root}/runs", "--model.preset=tiny", "--train.precision=fp32",
-            "--train.global_batch_size=8", "--train.micro_batch_size=2",
+    return [*tiny_run(root, tokenizer_dir), "--train.global_batch_size=8",
+            "--train.micro_batch_size=2",
             "--scaling.num_workers=2", "--optim.schedule=constant", "--optim.warmup_steps=5",
             "--optim.lr=3e-3", "--train.log_every=5", "--train.eval_every=10",
             "--train.eval_batches=2"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from raylm.config import load_config
-from tests.conftest import make_docs, write_jsonl
+from tests.conftest import tiny_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("tune_cluster")]
 
@@ -27,11 +27,8 @@ def tune_cluster():
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("tune")
-    write_jsonl(root / "corpus.jsonl", make_docs(400))
-    return [f"--data.source={root / 'corpus.jsonl'}", f"--tokenizer.path={tokenizer_dir}",
-            "--data.seq_len=32", "--data.val_fraction=0.1", f"--run.cache_dir={root}/cache",
-            f"--run.storage_path={root}/runs", "--model.preset=tiny", "--train.precision=fp32",
-            "--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.steps=30",
+    return [*tiny_run(root, tokenizer_dir), "--train.global_batch_size=8",
+            "--train.micro_batch_size=4", "--train.steps=30",
             "--train.eval_every=5", "--train.eval_batches=2", "--scaling.num_workers=1",
             "--optim.warmup_steps=2",
             # Grid over 4 peak LRs from 1e-2 down to 1e-6: the last cannot learn in 30 steps.
