@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from raylm.config import ATTENTIONS
+
 
 @dataclass(frozen=True)
 class AttentionChoice:
@@ -51,9 +53,9 @@ def flash_attn_available() -> bool:
 def choose_attention(device_type: str, *, requested: str = "auto",
                      cross_document: bool = True) -> AttentionChoice:
     """Pick the kernel for ``device_type`` ('cuda' or 'cpu')."""
-    if requested not in ("auto", "sdpa", "flash_attention_2"):
-        raise ValueError(f"model.attention: {requested!r} is not one of auto, sdpa, "
-                         f"flash_attention_2.")
+    if requested not in ATTENTIONS:
+        raise ValueError(f"model.attention: {requested!r} is not one of "
+                         f"{', '.join(ATTENTIONS)}.")
     if requested == "flash_attention_2":
         if device_type != "cuda":
             raise ValueError("model.attention=flash_attention_2 needs CUDA GPUs; use auto or "

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from raylm import storage
+from raylm.model import reset_buffers
 
 MARKER = "raylm_checkpoint.json"
 SAMPLES = "samples.npy"
@@ -194,6 +195,4 @@ def load_pretrained_weights(model: nn.Module, path: str | os.PathLike) -> None:
             full.pop("lm_head.weight", None)
     set_model_state_dict(model, full, options=StateDictOptions(
         full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=True))
-    from raylm.model import reset_buffers
-
     reset_buffers(model)

@@ -14,6 +14,9 @@
 Every command that runs something takes ``--config PATH`` and any ``--section.key=value``
 override of :mod:`raylm.config`; the other flags say where and how (cluster address, job
 environment), never what to train. User mistakes print one line and exit 2.
+
+Each command imports what it runs inside its own function: importing torch, ray and
+transformers takes seconds, which ``raylm config show`` and ``raylm jobs`` should not pay.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 from collections.abc import Sequence
 
 from raylm.config import Config, load_config
+from raylm.tracking import resolve_uri
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,7 +136,6 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     from raylm.launch import train
-    from raylm.tracking import resolve_uri
 
     if cfg.tracking.enabled:
         resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
@@ -147,8 +150,6 @@ def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
 
     check_sweep(cfg)  # before Ray starts
     if cfg.tracking.enabled:
-        from raylm.tracking import resolve_uri
-
         resolve_uri(cfg)
     _init_ray(cfg.run.ray_address)
     summary = sweep(cfg, log=lambda m: print(m, flush=True))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -18,6 +19,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from raylm import storage
+
+# Names other modules check against, stated once here with the fields that take them.
+Schedule = Literal["cosine", "linear", "constant", "wsd", "cyclical"]
+SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
+Attention = Literal["auto", "sdpa", "flash_attention_2"]
+ATTENTIONS: tuple[str, ...] = typing.get_args(Attention)
 
 
 class ConfigError(ValueError):
@@ -106,7 +115,7 @@ class ModelConfig:
     """Named architecture: tiny, 125m, 350m or 1b."""
     path: str | None = None
     """Local pretrained model directory; overrides the preset."""
-    attention: Literal["auto", "sdpa", "flash_attention_2"] = "auto"
+    attention: Attention = "auto"
     """Attention kernel: auto picks SDPA flash, or flash-attn's varlen kernel on CUDA when
     documents must not attend to each other and flash-attn is installed."""
     activation_checkpointing: bool = False
@@ -147,7 +156,7 @@ class TrainConfig:
 class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate, reached at the end of warmup."""
-    schedule: Literal["cosine", "linear", "constant", "wsd", "cyclical"] = "cosine"
+    schedule: Schedule = "cosine"
     """Learning-rate schedule after warmup."""
     warmup_steps: int = 20
     """Steps of linear warmup from 0 to lr."""
@@ -366,6 +375,22 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"Invalid value for '{key}': {value!r}. Allowed: {allowed}.")
 
 
+def _check_batch_shares(global_batch: int, num_workers: Any, worker_range: tuple[int, int]
+                        ) -> None:
+    """Every worker count the run may have must share each global batch equally (ranks take
+    equal slices of it; see raylm.packing), so an elastic range must divide it throughout."""
+    counts = range(worker_range[0], worker_range[1] + 1)
+    bad = [n for n in counts if global_batch % n]
+    if bad:
+        fits = math.lcm(*counts)
+        raise ConfigError(
+            f"train.global_batch_size={global_batch} cannot be split equally over "
+            f"{', '.join(map(str, bad))} workers, which scaling.num_workers={num_workers} "
+            f"allows; every worker count in the range must divide the global batch (for "
+            f"example train.global_batch_size={fits * max(1, round(global_batch / fits))}), "
+            f"or narrow the range.")
+
+
 def validate(cfg: Config) -> Config:
     """Check the values that types alone do not catch; return ``cfg`` unchanged."""
     d, tk, tr, op, sc, tu = cfg.data, cfg.tokenizer, cfg.train, cfg.optim, cfg.scaling, cfg.tune
@@ -421,6 +446,7 @@ def validate(cfg: Config) -> Config:
         _check(all(v > 0 and k not in ("CPU", "GPU") for k, v in res.items()),
                f"scaling.{key}", res, "custom resource names (not CPU/GPU: use "
                "scaling.cpus_per_worker and scaling.use_gpu) with amounts > 0")
+    _check_batch_shares(tr.global_batch_size, sc.num_workers, sc.worker_range)
     _check(sc.resize_interval_s >= 0, "scaling.resize_interval_s", sc.resize_interval_s,
            ">= 0")
     _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],
@@ -435,10 +461,9 @@ def validate(cfg: Config) -> Config:
            "numbers 0 <= x <= 1")
     _check(all(w >= 0 for w in tu.weight_decays), "tune.weight_decays", tu.weight_decays,
            "numbers >= 0")
-    known = typing.get_args(typing.get_type_hints(OptimConfig)["schedule"])
-    bad = [s for s in tu.schedules if s not in known]
+    bad = [s for s in tu.schedules if s not in SCHEDULES]
     _check(bool(tu.schedules) and not bad, "tune.schedules", tu.schedules,
-           f"a non-empty list drawn from {', '.join(known)}")
+           f"a non-empty list drawn from {', '.join(SCHEDULES)}")
     return cfg
 
 
@@ -502,15 +527,11 @@ def _merge(tree: dict, section: str, values: Any, *, origin: str) -> None:
 
 def storage_root(cfg: Config) -> str:
     """``run.storage_path`` as Ray Train and Tune take it: a URI as given, a path absolute."""
-    from raylm import storage
-
     return storage.normalize(cfg.run.storage_path)
 
 
 def run_dir(cfg: Config) -> str:
     """RUN_DIR: ``storage_path/name``, a local path or a URI (see :mod:`raylm.storage`)."""
-    from raylm import storage
-
     return storage.join(storage_root(cfg), cfg.run.name)
 
 

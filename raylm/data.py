@@ -13,11 +13,13 @@ order is what makes the output, and so every later run, reproducible. The driver
 hash per unique document (a Python set: ~70 bytes each, 70 MB for a million documents) and less
 than one row group of blocks; all else streams.
 
-Training (``build_train_data_config``) never uses ``streaming_split``: it hands out blocks to
+Training (``build_rank_streams``) never uses ``streaming_split``: it hands out blocks to
 whichever worker asks first, so two runs see different orders (measured: two runs of
 ``streaming_split(2, equal=True)`` over 2,000 rows gave each rank a different sequence). Instead
-each worker gets its own Ray Data stream of exactly the positions it owns in the global order
-(:mod:`raylm.packing`), read from the packed Parquet. Every rank reads the row groups of the
+each worker builds its own Ray Data stream of exactly the positions it owns in the global order
+(:mod:`raylm.packing`), read from the packed Parquet, starting at the step its restored
+checkpoint holds. No Ray Train ``DataConfig`` is involved: it runs before the workers load the
+checkpoint, so it would have to guess the resume point. Every rank reads the row groups of the
 current shuffle window and keeps its own rows, so storage reads scale with the worker count (for
 token data that is ~4 bytes per token per worker per epoch, small next to a training step).
 """
@@ -47,10 +49,11 @@ from raylm.corpus import (
     content_hash,
     fingerprint_files,
     is_bad,
+    is_prepared_dir,
     read_records,
     resolve_sources,
 )
-from raylm.packing import Packer, SampleOrder, position_ids, rank_positions
+from raylm.packing import Packer, SampleOrder, position_ids, rank_positions, rank_share
 from raylm.tokenizer import build_tokenizer, load_backend, tokenizer_fingerprint
 
 LAYOUT = "layout.json"
@@ -384,8 +387,6 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
 def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
     """The packed data for ``cfg``: ``data.source`` itself when it is a prepared directory,
     else a cached preparation (made now if missing). Needs ``ray.init``."""
-    from raylm.corpus import is_prepared_dir
-
     d = cfg.data
     if is_prepared_dir(d.source):
         path = Path(str(d.source)).expanduser().resolve()
@@ -531,57 +532,22 @@ def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None
     return n if limit is None else min(n, limit)
 
 
-def build_data_config(prepared: str | os.PathLike, *, seed: int, window: int, global_batch: int,
-                      num_steps: int, eval_samples: int | None,
-                      start_step: int | Callable[[int], int] = 0,
-                      resources: dict[str, float] | None = None):
-    """A ``ray.train.DataConfig`` that gives each worker its ordered streams.
-
-    ``train``: the samples of steps ``[start_step, num_steps)`` in the global order, sliced by
-    rank. ``val``: up to ``eval_samples`` blocks per rank, round robin in storage order.
-    ``start_step`` may be a callable of the world size, evaluated once for each worker group
-    (when it asks for its data), so a restarted or resized group continues from the latest
-    checkpoint.
-    """
-    import ray.train
-
+def build_rank_streams(prepared: str | os.PathLike, *, rank: int, world_size: int,
+                       start_step: int, num_steps: int, seed: int, window: int,
+                       global_batch: int, eval_samples: int,
+                       resources: dict[str, float] | None = None):
+    """Rank ``rank``'s two ordered streams, built by the worker itself once it has restored
+    its train state: ``train``, the samples of steps ``[start_step, num_steps)`` in the global
+    order, sliced by rank; ``val``, up to ``eval_samples`` blocks, round robin in storage
+    order."""
     train = PackedSplit.load(prepared, "train")
-    val = PackedSplit.load(prepared, "val") if eval_samples else None
-
-    class OrderedDataConfig(ray.train.DataConfig):
-        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-            out: list[dict] = [{} for _ in range(world_size)]
-            # Called once per dataset name; the train split decides the start.
-            step = 0
-            if "train" in datasets:
-                step = start_step(world_size) if callable(start_step) else start_step
-            per_rank = global_batch // world_size
-            for name in datasets:
-                for rank in range(world_size):
-                    if name == "train":
-                        ds = build_rank_dataset(
-                            train, mode="train", rank=rank, world_size=world_size,
-                            num_samples=max(0, num_steps - step) * per_rank, seed=seed,
-                            window=window, start_step=step, global_batch=global_batch,
-                            resources=resources)
-                    elif name == "val":
-                        ds = build_rank_dataset(
-                            val, mode="eval", rank=rank, world_size=world_size,
-                            num_samples=eval_samples_per_rank(val, world_size, eval_samples),
-                            resources=resources)
-                    else:
-                        raise ValueError(f"unknown dataset {name!r}")
-                    out[rank][name] = ds.iterator()
-            return out
-
-    return OrderedDataConfig(datasets_to_split=[])
-
-
-def trainer_datasets(prepared: str | os.PathLike, *, with_val: bool) -> dict[str, Any]:
-    """The ``datasets=`` for TorchTrainer: the packed splits as Ray datasets (the DataConfig
-    above turns each into per-rank ordered streams)."""
-    import ray
-
-    root = Path(prepared)
-    names = ["train", "val"] if with_val else ["train"]
-    return {n: ray.data.read_parquet(str(root / n)) for n in names}
+    val = PackedSplit.load(prepared, "val")
+    per_rank = rank_share(global_batch, world_size)
+    train_ds = build_rank_dataset(
+        train, mode="train", rank=rank, world_size=world_size,
+        num_samples=max(0, num_steps - start_step) * per_rank, seed=seed, window=window,
+        start_step=start_step, global_batch=global_batch, resources=resources)
+    val_ds = build_rank_dataset(
+        val, mode="eval", rank=rank, world_size=world_size,
+        num_samples=eval_samples_per_rank(val, world_size, eval_samples), resources=resources)
+    return train_ds, val_ds

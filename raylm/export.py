@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 
-from raylm import storage
+from raylm import checkpoint, storage
+from raylm.config import config_from_dict
+from raylm.model import build_config, build_meta_model, reset_buffers
 
 RUN_INFO = "run.json"
 TOKENIZER_DIR = "tokenizer"
@@ -34,9 +36,6 @@ def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
 def load_run_model(run_dir: str | Path):
     """(model in eval mode, local tokenizer directory, step) from a run's newest verified
     checkpoint. A run in object storage has its tokenizer fetched to a temporary directory."""
-    from raylm import checkpoint
-    from raylm.config import config_from_dict
-    from raylm.model import build_config, build_meta_model, reset_buffers
 
     rd = storage.normalize(run_dir)
     if not storage.is_file(storage.join(rd, RUN_INFO)):

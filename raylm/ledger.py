@@ -19,6 +19,32 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raylm.packing import SampleOrder
+
+
+class Ledger:
+    """One rank's part of the ledger: the rows of the steps since the last checkpoint, and on
+    rank 0 the whole history (what the checkpoint it continues from held)."""
+
+    def __init__(self, *, enabled: bool, history: np.ndarray | None) -> None:
+        self.enabled = enabled
+        self.history = history
+        self.pending: list[np.ndarray] = []
+
+    def add(self, rows: np.ndarray) -> None:
+        if self.enabled:
+            self.pending.append(rows)
+
+    def collect(self, device: torch.device) -> np.ndarray | None:
+        """At a checkpoint (every rank calls it): the ledger to save, on rank 0; else None."""
+        if not self.enabled:
+            return None
+        new_rows = gather(self.pending, device)
+        self.pending = []
+        if new_rows is not None:
+            self.history = np.concatenate([self.history, new_rows])
+        return self.history
+
 
 def gather(rows: list[np.ndarray], device: torch.device) -> np.ndarray | None:
     """Rank 0: the global rows of the steps in ``rows`` (each rank's slice per step, all
@@ -43,8 +69,6 @@ def account(rows: np.ndarray, *, group_sizes: list[int], seed: int, window: int
     ``duplicated``: samples trained more often than the order asks; ``skipped``: less often;
     ``in_order``: the exact sequence, sample by sample.
     """
-    from raylm.packing import SampleOrder
-
     order = SampleOrder(group_sizes, seed=seed, window=window)
     trained = rows.reshape(-1).astype(np.int64)
     expected = order.rows(np.arange(len(trained)))

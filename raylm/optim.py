@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-SCHEDULES = ("cosine", "linear", "constant", "wsd", "cyclical")
+from raylm.config import SCHEDULES
 
 
 def lr_at(step: int, *, schedule: str, peak: float, warmup: int, total: int,

@@ -126,13 +126,45 @@ class SampleOrder:
         return out
 
 
+def rank_share(global_batch: int, world_size: int) -> int:
+    """Samples each rank takes of every global batch. The config guarantees every worker count
+    the run may have divides the global batch (``train.global_batch_size``)."""
+    assert global_batch % world_size == 0, (global_batch, world_size)
+    return global_batch // world_size
+
+
 def rank_positions(
     local_index: np.ndarray, *, start_step: int, global_batch: int, rank: int, world_size: int
 ) -> np.ndarray:
     """Global positions of the ``local_index``-th samples rank ``rank`` of ``world_size`` reads
     from ``start_step`` on: it takes slice ``[rank*b, (rank+1)*b)`` of every global batch."""
-    if global_batch % world_size:
-        raise ValueError(f"global batch {global_batch} does not divide by {world_size} workers")
-    per_rank = global_batch // world_size
+    per_rank = rank_share(global_batch, world_size)
     step, j = np.divmod(np.asarray(local_index, dtype=np.int64), per_rank)
     return (start_step + step) * global_batch + rank * per_rank + j
+
+
+def check_positions(positions: np.ndarray, *, step: int, global_batch: int, rank: int,
+                    world_size: int) -> None:
+    """The samples a rank is about to train at ``step`` (0-based) must be its slice of that
+    global batch. The stream starts where the restored train state says, so this holds unless
+    a reader is broken; a mismatch would silently train on the wrong data."""
+    want = rank_positions(np.arange(rank_share(global_batch, world_size)), start_step=step,
+                          global_batch=global_batch, rank=rank, world_size=world_size)
+    if not np.array_equal(positions, want):
+        raise RuntimeError(
+            f"rank {rank}: the data stream is at positions {positions[:4].tolist()}... but step "
+            f"{step} needs {want[0]}..{want[-1]}; the stream and the checkpoint disagree about "
+            f"where the run is.")
+
+
+def batch_plan(global_batch: int, micro_batch: int, world_size: int) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) so that micro x accumulation x workers = global.
+
+    The global batch is fixed by the config; when the worker count changes (an elastic resize,
+    a restart on fewer nodes) each rank's share changes, and it is split into equal
+    micro-batches no larger than ``micro_batch`` (16 sequences on 2 workers: 8 each, 1 x 8;
+    on 1 worker: 2 x 8).
+    """
+    per_rank = rank_share(global_batch, world_size)
+    micro = max(m for m in range(1, min(micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro

@@ -8,9 +8,8 @@ checkpoint markers, sweep outputs) the same reach, so a multi-node run needs no 
 them.
 
 Object stores have neither append nor rename, but a whole object appears at once. So a write is
-one put (locally: a temporary file renamed into place), and an append to a URI is read +
-rewrite, safe because a run's event log is appended by one driver-side process at a time (the
-Train controller's callback and raylm's DataConfig, never the workers).
+one put (locally: a temporary file renamed into place), and appends exist only for local files;
+the run's event log goes to object storage as numbered segments instead (raylm.record).
 """
 
 from __future__ import annotations
@@ -76,14 +75,19 @@ def list_dirs(path: str | os.PathLike) -> list[str]:
     return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
 
 
-def read_bytes(path: str | os.PathLike, offset: int = 0) -> bytes:
-    """The file's bytes from ``offset`` on; FileNotFoundError if it does not exist."""
+def list_files(path: str | os.PathLike) -> list[str]:
+    """Names of the files directly under ``path``, sorted (none if it does not exist)."""
+    fs, p = _resolve(path)
+    infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True))
+    return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """The file's bytes; FileNotFoundError if it does not exist."""
     fs, p = _resolve(path)
     if fs.get_file_info(p).type != pafs.FileType.File:
         raise FileNotFoundError(str(path))
     with fs.open_input_file(p) as f:
-        if offset:
-            f.seek(offset)
         return f.read()
 
 
@@ -112,12 +116,9 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def append_text(path: str | os.PathLike, text: str) -> None:
-    """Append ``text`` (locally, small single-line appends from several processes do not mix;
-    on object storage, see the module doc)."""
-    if is_uri(path):
-        old = read_bytes(path) if is_file(path) else b""
-        write_bytes(path, old + text.encode())
-        return
+    """Append ``text`` to a local file (small single-line appends from several processes do
+    not mix). Object storage has no append: write whole objects (see raylm.record)."""
+    assert not is_uri(path), path
     target = Path(normalize(path))
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target, "a") as f:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import raylm
 from raylm import storage
 from raylm.config import Config
 
@@ -80,8 +81,6 @@ def build_runtime_env(staging: str | os.PathLike, *, env: dict[str, str],
                       ship_code: bool = True) -> dict[str, Any]:
     """The job's runtime_env: the staging directory (holding the config) as working dir,
     the local raylm package, extra pip packages or a container image, and env vars."""
-    import raylm
-
     renv: dict[str, Any] = {"working_dir": str(staging)}
     if ship_code:
         renv["py_modules"] = [str(Path(raylm.__file__).parent)]

@@ -1,19 +1,24 @@
-"""MLflow: exactly one run per raylm run, written from the Ray Train controller, never per worker.
+"""MLflow: the only module that touches it. One tracker per raylm run, made once on the driver.
 
-The driver creates the run (or finds it again: its id is kept in ``RUN_DIR/mlflow_run.json``, so
-a resumed or restarted run logs into the same MLflow run) and logs the resolved config as
-params. :class:`MLflowCallback`, a Ray Train V2 ``UserCallback``, runs on the controller and logs
-every reported metric at its step, the attention backend and precision that actually ran, and
-every checkpoint location. System metrics come from MLflow's own ``SystemMetricsMonitor``,
-started on one worker per node with that node's id, so CPU, memory and (through NVML) GPU
-utilisation and memory of the training nodes land in the same run as ``system/<node>/...``.
+:func:`start` gives an :class:`MLflowTracker` (the run created, or found again through
+``RUN_DIR/mlflow_run.json`` so a resumed or restarted run logs into the same MLflow run, with the
+resolved config as params) or a :class:`Tracker` that does nothing, when tracking is off or
+the store cannot be reached. The same object then travels where the run goes: to the Ray Train
+controller, where the run's record (:mod:`raylm.record`) logs every report's metrics,
+checkpoint locations and restart/resize events through it, and to one worker per node, where
+it starts MLflow's own ``SystemMetricsMonitor`` (CPU, memory, and through NVML GPU utilisation
+and memory, as ``system/<node>/...``). A sweep's trials nest their runs under the sweep's tracker.
 
-Tracking never stops training: if the store is unreachable, the error is printed once and the
-run continues untracked (``mlflow_run_id: null`` in summary.json).
+Ray 2.60's ``UserCallback`` has ``after_report`` and ``after_exception`` but no hooks before or
+after the run, so the driver starts the MLflow run and finishes it when ``fit`` returns.
+
+Tracking never stops training: every method of :class:`MLflowTracker` goes through
+:meth:`MLflowTracker._guard`, which prints the first failure and turns the tracker off.
 
 Default store: ``sqlite:///<storage_path>/mlflow.db`` with artifacts in
 ``<storage_path>/mlartifacts`` (no server; browse with ``mlflow ui --backend-store-uri
 sqlite:///runs/mlflow.db``). ``tracking.uri`` or ``MLFLOW_TRACKING_URI`` points at a server.
+mlflow itself is imported only when a tracker first talks to the store (it takes seconds).
 """
 
 from __future__ import annotations
@@ -27,17 +32,17 @@ from typing import Any
 from raylm import storage
 from raylm.config import Config, run_dir, storage_root
 
-try:
-    from ray.train.v2.api.callback import UserCallback
-except ImportError:  # pragma: no cover - Ray without Train V2
-    UserCallback = object
-
 RUN_FILE = "mlflow_run.json"
 # Reported values that describe the run rather than measure it: params, not metrics.
 DESCRIPTIVE = ("attention_backend", "precision")
+# Reported values that are neither: the step itself, and the worker group's start time, which
+# the run's record uses to tell worker groups apart.
+NOT_LOGGED = ("step", "group_started")
 
 
 def resolve_uri(cfg: Config) -> str:
+    """The tracking URI for ``cfg``; ValueError for a store that cannot exist (checked before
+    Ray starts)."""
     if cfg.tracking.uri:
         return cfg.tracking.uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
@@ -50,173 +55,144 @@ def resolve_uri(cfg: Config) -> str:
     return f"sqlite:///{os.path.join(storage_root(cfg), 'mlflow.db')}"
 
 
-def _client(uri: str):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
 def _param_value(v: Any) -> str:
     return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
 
 
-def start_run(cfg: Config, *, log=print, parent_run_id: str | None = None,
-              uri: str | None = None) -> tuple[str | None, str | None]:
-    """(run id, tracking uri) of this raylm run's MLflow run, created or found again; (None,
-    None) when tracking is off or the store cannot be reached (said once). A sweep's trials
-    pass the sweep's run as ``parent_run_id`` (and its ``uri``), so they nest under it."""
-    if not cfg.tracking.enabled:
-        return None, None
-    uri = uri or resolve_uri(cfg)
-    rd = run_dir(cfg)
-    # A dead server must cost seconds, not MLflow's default minutes of retries.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    try:
-        client = _client(uri)
-        saved = storage.join(rd, RUN_FILE)
-        if storage.is_file(saved):
-            known = json.loads(storage.read_text(saved))
-            if known.get("tracking_uri") == uri:
-                run = client.get_run(known["run_id"])
-                client.update_run(run.info.run_id, status="RUNNING")
-                return run.info.run_id, uri
-        exp = client.get_experiment_by_name(cfg.tracking.experiment)
-        if exp is None:
-            artifacts = None
-            if uri.startswith("sqlite:///"):
-                artifacts = str(Path(uri[len("sqlite:///"):]).parent / "mlartifacts")
-            exp_id = client.create_experiment(cfg.tracking.experiment,
-                                              artifact_location=artifacts)
-        else:
-            exp_id = exp.experiment_id
-        tags = {"raylm.run_dir": rd, "raylm.run_name": cfg.run.name}
-        if parent_run_id:
-            tags["mlflow.parentRunId"] = parent_run_id
-        run = client.create_run(exp_id, run_name=cfg.run.name, tags=tags)
-        from mlflow.entities import Param
-
-        params = [Param(k, _param_value(v)[:6000]) for k, v in sorted(cfg.flat().items())]
-        for i in range(0, len(params), 100):
-            client.log_batch(run.info.run_id, params=params[i:i + 100])
-        storage.write_text(saved, json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
-        return run.info.run_id, uri
-    except Exception as e:  # MLflow raises many types for an unreachable or broken store
-        log(f"warning: MLflow at {uri} is unavailable, training continues untracked: "
-            f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
-        return None, None
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
 
 
-def finish_run(run_id: str | None, uri: str | None, *, failed: bool) -> None:
-    if not run_id:
-        return
-    try:
-        _client(uri).set_terminated(run_id, status="FAILED" if failed else "FINISHED")
-    except Exception:  # the failure was already reported when it first happened
+class Tracker:
+    """What the run tracks through; this base is the null tracker (tracking off): every call
+    does nothing, so the loop and the record never branch on whether tracking is on."""
+
+    run_id: str | None = None
+    uri: str | None = None
+
+    def __bool__(self) -> bool:
+        return False
+
+    def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
+        pass
+
+    def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None:
+        pass
+
+    def start_node_monitor(self, node: str) -> None:
+        pass
+
+    def stop_node_monitor(self) -> None:
+        pass
+
+    def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
+        pass
+
+    def finish(self, *, failed: bool) -> None:
         pass
 
 
-class MLflowCallback(UserCallback):
-    """On the Ray Train controller: every report's metrics, at their step, into one run."""
+class MLflowTracker(Tracker):
+    """One MLflow run. Picklable (its id and URI); the client is made where it is used."""
 
     def __init__(self, run_id: str, uri: str) -> None:
         self.run_id, self.uri = run_id, uri
-        self.checkpoints: list[dict[str, Any]] = []
-        self.params_logged = False
         self.broken = False
+        self.params_logged = False
+        self.checkpoints: list[dict[str, Any]] = []
         self._client = None
+        self._monitor = None
 
-    def _safe(self, fn, *args, **kwargs) -> None:
+    def __bool__(self) -> bool:
+        return True
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None, "_monitor": None}
+
+    def _guard(self, what: str, fn, *args) -> Any:
         if self.broken:
-            return
+            return None
         try:
             if self._client is None:
-                self._client = _client(self.uri)
-            fn(self._client, *args, **kwargs)
-        except Exception as e:  # never let tracking stop training; say so once
+                from mlflow import MlflowClient
+
+                self._client = MlflowClient(tracking_uri=self.uri)
+            return fn(self._client, *args)
+        except Exception as e:  # MLflow raises many types for an unreachable or broken store
             self.broken = True
-            print(f"warning: MLflow logging failed, training continues untracked: "
-                  f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}", flush=True)
+            print(f"warning: MLflow could not {what}; the run continues untracked: "
+                  f"{_first_line(e)}", flush=True)
+            return None
 
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if metrics[0].get("event") == "group_start":  # recorded as an event, not a metric
-            return
-        self._safe(self._log, metrics[0], checkpoint)
+    def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
+        """A report's numeric values as metrics at its step; the descriptive ones as params
+        (once); a checkpoint's location as a tag and in ``checkpoints.json``."""
+        self._guard("log metrics", self._log_report, metrics, checkpoint_path)
 
-    def _log(self, client, m: dict[str, Any], checkpoint) -> None:
+    def _log_report(self, client, m: dict[str, Any], checkpoint_path: str | None) -> None:
         from mlflow.entities import Metric, Param
 
         now = int(time.time() * 1000)
         step = int(m["step"])
         values = [Metric(k, float(v), now, step) for k, v in m.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"]
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and k not in NOT_LOGGED]
         params = []
         if not self.params_logged:
             params = [Param(k, str(m[k])) for k in DESCRIPTIVE if k in m]
             self.params_logged = True
         client.log_batch(self.run_id, metrics=values, params=params)
-        if checkpoint is not None:
-            self.checkpoints.append({"step": step, "path": checkpoint.path})
-            client.set_tag(self.run_id, "raylm.checkpoint_latest", checkpoint.path)
+        if checkpoint_path is not None:
+            self.checkpoints.append({"step": step, "path": checkpoint_path})
+            client.set_tag(self.run_id, "raylm.checkpoint_latest", checkpoint_path)
             client.log_dict(self.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json")
 
+    def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None:
+        """Restarts, resizes and failures: ``events`` as the ``events.json`` artifact, and
+        ``counts`` as metrics at the step of the report that saw them."""
+        self._guard("record a run event", self._log_events, events, counts, step)
 
-def start_node_monitor(run_id: str | None, uri: str | None, node: str):
-    """MLflow's system-metrics monitor for this node (CPU, memory, disk, network, and GPU
-    through NVML when present), logging into the run as ``system/<node>/...``."""
-    if not run_id:
-        return None
-    try:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    def _log_events(self, client, events, counts, step) -> None:
+        from mlflow.entities import Metric
 
-        monitor = SystemMetricsMonitor(run_id, sampling_interval=5, samples_before_logging=1,
-                                       resume_logging=True, node_id=node, tracking_uri=uri)
-        monitor.start()
-        return monitor
-    except Exception as e:  # system metrics are a nicety; training goes on without them
-        print(f"warning: MLflow system metrics unavailable on {node}: {e}", flush=True)
-        return None
-
-
-def log_events(run_id: str, uri: str, records: list[dict[str, Any]], step: int) -> None:
-    """Failures, restarts and resizes of every invocation of the run: ``events.json`` in its
-    artifacts, and the counts ``restarts``, ``resizes`` and ``failures`` as metrics at the step
-    of the report that saw them."""
-    from mlflow.entities import Metric
-
-    from raylm.events import summarize
-
-    by_invocation: dict[str, list[dict[str, Any]]] = {}
-    for r in records:
-        by_invocation.setdefault(r["invocation"], []).append(r)
-    parts = [summarize(rs) for rs in by_invocation.values()]
-    try:
-        client = _client(uri)
-        client.log_dict(run_id, {
-            "interruptions": [e for p in parts for e in p["interruptions"]],
-            "failures": [r for r in records if r["event"] == "failure"]}, "events.json")
+        client.log_dict(self.run_id, events, "events.json")
         now = int(time.time() * 1000)
-        client.log_batch(run_id, metrics=[Metric(k, float(sum(p[k] for p in parts)), now, step)
-                                          for k in ("restarts", "resizes", "failures")])
-    except Exception as e:  # tracking never stops training
-        print(f"warning: MLflow could not record a run event: {e}", flush=True)
+        client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
+                                               for k, v in counts.items()])
 
+    def start_node_monitor(self, node: str) -> None:
+        """MLflow's system-metrics monitor for this node, logging as ``system/<node>/...``."""
+        def start(client) -> None:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-def log_sweep(run_id: str, uri: str, summary: dict[str, Any], plot_path: Path) -> None:
-    """The sweep's parent run: its summary and plot as artifacts, the best validation loss
-    and config, and the tag ``raylm.best`` on the best trial's (child) run."""
-    from mlflow.entities import Metric, RunTag
+            self._monitor = SystemMetricsMonitor(
+                self.run_id, sampling_interval=5, samples_before_logging=1,
+                resume_logging=True, node_id=node, tracking_uri=self.uri)
+            self._monitor.start()
 
-    try:
-        client = _client(uri)
-        client.log_dict(run_id, summary, "tune_summary.json")
+        self._guard(f"start system metrics on {node}", start)
+
+    def stop_node_monitor(self) -> None:
+        if self._monitor is not None:
+            self._guard("stop system metrics", lambda client: self._monitor.finish())
+            self._monitor = None
+
+    def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
+        """The sweep's run: its summary and plot as artifacts, the best validation loss and
+        config, the tag ``raylm.best`` on the best trial's (child) run, and ASHA-stopped
+        trials' runs closed as killed."""
+        self._guard("record the sweep summary", self._log_sweep, summary, plot_path)
+
+    def _log_sweep(self, client, summary: dict[str, Any], plot_path: Path) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        client.log_dict(self.run_id, summary, "tune_summary.json")
         if plot_path.is_file():
-            client.log_artifact(run_id, str(plot_path))
+            client.log_artifact(self.run_id, str(plot_path))
         for t in summary["trials"]:
             # A trial that ASHA stopped was ended from outside: close its run as killed.
-            saved = storage.join(summary["trials_dir"], str(t["trial_id"]), RUN_FILE)
-            if t["stopped_early"] and storage.is_file(saved):
-                child = json.loads(storage.read_text(saved))["run_id"]
+            child = saved_run_id(storage.join(summary["trials_dir"], str(t["trial_id"])))
+            if t["stopped_early"] and child:
                 client.set_tag(child, "raylm.stopped_early", "true")
                 client.set_terminated(child, status="KILLED")
         best = summary["best"]
@@ -224,15 +200,75 @@ def log_sweep(run_id: str, uri: str, summary: dict[str, Any], plot_path: Path) -
             return
         # Tags, not params: a resumed sweep may find a better trial, and MLflow params never
         # change once logged.
-        client.log_batch(run_id, metrics=[Metric("best_val_loss", best["val_loss"],
-                                                 int(time.time() * 1000), 0)],
+        client.log_batch(self.run_id, metrics=[Metric("best_val_loss", best["val_loss"],
+                                                      int(time.time() * 1000), 0)],
                          tags=[RunTag(f"raylm.best.{k}", _param_value(v))
                                for k, v in best["config"].items()])
-        if best["checkpoint_path"]:
-            trial_run = storage.join(storage.parent(best["checkpoint_path"]), RUN_FILE)
-            if storage.is_file(trial_run):
-                child = json.loads(storage.read_text(trial_run))["run_id"]
-                client.set_tag(child, "raylm.best", "true")
-                client.set_tag(run_id, "raylm.best_run_id", child)
-    except Exception as e:  # the sweep's results are on disk either way
-        print(f"warning: MLflow could not record the sweep summary: {e}", flush=True)
+        child = (saved_run_id(storage.parent(best["checkpoint_path"]))
+                 if best["checkpoint_path"] else None)
+        if child:
+            client.set_tag(child, "raylm.best", "true")
+            client.set_tag(self.run_id, "raylm.best_run_id", child)
+
+    def finish(self, *, failed: bool) -> None:
+        self._guard("close the run", lambda client: client.set_terminated(
+            self.run_id, status="FAILED" if failed else "FINISHED"))
+
+
+def saved_run_id(directory: str) -> str | None:
+    """The MLflow run id a run directory recorded, if any."""
+    saved = storage.join(directory, RUN_FILE)
+    return json.loads(storage.read_text(saved))["run_id"] if storage.is_file(saved) else None
+
+
+def start(cfg: Config, *, log=print, parent: Tracker | None = None) -> Tracker:
+    """The tracker of this raylm run: its MLflow run created or found again, or a
+    :class:`Tracker` that does nothing when tracking is off or the store cannot be reached
+    (said once). A sweep's trials pass the sweep's tracker as ``parent``, so their runs nest
+    under it."""
+    if not cfg.tracking.enabled:
+        return Tracker()
+    uri = parent.uri if parent else resolve_uri(cfg)
+    # A dead server must cost seconds, not MLflow's default minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    try:
+        run_id = _find_or_create_run(cfg, uri, parent.run_id if parent else None)
+    except Exception as e:  # MLflow raises many types for an unreachable or broken store
+        log(f"warning: MLflow at {uri} is unavailable, training continues untracked: "
+            f"{_first_line(e)}")
+        return Tracker()
+    log(f"raylm: MLflow run {run_id} at {uri}")
+    return MLflowTracker(run_id, uri)
+
+
+def _find_or_create_run(cfg: Config, uri: str, parent_run_id: str | None) -> str:
+    from mlflow import MlflowClient
+    from mlflow.entities import Param
+
+    client = MlflowClient(tracking_uri=uri)
+    rd = run_dir(cfg)
+    saved = storage.join(rd, RUN_FILE)
+    if storage.is_file(saved):
+        known = json.loads(storage.read_text(saved))
+        if known.get("tracking_uri") == uri:
+            run = client.get_run(known["run_id"])
+            client.update_run(run.info.run_id, status="RUNNING")
+            return run.info.run_id
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        artifacts = None
+        if uri.startswith("sqlite:///"):
+            artifacts = str(Path(uri[len("sqlite:///"):]).parent / "mlartifacts")
+        exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+    else:
+        exp_id = exp.experiment_id
+    tags = {"raylm.run_dir": rd, "raylm.run_name": cfg.run.name}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run = client.create_run(exp_id, run_name=cfg.run.name, tags=tags)
+    params = [Param(k, _param_value(v)[:6000]) for k, v in sorted(cfg.flat().items())]
+    for i in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[i:i + 100])
+    storage.write_text(saved, json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
+    return run.info.run_id

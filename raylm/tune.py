@@ -24,8 +24,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from raylm import storage
+import yaml
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler
+
+from raylm import checkpoint, storage, tracking
 from raylm.config import Config, config_from_dict, run_dir, storage_root
+from raylm.data import prepared_dir
+from raylm.launch import check_request, cluster_capacity, train
+from raylm.model import build_config, max_positions
+from raylm.tracking import Tracker
 
 METRIC = "val_loss"
 
@@ -41,8 +50,6 @@ def check_sweep(cfg: Config) -> None:
 
 def search_space(cfg: Config) -> dict[str, Any]:
     """The Tune param space, keyed by config key (``optim.lr``, ...)."""
-    from ray import tune
-
     tu, o = cfg.tune, cfg.optim
     choices = {"optim.schedule": tu.schedules,
                "optim.warmup_steps": tu.warmup_steps or [o.warmup_steps],
@@ -76,17 +83,12 @@ def trial_config(base: dict[str, dict[str, Any]], params: dict[str, Any], *, tri
 
 
 def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: str,
-              parent: tuple[str, str] | None) -> None:
+              parent: Tracker) -> None:
     """The Tune function trainable: one raylm training run."""
-    from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from raylm.launch import train
-
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(base, params, trials_dir=trials_dir, trial_id=trial_id,
                        prepared=prepared)
-    train(cfg, callbacks=[TuneReportCallback()], mlflow_parent=parent)
+    train(cfg, callbacks=[TuneReportCallback()], tracking_parent=parent)
 
 
 def trial_resources(cfg: Config) -> dict[str, float]:
@@ -122,14 +124,6 @@ def concurrent_trials(cfg: Config, capacity: dict[str, float]) -> int:
 def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
     """Run (or resume) the sweep; write tune_summary.json, best.yaml and val_loss.png.
     Needs ``ray.init``."""
-    from ray import tune
-    from ray.tune.schedulers import ASHAScheduler
-
-    from raylm import tracking
-    from raylm.data import prepared_dir
-    from raylm.launch import check_request, cluster_capacity
-    from raylm.model import build_config, max_positions
-
     check_sweep(cfg)
     provisional = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
                                eos_id=0, attn_implementation="sdpa")
@@ -140,8 +134,7 @@ def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
     rd = run_dir(cfg)
     # Prepared once here, rather than by every trial at once.
     prepared = str(prepared_dir(cfg, log=log))
-    parent_id, uri = tracking.start_run(cfg, log=log)
-    parent = (parent_id, uri) if parent_id else None
+    parent = tracking.start(cfg, log=log)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=cfg.to_dict(), trials_dir=storage.join(rd, "trials"),
                              prepared=prepared, parent=parent),
@@ -180,18 +173,14 @@ def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="raylm-sweep-") as tmp:
             png = Path(tmp) / "val_loss.png"
             write_outputs(summary, cfg, log=log, plot_path=png)
-            if parent:
-                tracking.log_sweep(parent_id, uri, summary, png)
+            parent.log_sweep(summary, png)
         failed = False
     finally:
-        if parent:
-            tracking.finish_run(parent_id, uri, failed=failed)
+        parent.finish(failed=failed)
     return summary
 
 
-def summarize(results, cfg: Config, parent: tuple[str, str] | None) -> dict[str, Any]:
-    from raylm import checkpoint
-
+def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
     rd = run_dir(cfg)
     trials = []
     for r in results:
@@ -220,8 +209,8 @@ def summarize(results, cfg: Config, parent: tuple[str, str] | None) -> dict[str,
         "best": None if best is None else {
             "trial_id": best["trial_id"], "config": best["config"],
             "val_loss": best["val_loss"], "checkpoint_path": best["checkpoint_path"]},
-        "mlflow_parent_run_id": parent[0] if parent else None,
-        "mlflow_tracking_uri": parent[1] if parent else None,
+        "mlflow_parent_run_id": parent.run_id,
+        "mlflow_tracking_uri": parent.uri,
         "trials_dir": storage.join(rd, "trials"),
     }
 
@@ -230,8 +219,6 @@ def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print,
                   plot_path: Path | None = None) -> None:
     """tune_summary.json, best.yaml and val_loss.png into RUN_DIR (the plot is drawn at
     ``plot_path`` first, when given, and copied)."""
-    import yaml
-
     rd = run_dir(cfg)
     storage.write_text(storage.join(rd, "tune_summary.json"), json.dumps(summary, indent=2))
     if summary["best"]:

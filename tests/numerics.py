@@ -48,8 +48,8 @@ def run(rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
     """Train STEPS steps as rank ``rank`` of ``world_size``; per-step loss and gradient norm,
     and the loss over the first 16 blocks afterwards (identical on every rank)."""
     from raylm.optim import build_optimizer, lr_at, set_lr
-    from raylm.packing import SampleOrder, rank_positions
-    from raylm.train import batch_plan, build_training_model, evaluate, train_step
+    from raylm.packing import SampleOrder, batch_plan, rank_positions
+    from raylm.train import build_training_model, evaluate, train_step
 
     torch.set_num_threads(1)
     blocks, sizes = packed_blocks()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from raylm import events
+from raylm import record
 from raylm.config import load_config
 from raylm.launch import train
 from tests.conftest import tiny_run
@@ -68,7 +68,7 @@ def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir, monkeypatch
 
     wait_for(lambda: checkpoint_step() >= 5, "the first checkpoint of 2 workers")
     c.remove_node(nodes[1])
-    wait_for(lambda: [e for e in events.read(run_dir) if e["event"] == "group_start"
+    wait_for(lambda: [e for e in record.read(str(run_dir)) if e["event"] == "group_start"
                       and e["workers"] == 1], "the run to continue on 1 worker")
     c.add_node(num_cpus=1, resources={"trainer": 1})
     thread.join(300)

@@ -12,7 +12,7 @@ import pytest
 from raylm.cli import main
 from raylm.config import load_config
 from raylm.corpus import DROP_REASONS
-from raylm.data import PackedSplit, build_data_config, prepare, trainer_datasets
+from raylm.data import PackedSplit, build_rank_streams, prepare
 from tests.conftest import make_docs, write_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
@@ -128,14 +128,17 @@ def test_two_train_workers_read_disjoint_shards_covering_the_packed_set(
 
         ctx = rt.get_context()
         rows, positions, blocks = [], [], []
-        shard = rt.get_dataset_shard("train")
-        for batch in shard.iter_torch_batches(batch_size=B // 2, prefetch_batches=2):
+        # As raylm's workers do: each builds its own streams, from the step it resumes at.
+        train_ds, val_ds = build_rank_streams(
+            out, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), start_step=0,
+            num_steps=steps, seed=0, window=2, global_batch=B, eval_samples=10**9)
+        for batch in train_ds.iter_torch_batches(batch_size=B // 2, prefetch_batches=2):
             assert batch["input_ids"].shape == (B // 2, 32)
             rows += batch["row"].tolist()
             positions += batch["sample_position"].tolist()
             blocks += batch["input_ids"].tolist()
         val_rows = []
-        for batch in rt.get_dataset_shard("val").iter_torch_batches(batch_size=8):
+        for batch in val_ds.iter_torch_batches(batch_size=8):
             val_rows += batch["row"].tolist()
         path = f"{config['seen']}/rank{ctx.get_world_rank()}.json"
         with open(path, "w") as f:
@@ -146,9 +149,6 @@ def test_two_train_workers_read_disjoint_shards_covering_the_packed_set(
         loop,
         train_loop_config={"seen": str(seen)},
         scaling_config=ScalingConfig(num_workers=2),
-        datasets=trainer_datasets(out, with_val=True),
-        dataset_config=build_data_config(out, seed=0, window=2, global_batch=B,
-                                         num_steps=steps, eval_samples=10**9),
         run_config=RunConfig(name="shards", storage_path=str(tmp_path / "runs")),
     )
     trainer.fit()

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from raylm.config import load_config
-from raylm.events import interruptions, summarize
+from raylm.config import ConfigError, load_config
 from raylm.ledger import account, gather
-from raylm.packing import SampleOrder
-from raylm.train import batch_plan, check_positions
+from raylm.packing import SampleOrder, batch_plan, check_positions
+from raylm.record import interruptions, summarize
 
 
 def test_batch_plan_keeps_the_global_batch_for_every_worker_count():
@@ -24,8 +23,11 @@ def test_batch_plan_keeps_the_global_batch_for_every_worker_count():
     for world in (1, 2, 3, 4, 6, 8, 12, 24):
         micro, acc = batch_plan(24, 8, world)
         assert micro * acc * world == 24 and micro <= 8
-    with pytest.raises(ValueError, match="global_batch_size=16 does not divide by 3 workers"):
-        batch_plan(16, 8, 3)
+    # Every count a run may have divides its global batch: the config refuses others.
+    with pytest.raises(ConfigError, match=r"global_batch_size=16 cannot be split equally over 3 "
+                                          r"workers, which scaling.num_workers=\[2, 4\] allows"
+                                          r".*train.global_batch_size=12\)"):
+        load_config(None, ["--scaling.num_workers=[2,4]", "--train.global_batch_size=16"])
 
 
 def test_check_positions_accepts_only_the_ranks_slice_of_the_step():
@@ -105,8 +107,3 @@ def test_capacity_check_refuses_unless_the_cluster_autoscales(monkeypatch):
     waits = load_config(None, ["--scaling.num_workers=2", "--train.global_batch_size=8",
                                "--scaling.wait_for_nodes=true"])
     launch.check_request(waits, max_positions=1024)
-    # Batch arithmetic is still checked: no autoscaler makes 3 workers share 8 sequences.
-    with pytest.raises(ValueError, match="cannot be split equally over 3 workers"):
-        launch.check_request(load_config(None, [
-            "--scaling.num_workers=3", "--train.global_batch_size=8",
-            "--scaling.wait_for_nodes=true"]), max_positions=1024)

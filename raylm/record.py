@@ -1,0 +1,308 @@
+"""The run's record, kept on the Ray Train controller from the workers' reports.
+
+:class:`RunRecord` is a Ray Train ``UserCallback``: Ray runs it on the controller, which sees
+every report once (not once per worker). It is the only writer of what the run says about
+itself while it runs: the progress lines, ``events.jsonl``, the restart and resize records, the
+live ``summary.json``, and the MLflow metrics and events (through the run's tracker). Nothing
+feeds it but reports and worker exceptions.
+
+Files in ``RUN_DIR`` (``run.storage_path/run.name``, a path or an object-storage URI), by writer:
+
+==================  ===========================================================================
+``checkpoint_*/``   Ray Train, from the workers: DCP shards, rank 0's marker and sample ledger
+``events.jsonl``    this record (object storage: ``events/<invocation>-<n>.jsonl`` segments)
+``summary.json``    this record while the run goes (``status: running``); the driver adds the
+                    final status, wall time and the sample accounting when ``fit`` returns
+``run.json``,       the driver, before the run (what ``raylm export`` needs)
+``tokenizer/``
+``mlflow_run.json`` the driver, when it creates the MLflow run (:mod:`raylm.tracking`)
+==================  ===========================================================================
+
+How a restart or resize is detected: every report carries ``group_started``, the time its
+worker group began. A report with a new one is that group's first: the record adds a
+``group_start`` record (workers, step resumed from) before the report's ``progress``, and
+:func:`interruptions` derives, as a pure function of the records, one record per change of
+group: ``restart`` when failures came between (a lost worker or node, a preempted worker),
+``resize`` when Ray Train replaced a healthy group. Each says from how many workers to how
+many, the last step reported before (``at_step``), the step resumed from, the steps trained
+again, and the time lost: wall time from the last report before to the first report after,
+less the time the steps beyond ``at_step`` took at the speed before. A group that fails before
+its first report is not seen; its failure counts towards the next restart.
+
+Storage traffic grows linearly with the run: on a local or mounted path each record is one
+small append; in object storage (no appends) records are buffered and written as a new
+numbered segment at every checkpoint and failure, so nothing is ever read back or rewritten.
+``summary.json`` (a few hundred bytes) is rewritten at the same moments.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from raylm import storage
+from raylm.tracking import Tracker
+
+try:  # the controller-side callback base class (Ray Train V2)
+    from ray.train.v2.api.callback import UserCallback
+except ImportError:  # pragma: no cover - Ray without Train V2
+    UserCallback = object
+
+EVENTS = "events.jsonl"
+SEGMENTS = "events"
+SUMMARY = "summary.json"
+
+
+# --------------------------------------------------------------------------------------------
+# events.jsonl: writing and reading
+# --------------------------------------------------------------------------------------------
+
+
+class EventLog:
+    """The event records of one invocation of a run, written as described in the module doc."""
+
+    def __init__(self, run_dir: str, invocation: str) -> None:
+        self.run_dir, self.invocation = run_dir, invocation
+        self.remote = storage.is_uri(run_dir)
+        self.pending: list[str] = []
+        self.segments_written = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record) + "\n"
+        if self.remote:
+            self.pending.append(line)
+        else:
+            storage.append_text(storage.join(self.run_dir, EVENTS), line)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"{self.invocation}-{self.segments_written:06d}.jsonl"
+        storage.write_text(storage.join(self.run_dir, SEGMENTS, name), "".join(self.pending))
+        self.segments_written += 1
+        self.pending = []
+
+
+def read(run_dir: str, invocation: str | None = None) -> list[dict[str, Any]]:
+    """The event records of a run (of one invocation, if given), in order."""
+    parts = []
+    local = storage.join(run_dir, EVENTS)
+    if storage.is_file(local):
+        parts.append(storage.read_text(local))
+    folder = storage.join(run_dir, SEGMENTS)
+    # Invocation ids are fixed-width times, so names sort in the order they were written.
+    parts += [storage.read_text(storage.join(folder, n)) for n in storage.list_files(folder)]
+    records = [json.loads(line) for part in parts for line in part.splitlines() if line.strip()]
+    return [r for r in records if invocation is None or r["invocation"] == invocation]
+
+
+# --------------------------------------------------------------------------------------------
+# Restarts and resizes, derived from the records
+# --------------------------------------------------------------------------------------------
+
+
+def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The restart and resize records of one invocation's events (see the module doc)."""
+    out: list[dict[str, Any]] = []
+    group = None  # the current group's start record
+    last = None  # the last progress record of the current group
+    step_time = 0.0
+    failures: list[dict[str, Any]] = []
+    pending = None  # an interruption waiting for the new group's first report
+    for r in records:
+        kind = r["event"]
+        if kind == "failure":
+            failures.append(r)
+        elif kind == "group_start":
+            if pending is not None:
+                out.append(pending)
+            pending = None
+            if group is not None:
+                at, since = ((last["step"], last["time"]) if last is not None
+                             else (group["from_step"], group["time"]))
+                pending = {
+                    "event": "restart" if failures else "resize",
+                    "from_workers": group["workers"],
+                    "to_workers": r["workers"],
+                    "at_step": at,
+                    "resumed_from_step": r["from_step"],
+                    "steps_redone": max(0, at - r["from_step"]),
+                    "time_lost_s": None,
+                    "failures": len(failures),
+                    "cause": failures[-1]["error"] if failures else "resize",
+                    "_since": since,
+                    "_step_time": step_time,
+                }
+            group, last, failures = r, None, []
+        elif kind == "progress":
+            if pending is not None:
+                beyond = max(0, r["step"] - pending["at_step"])
+                lost = r["time"] - pending["_since"] - beyond * pending["_step_time"]
+                pending["time_lost_s"] = round(max(0.0, lost), 2)
+                out.append(pending)
+                pending = None
+            last, step_time = r, r["step_time"]
+    if pending is not None:
+        out.append(pending)
+    return [{k: v for k, v in e.items() if not k.startswith("_")} for e in out]
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary.json fields for one invocation's records."""
+    inter = interruptions(records)
+    return {
+        "restarts": sum(e["event"] == "restart" for e in inter),
+        "resizes": sum(e["from_workers"] != e["to_workers"] for e in inter),
+        "failures": sum(r["event"] == "failure" for r in records),
+        "interruptions": inter,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The controller callback
+# --------------------------------------------------------------------------------------------
+
+
+class RunRecord(UserCallback):
+    """On the Ray Train controller: the record of one invocation of a run (made on the
+    driver, which passes it to Ray Train with the run's tracker)."""
+
+    def __init__(self, run_dir: str, *, total_steps: int, tracker: Tracker) -> None:
+        self.run_dir = run_dir
+        self.total_steps = total_steps
+        self.tracker = tracker
+        self.invocation = f"{time.time():.6f}"
+        self.log = EventLog(run_dir, self.invocation)
+        self.records: list[dict[str, Any]] = []  # this invocation's
+        self.group: float | None = None  # the current worker group's start time
+        self.resumed_from_step: int | None = None  # where this invocation's first group began
+        self.latest: dict[str, Any] = {}
+        self.val_loss: float | None = None
+        self.checkpoint_path: str | None = None
+        self.announced = 0  # interruptions printed and logged so far
+        self.earlier: list[dict[str, Any]] | None = None  # earlier invocations' records
+
+    # Ray Train's hooks. An exception in a controller callback ends the whole run; the record
+    # is not worth that, so each hook reports its own errors and returns.
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        self._safely(self.report, metrics[0],
+                     None if checkpoint is None else storage.name(checkpoint.path))
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        self._safely(self.failure, worker_exceptions)
+
+    def _safely(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:
+            print(f"warning: raylm run record: {type(e).__name__}: {e}", flush=True)
+
+    # What the hooks do, callable on their own.
+
+    def report(self, m: dict[str, Any], checkpoint_name: str | None) -> None:
+        """One report (rank 0's metrics), with the name of the checkpoint directory it saved."""
+        step = m["step"]
+        new_group = m["group_started"] != self.group
+        if new_group:
+            if self.group is None:
+                self.resumed_from_step = m["resumed_from_step"]
+            self.group = m["group_started"]
+            self._add("group_start", at=m["group_started"], workers=m["workers"],
+                      from_step=m["resumed_from_step"] or 0)
+        step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
+        self._add("progress", step=step, step_time=step_time)
+        if new_group:
+            self._announce(step)
+        self.latest = m
+        if "val_loss" in m:
+            self.val_loss = m["val_loss"]
+        path = None
+        if checkpoint_name is not None:
+            path = self.checkpoint_path = storage.join(self.run_dir, checkpoint_name)
+        self.tracker.log_report(m, path)
+        print(progress_line(m, total_steps=self.total_steps, step_time=step_time,
+                            checkpoint=path), flush=True)
+        if path is not None:
+            self.flush()
+
+    def failure(self, worker_exceptions: dict[int, Exception]) -> None:
+        error = next(iter(worker_exceptions.values()))
+        text = str(error).strip().splitlines()
+        self._add("failure", ranks=sorted(worker_exceptions),
+                  error=f"{type(error).__name__}: {text[0] if text else ''}"[:300])
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what is buffered, and the live summary."""
+        self.log.flush()
+        storage.write_text(storage.join(self.run_dir, SUMMARY),
+                           json.dumps(self.summary(), indent=2))
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json as the record knows it: where the run is now."""
+        m = self.latest
+        return {
+            "status": "running",
+            "invocation": self.invocation,
+            "final_step": m.get("step"),
+            "train_loss": m.get("loss"),
+            "val_loss": self.val_loss,
+            "tokens_per_s": m.get("tokens_per_s"),
+            "mfu": m.get("mfu"),
+            "data_wait_fraction": m.get("data_wait_fraction_run"),
+            "checkpoint_path": self.checkpoint_path,
+            "mlflow_run_id": self.tracker.run_id,
+            "mlflow_tracking_uri": self.tracker.uri,
+            "resumed_from_step": self.resumed_from_step,
+            "workers": m.get("workers"),
+            **summarize(self.records),
+            "attention_backend": m.get("attention_backend"),
+            "precision": m.get("precision"),
+        }
+
+    def _add(self, event: str, *, at: float | None = None, **fields: Any) -> None:
+        record = {"invocation": self.invocation, "event": event,
+                  "time": time.time() if at is None else at, **fields}
+        self.records.append(record)
+        self.log.add(record)
+
+    def _announce(self, step: int) -> None:
+        found = interruptions(self.records)
+        for e in found[self.announced:]:
+            lost = "unknown" if e["time_lost_s"] is None else f"{e['time_lost_s']:.1f}s"
+            print(f"raylm: {e['event']} {e['from_workers']} -> {e['to_workers']} workers, "
+                  f"resumed from step {e['resumed_from_step']} (last report at step "
+                  f"{e['at_step']}), time lost {lost}", flush=True)
+        if len(found) > self.announced and self.tracker:
+            self._log_events(step)
+        self.announced = len(found)
+
+    def _log_events(self, step: int) -> None:
+        # MLflow's run spans every invocation of the raylm run: the earlier ones' records are
+        # read once, here, when this invocation first has something to add.
+        if self.earlier is None:
+            self.earlier = [r for r in read(self.run_dir) if r["invocation"] != self.invocation]
+        by_invocation: dict[str, list[dict[str, Any]]] = {}
+        for r in self.earlier + self.records:
+            by_invocation.setdefault(r["invocation"], []).append(r)
+        parts = [summarize(rs) for rs in by_invocation.values()]
+        self.tracker.log_events(
+            {"interruptions": [e for p in parts for e in p["interruptions"]],
+             "failures": [r for rs in by_invocation.values() for r in rs
+                          if r["event"] == "failure"]},
+            {k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")}, step)
+
+
+def progress_line(m: dict[str, Any], *, total_steps: int, step_time: float,
+                  checkpoint: str | None) -> str:
+    step = m["step"]
+    line = (f"step {step}/{total_steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
+            f"{m['tokens_per_s']:,.0f} tok/s  data wait {100 * m['data_wait_fraction']:.1f}%  "
+            f"ETA {step_time * (total_steps - step):.0f}s")
+    if "val_loss" in m:
+        line += f"  val {m['val_loss']:.4f}"
+    if checkpoint is not None:
+        line += f"  checkpoint {checkpoint}"
+    return line

@@ -1,0 +1,284 @@
+"""The loop Ray Train runs on every worker: set up, then step, report and checkpoint.
+
+The ``while`` loop in :func:`train` reads top to bottom like nanoGPT's; what it calls is kept
+apart as torchtitan keeps it:
+
+- :func:`setup`: build and parallelize the model, restore the latest checkpoint, and only then
+  open this rank's data streams, at the step the restored :class:`~raylm.train.TrainState`
+  holds. That state is the run's one resume point: nothing else decides where the data starts.
+- :class:`StepMeter`: wall time, tokens and time spent waiting for data, per report window and
+  over the run.
+- :func:`at_boundary`: a pure function of the step saying whether to report, evaluate, save or
+  stop for a preemption.
+- :func:`save_and_report`: the checkpoint (with the sample ledger) and ``ray.train.report``.
+
+Every worker reports at the same steps (Ray Train needs all of them); metrics are global
+figures, identical on every rank, and each report carries ``group_started``, the time this
+worker group began, which is how the controller's record (:mod:`raylm.record`) tells a new
+group (a restart or resize) from the one before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+
+from raylm import checkpoint as ckpt
+from raylm import preemption
+from raylm.config import Config, config_from_dict
+from raylm.data import build_rank_streams
+from raylm.ledger import Ledger
+from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
+from raylm.optim import build_optimizer, lr_at, set_lr
+from raylm.packing import batch_plan, check_positions
+from raylm.tracking import Tracker
+from raylm.train import Built, TrainState, build_training_model, evaluate, train_step
+
+
+@dataclass
+class Setup:
+    """What one worker trains with, once set up."""
+
+    cfg: Config
+    rank: int
+    world_size: int
+    built: Built
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    ledger: Ledger
+    micro_batch: int
+    accumulation: int
+    batches: Iterator[dict[str, torch.Tensor]]
+    val_stream: Any  # a Ray Dataset, read whole at each evaluation
+    tracker: Tracker
+    meter: StepMeter
+    constant_metrics: dict[str, Any]
+    """Reported with every step: the layout, the kernels that ran, where the group resumed."""
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Run by ``TorchTrainer`` on every worker."""
+    group_started = time.time()
+    preemption.install_in_ray_worker()
+    try:
+        run = setup(loop_config, group_started=group_started)
+        try:
+            train(run)
+        finally:
+            run.tracker.stop_node_monitor()
+    finally:
+        preemption.uninstall_in_ray_worker()
+
+
+def train(run: Setup) -> None:
+    t, o = run.cfg.train, run.cfg.optim
+    state = run.state
+    tokens_per_step = t.global_batch_size * run.cfg.data.seq_len
+    meter = run.meter
+    while state.step < t.steps:
+        meter.step_begins()
+        micro = meter.fetch(run.batches, run.accumulation)
+        check_positions(torch.cat([b["sample_position"] for b in micro]).numpy(),
+                        step=state.step, global_batch=t.global_batch_size, rank=run.rank,
+                        world_size=run.world_size)
+        lr = lr_at(state.step, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
+                   total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
+                   cycle_steps=o.cycle_steps)
+        set_lr(run.optimizer, lr)
+        loss, grad_norm = train_step(run.built, run.optimizer, micro,
+                                     accumulation=run.accumulation, grad_clip=o.grad_clip,
+                                     cross_document=run.cfg.data.cross_document_attention)
+        state.advance(samples=t.global_batch_size, tokens=tokens_per_step)
+        run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
+        meter.step_ends(tokens_per_step)
+        # Every rank takes part in the vote, every step.
+        asked = preemption.any_rank_requested(run.built.device)
+        todo = at_boundary(state.step, cfg=run.cfg, preempt_requested=asked)
+        if not todo.report:
+            continue
+        metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                   "tokens_seen": state.tokens_seen, "preempted": todo.preempted,
+                   **meter.window(), **run.constant_metrics}
+        if todo.evaluate:
+            metrics.update(validate(run))
+        save_and_report(run, metrics, save=todo.save)
+        if todo.preempted:
+            raise preemption.Preempted(
+                f"a worker was asked to stop (SIGTERM); checkpoint saved at step {state.step}, "
+                f"the run resumes from it")
+        meter.window_reset()
+
+
+@dataclass(frozen=True)
+class Boundary:
+    report: bool
+    evaluate: bool
+    save: bool
+    preempted: bool
+
+
+def at_boundary(step: int, *, cfg: Config, preempt_requested: bool) -> Boundary:
+    """What happens after optimizer step ``step`` (1-based: steps done). A preemption saves at
+    once and skips evaluation; at the last step the final save covers it."""
+    last = step == cfg.train.steps
+    preempted = preempt_requested and not last
+    evaluate_now = (step % cfg.train.eval_every == 0 or last) and not preempted
+    save = step % cfg.checkpoint.every == 0 or last or preempted
+    report = step % cfg.train.log_every == 0 or evaluate_now or save
+    return Boundary(report=report, evaluate=evaluate_now, save=save, preempted=preempted)
+
+
+class StepMeter:
+    """Times the loop: tokens/s and the share of time spent waiting for data, over the window
+    since the last report and (data wait) over the whole run."""
+
+    def __init__(self, *, flops_per_token: float, peak_flops: float | None, world_size: int,
+                 device: torch.device) -> None:
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.world_size, self.device = world_size, device
+        self.run_t0 = time.perf_counter()
+        self.busy_s = self.run_wait_s = 0.0
+        self.window_reset()
+
+    def window_reset(self) -> None:
+        self.window_t0 = time.perf_counter()
+        self.window_tokens = 0
+        self.window_wait_s = 0.0
+
+    def step_begins(self) -> None:
+        self.step_t0 = time.perf_counter()
+
+    def fetch(self, batches: Iterator[dict[str, torch.Tensor]], n: int
+              ) -> list[dict[str, torch.Tensor]]:
+        """The next ``n`` micro-batches, timing the wait for each."""
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            out.append(next(batches))
+            waited = time.perf_counter() - t0
+            self.window_wait_s += waited
+            self.run_wait_s += waited
+        return out
+
+    def step_ends(self, tokens: int) -> None:
+        self.window_tokens += tokens
+        self.busy_s += time.perf_counter() - self.step_t0
+
+    def window(self) -> dict[str, float]:
+        """The figures of the window since the last report."""
+        now = time.perf_counter()
+        elapsed = now - self.window_t0
+        tok_s = self.window_tokens / elapsed
+        return {
+            "tokens_per_s": tok_s,
+            "data_wait_fraction": self.window_wait_s / elapsed,
+            "data_wait_fraction_run": self.run_wait_s / max(self.busy_s, 1e-9),
+            "mfu": mfu(tok_s, self.flops_per_token, self.peak_flops, self.world_size),
+            "elapsed_s": now - self.run_t0,
+            "peak_memory_gb": peak_memory_bytes(self.device) / 2**30,
+        }
+
+
+def validate(run: Setup) -> dict[str, float]:
+    # The val stream holds eval_batches micro-batches per rank (fewer, and the same number on
+    # every rank, when the split is small).
+    val = evaluate(run.built, run.val_stream.iter_torch_batches(
+        batch_size=run.cfg.train.micro_batch_size),
+        cross_document=run.cfg.data.cross_document_attention)
+    return {"val_loss": val, "val_perplexity": float(np.exp(val))}
+
+
+def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool) -> None:
+    if not save:
+        ray.train.report(metrics)
+        return
+    samples = run.ledger.collect(run.built.device)
+    with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
+        ckpt.save(tmp, model=run.built.model, optimizer=run.optimizer,
+                  state=run.state.state_dict(), config=run.built.config, samples=samples)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
+    """Build, restore, then open the streams where the restored state says."""
+    cfg = config_from_dict(loop_config["config"])
+    run_dir = loop_config["run_dir"]
+    ctx = ray.train.get_context()
+    world, rank = ctx.get_world_size(), ctx.get_world_rank()
+    device = ray.train.torch.get_device()
+    if device.type == "cpu":
+        # One intra-op thread per reserved CPU: workers sharing a node must not oversubscribe.
+        torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    d, t, o = cfg.data, cfg.train, cfg.optim
+    built = build_training_model(
+        preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
+        eos_id=loop_config["eos_id"], device=device, precision=t.precision,
+        attention=cfg.model.attention, cross_document=d.cross_document_attention,
+        activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
+        seed=t.seed)
+    optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
+                                betas=(o.beta1, o.beta2), device_type=device.type)
+    state, ledger = restore(run_dir, cfg, built=built, optimizer=optimizer, rank=rank)
+    if rank == 0 and state.step:
+        print(f"raylm: {world} workers resuming from step {state.step}", flush=True)
+    micro_batch, accumulation = batch_plan(t.global_batch_size, t.micro_batch_size, world)
+
+    tracker: Tracker = loop_config["tracker"]
+    if ctx.get_local_rank() == 0:
+        tracker.start_node_monitor(f"node{ctx.get_node_rank()}")
+    train_ds, val_ds = build_rank_streams(
+        loop_config["prepared"], rank=rank, world_size=world, start_step=state.step,
+        num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
+        global_batch=t.global_batch_size, eval_samples=t.eval_batches * t.micro_batch_size,
+        resources=cfg.scaling.data_resources)
+    batches = iter(train_ds.iter_torch_batches(batch_size=micro_batch,
+                                               prefetch_batches=d.prefetch_batches))
+    # Starting the stream (actor, first blocks) is a one-off cost, reported on its own rather
+    # than folded into the steady-state data-wait fraction.
+    t0 = time.perf_counter()
+    if state.step < t.steps:
+        batches = itertools.chain([next(batches)], batches)
+    data_startup_s = time.perf_counter() - t0
+    constant = {
+        "workers": world, "accumulation": accumulation, "micro_batch": micro_batch,
+        "attention_backend": built.attention.backend, "precision": built.precision,
+        "resumed_from_step": state.step if state.step else None,
+        "group_started": group_started, "data_startup_s": data_startup_s,
+    }
+    meter = StepMeter(flops_per_token=flops_per_token(built.config, d.seq_len),
+                      peak_flops=peak_flops(device, built.precision), world_size=world,
+                      device=device)
+    return Setup(cfg=cfg, rank=rank, world_size=world, built=built, optimizer=optimizer,
+                 state=state, ledger=ledger, micro_batch=micro_batch,
+                 accumulation=accumulation, batches=batches, val_stream=val_ds,
+                 tracker=tracker, meter=meter, constant_metrics=constant)
+
+
+def restore(run_dir: str, cfg: Config, *, built: Built, optimizer: torch.optim.Optimizer,
+            rank: int) -> tuple[TrainState, Ledger]:
+    """The train state of the latest verified checkpoint (loaded into model and optimizer),
+    and the sample ledger continuing its own; a fresh state when there is none."""
+    state = TrainState()
+    found = ckpt.latest_verified(run_dir)
+    if found is not None:
+        state.load_state_dict(ckpt.load(found[0], model=built.model, optimizer=optimizer,
+                                        config=built.config))
+        batch = cfg.train.global_batch_size
+        if state.data_position != state.step * batch:
+            raise ckpt.CheckpointError(
+                f"checkpoint data position {state.data_position} is not step {state.step} x "
+                f"train.global_batch_size={batch}; keep the global batch of the run.")
+    # The ledger continues the checkpoint's; every rank decides alike (saving gathers).
+    history = ckpt.load_samples(found[0]) if found is not None else np.zeros(
+        (0, cfg.train.global_batch_size), np.int32)
+    enabled = cfg.train.sample_ledger and history is not None
+    return state, Ledger(enabled=enabled, history=history if rank == 0 else None)
