@@ -18,16 +18,18 @@ Files in ``RUN_DIR`` (``run.storage_path/run.name``, a path or an object-storage
 ``mlflow_run.json`` the driver, when it creates the MLflow run (:mod:`raylm.tracking`)
 ==================  ===========================================================================
 
-How a restart or resize is detected: every report carries ``group_started``, the time its
-worker group began. A report with a new one is that group's first: the record adds a
-``group_start`` record (workers, step resumed from) before the report's ``progress``, and
-:func:`interruptions` derives, as a pure function of the records, one record per change of
-group: ``restart`` when failures came between (a lost worker or node, a preempted worker),
-``resize`` when Ray Train replaced a healthy group. Each says from how many workers to how
-many, the last step reported before (``at_step``), the step resumed from, the steps trained
-again, and the time lost: wall time from the last report before to the first report after,
-less the time the steps beyond ``at_step`` took at the speed before. A group that fails before
-its first report is not seen; its failure counts towards the next restart.
+How a restart or resize is detected: a worker group announces itself with a report as soon as
+it is set up (``event: group_start``: workers, step resumed from), and every later report
+carries the same ``group_started`` time. A report with a new one is that group's first: the
+record adds a ``group_start`` record, and :func:`interruptions` derives, as a pure function of
+the records, one record per change of group: ``restart`` when failures came between (a lost
+worker or node, a preempted worker), ``resize`` when Ray Train replaced a healthy group. Each
+says from how many workers to how many, the last step reported before (``at_step``), the step
+resumed from, the steps trained again, and the time lost: wall time from the last report
+before to the first report after, less the time the steps beyond ``at_step`` took at the speed
+before. Reports reach the controller when it polls the workers (every 2 s): a group that dies
+before its announcement was polled is not seen, and its failures count towards the next
+restart, whose "from" side is then unknown (None).
 
 Storage traffic grows linearly with the run: on a local or mounted path each record is one
 small append; in object storage (no appends) records are buffered and written as a new
@@ -50,6 +52,8 @@ except ImportError:  # pragma: no cover - Ray without Train V2
     UserCallback = object
 
 EVENTS = "events.jsonl"
+# The ``event`` of a worker group's announcement report (raylm.worker sends it).
+GROUP_START = "group_start"
 SEGMENTS = "events"
 SUMMARY = "summary.json"
 
@@ -118,7 +122,14 @@ def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if pending is not None:
                 out.append(pending)
             pending = None
-            if group is not None:
+            if group is None and failures:
+                # This invocation's earlier group failed before the controller heard of it.
+                pending = {
+                    "event": "restart", "from_workers": None, "to_workers": r["workers"],
+                    "at_step": None, "resumed_from_step": r["from_step"],
+                    "steps_redone": None, "time_lost_s": None, "failures": len(failures),
+                    "cause": failures[-1]["error"], "_since": None, "_step_time": 0.0}
+            elif group is not None:
                 at, since = ((last["step"], last["time"]) if last is not None
                              else (group["from_step"], group["time"]))
                 pending = {
@@ -137,9 +148,10 @@ def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             group, last, failures = r, None, []
         elif kind == "progress":
             if pending is not None:
-                beyond = max(0, r["step"] - pending["at_step"])
-                lost = r["time"] - pending["_since"] - beyond * pending["_step_time"]
-                pending["time_lost_s"] = round(max(0.0, lost), 2)
+                if pending["_since"] is not None:
+                    beyond = max(0, r["step"] - pending["at_step"])
+                    lost = r["time"] - pending["_since"] - beyond * pending["_step_time"]
+                    pending["time_lost_s"] = round(max(0.0, lost), 2)
                 out.append(pending)
                 pending = None
             last, step_time = r, r["step_time"]
@@ -153,7 +165,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     inter = interruptions(records)
     return {
         "restarts": sum(e["event"] == "restart" for e in inter),
-        "resizes": sum(e["from_workers"] != e["to_workers"] for e in inter),
+        "resizes": sum(e["from_workers"] not in (None, e["to_workers"]) for e in inter),
         "failures": sum(r["event"] == "failure" for r in records),
         "interruptions": inter,
     }
@@ -176,6 +188,7 @@ class RunRecord(UserCallback):
         self.log = EventLog(run_dir, self.invocation)
         self.records: list[dict[str, Any]] = []  # this invocation's
         self.group: float | None = None  # the current worker group's start time
+        self.group_reported = False  # has it reported a step yet?
         self.resumed_from_step: int | None = None  # where this invocation's first group began
         self.latest: dict[str, Any] = {}
         self.val_loss: float | None = None
@@ -204,16 +217,19 @@ class RunRecord(UserCallback):
     def report(self, m: dict[str, Any], checkpoint_name: str | None) -> None:
         """One report (rank 0's metrics), with the name of the checkpoint directory it saved."""
         step = m["step"]
-        new_group = m["group_started"] != self.group
-        if new_group:
+        if m["group_started"] != self.group:
             if self.group is None:
                 self.resumed_from_step = m["resumed_from_step"]
             self.group = m["group_started"]
             self._add("group_start", at=m["group_started"], workers=m["workers"],
                       from_step=m["resumed_from_step"] or 0)
+            self.group_reported = False
+        if m.get("event") == GROUP_START:
+            return
         step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
         self._add("progress", step=step, step_time=step_time)
-        if new_group:
+        if not self.group_reported:  # an interruption is complete at its group's first step
+            self.group_reported = True
             self._announce(step)
         self.latest = m
         if "val_loss" in m:

@@ -34,6 +34,7 @@ from raylm.config import Config, config_from_dict, run_dir, storage_root
 from raylm.data import prepared_dir
 from raylm.launch import check_request, cluster_capacity, train
 from raylm.model import build_config, max_positions
+from raylm.record import GROUP_START
 from raylm.tracking import Tracker
 
 METRIC = "val_loss"
@@ -82,13 +83,22 @@ def trial_config(base: dict[str, dict[str, Any]], params: dict[str, Any], *, tri
     return config_from_dict(tree)
 
 
+class TrialReporter(TuneReportCallback):
+    """Ray Train's reporter to Tune, less the worker groups' announcements: they carry no
+    ``val_loss``, which Tune requires of every result of a trial."""
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if metrics[0].get("event") != GROUP_START:
+            super().after_report(run_context, metrics, checkpoint)
+
+
 def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: str,
               parent: Tracker) -> None:
     """The Tune function trainable: one raylm training run."""
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(base, params, trials_dir=trials_dir, trial_id=trial_id,
                        prepared=prepared)
-    train(cfg, callbacks=[TuneReportCallback()], tracking_parent=parent)
+    train(cfg, callbacks=[TrialReporter()], tracking_parent=parent)
 
 
 def trial_resources(cfg: Config) -> dict[str, float]:

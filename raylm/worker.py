@@ -13,9 +13,10 @@ apart as torchtitan keeps it:
 - :func:`save_and_report`: the checkpoint (with the sample ledger) and ``ray.train.report``.
 
 Every worker reports at the same steps (Ray Train needs all of them); metrics are global
-figures, identical on every rank, and each report carries ``group_started``, the time this
-worker group began, which is how the controller's record (:mod:`raylm.record`) tells a new
-group (a restart or resize) from the one before.
+figures, identical on every rank. A worker group's first report, made as soon as it is set up
+and before it trains, announces it (``event: group_start``, with the world size and the step it
+resumed from); every report carries ``group_started``, the time the group began. That is how
+the controller's record (:mod:`raylm.record`) learns of restarts and resizes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from raylm.ledger import Ledger
 from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
 from raylm.optim import build_optimizer, lr_at, set_lr
 from raylm.packing import batch_plan, check_positions
+from raylm.record import GROUP_START
 from raylm.tracking import Tracker
 from raylm.train import Built, TrainState, build_training_model, evaluate, train_step
 
@@ -72,6 +74,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     try:
         run = setup(loop_config, group_started=group_started)
         try:
+            ray.train.report({**run.constant_metrics, "step": run.state.step,
+                              "event": GROUP_START})
             train(run)
         finally:
             run.tracker.stop_node_monitor()
