@@ -15,7 +15,7 @@ demo: $(STAMP)
 	$(VENV)/bin/raylm train
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=25 tests
 
 bench-data: $(STAMP)
 	$(VENV)/bin/python -m raylm.bench data --output runs/bench-data.json

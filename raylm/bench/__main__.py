@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ov.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
 
+    # Each benchmark imports only what it runs: the GPU machines that run some of them have no
+    # Ray, MLflow or datasets.
     if args.name == "data":
         from raylm.bench.data import run
 

@@ -28,7 +28,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from raylm.corpus import builtin_files, content_hash, read_records
+from raylm.config import load_config
+from raylm.corpus import (
+    builtin_files,
+    content_hash,
+    fingerprint_files,
+    read_records,
+    resolve_sources,
+)
+from raylm.data import prepare
+from raylm.tokenizer import build_tokenizer
 
 
 def write_corpus(packages: list[str], root: Path, num_files: int) -> dict[str, Any]:
@@ -50,8 +59,6 @@ def write_corpus(packages: list[str], root: Path, num_files: int) -> dict[str, A
 
 
 def raylm_once(corpus: Path, tokenizer: Path, seq_len: int, workdir: Path) -> dict[str, Any]:
-    from raylm.config import load_config
-    from raylm.data import prepare
 
     cfg = load_config(None, [f"--data.source={corpus}", f"--tokenizer.path={tokenizer}",
                              f"--data.seq_len={seq_len}", f"--run.cache_dir={workdir}/cache"])
@@ -106,8 +113,6 @@ def run(*, packages: list[str], num_files: int, seq_len: int, num_proc: int, rep
         workdir: str | None) -> dict[str, Any]:
     import ray
 
-    from raylm.corpus import fingerprint_files, resolve_sources
-    from raylm.tokenizer import build_tokenizer
 
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raylm-bench-"))
     corpus = root / "corpus"

@@ -25,13 +25,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from raylm.config import load_config
+from raylm.launch import train
+from raylm.model import build_config
+from raylm.tokenizer import load_backend
+
 
 def bare_loop(prepared: Path, *, preset: str, vocab_size: int, eos_id: int, steps: int,
               micro_batch: int, seq_len: int, threads: int, device: str) -> float:
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM
 
-    from raylm.model import build_config
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -69,9 +73,6 @@ def run(*, preset: str, steps: int, micro_batch: int, seq_len: int,
 
     import ray
 
-    from raylm.config import load_config
-    from raylm.launch import train
-    from raylm.tokenizer import load_backend
 
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raylm-bench-"))
     use_gpu = torch.cuda.is_available()

@@ -3,13 +3,16 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster():
-    """One local Ray cluster per test module (starting one takes ~10 s here)."""
+    """One local Ray cluster for every module that needs a plain one (starting one takes ~10 s
+    here); the modules that need another shape (several nodes, an autoscaler, a job server)
+    run before these, in their own processes or shut theirs down."""
     import ray
 
     # Four logical CPUs on this two-core machine: two training workers plus their readers and
-    # the Train controller, which mostly wait.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # the Train controller, which mostly wait. With the dashboard: Ray Train's placement-group
+    # cleaner asks the state API whether the controller of a trial that Tune stopped is gone.
+    ray.init(num_cpus=4, include_dashboard=True, log_to_driver=False)
     yield
     ray.shutdown()

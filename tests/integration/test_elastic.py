@@ -46,9 +46,10 @@ def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir, monkeypatch
     from raylm import checkpoint
 
     c, nodes = cluster
-    # After the node is lost, Ray Train first waits this long (60 s by default) for a group of
-    # the old size before the elastic policy settles for fewer workers.
-    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+    # After the node is lost, Ray Train first waits this long (60 s by default) for the
+    # placement group of a group of the old size before the elastic policy settles for fewer
+    # workers; a group of one is placed at once.
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
     cfg = load_config(None, [
         *tiny_run(tmp_path, tokenizer_dir), "--run.name=elastic",
         "--train.global_batch_size=8", "--train.micro_batch_size=2",
@@ -66,7 +67,9 @@ def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir, monkeypatch
         found = checkpoint.latest_verified(run_dir, warn=lambda m: None)
         return found[1]["state"]["step"] if found else 0
 
-    wait_for(lambda: checkpoint_step() >= 5, "the first checkpoint of 2 workers")
+    wait_for(lambda: checkpoint_step() >= 5 and [
+        e for e in record.read(str(run_dir)) if e["event"] == "group_start"],
+        "the first checkpoint of 2 workers, and the controller to know of the group")
     c.remove_node(nodes[1])
     wait_for(lambda: [e for e in record.read(str(run_dir)) if e["event"] == "group_start"
                       and e["workers"] == 1], "the run to continue on 1 worker")

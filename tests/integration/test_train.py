@@ -28,35 +28,51 @@ def train_run(base, *extra):
     return train(load_config(None, [*base, *extra]), log=lambda m: None)
 
 
+def bucket(base) -> str:
+    """A run.storage_path in object storage: a file:// URI takes pyarrow's filesystem path,
+    the one s3:// and gs:// take."""
+    return f"file://{base_dir(base).parent}/bucket/runs"
+
+
 @pytest.fixture(scope="module")
 def trained(base):
-    """An uninterrupted 30-step run, and one stopped at 20 then resumed to 30."""
+    """An uninterrupted 30-step run, and one stopped at 20 then resumed to 30 with its run
+    directory in object storage (MLflow in the first run's default store beside it)."""
     full = train_run(base, "--run.name=full", "--train.steps=30", "--checkpoint.every=10")
-    first = train_run(base, "--run.name=split", "--train.steps=20", "--checkpoint.every=10")
-    resumed = train_run(base, "--run.name=split", "--train.steps=30", "--checkpoint.every=10")
+    split = [f"--run.storage_path={bucket(base)}", "--run.name=split", "--checkpoint.every=10",
+             f"--tracking.uri={full['mlflow_tracking_uri']}"]
+    first = train_run(base, *split, "--train.steps=20")
+    resumed = train_run(base, *split, "--train.steps=30")
     return full, first, resumed
 
 
 def test_train_resume_equals_uninterrupted(base, trained):
+    from mlflow import MlflowClient
+
+    from raylm import storage
+    from raylm.export import load_run_model
+
     full, first, resumed = trained
     assert full["final_step"] == 30 and full["resumed_from_step"] is None
     assert full["restarts"] == 0 and full["attention_backend"] == "sdpa-flash-cpu"
     assert full["precision"] == "fp32" and full["mfu"] is None  # no known peak on a CPU
     assert full["checkpoint_path"] and full["val_loss"] < 5.6  # from ln(320) = 5.77
 
+    uri = bucket(base)
     assert first["final_step"] == 20
+    assert first["checkpoint_path"].startswith(f"{uri}/split/checkpoint_")
     assert resumed["resumed_from_step"] == 20 and resumed["final_step"] == 30
     # fp32 on CPU: the resumed run ends where the uninterrupted one does.
     assert resumed["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
     assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
-    summary = json.loads((base_dir(base) / "split" / "summary.json").read_text())
+    summary = json.loads(storage.read_text(f"{uri}/split/summary.json"))
     assert summary == resumed
+    _, tokenizer_dir, step = load_run_model(f"{uri}/split")
+    assert step == 30 and (tokenizer_dir / "tokenizer.json").is_file()
 
-    # One MLflow run per raylm run, reused on resume, in the local store under storage_path.
-    from mlflow import MlflowClient
-
+    # One MLflow run per raylm run, reused on resume; the default store is under storage_path.
+    assert full["mlflow_tracking_uri"] == f"sqlite:///{base_dir(base)}/mlflow.db"
     assert resumed["mlflow_run_id"] == first["mlflow_run_id"] != full["mlflow_run_id"]
-    assert resumed["mlflow_tracking_uri"] == f"sqlite:///{base_dir(base)}/mlflow.db"
     client = MlflowClient(resumed["mlflow_tracking_uri"])
     mrun = client.get_run(resumed["mlflow_run_id"])
     assert mrun.info.status == "FINISHED" and mrun.info.run_name == "split"
@@ -82,30 +98,6 @@ def test_train_resume_equals_uninterrupted(base, trained):
     # 30 steps x 8 sequences, in the seed's order, over two invocations.
     assert summary["samples"] == {"steps": 30, "trained": 240, "duplicated": 0,
                                   "skipped": 0, "in_order": True}
-
-
-def test_run_in_object_storage_resumes_exactly(base, trained, tmp_path):
-    """run.storage_path as a URI (file://: the object-storage path, through pyarrow's
-    filesystems): checkpoints, events, summary and run files live there, and a resumed run
-    ends where the uninterrupted one does."""
-    from raylm import storage
-    from raylm.export import load_run_model
-
-    uri = f"file://{tmp_path}/bucket/runs"
-    run = [f"--run.storage_path={uri}", "--run.name=remote", "--checkpoint.every=10",
-           f"--tracking.uri=sqlite:///{tmp_path}/mlflow.db"]
-    first = train_run(base, *run, "--train.steps=20")
-    resumed = train_run(base, *run, "--train.steps=30")
-    assert first["checkpoint_path"].startswith(f"{uri}/remote/checkpoint_")
-    assert resumed["resumed_from_step"] == 20 and resumed["final_step"] == 30
-    full = trained[0]
-    assert resumed["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
-    assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
-    assert resumed["samples"]["skipped"] == 0 and resumed["samples"]["duplicated"] == 0
-    saved = json.loads(storage.read_text(f"{uri}/remote/summary.json"))
-    assert saved == resumed
-    _, tokenizer_dir, step = load_run_model(f"{uri}/remote")
-    assert step == 30 and (tokenizer_dir / "tokenizer.json").is_file()
 
 
 def base_dir(base):
@@ -134,8 +126,8 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
     assert len(tok(text, add_special_tokens=False)["input_ids"]) >= 1
 
 
-def test_continue_from_exported_model_without_cross_document_attention(base, trained,
-                                                                       tmp_path):
+def test_continue_from_exported_model_without_cross_document_attention_or_mlflow(
+        base, trained, tmp_path):
     from raylm.cli import main
 
     hf = tmp_path / "hf"
@@ -143,18 +135,14 @@ def test_continue_from_exported_model_without_cross_document_attention(base, tra
     full = trained[0]
     # The pretrained weights are read on rank 0 and scattered to the 2 FSDP workers; the run
     # starts where the exported one ended, not from a random model (ln 320 = 5.77).
+    # Its MLflow server is down (nothing listens on port 9): said once, training goes on.
     out = train_run(base, "--run.name=finetune", f"--model.path={hf}",
                     f"--tokenizer.path={hf}", "--train.steps=5", "--optim.lr=1e-4",
                     "--optim.warmup_steps=1", "--train.eval_every=5",
-                    "--data.cross_document_attention=false")
+                    "--data.cross_document_attention=false", "--tracking.uri=http://127.0.0.1:9")
     assert out["final_step"] == 5 and out["attention_backend"] == "sdpa-flash-cpu"
     assert out["val_loss"] < full["val_loss"] + 0.3 < 5.77
-
-
-def test_unreachable_mlflow_does_not_stop_training(base):
-    out = train_run(base, "--run.name=nomlflow", "--train.steps=5", "--scaling.num_workers=1",
-              "--tracking.uri=http://127.0.0.1:9")
-    assert out["final_step"] == 5 and out["mlflow_run_id"] is None
+    assert out["mlflow_run_id"] is None
 
 
 def test_bad_requests_fail_before_workers_start(base):
@@ -189,12 +177,13 @@ def train_workers():
 
 
 def run_and_interfere(base, args, *, when_step: int, act, timeout: float = 240.0):
-    """Start a run in a thread; once it has a verified checkpoint at ``when_step`` or later,
-    call ``act()`` from outside the training; return the run's summary."""
+    """Start a run in a thread; once it has a verified checkpoint at ``when_step`` or later
+    and the controller has heard of its worker group (reports reach it at its next poll), call
+    ``act()`` from outside the training; return the run's summary."""
     import threading
     import time
 
-    from raylm import checkpoint
+    from raylm import checkpoint, record
 
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(summary=train_run(base, *args)),
@@ -204,7 +193,8 @@ def run_and_interfere(base, args, *, when_step: int, act, timeout: float = 240.0
     deadline = time.time() + timeout
     while time.time() < deadline:
         found = checkpoint.latest_verified(run_dir, warn=lambda m: None)
-        if found and found[1]["state"]["step"] >= when_step:
+        if (found and found[1]["state"]["step"] >= when_step
+                and any(e["event"] == "group_start" for e in record.read(str(run_dir)))):
             act()
             break
         time.sleep(0.02)

@@ -10,18 +10,7 @@ import pytest
 from raylm.config import load_config
 from tests.conftest import tiny_run
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("tune_cluster")]
-
-
-@pytest.fixture(scope="module")
-def tune_cluster():
-    """With the dashboard: Ray Train's placement-group cleaner asks the state API whether the
-    controller of a trial that Tune stopped is gone."""
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=True, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +119,9 @@ def test_an_interrupted_sweep_resumes(base, tmp_path):
     assert len(list(trials.glob("*/run.json"))) == 2, "the second trial did not start"
     first.send_signal(signal.SIGINT)
     out, _ = first.communicate(timeout=120)
-    done = [p.parent.name for p in trials.glob("*/summary.json")]
+    # A trial's summary is kept current while it runs; the finished one says so.
+    done = [p.parent.name for p in trials.glob("*/summary.json")
+            if json.loads(p.read_text())["status"] == "finished"]
     assert len(done) == 1, out[-3000:]
 
     second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
