@@ -13,7 +13,7 @@ order is what makes the output, and so every later run, reproducible. The driver
 hash per unique document (a Python set: ~70 bytes each, 70 MB for a million documents) and less
 than one row group of blocks; all else streams.
 
-Training (``build_rank_streams``) never uses ``streaming_split``: it hands out blocks to
+Training (``build_train_stream``) never uses ``streaming_split``: it hands out blocks to
 whichever worker asks first, so two runs see different orders (measured: two runs of
 ``streaming_split(2, equal=True)`` over 2,000 rows gave each rank a different sequence). Instead
 each worker builds its own Ray Data stream of exactly the positions it owns in the global order
@@ -532,22 +532,27 @@ def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None
     return n if limit is None else min(n, limit)
 
 
-def build_rank_streams(prepared: str | os.PathLike, *, rank: int, world_size: int,
+def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: int,
                        start_step: int, num_steps: int, seed: int, window: int,
-                       global_batch: int, eval_samples: int,
-                       resources: dict[str, float] | None = None):
-    """Rank ``rank``'s two ordered streams, built by the worker itself once it has restored
-    its train state: ``train``, the samples of steps ``[start_step, num_steps)`` in the global
-    order, sliced by rank; ``val``, up to ``eval_samples`` blocks, round robin in storage
-    order."""
+                       global_batch: int, resources: dict[str, float] | None = None):
+    """Rank ``rank``'s training stream, built by the worker itself once it has restored its
+    train state: the samples of steps ``[start_step, num_steps)`` in the global order, its
+    slice of each global batch."""
     train = PackedSplit.load(prepared, "train")
-    val = PackedSplit.load(prepared, "val")
     per_rank = rank_share(global_batch, world_size)
-    train_ds = build_rank_dataset(
+    return build_rank_dataset(
         train, mode="train", rank=rank, world_size=world_size,
         num_samples=max(0, num_steps - start_step) * per_rank, seed=seed, window=window,
         start_step=start_step, global_batch=global_batch, resources=resources)
-    val_ds = build_rank_dataset(
-        val, mode="eval", rank=rank, world_size=world_size,
-        num_samples=eval_samples_per_rank(val, world_size, eval_samples), resources=resources)
-    return train_ds, val_ds
+
+
+def read_val_blocks(prepared: str | os.PathLike, *, rank: int, world_size: int,
+                    eval_samples: int) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s validation blocks, read in this process: up to ``eval_samples`` (the same
+    count on every rank, as collectives need), round robin in storage order. They are few (8 x
+    8 blocks of 2,049 tokens, 1 MB, with the defaults) and read once per worker group, where a
+    Ray Data stream would start a reader actor for them (about 2 s here)."""
+    val = PackedSplit.load(prepared, "val")
+    n = eval_samples_per_rank(val, world_size, eval_samples)
+    reader = _ReadBlocks(val, mode="eval", seed=0, window=1, rank=rank, world_size=world_size)
+    return reader({"id": np.arange(n, dtype=np.int64)})

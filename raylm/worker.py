@@ -36,7 +36,7 @@ import torch
 from raylm import checkpoint as ckpt
 from raylm import preemption
 from raylm.config import Config, config_from_dict
-from raylm.data import build_rank_streams
+from raylm.data import build_train_stream, read_val_blocks
 from raylm.ledger import Ledger
 from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
 from raylm.optim import build_optimizer, lr_at, set_lr
@@ -60,8 +60,7 @@ class Setup:
     micro_batch: int
     accumulation: int
     batches: Iterator[dict[str, torch.Tensor]]
-    val_stream: Any  # a Ray Dataset, read once, at the first evaluation
-    val_batches: list[dict[str, torch.Tensor]] | None
+    val_batches: list[dict[str, torch.Tensor]]
     tracker: Tracker
     meter: StepMeter
     constant_metrics: dict[str, Any]
@@ -194,13 +193,6 @@ class StepMeter:
 
 
 def validate(run: Setup) -> dict[str, float]:
-    if run.val_batches is None:
-        # At most eval_batches micro-batches per rank (fewer, and the same number on every
-        # rank, when the split is small): 8 x 8 x 2,049 tokens = 1 MB with the defaults. Kept
-        # after the first evaluation; reading them again would start a reader each time
-        # (about 2 s here).
-        run.val_batches = list(run.val_stream.iter_torch_batches(
-            batch_size=run.cfg.train.micro_batch_size))
     val = evaluate(run.built, run.val_batches,
                    cross_document=run.cfg.data.cross_document_attention)
     return {"val_loss": val, "val_perplexity": float(np.exp(val))}
@@ -244,13 +236,17 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     tracker: Tracker = loop_config["tracker"]
     if ctx.get_local_rank() == 0:
         tracker.start_node_monitor(f"node{ctx.get_node_rank()}")
-    train_ds, val_ds = build_rank_streams(
+    train_ds = build_train_stream(
         loop_config["prepared"], rank=rank, world_size=world, start_step=state.step,
         num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
-        global_batch=t.global_batch_size, eval_samples=t.eval_batches * t.micro_batch_size,
-        resources=cfg.scaling.data_resources)
+        global_batch=t.global_batch_size, resources=cfg.scaling.data_resources)
     batches = iter(train_ds.iter_torch_batches(batch_size=micro_batch,
                                                prefetch_batches=d.prefetch_batches))
+    val = {k: torch.from_numpy(v) for k, v in read_val_blocks(
+        loop_config["prepared"], rank=rank, world_size=world,
+        eval_samples=t.eval_batches * t.micro_batch_size).items()}
+    val_batches = [{k: v[i:i + t.micro_batch_size] for k, v in val.items()}
+                   for i in range(0, len(val["input_ids"]), t.micro_batch_size)]
     # Starting the stream (actor, first blocks) is a one-off cost, reported on its own rather
     # than folded into the steady-state data-wait fraction.
     t0 = time.perf_counter()
@@ -268,8 +264,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                       device=device)
     return Setup(cfg=cfg, rank=rank, world_size=world, built=built, optimizer=optimizer,
                  state=state, ledger=ledger, micro_batch=micro_batch,
-                 accumulation=accumulation, batches=batches, val_stream=val_ds,
-                 val_batches=None, tracker=tracker, meter=meter, constant_metrics=constant)
+                 accumulation=accumulation, batches=batches, val_batches=val_batches,
+                 tracker=tracker, meter=meter, constant_metrics=constant)
 
 
 def restore(run_dir: str, cfg: Config, *, built: Built, optimizer: torch.optim.Optimizer,

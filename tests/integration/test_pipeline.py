@@ -12,7 +12,7 @@ import pytest
 from raylm.cli import main
 from raylm.config import load_config
 from raylm.corpus import DROP_REASONS
-from raylm.data import PackedSplit, build_rank_streams, prepare
+from raylm.data import PackedSplit, build_train_stream, prepare, read_val_blocks
 from tests.conftest import make_docs, write_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
@@ -128,18 +128,17 @@ def test_two_train_workers_read_disjoint_shards_covering_the_packed_set(
 
         ctx = rt.get_context()
         rows, positions, blocks = [], [], []
-        # As raylm's workers do: each builds its own streams, from the step it resumes at.
-        train_ds, val_ds = build_rank_streams(
-            out, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(), start_step=0,
-            num_steps=steps, seed=0, window=2, global_batch=B, eval_samples=10**9)
+        # As raylm's workers do: each builds its own stream, from the step it resumes at.
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+        train_ds = build_train_stream(out, rank=rank, world_size=world, start_step=0,
+                                      num_steps=steps, seed=0, window=2, global_batch=B)
         for batch in train_ds.iter_torch_batches(batch_size=B // 2, prefetch_batches=2):
             assert batch["input_ids"].shape == (B // 2, 32)
             rows += batch["row"].tolist()
             positions += batch["sample_position"].tolist()
             blocks += batch["input_ids"].tolist()
-        val_rows = []
-        for batch in val_ds.iter_torch_batches(batch_size=8):
-            val_rows += batch["row"].tolist()
+        val_rows = read_val_blocks(out, rank=rank, world_size=world,
+                                   eval_samples=10**9)["row"].tolist()
         path = f"{config['seen']}/rank{ctx.get_world_rank()}.json"
         with open(path, "w") as f:
             _json.dump({"rows": rows, "positions": positions, "blocks": blocks,
