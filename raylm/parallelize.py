@@ -21,10 +21,26 @@ bf16 (AVX2 only) bf16 autocast made a 7.4M-parameter Llama step 33x slower than 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """How :func:`parallelize` lays a model out, beyond data-parallel sharding (which follows
+    from the world size). Tensor and pipeline degrees belong here when they come."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in backward."""
+    compile: bool = False
+    """torch.compile each decoder block."""
+
+
+DATA_PARALLEL = ParallelPlan()
+"""FSDP2 over every rank and nothing else."""
 
 
 def resolve_precision(precision: str, device_type: str) -> str:
@@ -63,18 +79,18 @@ def build_mesh(device_type: str):
 
 
 def parallelize(model: nn.Module, *, device_type: str, precision: str,
-                activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
-    """Checkpoint, compile and shard ``model`` in place (sharding only when torch.distributed
-    is initialized with more than one rank); returns it."""
+                plan: ParallelPlan = DATA_PARALLEL) -> nn.Module:
+    """Checkpoint, compile and shard ``model`` in place as ``plan`` says (sharding only when
+    torch.distributed is initialized with more than one rank); returns it."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     if precision == "bf16-true":
         model.to(torch.bfloat16)
     blocks = decoder_blocks(model)
     for i, block in enumerate(blocks):
-        if activation_checkpointing:
+        if plan.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
-        if compile:
+        if plan.compile:
             block.compile()
         blocks[i] = block
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -25,7 +25,13 @@ from torch import nn
 from raylm.attention import AttentionChoice, choose_attention
 from raylm.checkpoint import load_pretrained_weights
 from raylm.model import build_config, build_meta_model, init_weights
-from raylm.parallelize import autocast, parallelize, resolve_precision
+from raylm.parallelize import (
+    DATA_PARALLEL,
+    ParallelPlan,
+    autocast,
+    parallelize,
+    resolve_precision,
+)
 
 
 @dataclass
@@ -65,8 +71,8 @@ class Built:
 
 def build_training_model(*, preset: str | None, path: str | None, vocab_size: int, eos_id: int,
                          device: torch.device, precision: str = "auto", attention: str = "auto",
-                         cross_document: bool = True, activation_checkpointing: bool = False,
-                         compile: bool = False, seed: int = 0) -> Built:
+                         cross_document: bool = True, plan: ParallelPlan = DATA_PARALLEL,
+                         seed: int = 0) -> Built:
     """Build on meta, parallelize, materialize on ``device``, initialize (or load pretrained
     weights, read once on rank 0 and scattered)."""
     choice = choose_attention(device.type, requested=attention, cross_document=cross_document)
@@ -74,8 +80,7 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     config = build_config(preset=preset, path=path, vocab_size=vocab_size, eos_id=eos_id,
                           attn_implementation=choice.implementation)
     model = build_meta_model(config)
-    parallelize(model, device_type=device.type, precision=precision,
-                activation_checkpointing=activation_checkpointing, compile=compile)
+    parallelize(model, device_type=device.type, precision=precision, plan=plan)
     model.to_empty(device=device)
     if path:
         load_pretrained_weights(model, path)

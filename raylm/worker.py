@@ -41,6 +41,7 @@ from raylm.ledger import Ledger
 from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
 from raylm.optim import build_optimizer, lr_at, set_lr
 from raylm.packing import batch_plan, check_positions
+from raylm.parallelize import ParallelPlan
 from raylm.record import GROUP_START
 from raylm.tracking import Tracker
 from raylm.train import Built, TrainState, build_training_model, evaluate, train_step
@@ -224,7 +225,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
         eos_id=loop_config["eos_id"], device=device, precision=t.precision,
         attention=cfg.model.attention, cross_document=d.cross_document_attention,
-        activation_checkpointing=cfg.model.activation_checkpointing, compile=cfg.model.compile,
+        plan=ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
+                          compile=cfg.model.compile),
         seed=t.seed)
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=(o.beta1, o.beta2), device_type=device.type)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raylm.parallelize import ParallelPlan
 from raylm.train import TrainState, build_training_model, evaluate, train_step
 
 VOCAB = 300
@@ -87,7 +88,8 @@ def test_activation_checkpointing_and_compile_keep_the_math():
     # ~40 s on 2 CPU cores, almost all of it inductor compiling the two blocks.
     plain, wrapped = built(), build_training_model(
         preset="tiny", path=None, vocab_size=VOCAB, eos_id=0, device=torch.device("cpu"),
-        precision="fp32", seed=0, activation_checkpointing=True, compile=True)
+        precision="fp32", seed=0,
+        plan=ParallelPlan(activation_checkpointing=True, compile=True))
     results = []
     for b in (plain, wrapped):
         sgd = torch.optim.SGD(b.model.parameters(), lr=1.0)
