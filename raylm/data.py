@@ -446,7 +446,8 @@ class PackedSplit:
 
 
 class _ReadBlocks:
-    """Ray Data actor: a rank's local sample indices in, its blocks out (in order)."""
+    """A rank's local sample indices in, its blocks out (in order): the map function of each
+    training stream's Ray Data actor, and called directly for the validation blocks."""
 
     def __init__(self, split: PackedSplit, *, mode: str, seed: int, window: int, rank: int,
                  world_size: int, start_step: int = 0, global_batch: int = 1) -> None:

@@ -53,7 +53,7 @@ def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir, monkeypatch
     cfg = load_config(None, [
         *tiny_run(tmp_path, tokenizer_dir), "--run.name=elastic",
         "--train.global_batch_size=8", "--train.micro_batch_size=2",
-        "--train.steps=200", "--train.log_every=5", "--train.eval_every=100",
+        "--train.steps=120", "--train.log_every=5", "--train.eval_every=100",
         "--train.eval_batches=2", "--checkpoint.every=5", "--optim.lr=3e-3",
         "--scaling.num_workers=[1,2]", "--scaling.worker_resources={trainer: 1}",
         "--scaling.resize_interval_s=2", "--tracking.enabled=false"])
@@ -77,7 +77,7 @@ def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir, monkeypatch
     thread.join(300)
     assert "summary" in out, "the run did not finish"
     s = out["summary"]
-    assert s["status"] == "finished" and s["final_step"] == 200 and s["workers"] == 2
+    assert s["status"] == "finished" and s["final_step"] == 120 and s["workers"] == 2
     shrink, grow = s["interruptions"]
     assert (shrink["event"], shrink["from_workers"], shrink["to_workers"]) == ("restart", 2, 1)
     assert (grow["event"], grow["from_workers"], grow["to_workers"]) == ("resize", 1, 2)
@@ -85,5 +85,5 @@ def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir, monkeypatch
     for e in (shrink, grow):
         assert e["resumed_from_step"] % 5 == 0 and e["time_lost_s"] >= 0
         assert 0 <= e["steps_redone"] < 5 + 5  # at most a checkpoint interval plus a report's
-    assert s["samples"] == {"steps": 200, "trained": 1600, "duplicated": 0, "skipped": 0,
+    assert s["samples"] == {"steps": 120, "trained": 960, "duplicated": 0, "skipped": 0,
                             "in_order": True}
