@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+
+# Ray Train's controller polls the workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
+# default) and each worker holds one pending report, so a loop that reports more often waits
+# for the poll: the tests' tiny runs, which report every 5 steps of ~0.05 s, ran at 2 s per
+# report. The drivers the tests start (in process and as subprocesses) pass it on to the
+# controller.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 # Real English prose, written for these tests; enough distinct words to train a small BPE.
 PARAGRAPHS = [
