@@ -184,8 +184,8 @@ class MLflowTracker(Tracker):
             self._monitor_thread.join()
             self._monitor_thread = None
         if self._monitor is not None:
-            self._guard("stop system metrics", lambda client: self._monitor.finish())
-            self._monitor = None
+            monitor, self._monitor = self._monitor, None
+            self._guard("stop system metrics", lambda client: _last_sample(monitor))
 
     def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
         """The sweep's run: its summary and plot as artifacts, the best validation loss and
@@ -223,6 +223,16 @@ class MLflowTracker(Tracker):
     def finish(self, *, failed: bool) -> None:
         self._guard("close the run", lambda client: client.set_terminated(
             self.run_id, status="FAILED" if failed else "FINISHED"))
+
+
+def _last_sample(monitor) -> None:
+    """Stop MLflow's system-metrics monitor and publish one last sample. The monitor publishes
+    once per sampling interval (5 s) and drops what it collected since, so a worker group that
+    lives less than that would leave no system metrics at all."""
+    monitor.finish()
+    monitor.collect_metrics()
+    monitor.publish_metrics(monitor.aggregate_metrics())
+    monitor.mlflow_logger.flush()
 
 
 def saved_run_id(directory: str) -> str | None:

@@ -50,6 +50,10 @@ def test_node_lost_then_added_back(cluster, tmp_path, tokenizer_dir, monkeypatch
     # placement group of a group of the old size before the elastic policy settles for fewer
     # workers; a group of one is placed at once.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "10")
+    # Ray Train's default poll (every 2 s, one pending report per worker) paces this run at
+    # one 5-step report per poll, so it is still going when the node comes back (the resize
+    # came at step 20-30 of 120); the suite's faster poll would finish it on one worker first.
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")
     cfg = load_config(None, [
         *tiny_run(tmp_path, tokenizer_dir), "--run.name=elastic",
         "--train.global_batch_size=8", "--train.micro_batch_size=2",
