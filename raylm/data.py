@@ -494,14 +494,23 @@ class _ReadBlocks:
                 "row": rows}
 
 
-def build_rank_dataset(split: PackedSplit, *, mode: str, rank: int, world_size: int,
-                       num_samples: int, seed: int = 0, window: int = 16, start_step: int = 0,
-                       global_batch: int = 1, batch_size: int = 64,
-                       resources: dict[str, float] | None = None):
-    """Rank ``rank``'s stream: ``num_samples`` blocks in the order it consumes them; its reader
-    asks for ``resources`` (custom Ray resources) besides 0.1 CPU."""
+def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None = None) -> int:
+    """Equal for all ranks (collectives need it): at most ``limit``, at most N // world."""
+    n = split.num_blocks // world_size
+    return n if limit is None else min(n, limit)
+
+
+def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: int,
+                       start_step: int, num_steps: int, seed: int, window: int,
+                       global_batch: int, resources: dict[str, float] | None = None):
+    """Rank ``rank``'s training stream, built by the worker itself once it has restored its
+    train state: the samples of steps ``[start_step, num_steps)`` in the global order, its
+    slice of each global batch. Its reader asks for ``resources`` (custom Ray resources)
+    besides 0.1 CPU."""
     import ray
 
+    train = PackedSplit.load(prepared, "train")
+    num_samples = max(0, num_steps - start_step) * rank_share(global_batch, world_size)
     # Sample indices as in-memory blocks of 256. No remote task may be needed to make them:
     # a read, and even from_arrow's metadata task, asks for a whole CPU, which training
     # workers holding every CPU of their node do not leave (the stream then waits forever).
@@ -515,36 +524,16 @@ def build_rank_dataset(split: PackedSplit, *, mode: str, rank: int, world_size: 
     ds.context.enable_progress_bars = False
     return ds.map_batches(
         _ReadBlocks,
-        fn_constructor_kwargs=dict(split=split, mode=mode, seed=seed, window=window, rank=rank,
-                                   world_size=world_size, start_step=start_step,
+        fn_constructor_kwargs=dict(split=train, mode="train", seed=seed, window=window,
+                                   rank=rank, world_size=world_size, start_step=start_step,
                                    global_batch=global_batch),
-        batch_size=batch_size,
+        batch_size=64,
         compute=ray.data.ActorPoolStrategy(size=1),
         # Reading a cached row group is cheap next to a training step; a small CPU share lets
         # the reader run beside workers that hold every CPU of their node.
         num_cpus=0.1,
         resources=dict(resources or {}) or None,
     )
-
-
-def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None = None) -> int:
-    """Equal for all ranks (collectives need it): at most ``limit``, at most N // world."""
-    n = split.num_blocks // world_size
-    return n if limit is None else min(n, limit)
-
-
-def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: int,
-                       start_step: int, num_steps: int, seed: int, window: int,
-                       global_batch: int, resources: dict[str, float] | None = None):
-    """Rank ``rank``'s training stream, built by the worker itself once it has restored its
-    train state: the samples of steps ``[start_step, num_steps)`` in the global order, its
-    slice of each global batch."""
-    train = PackedSplit.load(prepared, "train")
-    per_rank = rank_share(global_batch, world_size)
-    return build_rank_dataset(
-        train, mode="train", rank=rank, world_size=world_size,
-        num_samples=max(0, num_steps - start_step) * per_rank, seed=seed, window=window,
-        start_step=start_step, global_batch=global_batch, resources=resources)
 
 
 def read_val_blocks(prepared: str | os.PathLike, *, rank: int, world_size: int,

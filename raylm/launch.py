@@ -62,8 +62,7 @@ def check_request(cfg: Config, *, max_positions: int) -> None:
 
 
 def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
-                  record: RunRecord, tracker: tracking.Tracker,
-                  callbacks: list | None = None) -> TorchTrainer:
+                  record: RunRecord, callbacks: list | None = None) -> TorchTrainer:
     sc = cfg.scaling
     workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
     resources = {"CPU": sc.cpus_per_worker, **sc.worker_resources}
@@ -73,7 +72,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "run_dir": run_dir(cfg),
                            "prepared": prepared, "vocab_size": vocab_size, "eos_id": eos_id,
-                           "tracker": tracker},
+                           "tracker": record.tracker},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
                                      resources_per_worker=resources,
                                      elastic_resize_monitor_interval_s=sc.resize_interval_s),
@@ -123,7 +122,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     error = None
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
-                      tracker=tracker, callbacks=callbacks).fit()
+                      callbacks=callbacks).fit()
     except Exception as e:  # Ray Train raises once max_failures is used up
         error = e
     finally:

@@ -3,8 +3,6 @@ step meter's arithmetic."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -31,26 +29,32 @@ def test_at_boundary(step, asked, want):
     assert at_boundary(step, cfg=CFG, preempt_requested=asked) == want
 
 
-def test_step_meter_counts_tokens_and_data_wait_per_window():
+def test_step_meter_counts_tokens_and_data_wait_per_window(monkeypatch):
+    clock = [100.0]  # the meter's perf_counter, advanced by hand: no timing noise
+    monkeypatch.setattr("raylm.worker.time.perf_counter", lambda: clock[0])
     meter = StepMeter(flops_per_token=6e6, peak_flops=1e9, world_size=2,
                       device=torch.device("cpu"))
 
     def slow_batches():
         while True:
-            time.sleep(0.05)
+            clock[0] += 0.05  # each micro-batch keeps the step waiting 50 ms
             yield {"input_ids": torch.zeros(1)}
 
     batches = slow_batches()
     for _ in range(2):
         meter.step_begins()
         assert len(meter.fetch(batches, 2)) == 2
-        time.sleep(0.05)  # the step's compute
+        clock[0] += 0.05  # the step's compute
         meter.step_ends(tokens=1000)
     w = meter.window()
-    # 4 waits of 50 ms and 2 steps of 50 ms: two thirds of the window waited for data.
-    assert w["data_wait_fraction"] == pytest.approx(2 / 3, abs=0.1)
-    assert w["tokens_per_s"] == pytest.approx(2000 / 0.3, rel=0.2)
+    # 4 waits of 50 ms and 2 steps of 50 ms: two thirds of the 0.3 s window waited for data.
+    assert w["data_wait_fraction"] == pytest.approx(2 / 3)
+    assert w["tokens_per_s"] == pytest.approx(2000 / 0.3)
     assert w["mfu"] == pytest.approx(w["tokens_per_s"] * 6e6 / 2e9)
+    assert w["elapsed_s"] == pytest.approx(0.3)
+    clock[0] += 1.0  # evaluation and a checkpoint: outside every window
     meter.window_reset()
-    assert meter.window()["tokens_per_s"] == 0
-    assert meter.window()["data_wait_fraction_run"] == pytest.approx(2 / 3, abs=0.1)
+    clock[0] += 0.1
+    after = meter.window()
+    assert after["tokens_per_s"] == 0 and after["data_wait_fraction"] == 0
+    assert after["data_wait_fraction_run"] == pytest.approx(2 / 3)
