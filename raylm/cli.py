@@ -26,7 +26,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from raylm.config import Config, load_config
+from raylm.config import Config, ConfigError, load_config
 from raylm.tracking import resolve_uri
 
 
@@ -38,25 +38,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
 
-    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        sp.add_argument("--config", help="YAML config file (CLI overrides win over it)")
+    def with_config(parent: argparse._SubParsersAction, name: str, help: str
+                    ) -> argparse.ArgumentParser:
+        sp = parent.add_parser(name, help=help, description=help, epilog=OVERRIDES_HELP,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.add_argument("--config", help="YAML config file (overrides win over it)")
         return sp
 
     cfg = sub.add_parser("config", help="inspect the resolved configuration")
     cfg_sub = cfg.add_subparsers(dest="action", required=True)
-    with_config(cfg_sub.add_parser("show", help="print the resolved config as YAML"))
+    with_config(cfg_sub, "show", "print the resolved config as YAML")
 
-    prep = with_config(sub.add_parser(
-        "prepare", help="tokenize and pack data.source into Parquet blocks + manifest.json"))
+    prep = with_config(sub, "prepare",
+                       "tokenize and pack data.source into Parquet blocks + manifest.json")
     prep.add_argument("--output", required=True, help="directory for the packed blocks")
-    with_config(sub.add_parser(
-        "train", help="train a model with FSDP2 on Ray Train (resumes a run of the same name)"))
-    with_config(sub.add_parser(
-        "tune", help="sweep learning-rate schedules with Ray Tune, each trial a training run "
-                     "(resumes a sweep of the same name)"))
-    sb = with_config(sub.add_parser(
-        "submit", help="run `raylm train` (or tune) as a job on a Ray cluster's job server and "
-                       "follow its logs"))
+    with_config(sub, "train",
+                "train a model with FSDP2 on Ray Train (resumes a run of the same name)")
+    with_config(sub, "tune", "sweep learning-rate schedules with Ray Tune, each trial a "
+                             "training run (resumes a sweep of the same name)")
+    sb = with_config(sub, "submit", "run `raylm train` (or tune) as a job on a Ray cluster's "
+                                    "job server and follow its logs")
     sb.add_argument("--address", help="job server, e.g. http://127.0.0.1:8265 (default: "
                                       "RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
     sb.add_argument("--command", dest="job_command", default="train", choices=["train", "tune"],
@@ -91,6 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+OVERRIDES_HELP = """\
+Every config key is also an option: --section.key=value (or --section.key value), for
+example --train.steps=100 --scaling.num_workers=2. Overrides win over --config, which wins
+over the defaults. `raylm config show` lists every key with its resolved value; each key is
+documented in raylm/config.py."""
+
+# Errors are printed in one line; a longer one is cut to what a screen holds.
+MAX_ERROR_CHARS = 1000
+
+
 def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Separate ``--a.b=c`` / ``--a.b c`` overrides from ordinary arguments."""
     rest, overrides = [], []
@@ -100,7 +111,10 @@ def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         a = args[i]
         name = a[2:].split("=", 1)[0] if a.startswith("--") else ""
         if "." in name:
-            if "=" not in a and i + 1 < len(args):
+            if "=" not in a:
+                # `--train.steps --config x` must not read `--config` as the step count.
+                if i + 1 == len(args) or args[i + 1].startswith("--"):
+                    raise ConfigError(f"Override {a} has no value: write {a}=VALUE.")
                 a = f"{a}={args[i + 1]}"
                 i += 1
             overrides.append(a)
@@ -136,7 +150,9 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     from raylm.launch import train
+    from raylm.model import check_seq_len
 
+    check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
     if cfg.tracking.enabled:
         resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
     _init_ray(cfg.run.ray_address)
@@ -146,9 +162,12 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
+    from raylm.model import check_seq_len
     from raylm.tune import check_sweep, sweep
 
-    check_sweep(cfg)  # before Ray starts
+    # Before Ray starts:
+    check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
+    check_sweep(cfg)
     if cfg.tracking.enabled:
         resolve_uri(cfg)
     _init_ray(cfg.run.ray_address)
@@ -203,7 +222,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    rest, overrides = _split_overrides(argv)
+    try:
+        rest, overrides = _split_overrides(argv)
+    except ConfigError as e:
+        return _error(e)
     args = _parser().parse_args(rest)
     try:
         if args.command == "export":
@@ -234,9 +256,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_submit(cfg, args)
     except (ValueError, FileNotFoundError) as e:
         # ConfigError, SourceError, BadRecordError and tokenizer errors: one line, no trace.
-        print(f"raylm: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     raise AssertionError(args.command)
+
+
+def _error(e: Exception) -> int:
+    text = " ".join(str(e).split("\n"))
+    if len(text) > MAX_ERROR_CHARS:
+        text = f"{text[:MAX_ERROR_CHARS]}... ({len(text):,} characters in all)"
+    print(f"raylm: error: {text}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

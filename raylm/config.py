@@ -33,6 +33,86 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake; the message names the key and the fix."""
 
 
+# A config file is a few hundred YAML nodes. Aliases may repeat a node, but one that expands
+# past this many (a "billion laughs" file: 10 aliases of 10 aliases of ... reach 10^9 nodes in
+# a few hundred bytes) is refused before anything reads or prints it.
+MAX_CONFIG_NODES = 10_000
+# Values quoted in error messages are cut to this many characters.
+MAX_QUOTED_CHARS = 200
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to fit in an error message."""
+    text = repr(value)
+    if len(text) <= MAX_QUOTED_CHARS:
+        return text
+    return f"{text[:MAX_QUOTED_CHARS]}... ({len(text):,} characters)"
+
+
+class _Refused(yaml.YAMLError):
+    """A YAML document that parses but is not accepted as a config file."""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML would keep the
+    last one silently) and aliases that expand beyond :data:`MAX_CONFIG_NODES` nodes."""
+
+    def get_single_data(self) -> Any:
+        node = self.get_single_node()
+        if node is None:
+            return None
+        _expanded_nodes(node, memo={}, active=set())
+        return self.construct_document(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *defaults` then explicit keys is YAML's way to override
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.setdefault(key, line)
+            except TypeError:
+                continue  # an unhashable key: the base constructor names it
+            if first != line:
+                raise _Refused(f"key {_short(key)} appears twice in one mapping, on lines "
+                               f"{first} and {line}; keep one of them")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_nodes(node: yaml.Node, *, memo: dict[int, int], active: set[int]) -> int:
+    """How many nodes ``node`` stands for once every alias is expanded (each node counted once
+    per place it appears); raises past :data:`MAX_CONFIG_NODES`."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in active:
+        raise _Refused(f"an alias refers to its own anchor (line {node.start_mark.line + 1})")
+    active.add(key)
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    else:
+        children = []
+    size = 1
+    for child in children:
+        size += _expanded_nodes(child, memo=memo, active=active)
+        if size > MAX_CONFIG_NODES:
+            raise _Refused(f"its aliases expand to more than {MAX_CONFIG_NODES:,} values "
+                           f"(from line {node.start_mark.line + 1}); a config file needs far "
+                           f"fewer, so write the values out or use fewer aliases")
+    active.discard(key)
+    memo[key] = size
+    return size
+
+
+def read_yaml(text: str) -> Any:
+    """One YAML document, read safely (see :class:`_ConfigLoader`)."""
+    return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "raylm"
@@ -296,7 +376,7 @@ def _describe(tp: Any) -> str:
         return f"a mapping of {_describe(k)} to {_describe(v)}"
     if tp is type(None):
         return "null"
-    return {int: "an integer", float: "a number", bool: "true/false", str: "a string"}.get(
+    return {int: "an integer", float: "a finite number", bool: "true/false", str: "a string"}.get(
         tp, str(tp)
     )
 
@@ -334,14 +414,16 @@ def _coerce(value: Any, tp: Any) -> Any:
     if tp is int:
         return value if isinstance(value, int) and not isinstance(value, bool) else _NO
     if tp is float:
+        # No field takes infinity or NaN (a learning rate, a clip, a fraction, a resource).
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return float(value) if math.isfinite(value) else _NO
         if isinstance(value, str):
             # YAML 1.1 reads 3e-4 (no dot) as a string.
             try:
-                return float(value)
+                out = float(value)
             except ValueError:
                 return _NO
+            return out if math.isfinite(out) else _NO
         return _NO
     if tp is str:
         # YAML reads `name: 123` as an int; a string field takes it as written.
@@ -364,7 +446,8 @@ def _build_section(name: str, values: dict[str, Any]) -> Any:
         out = _coerce(value, hints[key])
         if out is _NO:
             raise ConfigError(
-                f"Invalid value for '{name}.{key}': {value!r}. Expected {_describe(hints[key])}."
+                f"Invalid value for '{name}.{key}': {_short(value)}. Expected "
+                f"{_describe(hints[key])}."
             )
         kwargs[key] = out
     return cls(**kwargs)
@@ -372,7 +455,7 @@ def _build_section(name: str, values: dict[str, Any]) -> Any:
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ConfigError(f"Invalid value for '{key}': {value!r}. Allowed: {allowed}.")
+        raise ConfigError(f"Invalid value for '{key}': {_short(value)}. Allowed: {allowed}.")
 
 
 def _check_batch_shares(global_batch: int, num_workers: Any, worker_range: tuple[int, int]
@@ -472,12 +555,14 @@ def parse_override(arg: str) -> tuple[str, Any]:
     body = arg[2:] if arg.startswith("--") else arg
     if "=" not in body or "." not in body.split("=", 1)[0]:
         raise ConfigError(
-            f"Cannot read override {arg!r}: write it as --section.key=value "
+            f"Cannot read override {_short(arg)}: write it as --section.key=value "
             f"(for example --train.steps=100)."
         )
     key, raw = body.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = read_yaml(raw) if raw != "" else ""
+    except _Refused as e:
+        raise ConfigError(f"Override {_short(arg)} is refused: {e}.") from None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -491,7 +576,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         if not p.is_file():
             raise ConfigError(f"Config file not found: {p}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = read_yaml(p.read_text()) or {}
+        except _Refused as e:
+            raise ConfigError(f"Config file {p} is refused: {e}.") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"Config file {p} is not valid YAML: {e}") from None
         if not isinstance(loaded, dict):
@@ -521,7 +608,7 @@ def _merge(tree: dict, section: str, values: Any, *, origin: str) -> None:
         )
     if not isinstance(values, dict):
         raise ConfigError(f"Config section '{section}' ({origin}) must be a mapping of keys, "
-                          f"not {values!r}.")
+                          f"not {_short(values)}.")
     tree[section].update(values)
 
 

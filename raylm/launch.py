@@ -23,7 +23,7 @@ from raylm import checkpoint, ledger, storage, tracking
 from raylm.config import Config, run_dir, storage_root
 from raylm.data import LAYOUT, prepared_dir
 from raylm.export import write_run_info
-from raylm.model import build_config, max_positions
+from raylm.model import build_config, check_seq_len
 from raylm.record import SUMMARY, RunRecord
 from raylm.tokenizer import load_backend
 from raylm.worker import train_loop_per_worker
@@ -33,14 +33,11 @@ def cluster_capacity() -> dict[str, float]:
     return ray.cluster_resources()
 
 
-def check_request(cfg: Config, *, max_positions: int) -> None:
+def check_request(cfg: Config) -> None:
     """Refuse runs that cannot start, before workers do."""
     sc = cfg.scaling
     min_workers = sc.worker_range[0]
-    if cfg.data.seq_len > max_positions:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} is above the model's "
-                         f"{max_positions} positions; lower data.seq_len or choose a model "
-                         f"with more positions.")
+    check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
     if sc.wait_for_nodes:
         return
     have = cluster_capacity()
@@ -93,10 +90,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     A sweep's trial adds Ray Train ``callbacks`` (its Tune reporter) and nests its MLflow run
     under the sweep's tracker (``tracking_parent``)."""
     rd = run_dir(cfg)
-    # The vocabulary is not known before the data is prepared, and no check needs it.
-    provisional = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
-                               eos_id=0, attn_implementation="sdpa")
-    check_request(cfg, max_positions=max_positions(provisional))
+    check_request(cfg)
     if cfg.tracking.enabled and tracking_parent is None:
         tracking.resolve_uri(cfg)  # a store that cannot exist fails now, not after the data
     prepared = prepared_dir(cfg, log=log)

@@ -33,7 +33,6 @@ from raylm import checkpoint, storage, tracking
 from raylm.config import Config, config_from_dict, run_dir, storage_root
 from raylm.data import prepared_dir
 from raylm.launch import check_request, cluster_capacity, train
-from raylm.model import build_config, max_positions
 from raylm.record import GROUP_START
 from raylm.tracking import Tracker
 
@@ -135,10 +134,8 @@ def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
     """Run (or resume) the sweep; write tune_summary.json, best.yaml and val_loss.png.
     Needs ``ray.init``."""
     check_sweep(cfg)
-    provisional = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
-                               eos_id=0, attn_implementation="sdpa")
     concurrent = concurrent_trials(cfg, cluster_capacity())
-    check_request(cfg, max_positions=max_positions(provisional))
+    check_request(cfg)
     if cfg.tracking.enabled:
         tracking.resolve_uri(cfg)  # a store that cannot exist fails now, not after the data
     rd = run_dir(cfg)

@@ -155,7 +155,7 @@ def test_bad_requests_fail_before_workers_start(base):
     with pytest.raises(ValueError, match="needs 8 CPUs but the cluster has 4"):
         train_run(base, "--run.name=bad2", "--scaling.num_workers=8",
             "--train.global_batch_size=16")
-    with pytest.raises(ValueError, match="data.seq_len=2048 is above the model's 1024"):
+    with pytest.raises(ValueError, match="data.seq_len=2048 is above the 1024 positions of model.preset=tiny"):
         train_run(base, "--run.name=bad3", "--data.seq_len=2048")
     with pytest.raises(ValueError, match="the validation split has 0 blocks, fewer than the 2"):
         train_run(base, "--run.name=bad4", "--data.val_fraction=0.0")

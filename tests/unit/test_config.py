@@ -51,7 +51,7 @@ def test_override_values_are_typed():
         ("--tune.schedules=[cosine, zigzag]", "'tune.schedules'"),
         ("--train.precision=fp8", "one of 'auto', 'fp32', 'bf16-mixed', 'bf16-true'"),
         ("--train", "write it as --section.key=value"),
-        ("--scaling.worker_resources=4", "Expected a mapping of a string to a number."),
+        ("--scaling.worker_resources=4", "Expected a mapping of a string to a finite number."),
         ("--scaling.worker_resources={GPU: 1}", "not CPU/GPU: use scaling.cpus_per_worker and "
                                                 "scaling.use_gpu"),
         ("--scaling.data_resources={CPU: 1}", "Invalid value for 'scaling.data_resources'"),
@@ -97,3 +97,96 @@ def test_cli_error_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("raylm: error: Unknown config key 'model.presett'")
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_alias_bomb_is_refused_in_a_screenful(tmp_path, capsys):
+    # 329 bytes: each level holds ten aliases of the one before, 10^8 values once expanded.
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, 9):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("train:\n" + "\n".join("  " + line for line in lines) + "\n")
+    with pytest.raises(ConfigError, match="aliases expand to more than 10,000 values"):
+        load_config(bomb)
+    assert main(["config", "show", "--config", str(bomb)]) == 2
+    err = capsys.readouterr().err
+    assert len(err) < 1200 and err.count("\n") == 1
+    # An alias used a few times is fine.
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("tune:\n  warmup_steps: &w [0, 10]\n  weight_decays: [0.0]\n"
+                  "train: {steps: 5}\n")
+    assert load_config(ok).tune.warmup_steps == [0, 10]
+    own = tmp_path / "own.yaml"
+    own.write_text("train: &t\n  x: *t\n")
+    with pytest.raises(ConfigError, match="refers to its own anchor"):
+        load_config(own)
+
+
+def test_long_values_are_cut_in_messages():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--run.name=" + "x/" * 50_000])
+    assert len(str(e.value)) < 400 and "100,002 characters" in str(e.value)
+
+
+def test_duplicate_keys_are_refused_with_both_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  steps: 5\n  seed: 1\n  steps: 50\n")
+    with pytest.raises(ConfigError, match=r"key 'steps' appears twice in one mapping, on lines "
+                                          r"2 and 4"):
+        load_config(path)
+    sections = tmp_path / "sections.yaml"
+    sections.write_text("train: {steps: 5}\ndata: {seq_len: 64}\ntrain: {seed: 1}\n")
+    with pytest.raises(ConfigError, match="key 'train' appears twice .* lines 1 and 3"):
+        load_config(sections)
+    # YAML's merge key is how a file overrides what it merged: not a duplicate.
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("train:\n  <<: {steps: 5, seed: 2}\n  steps: 7\n")
+    cfg = load_config(merged)
+    assert cfg.train.steps == 7 and cfg.train.seed == 2
+
+
+@pytest.mark.parametrize("override", ["--optim.lr=inf", "--optim.grad_clip=.inf",
+                                      "--optim.lr=nan", "--optim.beta1=.nan",
+                                      "--scaling.cpus_per_worker=-.inf",
+                                      "--scaling.worker_resources={trainer: .inf}",
+                                      "--tune.lr_max=1e400"])
+def test_infinity_and_nan_are_refused(override):
+    with pytest.raises(ConfigError, match="Expected .*a finite number"):
+        load_config(None, [override])
+
+
+def test_an_override_without_a_value_is_refused_as_such(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 50\n")
+    assert main(["config", "show", "--train.steps", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == ("raylm: error: Override --train.steps has no value: "
+                                       "write --train.steps=VALUE.\n")
+    assert main(["config", "show", "--train.steps"]) == 2
+    assert "--train.steps has no value" in capsys.readouterr().err
+    # A negative number is a value, not an option.
+    assert main(["config", "show", "--train.max_failures", "-1"]) == 0
+    assert "max_failures: -1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["train", "tune", "prepare", "submit"])
+def test_help_says_every_key_is_an_override(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Every config key is also an option: --section.key=value" in out
+    assert "raylm config show" in out and "raylm/config.py" in out
+
+
+@pytest.mark.parametrize("command", ["train", "tune"])
+def test_seq_len_beyond_the_models_positions_fails_before_ray_starts(command, capsys,
+                                                                      monkeypatch):
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    assert main([command, "--data.seq_len=2048", "--tracking.enabled=false"]) == 2
+    assert capsys.readouterr().err == (
+        "raylm: error: data.seq_len=2048 is above the 1024 positions of model.preset=tiny; "
+        "lower data.seq_len or choose a model with more positions.\n")

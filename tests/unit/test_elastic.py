@@ -103,7 +103,7 @@ def test_capacity_check_refuses_unless_the_cluster_autoscales(monkeypatch):
     cfg = load_config(None, ["--scaling.num_workers=2", "--train.global_batch_size=8"])
     with pytest.raises(ValueError, match="needs 2 CPUs but the cluster has 1; .* "
                                          "scaling.wait_for_nodes=true"):
-        launch.check_request(cfg, max_positions=1024)
+        launch.check_request(cfg)
     waits = load_config(None, ["--scaling.num_workers=2", "--train.global_batch_size=8",
                                "--scaling.wait_for_nodes=true"])
-    launch.check_request(waits, max_positions=1024)
+    launch.check_request(waits)
