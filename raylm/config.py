@@ -175,6 +175,13 @@ class DataConfig:
     """Row groups mixed together by the shuffle; a reader caches this many row groups."""
     prefetch_batches: int = 2
     """Batches each training worker fetches ahead of the one it trains on."""
+    reader_cpus: float | None = None
+    """CPUs the Ray Data actor reading each training worker's stream asks for. Unset: 0.1, or
+    0 when the cluster's CPUs cannot hold the workers and 0.1 per reader beside them (the
+    reader then shares its worker's CPUs)."""
+    first_batch_timeout_s: float = 180.0
+    """How long a worker waits for its first training batch before it stops with what its
+    reader waits for (with scaling.wait_for_nodes, it says so and keeps waiting)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -492,6 +499,10 @@ def validate(cfg: Config) -> Config:
     _check(d.rows_per_row_group >= 1, "data.rows_per_row_group", d.rows_per_row_group, ">= 1")
     _check(d.shuffle_window >= 1, "data.shuffle_window", d.shuffle_window, ">= 1")
     _check(d.prefetch_batches >= 0, "data.prefetch_batches", d.prefetch_batches, ">= 0")
+    _check(d.reader_cpus is None or d.reader_cpus >= 0, "data.reader_cpus", d.reader_cpus,
+           "unset (automatic) or a number >= 0")
+    _check(d.first_batch_timeout_s > 0, "data.first_batch_timeout_s",
+           d.first_batch_timeout_s, "a number of seconds > 0")
     _check(bool(d.text_field), "data.text_field", d.text_field, "a non-empty field name")
     _check(tk.vocab_size >= 300, "tokenizer.vocab_size", tk.vocab_size,
            ">= 300 (256 byte symbols plus merges and special tokens)")

@@ -500,13 +500,18 @@ def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None
     return n if limit is None else min(n, limit)
 
 
+# Reading a cached row group is cheap next to a training step: a small CPU share lets a reader
+# run beside workers that hold most CPUs of their node.
+READER_CPUS = 0.1
+
+
 def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: int,
                        start_step: int, num_steps: int, seed: int, window: int,
-                       global_batch: int, resources: dict[str, float] | None = None):
+                       global_batch: int, resources: dict[str, float]):
     """Rank ``rank``'s training stream, built by the worker itself once it has restored its
     train state: the samples of steps ``[start_step, num_steps)`` in the global order, its
-    slice of each global batch. Its reader asks for ``resources`` (custom Ray resources)
-    besides 0.1 CPU."""
+    slice of each global batch. Its reader asks for ``resources`` (CPU and custom Ray resources,
+    as :func:`raylm.launch.plan_resources` decided)."""
     import ray
 
     train = PackedSplit.load(prepared, "train")
@@ -529,10 +534,8 @@ def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: in
                                    global_batch=global_batch),
         batch_size=64,
         compute=ray.data.ActorPoolStrategy(size=1),
-        # Reading a cached row group is cheap next to a training step; a small CPU share lets
-        # the reader run beside workers that hold every CPU of their node.
-        num_cpus=0.1,
-        resources=dict(resources or {}) or None,
+        num_cpus=resources.get("CPU", 0.0),
+        resources={k: v for k, v in resources.items() if k != "CPU"} or None,
     )
 
 

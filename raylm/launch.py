@@ -12,7 +12,9 @@ the driver only waits: the workers (:mod:`raylm.worker`) train and report, and t
 from __future__ import annotations
 
 import json
+import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -21,7 +23,7 @@ from ray.train.torch import TorchTrainer
 
 from raylm import checkpoint, ledger, storage, tracking
 from raylm.config import Config, run_dir, storage_root
-from raylm.data import LAYOUT, prepared_dir
+from raylm.data import LAYOUT, READER_CPUS, prepared_dir
 from raylm.export import write_run_info
 from raylm.model import build_config, check_seq_len
 from raylm.record import SUMMARY, RunRecord
@@ -34,44 +36,103 @@ def cluster_capacity() -> dict[str, float]:
 
 
 def check_request(cfg: Config) -> None:
-    """Refuse runs that cannot start, before workers do."""
-    sc = cfg.scaling
-    min_workers = sc.worker_range[0]
+    """What can be refused without the cluster: the sequence length against the model."""
     check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
-    if sc.wait_for_nodes:
-        return
-    have = cluster_capacity()
+
+
+@dataclass(frozen=True)
+class ResourcePlan:
+    """What a run places on the cluster, per training worker: the worker itself, and the Ray
+    Data actor that reads its stream (:func:`raylm.data.build_train_stream`). The Train
+    controller asks for no resources, the validation blocks are read in the worker, and a
+    Tune trial's own process asks for 0.01 CPU (counted by :mod:`raylm.tune`)."""
+
+    worker: dict[str, float]
+    reader: dict[str, float]
+    note: str | None = None
+    """What raylm chose for the user, to say in one line."""
+
+    @property
+    def reader_cpus(self) -> float:
+        return self.reader.get("CPU", 0.0)
+
+    def per_worker(self) -> dict[str, float]:
+        out = dict(self.worker)
+        for name, amount in self.reader.items():
+            out[name] = out.get(name, 0.0) + amount
+        return out
+
+
+def plan_resources(cfg: Config, capacity: dict[str, float] | None) -> ResourcePlan:
+    """The resources of every worker and reader, checked against the cluster's ``capacity``
+    (``None``: an autoscaling cluster, checked by nobody but the autoscaler).
+
+    ``data.reader_cpus`` unset: each reader asks for :data:`READER_CPUS`, or for no CPU when the
+    cluster's CPUs cannot hold the workers and that share beside them (two 1-CPU workers on 2
+    CPUs): reading cached row groups is light next to a training step, so the reader then
+    shares its worker's CPUs rather than waiting forever for a CPU nobody will free. Refused,
+    with the arithmetic and the settings that fit, when the fewest workers do not fit."""
+    sc, d = cfg.scaling, cfg.data
+    fewest, most = sc.worker_range
+    worker = {"CPU": sc.cpus_per_worker, **sc.worker_resources}
     if sc.use_gpu:
-        gpus = have.get("GPU", 0)
-        if min_workers > gpus:
-            raise ValueError(f"scaling.num_workers={sc.num_workers} needs {min_workers} GPUs but "
-                             f"the cluster has {gpus:g}; lower scaling.num_workers, add GPU "
-                             f"nodes, or set scaling.wait_for_nodes=true if the cluster "
-                             f"autoscales.")
+        worker["GPU"] = 1.0
+    note = None
+    if d.reader_cpus is not None:
+        reader_cpus = d.reader_cpus
+    elif capacity is None or most * (sc.cpus_per_worker + READER_CPUS) <= capacity.get("CPU", 0):
+        reader_cpus = READER_CPUS
     else:
-        cpus = have.get("CPU", 0)
-        need = min_workers * sc.cpus_per_worker
-        if need > cpus:
-            raise ValueError(f"scaling.num_workers={sc.num_workers} x scaling.cpus_per_worker="
-                             f"{sc.cpus_per_worker:g} needs {need:g} CPUs but the cluster has "
-                             f"{cpus:g}; lower one of them, or set scaling.wait_for_nodes=true "
-                             f"if the cluster autoscales.")
+        reader_cpus = 0.0
+        note = (f"{most} training workers of {sc.cpus_per_worker:g} CPU each leave less than "
+                f"{READER_CPUS:g} CPU per data reader on the cluster's "
+                f"{capacity.get('CPU', 0):g} CPUs; the readers ask for no CPU of their own "
+                f"(data.reader_cpus=0)")
+    reader = {"CPU": reader_cpus, **sc.data_resources}
+    plan = ResourcePlan(worker=worker, reader=reader, note=note)
+    if capacity is not None:
+        _check_fits(cfg, plan, capacity)
+    return plan
+
+
+def _check_fits(cfg: Config, plan: ResourcePlan, capacity: dict[str, float]) -> None:
+    sc = cfg.scaling
+    fewest = sc.worker_range[0]
+    for name, amount in plan.per_worker().items():
+        have = capacity.get(name, 0.0)
+        need = fewest * amount
+        if amount <= 0 or need <= have + 1e-9:
+            continue
+        parts = [f"{plan.worker.get(name, 0):g} for the worker"]
+        if plan.reader.get(name):
+            parts.append(f"{plan.reader[name]:g} for its data reader")
+        fits = int(have // amount + 1e-9)
+        fixes = [f"scaling.num_workers={fits}" if fits else "add nodes"]
+        if name == "CPU" and not sc.use_gpu:
+            room = math.floor((have / fewest - plan.reader_cpus) * 100) / 100
+            if room > 0:
+                fixes.append(f"scaling.cpus_per_worker={room:g}")
+            if plan.reader_cpus and fewest * sc.cpus_per_worker <= have:
+                fixes.append("data.reader_cpus=0")
+        raise ValueError(
+            f"the run needs {need:g} {name}: scaling.num_workers={sc.num_workers} starts "
+            f"{fewest} workers x ({' + '.join(parts)}), but the cluster has {have:g}; "
+            f"{' or '.join(fixes)} would fit, or set scaling.wait_for_nodes=true if the "
+            f"cluster autoscales.")
 
 
 def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
-                  record: RunRecord, callbacks: list | None = None) -> TorchTrainer:
+                  record: RunRecord, resources: ResourcePlan, callbacks: list | None = None
+                  ) -> TorchTrainer:
     sc = cfg.scaling
     workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
-    resources = {"CPU": sc.cpus_per_worker, **sc.worker_resources}
-    if sc.use_gpu:
-        resources["GPU"] = 1
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "run_dir": run_dir(cfg),
                            "prepared": prepared, "vocab_size": vocab_size, "eos_id": eos_id,
-                           "tracker": record.tracker},
+                           "tracker": record.tracker, "reader_resources": resources.reader},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
-                                     resources_per_worker=resources,
+                                     resources_per_worker=resources.worker,
                                      elastic_resize_monitor_interval_s=sc.resize_interval_s),
         run_config=RunConfig(
             name=cfg.run.name,
@@ -91,6 +152,10 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     under the sweep's tracker (``tracking_parent``)."""
     rd = run_dir(cfg)
     check_request(cfg)
+    resources = plan_resources(
+        cfg, None if cfg.scaling.wait_for_nodes else cluster_capacity())
+    if resources.note:
+        log(f"raylm: {resources.note}")
     if cfg.tracking.enabled and tracking_parent is None:
         tracking.resolve_uri(cfg)  # a store that cannot exist fails now, not after the data
     prepared = prepared_dir(cfg, log=log)
@@ -116,7 +181,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     error = None
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
-                      callbacks=callbacks).fit()
+                      resources=resources, callbacks=callbacks).fit()
     except Exception as e:  # Ray Train raises once max_failures is used up
         error = e
     finally:

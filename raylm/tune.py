@@ -32,7 +32,7 @@ from ray.tune.schedulers import ASHAScheduler
 from raylm import checkpoint, storage, tracking
 from raylm.config import Config, config_from_dict, run_dir, storage_root
 from raylm.data import prepared_dir
-from raylm.launch import check_request, cluster_capacity, train
+from raylm.launch import ResourcePlan, check_request, cluster_capacity, plan_resources, train
 from raylm.record import GROUP_START
 from raylm.tracking import Tracker
 
@@ -100,16 +100,11 @@ def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: 
     train(cfg, callbacks=[TrialReporter()], tracking_parent=parent)
 
 
-def trial_resources(cfg: Config) -> dict[str, float]:
-    """What one trial's workers need at most (its own process asks for 0.01 CPU, its Train
-    controller for none)."""
+def trial_resources(cfg: Config, plan: ResourcePlan) -> dict[str, float]:
+    """What one trial needs at most: its workers and their readers at the largest worker
+    count (its own process asks for 0.01 CPU, its Train controller for none)."""
     workers = cfg.scaling.worker_range[1]
-    need = {"CPU": workers * cfg.scaling.cpus_per_worker}
-    if cfg.scaling.use_gpu:
-        need["GPU"] = float(workers)
-    for name, amount in cfg.scaling.worker_resources.items():
-        need[name] = workers * amount
-    return need
+    return {name: workers * amount for name, amount in plan.per_worker().items()}
 
 
 def concurrent_trials(cfg: Config, capacity: dict[str, float]) -> int:
@@ -117,9 +112,7 @@ def concurrent_trials(cfg: Config, capacity: dict[str, float]) -> int:
     if cfg.scaling.wait_for_nodes:
         # Tune queues the trials that do not fit yet; the autoscaler grows the cluster for them.
         return cfg.tune.max_concurrent or cfg.tune.num_samples
-    need = trial_resources(cfg)
-    # Each worker's data reader takes 0.1 CPU beside it (see raylm.data).
-    need["CPU"] += 0.1 * cfg.scaling.worker_range[1]
+    need = trial_resources(cfg, plan_resources(cfg, capacity))
     fit = min(int(capacity.get(k, 0.0) // v) for k, v in need.items() if v > 0)
     if fit < 1:
         have = ", ".join(f"{k} {capacity.get(k, 0):g}" for k in need)

@@ -22,9 +22,11 @@ the controller's record (:mod:`raylm.record`) learns of restarts and resizes.
 from __future__ import annotations
 
 import itertools
+import queue
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,7 +243,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     train_ds = build_train_stream(
         loop_config["prepared"], rank=rank, world_size=world, start_step=state.step,
         num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
-        global_batch=t.global_batch_size, resources=cfg.scaling.data_resources)
+        global_batch=t.global_batch_size, resources=loop_config["reader_resources"])
     batches = iter(train_ds.iter_torch_batches(batch_size=micro_batch,
                                                prefetch_batches=d.prefetch_batches))
     val = {k: torch.from_numpy(v) for k, v in read_val_blocks(
@@ -253,7 +255,11 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     # than folded into the steady-state data-wait fraction.
     t0 = time.perf_counter()
     if state.step < t.steps:
-        batches = itertools.chain([next(batches)], batches)
+        reader = loop_config["reader_resources"]
+        first = first_batch(
+            batches, timeout_s=d.first_batch_timeout_s, keep_waiting=cfg.scaling.wait_for_nodes,
+            waiting_for=lambda: reader_wait(reader, rank=rank), log=print)
+        batches = itertools.chain([first], batches)
     data_startup_s = time.perf_counter() - t0
     constant = {
         "workers": world, "accumulation": accumulation, "micro_batch": micro_batch,
@@ -268,6 +274,58 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  state=state, ledger=ledger, micro_batch=micro_batch,
                  accumulation=accumulation, batches=batches, val_batches=val_batches,
                  tracker=tracker, meter=meter, constant_metrics=constant)
+
+
+class DataStall(RuntimeError):
+    """A worker's training stream delivered no first batch in ``data.first_batch_timeout_s``."""
+
+
+def first_batch(batches: Iterator[dict[str, torch.Tensor]], *, timeout_s: float,
+                keep_waiting: bool, waiting_for: Callable[[], str],
+                log: Callable[[str], None]) -> dict[str, torch.Tensor]:
+    """The stream's first batch; a stream that has none after ``timeout_s`` is named with what
+    it waits for (``waiting_for()``) instead of waiting in silence. With ``keep_waiting`` (an
+    autoscaling cluster, which may yet add what is missing) that is said every ``timeout_s``
+    and the wait goes on; otherwise :class:`DataStall` is raised."""
+    box: queue.Queue = queue.Queue(maxsize=1)
+
+    def fetch() -> None:
+        try:
+            box.put((True, next(batches)))
+        except BaseException as e:  # noqa: BLE001 (handed to the waiting thread)
+            box.put((False, e))
+
+    threading.Thread(target=fetch, name="raylm-first-batch", daemon=True).start()
+    t0 = time.monotonic()
+    while True:
+        try:
+            ok, value = box.get(timeout=timeout_s)
+        except queue.Empty:
+            message = (f"no training batch after {time.monotonic() - t0:.0f} s: "
+                       f"{waiting_for()}")
+            if not keep_waiting:
+                raise DataStall(f"{message}; raise data.first_batch_timeout_s if the stream "
+                                f"is only slow to start") from None
+            log(f"raylm: warning: {message}; waiting on, as scaling.wait_for_nodes asks")
+            continue
+        if not ok:
+            raise value
+        return value
+
+
+def reader_wait(reader: dict[str, float], *, rank: int) -> str:
+    """What rank ``rank``'s training-data reader (a Ray Data actor) waits for: the resources it
+    asks for against those free on the cluster now."""
+    import ray
+
+    free = ray.available_resources()
+    asks = ", ".join(f"{k} {v:g}" for k, v in reader.items() if v) or "no resources"
+    short = [f"{k} {v:g} (free: {free.get(k, 0):g})" for k, v in reader.items()
+             if v and free.get(k, 0) < v]
+    return (f"rank {rank}'s data reader, a Ray Data actor asking for {asks}, "
+            + (f"cannot be placed: the cluster lacks {', '.join(short)}" if short else
+               "has not produced a batch though the cluster has room for it; look for its "
+               "error in the worker logs"))
 
 
 def restore(run_dir: str, cfg: Config, *, built: Built, optimizer: torch.optim.Optimizer,

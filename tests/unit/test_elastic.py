@@ -95,15 +95,46 @@ def test_ledger_gather_on_one_process_keeps_each_steps_rows():
     assert out.dtype == np.int32 and out.tolist() == [[5, 6], [7, 8]]
 
 
-def test_capacity_check_refuses_unless_the_cluster_autoscales(monkeypatch):
-    from raylm import launch
+def test_resource_plan_counts_workers_and_readers():
+    from raylm.launch import plan_resources
 
-    # The cluster as it is now: one CPU.
-    monkeypatch.setattr(launch, "cluster_capacity", lambda: {"CPU": 1.0})
-    cfg = load_config(None, ["--scaling.num_workers=2", "--train.global_batch_size=8"])
-    with pytest.raises(ValueError, match="needs 2 CPUs but the cluster has 1; .* "
-                                         "scaling.wait_for_nodes=true"):
-        launch.check_request(cfg)
-    waits = load_config(None, ["--scaling.num_workers=2", "--train.global_batch_size=8",
-                               "--scaling.wait_for_nodes=true"])
-    launch.check_request(waits)
+    two = ["--scaling.num_workers=2", "--train.global_batch_size=8"]
+    # Two 1-CPU workers on 3 CPUs: each reader gets its 0.1 CPU beside them.
+    plan = plan_resources(load_config(None, two), {"CPU": 3.0})
+    assert plan.worker == {"CPU": 1.0} and plan.reader == {"CPU": 0.1} and plan.note is None
+    # On 2 CPUs (this machine, default settings) that would wait forever: the readers ask for
+    # no CPU of their own, and the run says so.
+    plan = plan_resources(load_config(None, two), {"CPU": 2.0})
+    assert plan.reader == {"CPU": 0.0}
+    assert plan.note == ("2 training workers of 1 CPU each leave less than 0.1 CPU per data "
+                         "reader on the cluster's 2 CPUs; the readers ask for no CPU of their "
+                         "own (data.reader_cpus=0)")
+    # An elastic range decides by its largest count, so that the group can grow.
+    plan = plan_resources(load_config(None, ["--scaling.num_workers=[1, 2]",
+                                             "--train.global_batch_size=8"]), {"CPU": 2.0})
+    assert plan.reader_cpus == 0.0
+    # What the user set is kept, and refused with the arithmetic when it does not fit.
+    with pytest.raises(ValueError, match=r"^the run needs 2.2 CPU: scaling.num_workers=2 "
+                                         r"starts 2 workers x \(1 for the worker \+ 0.1 for its "
+                                         r"data reader\), but the cluster has 2; "
+                                         r"scaling.num_workers=1 or scaling.cpus_per_worker=0.9 "
+                                         r"or data.reader_cpus=0 would fit, or set "
+                                         r"scaling.wait_for_nodes=true"):
+        plan_resources(load_config(None, [*two, "--data.reader_cpus=0.1"]), {"CPU": 2.0})
+    with pytest.raises(ValueError, match=r"needs 2 CPU: .* has 1; scaling.num_workers=1 or "
+                                         r"scaling.cpus_per_worker=0.5 would fit"):
+        plan_resources(load_config(None, two), {"CPU": 1.0})
+    # Custom and GPU resources of workers and readers are counted alike.
+    data = load_config(None, [*two, "--scaling.data_resources={data_node: 0.001}"])
+    assert plan_resources(data, {"CPU": 4, "data_node": 1000}).reader == {
+        "CPU": 0.1, "data_node": 0.001}
+    with pytest.raises(ValueError, match=r"needs 0.002 data_node: .* \(0 for the worker \+ "
+                                         r"0.001 for its data reader\), but the cluster has 0; "
+                                         r"add nodes"):
+        plan_resources(data, {"CPU": 4})
+    gpu = load_config(None, [*two, "--scaling.use_gpu=true"])
+    with pytest.raises(ValueError, match=r"needs 2 GPU: .* has 1; scaling.num_workers=1 would"):
+        plan_resources(gpu, {"CPU": 16, "GPU": 1})
+    # An autoscaling cluster is not checked: the autoscaler adds what the run asks for.
+    waits = load_config(None, [*two, "--scaling.wait_for_nodes=true"])
+    assert plan_resources(waits, None).reader_cpus == 0.1

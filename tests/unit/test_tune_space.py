@@ -51,9 +51,18 @@ def test_concurrent_trials_counts_worker_resources():
     assert concurrent_trials(cfg, {"CPU": 8}) == 3
     assert concurrent_trials(load_config(None, ["--scaling.num_workers=2",
                                                 "--tune.max_concurrent=2"]), {"CPU": 8}) == 2
+    # On 2 CPUs the readers share their workers' CPUs: one trial at a time.
+    assert concurrent_trials(cfg, {"CPU": 2}) == 1
+    with pytest.raises(ValueError, match=r"the run needs 2 CPU: scaling.num_workers=2 starts 2 "
+                                         r"workers x \(1 for the worker\), but the cluster has "
+                                         r"1; scaling.num_workers=1 or "
+                                         r"scaling.cpus_per_worker=0.5 would fit"):
+        concurrent_trials(cfg, {"CPU": 1})
+    elastic = load_config(None, ["--scaling.num_workers=[1, 4]", "--tune.max_concurrent=0",
+                                 "--train.global_batch_size=12"])
     with pytest.raises(ValueError, match="Not even one trial fits the cluster: a trial needs "
-                                         "CPU 2.2, the cluster has CPU 2"):
-        concurrent_trials(cfg, {"CPU": 2})
+                                         "CPU 4, the cluster has CPU 2"):
+        concurrent_trials(elastic, {"CPU": 2})
     gpu = load_config(None, ["--scaling.num_workers=4", "--scaling.use_gpu=true"])
     assert concurrent_trials(gpu, {"CPU": 64, "GPU": 8}) == 2
 

@@ -3,11 +3,13 @@ step meter's arithmetic."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from raylm.config import load_config
-from raylm.worker import Boundary, StepMeter, at_boundary
+from raylm.worker import Boundary, DataStall, StepMeter, at_boundary, first_batch
 
 CFG = load_config(None, ["--train.steps=30", "--train.log_every=5", "--train.eval_every=10",
                          "--checkpoint.every=15"])
@@ -58,3 +60,43 @@ def test_step_meter_counts_tokens_and_data_wait_per_window(monkeypatch):
     after = meter.window()
     assert after["tokens_per_s"] == 0 and after["data_wait_fraction"] == 0
     assert after["data_wait_fraction_run"] == pytest.approx(2 / 3)
+
+
+def _stream(release: threading.Event, *, fail: bool = False):
+    release.wait()
+    if fail:
+        raise OSError("row group 3 is unreadable")
+    yield {"input_ids": torch.zeros(1)}
+
+
+def test_first_batch_names_what_a_stalled_stream_waits_for():
+    release = threading.Event()
+    with pytest.raises(DataStall, match=r"^no training batch after 0 s: rank 1's reader lacks "
+                                        r"CPU 0.1; raise data.first_batch_timeout_s"):
+        first_batch(_stream(release), timeout_s=0.2, keep_waiting=False,
+                    waiting_for=lambda: "rank 1's reader lacks CPU 0.1", log=print)
+    release.set()
+
+
+def test_first_batch_keeps_waiting_on_an_autoscaling_cluster_and_says_so():
+    release, said = threading.Event(), []
+
+    def log(message):
+        said.append(message)
+        if len(said) == 2:
+            release.set()  # the autoscaler added a node
+
+    batch = first_batch(_stream(release), timeout_s=0.1, keep_waiting=True,
+                        waiting_for=lambda: "a node", log=log)
+    assert batch["input_ids"].shape == (1,)
+    assert len(said) == 2 and all(
+        m.startswith("raylm: warning: no training batch after ") and
+        m.endswith(": a node; waiting on, as scaling.wait_for_nodes asks") for m in said)
+
+
+def test_first_batch_passes_on_the_streams_own_error():
+    release = threading.Event()
+    release.set()
+    with pytest.raises(OSError, match="row group 3 is unreadable"):
+        first_batch(_stream(release, fail=True), timeout_s=5, keep_waiting=False,
+                    waiting_for=lambda: "", log=print)
