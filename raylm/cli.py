@@ -26,6 +26,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from raylm.cluster import connect
 from raylm.config import Config, ConfigError, load_config
 from raylm.tracking import resolve_uri
 
@@ -124,14 +125,8 @@ def _split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return rest, overrides
 
 
-def _init_ray(address: str | None) -> None:
-    import logging
-
-    import ray
-
-    if not ray.is_initialized():
-        # Warnings and up from Ray itself; raylm prints its own progress.
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+def _say(message: str) -> None:
+    print(message, flush=True)
 
 
 def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
@@ -141,8 +136,8 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
     d = cfg.data
     # Resolve sources before starting Ray: a missing path fails in a second, not after init.
     resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
-    _init_ray(cfg.run.ray_address)
-    manifest = prepare(cfg, args.output, log=lambda m: print(m, flush=True))
+    connect(cfg.run.ray_address, log=_say)
+    manifest = prepare(cfg, args.output, log=_say)
     print(json.dumps({k: v for k, v in manifest.items() if k != "bad_records"}, indent=2))
     print(f"wrote {args.output}/manifest.json")
     return 0
@@ -155,8 +150,8 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
     if cfg.tracking.enabled:
         resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
-    _init_ray(cfg.run.ray_address)
-    summary = train(cfg, log=lambda m: print(m, flush=True))
+    connect(cfg.run.ray_address, log=_say)
+    summary = train(cfg, log=_say)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -170,8 +165,8 @@ def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
     check_sweep(cfg)
     if cfg.tracking.enabled:
         resolve_uri(cfg)
-    _init_ray(cfg.run.ray_address)
-    summary = sweep(cfg, log=lambda m: print(m, flush=True))
+    connect(cfg.run.ray_address, log=_say)
+    summary = sweep(cfg, log=_say)
     print(json.dumps(summary["best"], indent=2))
     return 0
 
@@ -185,7 +180,7 @@ def cmd_submit(cfg: Config, args: argparse.Namespace) -> int:
     _, status = submit(cfg, address=args.address, command=args.job_command,
                        env=parse_env(args.env), pip=args.pip, image=args.image,
                        ship_code=not args.no_code, wait=not args.no_wait,
-                       out=lambda m: print(m, flush=True))
+                       out=_say)
     return 0 if status in (None, "SUCCEEDED") else 1
 
 

@@ -122,8 +122,10 @@ class RunConfig:
     a path every node mounts, or object storage (s3://BUCKET/PREFIX, gs://..., any URI pyarrow
     opens). Multi-node runs need one of the last two."""
     ray_address: str | None = None
-    """Ray cluster to join ('auto', 'ray://HOST:10001'); unset: RAY_ADDRESS if set, else a
-    new local cluster."""
+    """Ray cluster to join: 'HOST:PORT' (its GCS), 'ray://HOST:10001', 'auto' (the head `ray
+    start` recorded on this machine) or 'local' (a new local cluster). Unset: RAY_ADDRESS if
+    set, else the head `ray start` runs on this machine if it answers, else a new local
+    cluster. An address that does not answer in 10 s is an error (see raylm.cluster)."""
     cache_dir: str = "~/.cache/raylm"
     """Tokenizers, the extracted builtin corpus and prepared data, keyed by fingerprint."""
 

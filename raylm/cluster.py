@@ -1,0 +1,120 @@
+"""Which Ray cluster a raylm command runs on: chosen explicitly, said in one line, and never
+waited on in silence.
+
+``ray.init()`` without an address joins the head that ``ray start`` last recorded on this
+machine (``ray_current_cluster`` in Ray's temp directory). When that head died without a clean
+``ray stop`` (killed, machine restarted), the record stays and ``ray.init()`` retries "Failed
+to connect to GCS" for minutes, saying nothing a user can act on. So raylm looks first:
+
+1. ``run.ray_address``, then ``RAY_ADDRESS`` (which jobs on a cluster have): joined if they
+   answer within :data:`CONNECT_TIMEOUT_S`, else a one-line error naming the address and where
+   it came from. ``auto`` means the recorded head, which must answer; ``local`` starts a new
+   local cluster.
+2. Otherwise the head ``ray start`` recorded on this machine, if it answers.
+3. Otherwise a new local cluster, stopped when the command ends (a recorded head that did not
+   answer is named in the same line).
+
+Answering means accepting a TCP connection on the address's port, which a killed head does not.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long an address may take to accept a connection before it counts as not answering."""
+RECORDED_TIMEOUT_S = 2.0
+"""The same for the head recorded on this machine, which answers at once when it is up."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    address: str | None
+    """What ``ray.init`` is given; ``None`` starts a new local cluster."""
+    origin: str
+    """Where the address came from, as the user would name it."""
+    note: str = ""
+    """Anything passed over on the way (a recorded head that did not answer)."""
+
+
+def recorded_head() -> str | None:
+    """The GCS address the last ``ray start --head`` on this machine recorded, if any."""
+    from ray._private.services import find_bootstrap_address
+
+    return find_bootstrap_address(None)
+
+
+def answers(address: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
+    """Whether something accepts connections at ``address`` (``host:port`` or
+    ``ray://host:port``) within ``timeout_s``."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"Ray address {address!r} is not HOST:PORT or ray://HOST:PORT")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout_s):
+                return True
+        except OSError:
+            # A head that is starting may refuse for a moment; one that is gone refuses until
+            # the deadline.
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
+
+def choose(address: str | None, *, env: dict[str, str] | None = None,
+           timeout_s: float = CONNECT_TIMEOUT_S) -> Choice:
+    """The cluster to run on (see the module docstring for the order)."""
+    env = os.environ if env is None else env
+    origin = "run.ray_address" if address else "RAY_ADDRESS"
+    address = address or env.get("RAY_ADDRESS") or None
+    if address == "local":
+        return Choice(None, origin)
+    if address is not None:
+        if address == "auto":
+            recorded = recorded_head()
+            if recorded is None:
+                raise ValueError(f"{origin}=auto, but no `ray start` head is recorded on this "
+                                 f"machine; start one (ray start --head) or give its address.")
+            address, origin = recorded, f"{origin}=auto, the head `ray start` recorded"
+        if not answers(address, timeout_s=timeout_s):
+            raise ValueError(f"the Ray cluster at {address} ({origin}) does not answer: "
+                             f"nothing accepted a connection in {timeout_s:g} s; start it, "
+                             f"fix {origin.split('=')[0]}, or unset it to start a local "
+                             f"cluster.")
+        return Choice(address, origin)
+    recorded = recorded_head()
+    if recorded is None:
+        return Choice(None, "no cluster given")
+    # A head on this machine that is up answers at once; a record is often stale.
+    if answers(recorded, timeout_s=min(timeout_s, RECORDED_TIMEOUT_S)):
+        return Choice(recorded, "the head `ray start` runs on this machine")
+    return Choice(None, "no cluster given",
+                  note=f"not joined: the head `ray start` recorded at {recorded} does not "
+                       f"answer, stopped without `ray stop`?")
+
+
+def connect(address: str | None, *, log: Callable[[str], None]) -> None:
+    """``ray.init`` on the chosen cluster, unless this process already joined one."""
+    import logging
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    choice = choose(address)
+    # Warnings and up from Ray itself; raylm prints its own progress.
+    if choice.address is None:
+        ray.init(address="local", logging_level=logging.WARNING, log_to_driver=True)
+        cpus = ray.cluster_resources().get("CPU", 0)
+        note = f"; {choice.note}" if choice.note else ""
+        log(f"raylm: started a local Ray cluster with {cpus:g} CPUs, which stops when this "
+            f"command ends{note}")
+        return
+    ray.init(address=choice.address, logging_level=logging.WARNING, log_to_driver=True)
+    log(f"raylm: joined the Ray cluster at {choice.address} ({choice.origin})")
