@@ -17,17 +17,30 @@ import sys
 
 import torch
 
-# Dense (no sparsity) bf16 peak FLOP/s per device, from NVIDIA's data sheets.
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s, from the vendors' data sheets, keyed by
+# the exact name CUDA reports. Exact, because names nest: "NVIDIA L40" is not an L4 (181 vs
+# 121 TFLOP/s) and "NVIDIA H200 NVL" is not the SXM H200 (835 vs 989); a substring match once
+# gave an L40 the L4's peak and overstated its MFU 1.5x. A part missing here has no MFU.
 BF16_PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10G": 70e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12,  # SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # SXM
+    "NVIDIA H200 NVL": 835e12,
+    "NVIDIA B200": 2250e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA L40": 181e12,
+    "NVIDIA L40S": 362e12,
 }
+
+
+def bf16_peak(device_name: str) -> float | None:
+    """The dense bf16 peak of the device CUDA calls ``device_name``; None when not listed."""
+    return BF16_PEAK_FLOPS.get(device_name.strip())
 
 
 def flops_per_token(config, seq_len: int) -> float:
@@ -44,11 +57,7 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     """Peak FLOP/s of one ``device`` at ``precision``; None when unknown (CPUs, fp32)."""
     if device.type != "cuda" or not precision.startswith("bf16"):
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in BF16_PEAK_FLOPS.items():
-        if key in name:
-            return value
-    return None
+    return bf16_peak(torch.cuda.get_device_name(device))
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak: float | None, devices: int

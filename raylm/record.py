@@ -194,6 +194,7 @@ class RunRecord(UserCallback):
         self.val_loss: float | None = None
         self.checkpoint_path: str | None = None
         self.announced = 0  # interruptions printed and logged so far
+        self.counts_logged = False  # restarts/resizes/failures logged to MLflow yet?
         self.earlier: list[dict[str, Any]] | None = None  # earlier invocations' records
 
     # Ray Train's hooks. An exception in a controller callback ends the whole run; the record
@@ -291,8 +292,11 @@ class RunRecord(UserCallback):
             print(f"raylm: {e['event']} {e['from_workers']} -> {e['to_workers']} workers, "
                   f"resumed from step {e['resumed_from_step']} (last report at step "
                   f"{e['at_step']}), time lost {lost}", flush=True)
-        if len(found) > self.announced and self.tracker:
+        # The counts are logged at this invocation's first step even when they are zero, so
+        # that runs without faults can be compared with those that had some.
+        if (len(found) > self.announced or not self.counts_logged) and self.tracker:
             self._log_events(step)
+            self.counts_logged = True
         self.announced = len(found)
 
     def _log_events(self, step: int) -> None:

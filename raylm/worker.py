@@ -267,9 +267,13 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         "resumed_from_step": state.step if state.step else None,
         "group_started": group_started, "data_startup_s": data_startup_s,
     }
+    peak = peak_flops(device, built.precision)
+    if peak is None and device.type == "cuda" and rank == 0:
+        print(f"raylm: MFU is not reported: no {built.precision} peak is listed for "
+              f"{torch.cuda.get_device_name(device)!r} (raylm.metrics.BF16_PEAK_FLOPS)",
+              flush=True)
     meter = StepMeter(flops_per_token=flops_per_token(built.config, d.seq_len),
-                      peak_flops=peak_flops(device, built.precision), world_size=world,
-                      device=device)
+                      peak_flops=peak, world_size=world, device=device)
     return Setup(cfg=cfg, rank=rank, world_size=world, built=built, optimizer=optimizer,
                  state=state, ledger=ledger, micro_batch=micro_batch,
                  accumulation=accumulation, batches=batches, val_batches=val_batches,

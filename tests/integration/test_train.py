@@ -125,6 +125,17 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
     assert text == generate(run_dir, "The river", max_new_tokens=12, temperature=0)
     assert len(tok(text, add_special_tokens=False)["input_ids"]) >= 1
 
+    # A plain client with nothing but the directory: the cache is on and EOS/padding and the
+    # length limit come with it, so it samples what raylm's own generate does.
+    from transformers import pipeline
+
+    pipe = pipeline("text-generation", model=str(tmp_path / "hf"))
+    assert pipe.model.generation_config.use_cache is True
+    assert pipe.model.generation_config.pad_token_id == tok.eos_token_id
+    assert pipe.tokenizer.model_max_length == 1024
+    out = pipe("The river", max_new_tokens=12, do_sample=False, return_full_text=False)
+    assert out[0]["generated_text"] == text
+
 
 def test_continue_from_exported_model_without_cross_document_attention_or_mlflow(
         base, trained, tmp_path):
@@ -256,7 +267,8 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_from_it(base, trained)
                                                        "events.json")).read())
     assert logged["interruptions"] == out["interruptions"]
     restarts = client.get_metric_history(out["mlflow_run_id"], "restarts")
-    assert [m.value for m in restarts] == [1.0] and restarts[0].step > restart["at_step"]
+    # Zero from the first step on, then one at the step that saw the restart.
+    assert [m.value for m in restarts] == [0.0, 1.0] and restarts[1].step > restart["at_step"]
     full = trained[0]
     assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
     assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
+from raylm.metrics import bf16_peak, flops_per_token, mfu, peak_flops, peak_memory_bytes
 from raylm.model import build_config
 
 
@@ -27,3 +27,17 @@ def test_mfu_arithmetic():
 def test_cpu_has_no_peak_and_memory_is_measured():
     assert peak_flops(torch.device("cpu"), "fp32") is None
     assert peak_memory_bytes(torch.device("cpu")) > 10 * 2**20
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA A100-SXM4-40GB", 312), ("NVIDIA A100-SXM4-80GB", 312),
+    ("NVIDIA A100-PCIE-40GB", 312), ("NVIDIA A100 80GB PCIe", 312),
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
+    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA B200", 2250),
+    ("NVIDIA L4", 121), ("NVIDIA L40", 181), ("NVIDIA L40S", 362),
+    # Names that contain a listed one are other parts: no peak rather than a wrong one.
+    ("NVIDIA GeForce RTX 4090", None), ("NVIDIA L40G", None), ("NVIDIA H100", None),
+])
+def test_peak_is_looked_up_by_exact_device_name(name, tflops):
+    peak = bf16_peak(name)
+    assert (peak if peak is None else peak / 1e12) == tflops

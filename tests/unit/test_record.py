@@ -131,3 +131,30 @@ def test_a_failing_hook_never_reaches_the_controller(tmp_path, capsys):
     r = record.RunRecord(str(tmp_path), total_steps=10, tracker=Tracker())
     r.after_report(None, [{"step": 1}], None)  # a report without the worker's fields
     assert "warning: raylm run record: KeyError" in capsys.readouterr().out
+
+
+class CountingTracker(Tracker):
+    """A tracker that keeps what it is asked to log."""
+
+    def __init__(self) -> None:
+        self.counts: list[tuple[int, dict[str, int]]] = []
+
+    def __bool__(self) -> bool:
+        return True
+
+    def log_events(self, events, counts, step) -> None:
+        self.counts.append((step, counts))
+
+
+def test_fault_counts_are_logged_from_the_first_step_even_when_zero(tmp_path, capsys):
+    tracker = CountingTracker()
+    rec = record.RunRecord(str(tmp_path), total_steps=30, tracker=tracker)
+    rec.report(announce(group=1.0), None)
+    for step in (10, 20):
+        rec.report(report(step, group=1.0), None)
+    # A dashboard comparing runs sees zeros for a clean run, logged once.
+    assert tracker.counts == [(10, {"restarts": 0, "resizes": 0, "failures": 0})]
+    rec.failure({0: Boom("worker lost")})
+    rec.report(announce(group=2.0, resumed=20), None)
+    rec.report(report(30, group=2.0, resumed=20), None)
+    assert tracker.counts[1] == (30, {"restarts": 1, "resizes": 0, "failures": 1})
