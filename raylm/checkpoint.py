@@ -62,7 +62,7 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None):
 
 
 def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict[str, int], config, samples: np.ndarray | None = None) -> None:
+         state: dict[str, Any], config, samples: np.ndarray | None = None) -> None:
     """Write this rank's shards into ``directory`` (rank 0 also ``samples``, the sample
     ledger, and the marker, last)."""
     path = Path(directory)

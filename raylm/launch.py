@@ -26,6 +26,7 @@ from raylm.config import Config, run_dir, storage_root
 from raylm.data import LAYOUT, READER_CPUS, prepared_dir
 from raylm.export import write_run_info
 from raylm.model import build_config, check_seq_len
+from raylm.optim import EXTEND_CLEANLY, schedule_change
 from raylm.record import SUMMARY, RunRecord
 from raylm.tokenizer import load_backend
 from raylm.worker import train_loop_per_worker
@@ -163,7 +164,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     layout = json.loads((prepared / LAYOUT).read_text())
     backend, eos = load_backend(manifest["tokenizer_path"])
     vocab = backend.get_vocab_size()
-    check_resumable(cfg, vocab_size=vocab, eos_id=eos, log=log)
+    moved = check_resumable(cfg, vocab_size=vocab, eos_id=eos, log=log)
     max_workers = cfg.scaling.worker_range[1]
     val_blocks = layout["splits"]["val"]["blocks"]
     if val_blocks < max_workers:
@@ -177,6 +178,8 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
                    tokenizer_path=manifest["tokenizer_path"])
     tracker = tracking.start(cfg, log=log, parent=tracking_parent)
     record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker)
+    if moved is not None:
+        record.note("schedule_moved", **moved)
     t0 = time.time()
     error = None
     try:
@@ -203,18 +206,33 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     return summary
 
 
-def check_resumable(cfg: Config, *, vocab_size: int, eos_id: int, log) -> None:
+def check_resumable(cfg: Config, *, vocab_size: int, eos_id: int, log
+                    ) -> dict[str, Any] | None:
     """A checkpoint the workers would resume from must be for this model: refused here, in one
     line, rather than on every worker. (The workers' restored train state, not this look,
-    decides where the run continues.)"""
+    decides where the run continues.) Returns how the current settings move the learning-rate
+    schedule of the run, if they do, having said so."""
     found = checkpoint.latest_verified(run_dir(cfg), warn=lambda m: log(f"warning: {m}"))
     if found is None:
-        return
+        return None
     model_cfg = build_config(preset=cfg.model.preset, path=cfg.model.path,
                              vocab_size=vocab_size, eos_id=eos_id, attn_implementation="sdpa")
     checkpoint.check_compatible(found[1], model_cfg, str(found[0]))
-    log(f"raylm: run {cfg.run.name!r} exists; resuming from step {found[1]['state']['step']} "
+    state = found[1]["state"]
+    log(f"raylm: run {cfg.run.name!r} exists; resuming from step {state['step']} "
         f"of {cfg.train.steps} ({found[0]})")
+    o = cfg.optim
+    change = schedule_change(state, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
+                             total=cfg.train.steps, min_ratio=o.min_lr_ratio,
+                             decay_fraction=o.decay_fraction, cycle_steps=o.cycle_steps)
+    if change is not None:
+        nxt = "" if change["lr_next"] is None else f", and {change['lr_next']:.3e} next"
+        log(f"raylm: warning: the learning-rate schedule moved: step {change['step']} trained "
+            f"at lr {change['lr_trained']:.3e}, where the current settings (optim.schedule="
+            f"{o.schedule}, train.steps={cfg.train.steps}) give {change['lr_now']:.3e}{nxt}. "
+            f"Extending train.steps moves every schedule shaped by it; "
+            f"{' and '.join(EXTEND_CLEANLY)} (before its decay) extend cleanly.")
+    return change
 
 
 def finish_summary(cfg: Config, record: RunRecord, *, layout: dict[str, Any], failed: bool,

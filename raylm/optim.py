@@ -15,6 +15,7 @@ over ``progress = (step - warmup) / (total - warmup)`` in ``[0, 1]``, ending at
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,3 +75,27 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+# Schedules whose value at a step does not depend on train.steps (wsd's only until its decay).
+EXTEND_CLEANLY = ("constant", "wsd")
+
+
+def schedule_change(state: dict[str, Any], *, schedule: str, peak: float, warmup: int,
+                    total: int, min_ratio: float, decay_fraction: float, cycle_steps: int
+                    ) -> dict[str, Any] | None:
+    """How the current settings move the learning rate of a run resumed from a checkpoint's
+    train ``state``, or None when they give its last step the rate it trained at. Extending
+    ``train.steps`` moves every schedule shaped by it (cosine, linear, cyclical, wsd once it
+    decays); a changed peak or warmup moves any."""
+    trained = state.get("lr")
+    step = int(state["step"])
+    if trained is None or step == 0:
+        return None
+    args = dict(schedule=schedule, peak=peak, warmup=warmup, total=total, min_ratio=min_ratio,
+                decay_fraction=decay_fraction, cycle_steps=cycle_steps)
+    now = lr_at(step - 1, **args)
+    if math.isclose(now, trained, rel_tol=1e-6, abs_tol=1e-12):
+        return None
+    return {"step": step, "lr_trained": trained, "lr_now": now,
+            "lr_next": lr_at(step, **args) if step < total else None}

@@ -4,7 +4,9 @@
 every report once (not once per worker). It is the only writer of what the run says about
 itself while it runs: the progress lines, ``events.jsonl``, the restart and resize records, the
 live ``summary.json``, and the MLflow metrics and events (through the run's tracker). Nothing
-feeds it but reports and worker exceptions.
+feeds it but reports and worker exceptions, and what the driver noted before the run started
+(:meth:`RunRecord.note`: a ``schedule_moved`` record when a resume's settings move the
+learning rate).
 
 Files in ``RUN_DIR`` (``run.storage_path/run.name``, a path or an object-storage URI), by writer:
 
@@ -243,6 +245,10 @@ class RunRecord(UserCallback):
                             checkpoint=path), flush=True)
         if path is not None:
             self.flush()
+
+    def note(self, event: str, **fields: Any) -> None:
+        """A record of something the driver saw before the run started (a moved schedule)."""
+        self._add(event, **fields)
 
     def failure(self, worker_exceptions: dict[int, Exception]) -> None:
         error = next(iter(worker_exceptions.values()))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,20 +45,26 @@ class TrainState:
     """Target tokens trained on, all workers."""
     data_position: int = 0
     """Next position in the global sample order (= step x global batch)."""
+    lr: float | None = None
+    """Learning rate of the last step done: a resume under settings that move the schedule
+    is noticed by it (checkpoints written before it existed have none)."""
 
-    def advance(self, *, samples: int, tokens: int) -> None:
-        """One optimizer step over ``samples`` sequences holding ``tokens`` targets."""
+    def advance(self, *, samples: int, tokens: int, lr: float | None = None) -> None:
+        """One optimizer step over ``samples`` sequences holding ``tokens`` targets, at
+        ``lr``."""
         self.step += 1
         self.tokens_seen += tokens
         self.data_position += samples
+        self.lr = lr
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.data_position = int(state["data_position"])
+        self.lr = state.get("lr")
 
 
 @dataclass

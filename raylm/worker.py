@@ -104,7 +104,7 @@ def train(run: Setup) -> None:
         loss, grad_norm = train_step(run.built, run.optimizer, micro,
                                      accumulation=run.accumulation, grad_clip=o.grad_clip,
                                      cross_document=run.cfg.data.cross_document_attention)
-        state.advance(samples=t.global_batch_size, tokens=tokens_per_step)
+        state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
         meter.step_ends(tokens_per_step)
         # Every rank takes part in the vote, every step.
