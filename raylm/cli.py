@@ -130,6 +130,7 @@ def _say(message: str) -> None:
 
 
 def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
+    from raylm.console import quiet_libraries
     from raylm.corpus import resolve_sources
     from raylm.data import prepare
 
@@ -137,6 +138,7 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
     # Resolve sources before starting Ray: a missing path fails in a second, not after init.
     resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
     connect(cfg.run.ray_address, log=_say)
+    quiet_libraries(cfg.run.verbose)
     manifest = prepare(cfg, args.output, log=_say)
     print(json.dumps({k: v for k, v in manifest.items() if k != "bad_records"}, indent=2))
     print(f"wrote {args.output}/manifest.json")

@@ -128,6 +128,10 @@ class RunConfig:
     cluster. An address that does not answer in 10 s is an error (see raylm.cluster)."""
     cache_dir: str = "~/.cache/raylm"
     """Tokenizers, the extracted builtin corpus and prepared data, keyed by fingerprint."""
+    verbose: bool = False
+    """Print Ray's and MLflow's own INFO lines (Ray Train's per-report lines, Ray Data's
+    plans and progress, Tune's trial tables) besides raylm's; Ray's session logs keep them
+    either way."""
 
 
 @dataclass(frozen=True, kw_only=True)

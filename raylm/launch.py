@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from raylm import checkpoint, ledger, storage, tracking
 from raylm.config import Config, run_dir, storage_root
+from raylm.console import quiet_libraries, train_log_level
 from raylm.data import LAYOUT, READER_CPUS, prepared_dir
 from raylm.export import write_run_info
 from raylm.model import build_config, check_seq_len
@@ -141,6 +142,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             callbacks=[record, *(callbacks or [])],
+            logging_config=LoggingConfig(log_level=train_log_level(cfg.run.verbose)),
         ),
     )
 
@@ -152,6 +154,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     A sweep's trial adds Ray Train ``callbacks`` (its Tune reporter) and nests its MLflow run
     under the sweep's tracker (``tracking_parent``)."""
     rd = run_dir(cfg)
+    quiet_libraries(cfg.run.verbose)
     check_request(cfg)
     resources = plan_resources(
         cfg, None if cfg.scaling.wait_for_nodes else cluster_capacity())
@@ -177,7 +180,8 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     write_run_info(rd, config=cfg.to_dict(), vocab_size=vocab, eos_id=eos,
                    tokenizer_path=manifest["tokenizer_path"])
     tracker = tracking.start(cfg, log=log, parent=tracking_parent)
-    record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker)
+    record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
+                       verbose=cfg.run.verbose)
     if moved is not None:
         record.note("schedule_moved", **moved)
     t0 = time.time()

@@ -46,6 +46,7 @@ import time
 from typing import Any
 
 from raylm import storage
+from raylm.console import quiet_libraries
 from raylm.tracking import Tracker
 
 try:  # the controller-side callback base class (Ray Train V2)
@@ -182,8 +183,11 @@ class RunRecord(UserCallback):
     """On the Ray Train controller: the record of one invocation of a run (made on the
     driver, which passes it to Ray Train with the run's tracker)."""
 
-    def __init__(self, run_dir: str, *, total_steps: int, tracker: Tracker) -> None:
+    def __init__(self, run_dir: str, *, total_steps: int, tracker: Tracker,
+                 verbose: bool = False) -> None:
         self.run_dir = run_dir
+        self.verbose = verbose
+        self.quieted = False  # the controller's libraries (see raylm.console)
         self.total_steps = total_steps
         self.tracker = tracker
         self.invocation = f"{time.time():.6f}"
@@ -219,6 +223,9 @@ class RunRecord(UserCallback):
 
     def report(self, m: dict[str, Any], checkpoint_name: str | None) -> None:
         """One report (rank 0's metrics), with the name of the checkpoint directory it saved."""
+        if not self.quieted:
+            quiet_libraries(self.verbose)
+            self.quieted = True
         step = m["step"]
         if m["group_started"] != self.group:
             if self.group is None:

@@ -31,6 +31,7 @@ from ray.tune.schedulers import ASHAScheduler
 
 from raylm import checkpoint, storage, tracking
 from raylm.config import Config, config_from_dict, run_dir, storage_root
+from raylm.console import quiet_libraries, tune_verbosity
 from raylm.data import prepared_dir
 from raylm.launch import ResourcePlan, check_request, cluster_capacity, plan_resources, train
 from raylm.record import GROUP_START
@@ -127,6 +128,7 @@ def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
     """Run (or resume) the sweep; write tune_summary.json, best.yaml and val_loss.png.
     Needs ``ray.init``."""
     check_sweep(cfg)
+    quiet_libraries(cfg.run.verbose)
     concurrent = concurrent_trials(cfg, cluster_capacity())
     check_request(cfg)
     if cfg.tracking.enabled:
@@ -164,7 +166,8 @@ def sweep(cfg: Config, *, log=print) -> dict[str, Any]:
                 metric=METRIC, mode="min", scheduler=scheduler, search_alg=searcher,
                 num_samples=1 if cfg.tune.search == "grid" else cfg.tune.num_samples,
                 max_concurrent_trials=concurrent),
-            run_config=tune.RunConfig(name=cfg.run.name, storage_path=storage_root(cfg)),
+            run_config=tune.RunConfig(name=cfg.run.name, storage_path=storage_root(cfg),
+                                      verbose=tune_verbosity(cfg.run.verbose)),
         )
     failed = True
     try:

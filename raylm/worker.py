@@ -38,6 +38,7 @@ import torch
 from raylm import checkpoint as ckpt
 from raylm import preemption
 from raylm.config import Config, config_from_dict
+from raylm.console import quiet_libraries
 from raylm.data import build_train_stream, read_val_blocks
 from raylm.ledger import Ledger
 from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
@@ -215,6 +216,7 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool) -> None:
 def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     """Build, restore, then open the streams where the restored state says."""
     cfg = config_from_dict(loop_config["config"])
+    quiet_libraries(cfg.run.verbose)
     run_dir = loop_config["run_dir"]
     ctx = ray.train.get_context()
     world, rank = ctx.get_world_size(), ctx.get_world_rank()

@@ -74,6 +74,11 @@ def test_raylm_submit_runs_the_job_and_follows_it(head):
     # The logs were followed to the end: the run's own last lines, then the job's status.
     assert "raylm: done: step 10" in p.stdout
     assert f"raylm: {job} SUCCEEDED" in p.stdout
+    # raylm's line per report, without Ray's and MLflow's own detail (run.verbose shows it).
+    assert "step 5/10  loss" in p.stdout
+    for detail in ("Reporting training result", "Execution plan of Dataset",
+                   "Started training worker group", "Progress bars disabled", " INFO mlflow"):
+        assert detail not in p.stdout, detail
 
     s = summary(head, "via-raylm")
     assert s["status"] == "finished" and s["final_step"] == 10 and s["workers"] == 2

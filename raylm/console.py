@@ -1,0 +1,59 @@
+"""What reaches the console: raylm's own lines, warnings and errors; the libraries' detail only
+with ``run.verbose``.
+
+Left alone, a 2-worker run prints, for every report of every worker, Ray Train's "Reporting
+training result N: TrainingReport(...all metrics...)" line, plus Ray Data's plan and progress
+lines and MLflow's INFO lines: raylm's progress line was one line in five. Each library keeps
+its own switch, set here in every process that runs raylm code (driver, Train controller,
+workers): Ray Train's ``LoggingConfig`` (its console and app log; its system log keeps every
+line), Ray Data's console handler (``ray-data.log`` keeps every line), Tune's verbosity, and
+MLflow's ``MLFLOW_LOGGING_LEVEL``. Their warnings and errors (Ray Data's "may hang forever", a
+failed MLflow call) still print. Not reached: Ray's C++ core logs a line when an actor with
+large constructor arguments starts (one per worker group and reader), and the token
+authentication notice of ``ray.init``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """In this process: the libraries' INFO lines on the console only when ``verbose``. Call it
+    before the process first talks to MLflow; a level the user set in ``MLFLOW_LOGGING_LEVEL``
+    is kept."""
+    import ray.data  # noqa: F401 (it installs its handlers when first imported)
+
+    level = logging.INFO if verbose else logging.WARNING
+    # Ray Data: its console handler only; its file handler keeps writing ray-data.log.
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setLevel(level)
+    if not verbose:
+        # The worker's one "Progress bars disabled" warning answers raylm's own choice (one
+        # stream per worker, each with bars, would bury the log; see raylm.data).
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    # Ray Train 2.60 logs "Reporting training result N: TrainingReport(...)" for every
+    # report of every worker through a logger named after its file, outside ``ray.train``,
+    # where its LoggingConfig does not reach.
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray layout: its lines stay
+        pass
+    else:
+        logging.getLogger(context.__file__).setLevel(level)
+    # mlflow sets its logger's level from this variable when first imported.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", logging.getLevelName(level))
+    logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"])
+
+
+def train_log_level(verbose: bool) -> str:
+    """The level of Ray Train's own ``ray.train`` console lines (controller and workers)."""
+    return "INFO" if verbose else "WARNING"
+
+
+def tune_verbosity(verbose: bool) -> int:
+    """Ray Tune's console output: its trial tables only when ``verbose`` (each trial prints
+    raylm's own progress lines either way)."""
+    return 2 if verbose else 0
