@@ -1,5 +1,19 @@
-"""Preemption: a worker told to stop (SIGTERM, as a reclaimed spot instance or an evicted pod
-is) saves a checkpoint at the next step boundary before it goes.
+"""Preemption: a worker told to stop saves a checkpoint at the next step boundary before it
+goes. It is told in one of two ways: SIGTERM (an evicted pod, a process manager), or a node
+drain, which is how Ray hears that a cloud reclaims a spot node or the autoscaler removes one.
+
+Node drains: Ray Train watches the drains of the nodes its workers run on (every 5 s,
+``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S``) and hands each worker a notice with the deadline.
+raylm reads this worker's notice at every step and folds it into the same vote as SIGTERM: when
+any rank's node is draining, every rank saves and reports a checkpoint at that step and the
+group stops, and Ray Train starts a new group, which a draining node no longer takes, from that
+checkpoint. Ray's guide suggests saving and training on until the node goes; raylm stops
+instead, because every step trained after the save is trained again once the node goes (with a
+2-minute spot notice, that is up to 2 minutes of work), while stopping at once loses no step
+and costs one group restart, which the run pays anyway when the node goes. The notice is read
+from the worker's Train context rather than through ``ray.train.get_preemption_info()``, which
+broadcasts from rank 0 through Ray on every call: raylm's per-step vote over the process group
+already makes the ranks agree.
 
 Ray's worker processes answer SIGTERM by exiting at once, and Python lets only the main thread
 install a signal handler, while Ray Train runs the training function in a thread of its
@@ -11,8 +25,8 @@ worker-group failure and, within ``train.max_failures``, restarts from that chec
 the workers that are left, which loses no step. A second SIGTERM while the first is pending
 exits at once, as Ray would have.
 
-Written by hand because Ray Train's own preemption support reacts to node drains reported
-by Ray's autoscaler, not to a signal sent to a process.
+The SIGTERM handler is written by hand because Ray Train's own preemption support reacts to
+node drains, not to a signal sent to a process.
 """
 
 from __future__ import annotations
@@ -78,11 +92,30 @@ def requested() -> bool:
     return "at" in _requested
 
 
-def any_rank_requested(device: torch.device) -> bool:
-    """Whether any rank was asked to stop: all ranks must call this at the same step."""
-    flag = requested()
-    if not dist.is_initialized():
-        return flag
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+def drain_notice() -> str | None:
+    """This worker's node-drain notice from Ray Train, in words, or None (none yet, or not in
+    a Ray Train worker of a Ray that gives one)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        info = get_train_context().preemption_context.preemption_info
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    if info is None:
+        return None
+    nodes = ", ".join(n[:12] for n in info.preempted_node_ids)
+    if info.deadline_ms is None:
+        return f"node {nodes} is draining (no deadline given)"
+    left = info.deadline_ms / 1000 - time.time()
+    return f"node {nodes} is draining ({left:.0f} s to its deadline)"
+
+
+def vote(device: torch.device) -> str | None:
+    """Why this step must end the worker group, agreed by every rank ("SIGTERM" or "node
+    drain"), or None: all ranks must call this at the same step."""
+    flags = [requested(), drain_notice() is not None]
+    t = torch.tensor([int(f) for f in flags], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    sigterm, drain = (bool(v) for v in t.tolist())
+    return "SIGTERM" if sigterm else "node drain" if drain else None

@@ -109,8 +109,8 @@ def train(run: Setup) -> None:
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
         meter.step_ends(tokens_per_step)
         # Every rank takes part in the vote, every step.
-        asked = preemption.any_rank_requested(run.built.device)
-        todo = at_boundary(state.step, cfg=run.cfg, preempt_requested=asked)
+        cause = preemption.vote(run.built.device)
+        todo = at_boundary(state.step, cfg=run.cfg, preempt_requested=cause is not None)
         if not todo.report:
             continue
         metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -120,9 +120,10 @@ def train(run: Setup) -> None:
             metrics.update(validate(run))
         save_and_report(run, metrics, save=todo.save)
         if todo.preempted:
+            notice = preemption.drain_notice()
             raise preemption.Preempted(
-                f"a worker was asked to stop (SIGTERM); checkpoint saved at step {state.step}, "
-                f"the run resumes from it")
+                f"a worker was asked to stop ({cause}{': ' + notice if notice else ''}); "
+                f"checkpoint saved at step {state.step}, the run resumes from it")
         meter.window_reset()
 
 
