@@ -14,6 +14,9 @@ import pytest
 # report. The drivers the tests start (in process and as subprocesses) pass it on to the
 # controller.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# No usage statistics leave the tests (Ray Data's collector also queries a Prometheus on
+# localhost:9090 that the tests do not run, and logs the refusal at interpreter exit).
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 # Real English prose, written for these tests; enough distinct words to train a small BPE.
 PARAGRAPHS = [

@@ -131,7 +131,8 @@ def test_two_train_workers_read_disjoint_shards_covering_the_packed_set(
         # As raylm's workers do: each builds its own stream, from the step it resumes at.
         rank, world = ctx.get_world_rank(), ctx.get_world_size()
         train_ds = build_train_stream(out, rank=rank, world_size=world, start_step=0,
-                                      num_steps=steps, seed=0, window=2, global_batch=B)
+                                      num_steps=steps, seed=0, window=2, global_batch=B,
+                                      resources={"CPU": 0.1})
         for batch in train_ds.iter_torch_batches(batch_size=B // 2, prefetch_batches=2):
             assert batch["input_ids"].shape == (B // 2, 32)
             rows += batch["row"].tolist()
