@@ -106,7 +106,11 @@ def test_an_interrupted_sweep_resumes(base, tmp_path):
     root = Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
     args = [sys.executable, "-m", "raylm", "tune", *base, "--run.name=resumed",
             "--tune.lr_points=2", "--tune.max_concurrent=1", "--train.steps=10"]
-    env = {**os.environ, "RAY_ADDRESS": ""}  # each run starts its own local Ray
+    import ray
+
+    # Both drivers join the suite's cluster (a local one would take ~10 s to start each time);
+    # what a driver's trials hold goes with the driver.
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     trials = root / "resumed" / "trials"
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
