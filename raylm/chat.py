@@ -1,0 +1,210 @@
+"""Fine-tuning examples: conversations and prompt/completion pairs, checked, then rendered to
+token ids and a loss mask in one pass.
+
+An example is rendered as a list of :class:`Segment` (a piece of text and whether its tokens
+are trained); each segment is encoded on its own and the ids and mask are concatenated, so the
+text the model sees and the mask cannot disagree, and generation renders its prompt the same
+way (:func:`generation_prompt`).
+
+Two renderers:
+
+- :class:`DefaultTemplate`, for tokenizers without a chat template (raylm's own BPEs). It adds
+  no tokens to the vocabulary: ``System: ...``, ``User: ...`` and ``Assistant: `` are plain
+  text, and each assistant turn's content is followed by the tokenizer's EOS, which is trained
+  (that is how the model learns to stop). Turns are separated by a blank line.
+- :class:`TokenizerTemplate`, for a tokenizer with its own Jinja chat template (Llama, Qwen,
+  ...). The template is rendered for growing prefixes of the conversation; each message's
+  segment is the text its prefix adds, and an assistant message's segment is split where the
+  template's generation prompt (its assistant header) ends, so the header is not trained and
+  the content and the end-of-turn markup are. A template that does not render prefixes as
+  prefixes of the whole cannot be split this way and is refused, by name.
+
+With ``loss_on: all`` every segment is trained. A prompt/completion pair is the prompt
+(untrained) followed by the completion and EOS (trained), with no template: that is the
+plain-text fine-tuning format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from raylm.corpus import normalize
+
+ROLES = ("system", "user", "assistant")
+LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
+LossOn = Literal["assistant", "all"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    trained: bool
+    eos: bool = False
+    """Followed by the tokenizer's EOS token (trained with the segment)."""
+
+
+class TemplateError(ValueError):
+    """A chat template that cannot be rendered into trained and untrained pieces."""
+
+
+# --------------------------------------------------------------------------------------------
+# Checking examples
+# --------------------------------------------------------------------------------------------
+
+
+def parse_messages(value: Any) -> tuple[list[dict[str, str]] | None, str | None]:
+    """``(messages, None)`` for a valid conversation, normalized; ``(None, reason)`` otherwise:
+    ``malformed`` (not a non-empty list of ``{role, content}`` with string values),
+    ``unknown_role`` (a role other than system, user, assistant), ``no_assistant`` (nothing
+    to train on)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None, "malformed"
+    messages = []
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or not isinstance(m.get("content"), str):
+            return None, "malformed"
+        if m["role"] not in ROLES:
+            return None, "unknown_role"
+        messages.append({"role": m["role"], "content": normalize(m["content"])})
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, "no_assistant"
+    return messages, None
+
+
+def parse_prompt_completion(prompt: Any, completion: Any
+                            ) -> tuple[list[dict[str, str]] | None, str | None]:
+    """A prompt/completion pair as the messages it stands for (one user turn, one assistant
+    turn), or ``(None, reason)``: ``missing_field``, ``malformed`` (not strings), ``empty``
+    (an empty completion: nothing to train on)."""
+    if prompt is None or completion is None:
+        return None, "missing_field"
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        return None, "malformed"
+    completion = normalize(completion)
+    if not completion:
+        return None, "empty"
+    return [{"role": "user", "content": normalize(prompt)},
+            {"role": "assistant", "content": completion}], None
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------
+
+
+class DefaultTemplate:
+    """Plain-text turns; no new tokens (see the module docstring)."""
+
+    name = "raylm default"
+
+    def segments(self, messages: Sequence[dict[str, str]]) -> list[Segment]:
+        out = []
+        for i, m in enumerate(messages):
+            sep = "\n\n" if i else ""
+            if m["role"] == "assistant":
+                out.append(Segment(f"{sep}Assistant: ", False))
+                out.append(Segment(m["content"], True, eos=True))
+            else:
+                out.append(Segment(f"{sep}{LABELS[m['role']]}: {m['content']}", False))
+        return out
+
+    def prompt(self, messages: Sequence[dict[str, str]]) -> list[Segment]:
+        sep = "\n\n" if messages else ""
+        return [*self.segments(messages), Segment(f"{sep}Assistant: ", False)]
+
+
+class TokenizerTemplate:
+    """A Hugging Face tokenizer's own chat template (see the module docstring)."""
+
+    def __init__(self, hf_tokenizer) -> None:
+        self.tok = hf_tokenizer
+        self.name = f"the chat template of {getattr(hf_tokenizer, 'name_or_path', '?')}"
+
+    def _render(self, messages: Sequence[dict[str, str]], *, generation: bool) -> str:
+        if not messages and not generation:
+            return ""
+        return self.tok.apply_chat_template(list(messages), tokenize=False,
+                                            add_generation_prompt=generation)
+
+    def _piece(self, longer: str, shorter: str, at: int) -> str:
+        if not longer.startswith(shorter):
+            raise TemplateError(
+                f"{self.name} does not render message {at + 1} of a conversation as a "
+                f"continuation of the messages before it, so raylm cannot tell which tokens "
+                f"to train; set data.loss_on=all, or give a tokenizer whose template renders "
+                f"prefixes as prefixes (most do).")
+        return longer[len(shorter):]
+
+    def segments(self, messages: Sequence[dict[str, str]]) -> list[Segment]:
+        out, done = [], ""
+        for k, m in enumerate(messages):
+            full = self._render(messages[:k + 1], generation=False)
+            if m["role"] == "assistant":
+                head = self._render(messages[:k], generation=True)
+                out.append(Segment(self._piece(head, done, k), False))
+                out.append(Segment(self._piece(full, head, k), True))
+            else:
+                out.append(Segment(self._piece(full, done, k), False))
+            done = full
+        return [s for s in out if s.text]
+
+    def prompt(self, messages: Sequence[dict[str, str]]) -> list[Segment]:
+        return [Segment(self._render(messages, generation=True), False)]
+
+
+def template_for(hf_tokenizer) -> DefaultTemplate | TokenizerTemplate:
+    """The tokenizer's own chat template when it has one, else raylm's default."""
+    if hf_tokenizer is not None and getattr(hf_tokenizer, "chat_template", None):
+        return TokenizerTemplate(hf_tokenizer)
+    return DefaultTemplate()
+
+
+def conversation_segments(template: DefaultTemplate | TokenizerTemplate,
+                          messages: Sequence[dict[str, str]], *, loss_on: LossOn
+                          ) -> list[Segment]:
+    """A conversation's segments; with ``loss_on: all`` a tokenizer's template is rendered
+    whole (nothing needs splitting, so any template works)."""
+    if loss_on == "all" and isinstance(template, TokenizerTemplate):
+        return [Segment(template._render(messages, generation=False), True)]
+    return template.segments(messages)
+
+
+def prompt_completion_segments(messages: Sequence[dict[str, str]]) -> list[Segment]:
+    """A prompt/completion pair, untemplated: the prompt as it is, then the completion and EOS."""
+    user, assistant = messages
+    return [Segment(user["content"], False), Segment(assistant["content"], True, eos=True)]
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding
+# --------------------------------------------------------------------------------------------
+
+
+def encode(segments: Sequence[Segment], tokenizer, *, eos_id: int, loss_on: LossOn
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and the loss mask (1: the token is a trained target) of ``segments``, each
+    encoded with ``tokenizer`` (a ``tokenizers.Tokenizer``) on its own."""
+    encoded = tokenizer.encode_batch([s.text for s in segments], add_special_tokens=False)
+    ids: list[int] = []
+    mask: list[int] = []
+    for seg, enc in zip(segments, encoded, strict=True):
+        trained = 1 if seg.trained or loss_on == "all" else 0
+        ids.extend(enc.ids)
+        mask.extend([trained] * len(enc.ids))
+        if seg.eos:
+            ids.append(eos_id)
+            mask.append(trained)
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
+
+
+def generation_prompt(messages: Sequence[dict[str, str]], tokenizer, template, *,
+                      eos_id: int) -> np.ndarray:
+    """The ids a model is given to answer ``messages`` (which end with a user turn), rendered
+    as training rendered them."""
+    ids, _ = encode(template.prompt(messages), tokenizer, eos_id=eos_id, loss_on="all")
+    return ids
