@@ -140,8 +140,25 @@ class DataConfig:
     """Corpus: 'builtin', a file, directory or glob of .txt/.md/.jsonl/.parquet/.arrow files, a
     `datasets` save_to_disk directory, 'hf:NAME[:CONFIG]' for a Hugging Face hub dataset, a
     directory written by `raylm prepare`, or a list of these."""
+    format: Literal["text", "chat", "prompt_completion"] = "text"
+    """What a record is: running text (pretraining), a conversation (a list of {role, content}
+    messages in data.messages_field; roles system, user, assistant) or a prompt/completion
+    pair. The last two read JSONL, Parquet, Arrow or saved datasets."""
     text_field: str = "text"
     """Field holding the document text in JSONL, Parquet and Hugging Face datasets."""
+    messages_field: str = "messages"
+    """format chat: the field holding each conversation."""
+    prompt_field: str = "prompt"
+    """format prompt_completion: the field holding the prompt."""
+    completion_field: str = "completion"
+    """format prompt_completion: the field holding the completion."""
+    loss_on: Literal["assistant", "all"] | None = None
+    """Which targets carry loss: assistant (the assistant turns, each with the EOS or end-of-
+    turn markup that ends it; for prompt_completion, the completion and its EOS) or all.
+    Unset: assistant for chat and prompt_completion; text always trains every token."""
+    long_examples: Literal["drop", "truncate"] = "drop"
+    """An example longer than a block (data.seq_len + 1 tokens) is dropped, or cut to a block
+    (kept only if a trained token is left); each is counted."""
     text_unit: Literal["paragraph", "line", "file"] = "paragraph"
     """What one document is in a plain text file: a blank-line separated paragraph, a line, or
     the whole file."""
@@ -510,6 +527,10 @@ def validate(cfg: Config) -> Config:
     _check(d.first_batch_timeout_s > 0, "data.first_batch_timeout_s",
            d.first_batch_timeout_s, "a number of seconds > 0")
     _check(bool(d.text_field), "data.text_field", d.text_field, "a non-empty field name")
+    for key in ("messages_field", "prompt_field", "completion_field"):
+        _check(bool(getattr(d, key)), f"data.{key}", getattr(d, key), "a non-empty field name")
+    _check(d.format != "text" or d.loss_on in (None, "all"), "data.loss_on", d.loss_on,
+           "unset or 'all' with data.format=text (running text has no assistant turns)")
     _check(tk.vocab_size >= 300, "tokenizer.vocab_size", tk.vocab_size,
            ">= 300 (256 byte symbols plus merges and special tokens)")
     _check(tk.min_frequency >= 1, "tokenizer.min_frequency", tk.min_frequency, ">= 1")

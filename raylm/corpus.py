@@ -31,9 +31,17 @@ Format = Literal["text", "jsonl", "parquet", "arrow", "pydoc"]
 
 #: Why a record did not become a training document. Every record read gets exactly one outcome.
 DROP_REASONS = ("malformed", "missing_field", "empty", "duplicate", "undecodable", "too_short")
+#: The further reasons of fine-tuning examples (``data.format`` chat or prompt_completion): a
+#: role other than system/user/assistant, a conversation without an assistant turn, one longer
+#: than a block (``data.long_examples: drop``), one left with no trained token once cut to a
+#: block (``truncate``).
+EXAMPLE_DROP_REASONS = ("unknown_role", "no_assistant", "too_long", "no_trained_tokens")
 #: Reasons that mean the input itself is broken (listed by file and line; fatal with
 #: ``on_bad_record: error``). The others are ordinary filtering.
-BAD_REASONS = frozenset({"malformed", "missing_field", "undecodable"})
+BAD_REASONS = frozenset({"malformed", "missing_field", "undecodable", "unknown_role",
+                         "no_assistant"})
+#: File formats that hold fine-tuning examples (fields of a row, not running text).
+EXAMPLE_FORMATS = ("jsonl", "parquet", "arrow")
 
 SUFFIX_FORMATS: dict[str, Format] = {
     ".txt": "text", ".text": "text", ".md": "text", ".rst": "text",
@@ -233,6 +241,82 @@ def read_records(
         # An empty file is not silently nothing: it is one record, dropped and listed. (A
         # Python module without docstrings is just that, not bad input.)
         yield Record(None, "empty", 0)
+
+
+def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "messages",
+                  prompt_field: str = "prompt", completion_field: str = "completion"
+                  ) -> Iterator[Record]:
+    """Every fine-tuning example of one JSONL/Parquet/Arrow file, once: its text is the checked,
+    normalized conversation as JSON (what is hashed for deduplication and the split, and
+    rendered later by :mod:`raylm.chat`), or it has the reason it was dropped."""
+    from raylm.chat import parse_messages, parse_prompt_completion
+
+    if f.format not in EXAMPLE_FORMATS:
+        raise SourceError(f"data.format={example_format} reads examples from "
+                          f"{', '.join(EXAMPLE_FORMATS)} files; {f.path} is {f.format}.")
+    fields = ([messages_field] if example_format == "chat"
+              else [prompt_field, completion_field])
+    n = 0
+    for row, reason, line in _rows(f, fields):
+        n += 1
+        messages = None
+        if reason is None:
+            if example_format == "chat":
+                value = row[messages_field]
+                messages, reason = ((None, "missing_field") if value is None
+                                    else parse_messages(value))
+            else:
+                messages, reason = parse_prompt_completion(row[prompt_field],
+                                                           row[completion_field])
+        text = None if reason is not None else json.dumps(messages, ensure_ascii=False)
+        yield Record(text, reason, line)
+    if n == 0:
+        yield Record(None, "empty", 0)
+
+
+def _rows(f: SourceFile, fields: list[str]) -> Iterator[tuple]:
+    """``(row, reason, line)``: each row of a JSONL/Parquet/Arrow file as a mapping of the
+    ``fields`` (absent ones None), or the reason it cannot be read."""
+    if f.format == "jsonl":
+        with open(f.path, "rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    obj = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    yield None, "undecodable", lineno
+                    continue
+                except ValueError:
+                    yield None, "malformed", lineno
+                    continue
+                if not isinstance(obj, dict):
+                    yield None, "malformed", lineno
+                    continue
+                yield {k: obj.get(k) for k in fields}, None, lineno
+        return
+    columns = {k: _table_column(f, k) for k in fields}
+    rows = max((len(c) for c in columns.values() if c is not None), default=None)
+    if rows is None:  # none of the fields: every row lacks them
+        rows = _table_rows(f)
+    for i in range(rows):
+        yield {k: (None if c is None else c[i]) for k, c in columns.items()}, None, i + 1
+
+
+def _table_column(f: SourceFile, column: str) -> list | None:
+    batches, _ = _table_batches(f, column)
+    if batches is None:
+        return None
+    return [v for b in batches for v in b.column(b.schema.get_field_index(column)).to_pylist()]
+
+
+def _table_rows(f: SourceFile) -> int:
+    import pyarrow.parquet as pq
+
+    if f.format == "parquet":
+        return pq.ParquetFile(f.path).metadata.num_rows
+    _, rows = _table_batches(f, "\0no such column")
+    return rows
 
 
 def _text_records(f: SourceFile, *, text_unit: str, **_) -> Iterator[tuple]:

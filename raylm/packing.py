@@ -4,7 +4,9 @@ Packing concatenates tokenized documents (each already ending in EOS) and cuts t
 blocks of ``block_length = seq_len + 1`` tokens: no padding, every token trains, and a document
 may continue into the next block. The tokens after the last full block are dropped and counted
 (``tokens == blocks * block_length + tail_tokens_dropped``). Each block remembers where documents
-start inside it, so attention can be kept within documents.
+start inside it, so attention can be kept within documents. Fine-tuning examples are packed
+whole instead (:class:`ExamplePacker`), with padding and a loss mask
+(``tokens + padding_tokens == blocks * block_length``).
 
 :class:`SampleOrder` defines the training stream: global position ``p`` of epoch ``p // N`` maps
 to one stored block, through a permutation that depends only on the seed and the data. Global
@@ -57,6 +59,72 @@ class Packer:
     def tail_tokens(self) -> int:
         """Tokens that did not fill a block (dropped when the stream ends)."""
         return len(self._rest)
+
+
+class ExamplePacker:
+    """Fine-tuning examples in, full blocks out: each example whole in one block (an example cut
+    in two would train its second half without the first), as many as fit, in arrival order;
+    the rest of a block is padding, masked out and a document of its own. Every example's first
+    token is masked as a target too: it would be predicted from the example before it, which
+    it cannot see. Examples must be at most ``block_length`` tokens (the caller drops or cuts
+    longer ones). Holds at most one block between calls; :meth:`finish` pads out the last."""
+
+    def __init__(self, block_length: int, *, pad_id: int) -> None:
+        self.block_length, self.pad_id = block_length, pad_id
+        self._ids: list[np.ndarray] = []
+        self._mask: list[np.ndarray] = []
+        self._used = 0
+        self.tokens_in = self.blocks_out = self.padding_tokens = self.trained_tokens = 0
+
+    def add(self, examples: list[tuple[np.ndarray, np.ndarray]]
+            ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """Append ``(ids, mask)`` examples; return the blocks completed (n, block_length), the
+        example starts inside each, and their loss masks (n, block_length; 1: a trained
+        target)."""
+        blocks, starts, masks = [], [], []
+        for ids, mask in examples:
+            n = len(ids)
+            assert 0 < n <= self.block_length and len(mask) == n
+            if self._used + n > self.block_length:
+                block, start, block_mask = self._close()
+                blocks.append(block)
+                starts.append(start)
+                masks.append(block_mask)
+            mask = np.asarray(mask, dtype=np.uint8).copy()
+            mask[0] = 0
+            self._ids.append(np.asarray(ids, dtype=np.int32))
+            self._mask.append(mask)
+            self._used += n
+            self.tokens_in += n
+            self.trained_tokens += int(mask.sum())
+        return self._stack(blocks, starts, masks)
+
+    def finish(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """The last, partly filled block (padded), if any."""
+        if not self._ids:
+            return self._stack([], [], [])
+        block, start, mask = self._close()
+        return self._stack([block], [start], [mask])
+
+    def _close(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        L = self.block_length
+        lengths = [len(i) for i in self._ids]
+        starts = np.cumsum([0, *lengths])[:-1]
+        pad = L - self._used
+        ids = np.concatenate([*self._ids, np.full(pad, self.pad_id, np.int32)])
+        mask = np.concatenate([*self._mask, np.zeros(pad, np.uint8)])
+        if pad:
+            starts = np.concatenate([starts, [self._used]])
+        self.padding_tokens += pad
+        self.blocks_out += 1
+        self._ids, self._mask, self._used = [], [], 0
+        return ids, starts.astype(np.int64), mask
+
+    def _stack(self, blocks, starts, masks):
+        L = self.block_length
+        if not blocks:
+            return np.zeros((0, L), np.int32), [], np.zeros((0, L), np.uint8)
+        return np.stack(blocks), starts, np.stack(masks)
 
 
 def position_ids(doc_starts: np.ndarray, block_length: int) -> np.ndarray:

@@ -167,3 +167,47 @@ def test_arrow_stream_and_file_formats(tmp_path):
                                                                         ("undecodable", 2)]
         assert reasons(tmp_path / name, "arrow", text_field="nope") == [("missing_field", 1),
                                                                         ("missing_field", 2)]
+
+
+def test_chat_examples_from_jsonl_each_with_one_outcome(tmp_path):
+    from raylm.corpus import read_examples
+
+    good = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    lines = [json.dumps({"messages": good}), "{broken", json.dumps([1, 2]),
+             json.dumps({"text": "no messages"}),
+             json.dumps({"messages": [{"role": "tool", "content": "x"}, *good]}),
+             json.dumps({"messages": good[:1]}), "",
+             json.dumps({"messages": [{"role": "user", "content": 5}, good[1]]})]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    recs = list(read_examples(SourceFile(str(path), "jsonl"), example_format="chat"))
+    assert [(r.reason, r.line) for r in recs] == [
+        (None, 1), ("malformed", 2), ("malformed", 3), ("missing_field", 4),
+        ("unknown_role", 5), ("no_assistant", 6), ("malformed", 8)]
+    assert json.loads(recs[0].text) == good
+
+
+def test_examples_from_parquet_and_prompt_completion(tmp_path):
+    from raylm.corpus import SourceError, read_examples
+
+    chats = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+             [{"role": "user", "content": "Q"}]]
+    pq.write_table(pa.table({"messages": chats}), tmp_path / "chat.parquet")
+    recs = list(read_examples(SourceFile(str(tmp_path / "chat.parquet"), "parquet"),
+                              example_format="chat"))
+    assert [(r.reason, r.line) for r in recs] == [(None, 1), ("no_assistant", 2)]
+    pq.write_table(pa.table({"prompt": ["2+2=", "3+3=", None], "completion": ["4", " ", "6"]}),
+                   tmp_path / "pc.parquet")
+    recs = list(read_examples(SourceFile(str(tmp_path / "pc.parquet"), "parquet"),
+                              example_format="prompt_completion"))
+    assert [r.reason for r in recs] == [None, "empty", "missing_field"]
+    assert json.loads(recs[0].text)[1] == {"role": "assistant", "content": "4"}
+    pq.write_table(pa.table({"question": ["a", "b"]}), tmp_path / "other.parquet")
+    recs = list(read_examples(SourceFile(str(tmp_path / "other.parquet"), "parquet"),
+                              example_format="prompt_completion"))
+    assert [(r.reason, r.line) for r in recs] == [("missing_field", 1), ("missing_field", 2)]
+    (tmp_path / "notes.txt").write_text("not examples\n")
+    with pytest.raises(SourceError, match="data.format=chat reads examples from jsonl, "
+                                          "parquet, arrow files"):
+        list(read_examples(SourceFile(str(tmp_path / "notes.txt"), "text"),
+                           example_format="chat"))

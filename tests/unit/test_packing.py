@@ -87,3 +87,25 @@ def test_rank_positions_partition_every_global_batch():
     # broken invariant.
     with pytest.raises(AssertionError):
         rank_positions(np.arange(2), start_step=0, global_batch=6, rank=0, world_size=4)
+
+
+def test_example_packer_keeps_examples_whole_and_masks_padding_and_starts():
+    from raylm.packing import ExamplePacker
+
+    p = ExamplePacker(8, pad_id=0)
+    ex = [(np.array([1, 2, 3]), np.array([0, 1, 1])),
+          (np.array([4, 5, 6, 7]), np.array([0, 0, 1, 1])),
+          (np.array([8, 9]), np.array([1, 1])), (np.array([10] * 8), np.array([1] * 8))]
+    blocks, starts, masks = p.add(ex)
+    # [1 2 3 4 5 6 7 pad] | [8 9 pad x6] | [10 x8] still open
+    assert blocks.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0], [8, 9, 0, 0, 0, 0, 0, 0]]
+    assert [s.tolist() for s in starts] == [[0, 3, 7], [0, 2]]
+    # Each example's first token is never a target; padding never is.
+    assert masks.tolist() == [[0, 1, 1, 0, 0, 1, 1, 0], [0, 1, 0, 0, 0, 0, 0, 0]]
+    last, last_starts, last_mask = p.finish()
+    assert last.tolist() == [[10] * 8] and last_starts[0].tolist() == [0]
+    assert last_mask.tolist() == [[0] + [1] * 7]
+    assert p.blocks_out == 3 and p.tokens_in == 17 and p.padding_tokens == 7
+    assert p.tokens_in + p.padding_tokens == p.blocks_out * 8
+    assert p.trained_tokens == 4 + 1 + 7 == int(masks.sum() + last_mask.sum())
+    assert p.finish()[0].shape == (0, 8)
