@@ -12,8 +12,8 @@ Two renderers:
   no tokens to the vocabulary: ``System: ...``, ``User: ...`` and ``Assistant: `` are plain
   text, and each assistant turn's content is followed by the tokenizer's EOS, which is trained
   (that is how the model learns to stop). Turns are separated by a blank line.
-- :class:`TokenizerTemplate`, for a tokenizer with its own Jinja chat template (Llama, Qwen,
-  ...). The template is rendered for growing prefixes of the conversation; each message's
+- :class:`JinjaTemplate`, for a tokenizer with its own Jinja chat template (Llama, Qwen,
+  ...), rendered by transformers' renderer. The template is rendered for growing prefixes of the conversation; each message's
   segment is the text its prefix adds, and an assistant message's segment is split where the
   template's generation prompt (its assistant header) ends, so the header is not trained and
   the content and the end-of-turn markup are. A template that does not render prefixes as
@@ -118,18 +118,24 @@ class DefaultTemplate:
         return [*self.segments(messages), Segment(f"{sep}Assistant: ", False)]
 
 
-class TokenizerTemplate:
-    """A Hugging Face tokenizer's own chat template (see the module docstring)."""
+class JinjaTemplate:
+    """A Hugging Face chat template (the Jinja source a tokenizer carries), rendered with
+    transformers' own renderer and the tokenizer's special-token strings (see the module
+    docstring). Built from strings, so it travels to Ray Data tasks without the tokenizer."""
 
-    def __init__(self, hf_tokenizer) -> None:
-        self.tok = hf_tokenizer
-        self.name = f"the chat template of {getattr(hf_tokenizer, 'name_or_path', '?')}"
+    def __init__(self, source: str, special_tokens: dict[str, Any] | None = None, *,
+                 name: str = "the tokenizer's chat template") -> None:
+        self.source, self.special_tokens, self.name = source, dict(special_tokens or {}), name
 
     def _render(self, messages: Sequence[dict[str, str]], *, generation: bool) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
         if not messages and not generation:
             return ""
-        return self.tok.apply_chat_template(list(messages), tokenize=False,
-                                            add_generation_prompt=generation)
+        rendered, _ = render_jinja_template(
+            conversations=[list(messages)], chat_template=self.source,
+            add_generation_prompt=generation, **self.special_tokens)
+        return rendered[0]
 
     def _piece(self, longer: str, shorter: str, at: int) -> str:
         if not longer.startswith(shorter):
@@ -157,19 +163,21 @@ class TokenizerTemplate:
         return [Segment(self._render(messages, generation=True), False)]
 
 
-def template_for(hf_tokenizer) -> DefaultTemplate | TokenizerTemplate:
+def template_for(hf_tokenizer) -> DefaultTemplate | JinjaTemplate:
     """The tokenizer's own chat template when it has one, else raylm's default."""
-    if hf_tokenizer is not None and getattr(hf_tokenizer, "chat_template", None):
-        return TokenizerTemplate(hf_tokenizer)
-    return DefaultTemplate()
+    source = getattr(hf_tokenizer, "chat_template", None) if hf_tokenizer is not None else None
+    if not source:
+        return DefaultTemplate()
+    return JinjaTemplate(source, hf_tokenizer.special_tokens_map,
+                         name=f"the chat template of {hf_tokenizer.name_or_path}")
 
 
-def conversation_segments(template: DefaultTemplate | TokenizerTemplate,
+def conversation_segments(template: DefaultTemplate | JinjaTemplate,
                           messages: Sequence[dict[str, str]], *, loss_on: LossOn
                           ) -> list[Segment]:
     """A conversation's segments; with ``loss_on: all`` a tokenizer's template is rendered
     whole (nothing needs splitting, so any template works)."""
-    if loss_on == "all" and isinstance(template, TokenizerTemplate):
+    if loss_on == "all" and isinstance(template, JinjaTemplate):
         return [Segment(template._render(messages, generation=False), True)]
     return template.segments(messages)
 

@@ -175,9 +175,10 @@ class DataConfig:
     min_chars: int = 0
     """Documents shorter than this many characters (after normalization) are dropped as
     too_short."""
-    cross_document_attention: bool = True
-    """false: a token attends only to earlier tokens of its own document inside a packed
-    block (position ids restart per document)."""
+    cross_document_attention: bool | None = None
+    """false: a token attends only to earlier tokens of its own document (or example) inside
+    a packed block (position ids restart per document). Unset: true for text, false for chat
+    and prompt_completion (no token attends to another conversation)."""
     dedup: bool = True
     """Drop exact duplicate documents (by a hash of the normalized text)."""
     val_fraction: float = 0.01
@@ -205,6 +206,24 @@ class DataConfig:
     first_batch_timeout_s: float = 180.0
     """How long a worker waits for its first training batch before it stops with what its
     reader waits for (with scaling.wait_for_nodes, it says so and keeps waiting)."""
+
+
+    @property
+    def examples(self) -> bool:
+        """Fine-tuning examples (chat or prompt_completion) rather than running text."""
+        return self.format != "text"
+
+    @property
+    def across_documents(self) -> bool:
+        """Whether attention crosses document (example) boundaries inside a block."""
+        if self.cross_document_attention is not None:
+            return self.cross_document_attention
+        return not self.examples
+
+    @property
+    def trains_on(self) -> str:
+        """Which targets carry loss: assistant or all (see loss_on)."""
+        return self.loss_on or ("assistant" if self.examples else "all")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,17 +44,28 @@ import pyarrow.parquet as pq
 from raylm.config import Config, cache_dir
 from raylm.corpus import (
     DROP_REASONS,
+    SourceError,
+    EXAMPLE_DROP_REASONS,
+    EXAMPLE_FORMATS,
     PREPARED_MANIFEST,
     SourceFile,
     content_hash,
     fingerprint_files,
     is_bad,
     is_prepared_dir,
+    read_examples,
     read_records,
     resolve_sources,
 )
-from raylm.packing import Packer, SampleOrder, position_ids, rank_positions, rank_share
-from raylm.tokenizer import build_tokenizer, load_backend, tokenizer_fingerprint
+from raylm.packing import (
+    ExamplePacker,
+    Packer,
+    SampleOrder,
+    position_ids,
+    rank_positions,
+    rank_share,
+)
+from raylm.tokenizer import build_tokenizer, chat_template, load_backend, tokenizer_fingerprint
 
 LAYOUT = "layout.json"
 SPLITS = ("train", "val")
@@ -77,12 +88,15 @@ _RECORD_SCHEMA = pa.schema([
 
 
 def _records(files: list[SourceFile], *, text_field: str, text_unit: str, min_chars: int,
-             chunk_rows: int):
-    """Record tables of ``chunk_rows`` rows (the last may be short) read from ``files``."""
+             chunk_rows: int, examples: dict[str, str] | None = None):
+    """Record tables of ``chunk_rows`` rows (the last may be short) read from ``files``;
+    fine-tuning examples when ``examples`` gives their format and fields."""
     cols: dict[str, list] = {name: [] for name in _RECORD_SCHEMA.names}
     for spec, file_id in files:
-        for rec in read_records(spec, text_field=text_field, text_unit=text_unit,
-                                min_chars=min_chars):
+        records = (read_examples(spec, **examples) if examples else
+                   read_records(spec, text_field=text_field, text_unit=text_unit,
+                                min_chars=min_chars))
+        for rec in records:
             cols["text"].append(rec.text)
             cols["reason"].append(rec.reason)
             cols["file_id"].append(file_id)
@@ -103,7 +117,8 @@ def _tokenizer_from_json(tokenizer_json: str):
 
 
 def _read_and_tokenize(batch: dict[str, np.ndarray], *, tokenizer_json: str, eos_id: int,
-                       text_field: str, text_unit: str, min_chars: int, batch_size: int):
+                       text_field: str, text_unit: str, min_chars: int, batch_size: int,
+                       examples: dict[str, Any] | None = None):
     """Ray Data UDF: file specs in; records with token ids (each document + EOS) out.
 
     Reading and tokenizing share one task: reading is ~5% of the work (JSON parsing and
@@ -116,6 +131,14 @@ def _read_and_tokenize(batch: dict[str, np.ndarray], *, tokenizer_json: str, eos
     tok = _tokenizer_from_json(tokenizer_json)
     files = [(SourceFile(str(p), str(f)), int(i))
              for p, f, i in zip(batch["path"], batch["format"], batch["file_id"], strict=True)]
+    if examples:
+        render = ExampleRenderer(**examples, tokenizer=tok, eos_id=eos_id)
+        fields = {k: examples[k] for k in ("example_format", "messages_field", "prompt_field",
+                                           "completion_field")}  # the reading part
+        for table in _records(files, text_field=text_field, text_unit=text_unit,
+                              min_chars=min_chars, chunk_rows=batch_size, examples=fields):
+            yield render(table)
+        return
     for table in _records(files, text_field=text_field, text_unit=text_unit,
                           min_chars=min_chars, chunk_rows=batch_size):
         yield _tokenize(tok, eos_id, table)
@@ -138,6 +161,63 @@ def _tokenize(tok, eos_id: int, table: pa.Table) -> pa.Table:
     return table.drop_columns(["text"]).append_column("ids", ids)
 
 
+class ExampleRenderer:
+    """Tokenizes fine-tuning examples (:mod:`raylm.chat`): ids and loss mask, with examples
+    longer than ``block_length`` dropped (``too_long``) or cut (``truncated``; dropped as
+    ``no_trained_tokens`` when no trained target is left)."""
+
+    def __init__(self, *, example_format: str, messages_field: str, prompt_field: str,
+                 completion_field: str, chat_template: dict[str, Any] | None, loss_on: str,
+                 block_length: int, long_examples: str, tokenizer, eos_id: int) -> None:
+        from raylm.chat import DefaultTemplate, JinjaTemplate
+
+        self.format, self.loss_on = example_format, loss_on
+        self.template = JinjaTemplate(**chat_template) if chat_template else DefaultTemplate()
+        self.block_length, self.long_examples = block_length, long_examples
+        self.tok, self.eos_id = tokenizer, eos_id
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        from raylm.chat import conversation_segments, encode, prompt_completion_segments
+
+        texts = table.column("text").to_pylist()
+        reasons = table.column("reason").to_pylist()
+        ids_out, masks_out, truncated = [], [], []
+        for i, text in enumerate(texts):
+            ids = mask = np.zeros(0, np.int32)
+            cut = False
+            if text is not None:
+                messages = json.loads(text)
+                segments = (prompt_completion_segments(messages)
+                            if self.format == "prompt_completion" else
+                            conversation_segments(self.template, messages, loss_on=self.loss_on))
+                ids, mask = encode(segments, self.tok, eos_id=self.eos_id, loss_on=self.loss_on)
+                if len(ids) > self.block_length:
+                    if self.long_examples == "drop":
+                        reasons[i] = "too_long"
+                    else:
+                        ids, mask, cut = ids[:self.block_length], mask[:self.block_length], True
+                # The first token is never a target (nothing before it in its block).
+                if reasons[i] is None and not mask[1:].any():
+                    reasons[i] = "no_trained_tokens"
+                if reasons[i] is not None:
+                    ids, mask, cut = np.zeros(0, np.int32), np.zeros(0, np.uint8), False
+            ids_out.append(ids)
+            masks_out.append(mask)
+            truncated.append(cut)
+        return (table.drop_columns(["text", "reason"])
+                .append_column("reason", pa.array(reasons, pa.string()))
+                .append_column("ids", _list_array(ids_out, pa.int32()))
+                .append_column("loss_mask", _list_array(masks_out, pa.uint8()))
+                .append_column("truncated", pa.array(truncated, pa.bool_())))
+
+
+def _list_array(pieces: list[np.ndarray], value_type) -> pa.ListArray:
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    flat = (np.concatenate(pieces) if pieces else np.zeros(0)).astype(value_type.to_pandas_dtype())
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
+
+
 def _cluster_cpus() -> int:
     import ray
 
@@ -157,11 +237,17 @@ def build_tokenized_dataset(files: list[SourceFile], cfg: Config, tokenizer_path
     items = [{"path": f.path, "format": f.format, "file_id": i} for i, f in enumerate(files)]
     ds = ray.data.from_items(items, override_num_blocks=num_tasks)
     ds.context.execution_options.preserve_order = True
+    examples = None
+    if d.examples:
+        examples = dict(**example_fields(d), chat_template=chat_template(tokenizer_path),
+                        loss_on=d.trains_on, block_length=d.seq_len + 1,
+                        long_examples=d.long_examples)
     return ds.map_batches(
         _read_and_tokenize,
         fn_kwargs=dict(
             tokenizer_json=backend.to_str(), eos_id=eos, text_field=d.text_field,
-            text_unit=d.text_unit, min_chars=d.min_chars, batch_size=d.tokenize_batch_size),
+            text_unit=d.text_unit, min_chars=d.min_chars, batch_size=d.tokenize_batch_size,
+            examples=examples),
         batch_size=math.ceil(len(files) / num_tasks),
         compute=ray.data.TaskPoolStrategy(size=d.tokenize_concurrency or None),
         # Custom resources of the data node group (if any): see scaling.data_resources.
@@ -178,14 +264,19 @@ class BlockWriter:
     """Writes blocks of one split as Parquet, in row groups of exactly ``group_rows`` rows (the
     last may be short) so that row groups are the unit :class:`SampleOrder` permutes."""
 
-    def __init__(self, directory: Path, *, block_length: int, group_rows: int) -> None:
+    def __init__(self, directory: Path, *, block_length: int, group_rows: int,
+                 loss_mask: bool = False) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.block_length = block_length
         self.group_rows = group_rows
-        self.schema = pa.schema([("input_ids", pa.list_(pa.int32())),
-                                 ("doc_starts", pa.list_(pa.int32()))])
+        fields = [("input_ids", pa.list_(pa.int32())), ("doc_starts", pa.list_(pa.int32()))]
+        if loss_mask:
+            fields.append(("loss_mask", pa.list_(pa.uint8())))
+        self.schema = pa.schema(fields)
+        self.loss_mask = loss_mask
         self._blocks: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
         self._starts: list[np.ndarray] = []
         self._pending = 0
         self._writer: pq.ParquetWriter | None = None
@@ -193,9 +284,13 @@ class BlockWriter:
         self.files: list[str] = []
         self.group_sizes: list[int] = []
 
-    def add(self, blocks: np.ndarray, doc_starts: list[np.ndarray]) -> None:
+    def add(self, blocks: np.ndarray, doc_starts: list[np.ndarray],
+            masks: np.ndarray | None = None) -> None:
+        assert (masks is not None) == self.loss_mask
         if len(blocks):
             self._blocks.append(blocks)
+            if masks is not None:
+                self._masks.append(masks)
             self._starts.extend(doc_starts)
             self._pending += len(blocks)
         while self._pending >= self.group_rows:
@@ -206,6 +301,14 @@ class BlockWriter:
         rows, rest = stacked[:n], stacked[n:]
         starts, self._starts = self._starts[:n], self._starts[n:]
         self._blocks = [rest] if len(rest) else []
+        columns = []
+        if self.loss_mask:
+            all_masks = np.concatenate(self._masks)
+            mask_rows, mask_rest = all_masks[:n], all_masks[n:]
+            self._masks = [mask_rest] if len(mask_rest) else []
+            m_off = pa.array(np.arange(n + 1, dtype=np.int32) * self.block_length)
+            columns.append(pa.ListArray.from_arrays(m_off, pa.array(mask_rows.reshape(-1),
+                                                                     type=pa.uint8())))
         self._pending -= n
         if self._writer is None or self._groups_in_file >= ROW_GROUPS_PER_FILE:
             self._open()
@@ -215,7 +318,8 @@ class BlockWriter:
         s_off = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
         flat = np.concatenate(starts).astype(np.int32) if starts else np.zeros(0, np.int32)
         doc = pa.ListArray.from_arrays(s_off, pa.array(flat, type=pa.int32()))
-        self._writer.write_table(pa.table([ids, doc], schema=self.schema), row_group_size=n)
+        self._writer.write_table(pa.table([ids, doc, *columns], schema=self.schema),
+                                 row_group_size=n)
         self._groups_in_file += 1
         self.group_sizes.append(n)
 
@@ -247,10 +351,14 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
     """Names the cached preparation and is the manifest's ``fingerprint``."""
     d = cfg.data
     tokenizer_id = _tokenizer_id(cfg)
+    examples = {}
+    if d.examples:
+        examples = dict(**example_fields(d), loss_on=d.trains_on,
+                        long_examples=d.long_examples)
     return tokenizer_fingerprint(
         corpus_fp, tokenizer=tokenizer_id, seq_len=d.seq_len, min_chars=d.min_chars,
         dedup=d.dedup, val_fraction=d.val_fraction, text_field=d.text_field,
-        text_unit=d.text_unit, rows_per_row_group=d.rows_per_row_group, format=1,
+        text_unit=d.text_unit, rows_per_row_group=d.rows_per_row_group, format=1, **examples,
     )
 
 
@@ -262,8 +370,17 @@ def resolve_tokenizer(cfg: Config, files: list[SourceFile], corpus_fp: str, log)
     return build_tokenizer(
         files, corpus_fingerprint=corpus_fp, cache_dir=cache_dir(cfg),
         vocab_size=t.vocab_size, min_frequency=t.min_frequency, train_chars=t.train_chars,
-        text_field=cfg.data.text_field, text_unit=cfg.data.text_unit, log=log,
+        text_field=cfg.data.text_field, text_unit=cfg.data.text_unit,
+        examples=example_fields(cfg.data), log=log,
     )
+
+
+def example_fields(d) -> dict[str, str] | None:
+    """How fine-tuning examples are read (:func:`raylm.corpus.read_examples`); None for text."""
+    if not d.examples:
+        return None
+    return dict(example_format=d.format, messages_field=d.messages_field,
+                prompt_field=d.prompt_field, completion_field=d.completion_field)
 
 
 def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None] = print
@@ -277,6 +394,8 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
         raise ValueError(f"--output {out} holds files raylm did not write; choose a new or "
                          f"empty directory (an earlier `raylm prepare` output is replaced).")
     files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
+    if d.examples:
+        check_example_files(files, d.format)
     corpus_fp = fingerprint_files(files)
     tok_path = resolve_tokenizer(cfg, files, corpus_fp, log)
     _, eos = load_backend(tok_path)
@@ -289,13 +408,13 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
         elif target.exists():
             target.unlink()
     L = d.seq_len + 1
-    writers = {s: BlockWriter(out / s, block_length=L, group_rows=d.rows_per_row_group)
-               for s in SPLITS}
-    packers = {s: Packer(L) for s in SPLITS}
+    writers = {s: BlockWriter(out / s, block_length=L, group_rows=d.rows_per_row_group,
+                              loss_mask=d.examples) for s in SPLITS}
+    packers = {s: ExamplePacker(L, pad_id=eos) if d.examples else Packer(L) for s in SPLITS}
     val_cut = int(d.val_fraction * 2**64)
 
-    read = kept = 0
-    dropped = dict.fromkeys(DROP_REASONS, 0)
+    read = kept = truncated = 0
+    dropped = dict.fromkeys(DROP_REASONS + (EXAMPLE_DROP_REASONS if d.examples else ()), 0)
     bad_records: list[dict[str, Any]] = []
     seen: set[int] = set()
     t0 = last_log = time.monotonic()
@@ -308,7 +427,11 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
         file_ids = table.column("file_id").to_numpy()
         ids = table.column("ids").combine_chunks()
         flat, offsets = ids.values.to_numpy(), ids.offsets.to_numpy()
-        docs: dict[str, list[np.ndarray]] = {s: [] for s in SPLITS}
+        if d.examples:
+            mask_list = table.column("loss_mask").combine_chunks()
+            masks, mask_offsets = mask_list.values.to_numpy(), mask_list.offsets.to_numpy()
+            cut = table.column("truncated").to_numpy(zero_copy_only=False)
+        docs: dict[str, list] = {s: [] for s in SPLITS}
         for i, reason in enumerate(reasons):
             read += 1
             if reason is None and d.dedup:
@@ -333,7 +456,11 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
                 continue
             kept += 1
             split = "val" if int(hashes[i]) < val_cut else "train"
-            docs[split].append(flat[offsets[i]:offsets[i + 1]])
+            doc = flat[offsets[i]:offsets[i + 1]]
+            if d.examples:
+                truncated += int(cut[i])
+                doc = (doc, masks[mask_offsets[i]:mask_offsets[i + 1]])
+            docs[split].append(doc)
         for s in SPLITS:
             if docs[s]:
                 writers[s].add(*packers[s].add(docs[s]))
@@ -344,13 +471,21 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
             log(f"prepare: {read:,} documents read, {kept:,} kept, {tokens:,} tokens, "
                 f"{sum(p.blocks_out for p in packers.values()):,} blocks "
                 f"({tokens / (now - t0):,.0f} tokens/s)")
+    if d.examples:
+        for s in SPLITS:
+            writers[s].add(*packers[s].finish())
     for w in writers.values():
         w.close()
 
     tokens = sum(p.tokens_in for p in packers.values())
     blocks = sum(p.blocks_out for p in packers.values())
-    tail = sum(p.tail_tokens for p in packers.values())
-    assert tokens == blocks * L + tail and read == kept + sum(dropped.values())
+    tail = 0 if d.examples else sum(p.tail_tokens for p in packers.values())
+    padding = sum(p.padding_tokens for p in packers.values()) if d.examples else 0
+    assert tokens + padding == blocks * L + tail and read == kept + sum(dropped.values())
+    if d.examples and not packers["train"].blocks_out:
+        raise ValueError(f"no fine-tuning example of {d.source!r} was kept (dropped: "
+                         f"{ {k: v for k, v in dropped.items() if v} }); check data.format "
+                         f"and its fields, or data.seq_len for too_long.")
     manifest = {
         "documents_read": read,
         "documents_kept": kept,
@@ -363,10 +498,16 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
         "tokenizer_path": str(tok_path),
         "fingerprint": fp,
     }
+    if d.examples:
+        manifest.update({
+            "format": d.format, "loss_on": d.trains_on,
+            "trained_tokens": sum(p.trained_tokens for p in packers.values()),
+            "padding_tokens": padding, "truncated": truncated})
     layout = {
         "block_length": L,
         "eos_id": eos,
         "seq_len": d.seq_len,
+        "loss_mask": d.examples,
         "splits": {s: {"blocks": packers[s].blocks_out,
                        "tail_tokens_dropped": packers[s].tail_tokens,
                        "files": writers[s].files,
@@ -382,6 +523,15 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
         f"(train {packers['train'].blocks_out:,}, val {packers['val'].blocks_out:,}), "
         f"{tail:,} tail tokens dropped")
     return manifest
+
+
+def check_example_files(files: list[SourceFile], example_format: str) -> None:
+    """Fine-tuning examples are rows with fields: text files cannot hold them."""
+    other = [f for f in files if f.format not in EXAMPLE_FORMATS]
+    if other:
+        raise SourceError(f"data.format={example_format} reads examples from JSONL, Parquet, "
+                          f"Arrow or saved datasets; {other[0].path} is {other[0].format} "
+                          f"({len(other)} such files in data.source).")
 
 
 def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
@@ -419,6 +569,8 @@ class PackedSplit:
     files: list[str]
     row_group_sizes: list[int]
     block_length: int
+    loss_mask: bool = False
+    """Blocks of fine-tuning examples carry a loss mask (1: a trained target)."""
 
     @classmethod
     def load(cls, prepared: str | os.PathLike, split: str) -> "PackedSplit":
@@ -429,7 +581,7 @@ class PackedSplit:
             raise ValueError(f"The prepared data in {root} has no {split} blocks; use a larger "
                              f"corpus, a smaller data.seq_len, or a larger data.val_fraction.")
         return cls(str(root / split), info["files"], info["row_group_sizes"],
-                   layout["block_length"])
+                   layout["block_length"], layout.get("loss_mask", False))
 
     @property
     def num_blocks(self) -> int:
@@ -456,16 +608,19 @@ class _ReadBlocks:
         self.start_step, self.global_batch = start_step, global_batch
         self.order = SampleOrder(split.row_group_sizes, seed=seed, window=window)
         self.locations = split.group_locations()
-        self.cache: OrderedDict[int, tuple[np.ndarray, list]] = OrderedDict()
+        self.cache: OrderedDict[int, tuple[np.ndarray, list, np.ndarray | None]] = OrderedDict()
         self.cache_size = window + 1
 
-    def _group(self, g: int) -> tuple[np.ndarray, list]:
+    def _group(self, g: int) -> tuple[np.ndarray, list, np.ndarray | None]:
         if g not in self.cache:
             path, idx = self.locations[g]
             t = pq.ParquetFile(path).read_row_group(idx)
-            ids = t.column("input_ids").combine_chunks()
-            tokens = ids.values.to_numpy().reshape(-1, self.split.block_length)
-            self.cache[g] = (tokens, t.column("doc_starts").to_pylist())
+            L = self.split.block_length
+            tokens = t.column("input_ids").combine_chunks().values.to_numpy().reshape(-1, L)
+            masks = None
+            if self.split.loss_mask:
+                masks = t.column("loss_mask").combine_chunks().values.to_numpy().reshape(-1, L)
+            self.cache[g] = (tokens, t.column("doc_starts").to_pylist(), masks)
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(g)
@@ -485,13 +640,19 @@ class _ReadBlocks:
         L = self.split.block_length
         tokens = np.empty((len(rows), L), dtype=np.int64)
         pos_ids = np.empty((len(rows), L), dtype=np.int64)
+        masks = np.empty((len(rows), L), dtype=np.uint8) if self.split.loss_mask else None
         for i, (row, g) in enumerate(zip(rows, groups, strict=True)):
-            block, starts = self._group(int(g))
+            block, starts, mask = self._group(int(g))
             r = int(row - self.order.group_offsets[g])
             tokens[i] = block[r]
             pos_ids[i] = position_ids(np.asarray(starts[r]), L)
-        return {"input_ids": tokens, "position_ids": pos_ids, "sample_position": positions,
-                "row": rows}
+            if masks is not None:
+                masks[i] = mask[r]
+        out = {"input_ids": tokens, "position_ids": pos_ids, "sample_position": positions,
+               "row": rows}
+        if masks is not None:
+            out["loss_mask"] = masks
+        return out
 
 
 def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None = None) -> int:

@@ -99,6 +99,9 @@ class ExamplePacker:
             self.trained_tokens += int(mask.sum())
         return self._stack(blocks, starts, masks)
 
+    tail_tokens = 0
+    """Nothing is dropped at the end: :meth:`finish` pads out the last block."""
+
     def finish(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
         """The last, partly filled block (padded), if any."""
         if not self._ids:

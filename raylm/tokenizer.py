@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from raylm.corpus import SourceFile, read_records
+from raylm.corpus import SourceFile, read_examples, read_records
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -31,16 +31,26 @@ def tokenizer_fingerprint(corpus_fingerprint: str, **settings) -> str:
 
 
 def sample_texts(
-    files: list[SourceFile], *, num_chars: int, text_field: str, text_unit: str
+    files: list[SourceFile], *, num_chars: int, text_field: str, text_unit: str,
+    examples: dict[str, str] | None = None,
 ) -> Iterator[str]:
-    """Kept documents totalling about ``num_chars`` characters, in a deterministic order."""
+    """Kept documents totalling about ``num_chars`` characters, in a deterministic order.
+    Fine-tuning ``examples`` (their format and fields) are sampled as raylm's default chat
+    template renders them."""
+    from raylm.chat import DefaultTemplate
+
     order = sorted(files, key=lambda f: hashlib.blake2b(f.path.encode()).digest())
     seen = 0
     for f in order:
-        for rec in read_records(f, text_field=text_field, text_unit=text_unit):
+        records = (read_examples(f, **examples) if examples else
+                   read_records(f, text_field=text_field, text_unit=text_unit))
+        for rec in records:
             if rec.text is None:
                 continue
-            yield rec.text
+            text = rec.text
+            if examples:
+                text = "".join(s.text for s in DefaultTemplate().segments(json.loads(text)))
+            yield text
             seen += len(rec.text)
             if seen >= num_chars:
                 return
@@ -83,12 +93,14 @@ def build_tokenizer(
     train_chars: int,
     text_field: str,
     text_unit: str,
+    examples: dict[str, str] | None = None,
     log=print,
 ) -> Path:
     """Train (or reuse from the cache) a BPE tokenizer on ``files``; return its directory."""
     fp = tokenizer_fingerprint(
         corpus_fingerprint, vocab_size=vocab_size, min_frequency=min_frequency,
         train_chars=train_chars, text_field=text_field, text_unit=text_unit, eos=EOS_TOKEN,
+        **(examples or {}),
     )
     target = cache_dir / "tokenizers" / fp
     if (target / "tokenizer.json").is_file():
@@ -97,7 +109,8 @@ def build_tokenizer(
     log(f"tokenizer: training a byte-level BPE (vocab {vocab_size}) on "
         f"{train_chars / 1e6:.1f}M characters")
     tok = train_bpe(
-        sample_texts(files, num_chars=train_chars, text_field=text_field, text_unit=text_unit),
+        sample_texts(files, num_chars=train_chars, text_field=text_field, text_unit=text_unit,
+                     examples=examples),
         vocab_size=vocab_size, min_frequency=min_frequency,
     )
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -132,3 +145,17 @@ def load_backend(path: str | Path):
         raise ValueError(f"tokenizer.path: the tokenizer at {p} has no EOS token; add one "
                          f"(eos_token in tokenizer_config.json) so documents can be separated.")
     return hf.backend_tokenizer, int(hf.eos_token_id)
+
+
+def chat_template(path: str | os.PathLike) -> dict | None:
+    """The chat template of the Hugging Face tokenizer at ``path``, as :class:`raylm.chat.
+    JinjaTemplate` takes it (source, special-token strings, name); None when it has none
+    (raylm's trained BPEs)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(path))
+    source = getattr(hf, "chat_template", None)
+    if not source or not isinstance(source, str):
+        return None
+    return {"source": source, "special_tokens": dict(hf.special_tokens_map),
+            "name": f"the chat template of {path}"}

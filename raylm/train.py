@@ -67,6 +67,10 @@ class TrainState:
         self.lr = state.get("lr")
 
 
+# Targets that carry no loss (cross_entropy's ignore_index).
+IGNORE = -100
+
+
 @dataclass
 class Built:
     model: nn.Module
@@ -99,7 +103,9 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
 
 def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: bool
                ) -> torch.Tensor:
-    """Mean next-token cross-entropy of a batch of packed blocks (fp32 loss)."""
+    """Next-token cross-entropy of a batch of packed blocks (fp32 loss): the mean over every
+    target, or, for blocks with a ``loss_mask``, the sum over the trained targets (the caller
+    divides by the trained targets of the whole global batch)."""
     tokens = batch["input_ids"].to(built.device, non_blocking=True)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     kwargs = {}
@@ -108,7 +114,23 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
                                                                    non_blocking=True)
     with built.attention.context(), autocast(built.precision, built.device.type):
         logits = built.model(input_ids=inputs, **kwargs).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    logits = logits.float().reshape(-1, logits.size(-1))
+    if "loss_mask" not in batch:
+        return F.cross_entropy(logits, targets.reshape(-1))
+    trained = batch["loss_mask"][:, 1:].to(built.device, non_blocking=True).bool()
+    targets = targets.masked_fill(~trained, IGNORE)
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
+
+
+def trained_targets(batches: Iterable[dict[str, torch.Tensor]], device: torch.device
+                    ) -> torch.Tensor:
+    """Targets that carry loss in ``batches``, summed over every rank (all call it)."""
+    n = torch.zeros((), dtype=torch.float64, device=device)
+    for b in batches:
+        n += b["loss_mask"][:, 1:].sum().to(device)
+    if dist.is_initialized():
+        dist.all_reduce(n)
+    return n
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -123,35 +145,52 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
                micro_batches: Iterable[dict[str, torch.Tensor]], *, accumulation: int,
                grad_clip: float, cross_document: bool = True) -> tuple[float, float]:
     """One optimizer step over ``accumulation`` micro-batches; returns (loss averaged over the
-    global batch, global gradient norm before clipping)."""
+    global batch, global gradient norm before clipping).
+
+    Blocks with a loss mask are averaged over the trained targets of the whole global batch,
+    not per micro-batch: micro-batches hold different numbers of trained targets, and a mean of
+    per-micro-batch means would weigh a target by how crowded its micro-batch is, so the update
+    would change with the accumulation and the worker count. FSDP2 averages gradients over the
+    ranks, hence the factor of the world size."""
+    micro_batches = list(micro_batches)
+    if len(micro_batches) != accumulation:
+        raise RuntimeError(f"expected {accumulation} micro-batches, got {len(micro_batches)}")
     total = torch.zeros((), device=built.device)
-    n = 0
-    for batch in micro_batches:
-        loss = batch_loss(built, batch, cross_document=cross_document)
-        (loss / accumulation).backward()
-        total += loss.detach()
-        n += 1
-    if n != accumulation:
-        raise RuntimeError(f"expected {accumulation} micro-batches, got {n}")
+    if "loss_mask" in micro_batches[0]:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        count = trained_targets(micro_batches, built.device).float()
+        for batch in micro_batches:
+            loss_sum = batch_loss(built, batch, cross_document=cross_document)
+            (loss_sum * world / count).backward()
+            total += loss_sum.detach()
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        mean = total / count
+    else:
+        for batch in micro_batches:
+            loss = batch_loss(built, batch, cross_document=cross_document)
+            (loss / accumulation).backward()
+            total += loss.detach()
+        mean = total / accumulation
+        if dist.is_initialized():
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
     norm = clip_grad_norm(built.model, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    mean = total / accumulation
-    if dist.is_initialized():
-        dist.all_reduce(mean, op=dist.ReduceOp.AVG)
     return float(mean), float(norm)
 
 
 @torch.no_grad()
 def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
              cross_document: bool = True) -> float:
-    """Mean loss over ``batches`` (equal counts on every rank), averaged over ranks."""
+    """Mean loss over ``batches`` (equal counts on every rank), averaged over ranks; over the
+    trained targets for blocks with a loss mask."""
     built.model.eval()
     total = torch.zeros((), device=built.device)
     n = torch.zeros((), device=built.device)
     for batch in batches:
         total += batch_loss(built, batch, cross_document=cross_document)
-        n += 1
+        n += batch["loss_mask"][:, 1:].sum().to(built.device) if "loss_mask" in batch else 1
     built.model.train()
     if dist.is_initialized():
         dist.all_reduce(total)

@@ -104,7 +104,7 @@ def train(run: Setup) -> None:
         set_lr(run.optimizer, lr)
         loss, grad_norm = train_step(run.built, run.optimizer, micro,
                                      accumulation=run.accumulation, grad_clip=o.grad_clip,
-                                     cross_document=run.cfg.data.cross_document_attention)
+                                     cross_document=run.cfg.data.across_documents)
         state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
         meter.step_ends(tokens_per_step)
@@ -199,7 +199,7 @@ class StepMeter:
 
 def validate(run: Setup) -> dict[str, float]:
     val = evaluate(run.built, run.val_batches,
-                   cross_document=run.cfg.data.cross_document_attention)
+                   cross_document=run.cfg.data.across_documents)
     return {"val_loss": val, "val_perplexity": float(np.exp(val))}
 
 
@@ -229,7 +229,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     built = build_training_model(
         preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
         eos_id=loop_config["eos_id"], device=device, precision=t.precision,
-        attention=cfg.model.attention, cross_document=d.cross_document_attention,
+        attention=cfg.model.attention, cross_document=d.across_documents,
         plan=ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
                           compile=cfg.model.compile),
         seed=t.seed)

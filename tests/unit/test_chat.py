@@ -10,7 +10,7 @@ from raylm.chat import (
     DefaultTemplate,
     Segment,
     TemplateError,
-    TokenizerTemplate,
+    JinjaTemplate,
     conversation_segments,
     encode,
     generation_prompt,
@@ -117,7 +117,7 @@ def test_tokenizer_template_splits_headers_from_trained_content(tok, tokenizer_d
     eos = tok.token_to_id("<|endoftext|>")
     hf = hf_tokenizer(tokenizer_dir, LLAMA_LIKE)
     template = template_for(hf)
-    assert isinstance(template, TokenizerTemplate)
+    assert isinstance(template, JinjaTemplate)
     messages, _ = parse_messages(CHAT)
     segments = template.segments(messages)
     # Together the segments are the template's own rendering of the whole conversation.

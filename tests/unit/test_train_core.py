@@ -134,3 +134,40 @@ print("ok")
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def masked(b, seed=0):
+    """``b`` with a loss mask that trains about a third of its targets, unevenly per row."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(b["input_ids"].shape, generator=g) < torch.linspace(0.05, 0.6, len(
+        b["input_ids"]))[:, None]).to(torch.uint8)
+    return {**b, "loss_mask": mask}
+
+
+def test_masked_loss_is_the_mean_over_the_global_batchs_trained_targets():
+    import torch.nn.functional as F
+
+    b = masked(batch())
+    # Rows train very different numbers of targets: 1x8 and 4x2 must give the same update.
+    per_row = b["loss_mask"][:, 1:].sum(1)
+    assert per_row.min() * 3 < per_row.max()
+    one, four = built(), built()
+    loss1, norm1 = train_step(one, torch.optim.SGD(one.model.parameters(), lr=1.0), [b],
+                              accumulation=1, grad_clip=0.0)
+    quarters = [{k: v[i:i + 2] for k, v in b.items()} for i in range(0, 8, 2)]
+    loss4, norm4 = train_step(four, torch.optim.SGD(four.model.parameters(), lr=1.0),
+                              quarters, accumulation=4, grad_clip=0.0)
+    assert loss1 == pytest.approx(loss4, abs=1e-6) and norm1 == pytest.approx(norm4, abs=1e-6)
+    for p1, p4 in zip(one.model.parameters(), four.model.parameters(), strict=True):
+        torch.testing.assert_close(p1, p4, atol=1e-6, rtol=1e-5)
+    # The reported loss is the cross-entropy over exactly the trained targets.
+    ref = built()
+    with torch.no_grad():
+        logits = ref.model(input_ids=b["input_ids"][:, :-1]).logits
+    trained = b["loss_mask"][:, 1:].bool()
+    want = F.cross_entropy(logits[trained], b["input_ids"][:, 1:][trained])
+    assert loss1 == pytest.approx(float(want), abs=1e-5)
+    assert evaluate(ref, quarters) == pytest.approx(float(want), abs=1e-5)
+    # A mask that trains everything is the plain mean.
+    full = {**batch(), "loss_mask": torch.ones(8, 33, dtype=torch.uint8)}
+    assert evaluate(ref, [full]) == pytest.approx(evaluate(ref, [batch()]), abs=1e-6)

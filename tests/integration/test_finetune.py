@@ -1,0 +1,140 @@
+"""Fine-tuning data end to end on a local Ray cluster: chat and prompt/completion examples
+prepared (counted, rendered, masked, packed whole) and trained on 2 workers."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from raylm.config import load_config
+from raylm.data import prepare
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
+
+WORDS = ["river", "mill", "grain", "window", "letter", "winter", "village", "stories",
+         "ships", "storms", "market", "bread", "garden", "bridge", "lantern", "harbor"]
+
+
+def conversation(rng: random.Random) -> list[dict[str, str]]:
+    """A question whose answer is a function of it: the words of a phrase in reverse order;
+    some conversations ask twice."""
+    turns = [{"role": "system", "content": "Answer with the words in reverse order."}]
+    for _ in range(rng.choice([1, 1, 2])):
+        words = rng.sample(WORDS, rng.randint(2, 4))
+        turns.append({"role": "user", "content": "Reverse: " + " ".join(words)})
+        turns.append({"role": "assistant", "content": " ".join(reversed(words))})
+    return turns
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    """200 good conversations, then one of each bad kind (lines 201-206)."""
+    rng = random.Random(0)
+    root = tmp_path_factory.mktemp("chats")
+    lines = [json.dumps({"messages": conversation(rng)}) for _ in range(200)]
+    lines += [
+        "{not json",
+        json.dumps({"messages": [{"role": "narrator", "content": "x"},
+                                 {"role": "assistant", "content": "y"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+        json.dumps({"conversation": []}),
+        # Longer than a block: the question, then (below) the answer.
+        json.dumps({"messages": [{"role": "user", "content": "Reverse: " + "a b " * 200},
+                                 {"role": "assistant", "content": "b a"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "Reverse: a b"},
+                                 {"role": "assistant", "content": "b a " * 200}]}),
+    ]
+    path = root / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def config(chats, tokenizer_dir, tmp_path, *extra):
+    return load_config(None, [f"--data.source={chats}", "--data.format=chat",
+                              f"--tokenizer.path={tokenizer_dir}", "--data.seq_len=159",
+                              "--data.rows_per_row_group=8", "--data.val_fraction=0.1",
+                              f"--run.cache_dir={tmp_path}/cache", *extra])
+
+
+def test_chat_examples_are_counted_rendered_masked_and_packed_whole(chats, tokenizer_dir,
+                                                                     tmp_path):
+    from tokenizers import Tokenizer
+
+    m = prepare(config(chats, tokenizer_dir, tmp_path), tmp_path / "out", log=lambda s: None)
+    assert m["documents_read"] == 206
+    assert m["documents_read"] == m["documents_kept"] + sum(m["dropped"].values())
+    assert {k: v for k, v in m["dropped"].items() if v} == {
+        "malformed": 1, "unknown_role": 1, "no_assistant": 1, "missing_field": 1,
+        "too_long": 2, "duplicate": m["dropped"]["duplicate"]}
+    assert sorted((b["line"], b["reason"]) for b in m["bad_records"]) == [
+        (201, "malformed"), (202, "unknown_role"), (203, "no_assistant"),
+        (204, "missing_field")]
+    L = m["block_length"]
+    assert m["tokens"] + m["padding_tokens"] == m["blocks"] * L and m["truncated"] == 0
+    assert 0 < m["trained_tokens"] < m["tokens"] / 2
+
+    # Every trained run of every stored block is an answer and its EOS, and no example is
+    # split between blocks.
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    table = pq.read_table(tmp_path / "out" / "train")
+    trained = 0
+    for ids, starts, mask in zip(table.column("input_ids").to_pylist(),
+                                 table.column("doc_starts").to_pylist(),
+                                 table.column("loss_mask").to_pylist(), strict=True):
+        ids, mask = np.array(ids), np.array(mask)
+        trained += int(mask.sum())
+        assert all(mask[s] == 0 for s in starts)  # no example's first token is a target
+        runs = np.split(np.arange(L), np.flatnonzero(np.diff(mask)) + 1)
+        for run in runs:
+            if mask[run[0]]:
+                assert ids[run[-1]] == eos
+                words = tok.decode(ids[run[:-1]].tolist()).split()
+                assert words and set(words) <= set(WORDS)
+    val = pq.read_table(tmp_path / "out" / "val").column("loss_mask").to_pylist()
+    assert trained + sum(map(sum, val)) == m["trained_tokens"]
+
+
+def test_long_examples_can_be_truncated_and_prompt_completion_pairs_train(
+        chats, tokenizer_dir, tmp_path):
+    m = prepare(config(chats, tokenizer_dir, tmp_path, "--data.long_examples=truncate"),
+                tmp_path / "cut", log=lambda s: None)
+    # Cut to a block, the long answer keeps trained tokens; the long question keeps none.
+    assert m["dropped"]["too_long"] == 0 and m["truncated"] == 1
+    assert m["dropped"]["no_trained_tokens"] == 1
+    pairs = tmp_path / "pairs.jsonl"
+    rng = random.Random(1)
+    rows = []
+    for _ in range(120):
+        words = rng.sample(WORDS, 3)
+        rows.append({"prompt": "Reverse: " + " ".join(words) + "\nAnswer:",
+                     "completion": " " + " ".join(reversed(words))})
+    pairs.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    m = prepare(config(pairs, tokenizer_dir, tmp_path, "--data.format=prompt_completion"),
+                tmp_path / "pc", log=lambda s: None)
+    assert m["format"] == "prompt_completion" and m["loss_on"] == "assistant"
+    assert m["documents_kept"] + m["dropped"]["duplicate"] == 120
+    assert 0 < m["trained_tokens"] < m["tokens"]
+
+
+def test_a_chat_run_on_two_workers_learns_the_answers(chats, tokenizer_dir, tmp_path):
+    from raylm.launch import train
+
+    args = [f"--data.source={chats}", "--data.format=chat", f"--tokenizer.path={tokenizer_dir}",
+            "--data.seq_len=159", "--data.rows_per_row_group=8", "--data.val_fraction=0.1",
+            f"--run.cache_dir={tmp_path}/cache", f"--run.storage_path={tmp_path}/runs",
+            "--model.preset=tiny", "--train.precision=fp32", "--train.global_batch_size=8",
+            "--train.micro_batch_size=2", "--scaling.num_workers=2", "--train.log_every=10",
+            "--train.eval_every=40", "--train.eval_batches=2", "--checkpoint.every=40",
+            "--optim.lr=3e-3", "--optim.warmup_steps=5", "--tracking.enabled=false"]
+    short = train(load_config(None, [*args, "--run.name=chat", "--train.steps=1"]),
+                  log=print)
+    out = train(load_config(None, [*args, "--run.name=chat", "--train.steps=40"]), log=print)
+    assert out["status"] == "finished" and out["final_step"] == 40 and out["workers"] == 2
+    # The loss is over the answers only: it starts near ln(vocab) and falls well below it.
+    assert short["train_loss"] > 5.0 and out["val_loss"] < 0.6 * short["train_loss"]
+    assert out["samples"]["duplicated"] == 0 and out["samples"]["skipped"] == 0
