@@ -18,6 +18,13 @@ def data(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
 
 
+def masked_data() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    share = torch.tensor([0.8, 0.8, 0.1, 0.1])[:, None]
+    mask = (torch.rand(BATCH, SEQ, generator=gen) < share).to(torch.uint8)
+    return {**data(1), "loss_mask": mask}
+
+
 def run(world: int, rank: int, out: dict) -> None:
     from raylm.optim import build_optimizer
     from raylm.train import batch_loss, build_training_model, clip_grad_norm, train_step
@@ -44,6 +51,17 @@ def run(world: int, rank: int, out: dict) -> None:
                      for s in range(STEPS)]
     out["params"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                      for n, p in built.model.named_parameters()}
+
+    # Fine-tuning blocks: rank 0's rows train most targets, rank 1's few. The step must
+    # average over the global batch's trained targets, not average the ranks' own means.
+    tuned = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
+                                 device=torch.device("cpu"), precision="fp32", seed=0)
+    sgd = torch.optim.SGD(tuned.model.parameters(), lr=1.0)
+    out["masked"] = train_step(tuned, sgd, [mine(masked_data())], accumulation=1,
+                               grad_clip=0.0)
+    out["masked_params"] = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in tuned.model.named_parameters()}
 
 
 def worker(rank: int, world: int, port: int, path: str) -> None:
@@ -113,3 +131,11 @@ def test_training_steps_match_single_process(results):
     # (measured max 1.2e-5), so parameters get a slightly wider bound than losses and grads.
     for name, p in ref["params"].items():
         torch.testing.assert_close(fsdp["params"][name], p, atol=5e-5, rtol=1e-5, msg=name)
+
+
+def test_masked_steps_average_over_the_global_batchs_trained_targets(results):
+    fsdp, ref = results
+    assert fsdp["masked"] == pytest.approx(ref["masked"], abs=1e-5)
+    for name, p in ref["masked_params"].items():
+        torch.testing.assert_close(fsdp["masked_params"][name], p, atol=1e-5, rtol=1e-5,
+                                   msg=name)
