@@ -229,7 +229,8 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class TokenizerConfig:
     path: str | None = None
-    """Existing Hugging Face tokenizer directory; when unset, a byte-level BPE is trained."""
+    """Existing Hugging Face tokenizer directory. Unset: the tokenizer of model.path when it
+    has one, else a byte-level BPE is trained."""
     vocab_size: int = 8192
     """Vocabulary size of the trained BPE tokenizer, special tokens included."""
     min_frequency: int = 2

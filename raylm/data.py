@@ -338,12 +338,24 @@ class BlockWriter:
             self._writer.close()
 
 
+def given_tokenizer(cfg: Config) -> Path | None:
+    """The tokenizer directory to use as it is: ``tokenizer.path``, else the pretrained
+    model's own (``model.path``, when it holds one); None: a BPE is trained."""
+    if cfg.tokenizer.path:
+        return Path(cfg.tokenizer.path).expanduser().resolve()
+    model = cfg.model.path and Path(cfg.model.path).expanduser()
+    if model and any((model / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return model.resolve()
+    return None
+
+
 def _tokenizer_id(cfg: Config) -> str:
     """What determines the tokenizer: its directory, or the settings a BPE is trained with
     (the corpus is in the fingerprint separately)."""
     t = cfg.tokenizer
-    if t.path:
-        return str(Path(t.path).expanduser().resolve())
+    given = given_tokenizer(cfg)
+    if given is not None:
+        return str(given)
     return f"bpe:{t.vocab_size}:{t.min_frequency}:{t.train_chars}"
 
 
@@ -364,9 +376,10 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
 
 def resolve_tokenizer(cfg: Config, files: list[SourceFile], corpus_fp: str, log) -> Path:
     t = cfg.tokenizer
-    if t.path:
-        load_backend(t.path)  # fail now, on the driver, with the tokenizer's own message
-        return Path(t.path).expanduser().resolve()
+    given = given_tokenizer(cfg)
+    if given is not None:
+        load_backend(given)  # fail now, on the driver, with the tokenizer's own message
+        return given
     return build_tokenizer(
         files, corpus_fingerprint=corpus_fp, cache_dir=cache_dir(cfg),
         vocab_size=t.vocab_size, min_frequency=t.min_frequency, train_chars=t.train_chars,

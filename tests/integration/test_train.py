@@ -147,8 +147,9 @@ def test_continue_from_exported_model_without_cross_document_attention_or_mlflow
     # The pretrained weights are read on rank 0 and scattered to the 2 FSDP workers; the run
     # starts where the exported one ended, not from a random model (ln 320 = 5.77).
     # Its MLflow server is down (nothing listens on port 9): said once, training goes on.
+    # Without tokenizer.path the model directory's own tokenizer is used.
     out = train_run(base, "--run.name=finetune", f"--model.path={hf}",
-                    f"--tokenizer.path={hf}", "--train.steps=5", "--optim.lr=1e-4",
+                    "--tokenizer.path=null", "--train.steps=5", "--optim.lr=1e-4",
                     "--optim.warmup_steps=1", "--train.eval_every=5",
                     "--data.cross_document_attention=false", "--tracking.uri=http://127.0.0.1:9")
     assert out["final_step"] == 5 and out["attention_backend"] == "sdpa-flash-cpu"

@@ -190,3 +190,21 @@ def test_seq_len_beyond_the_models_positions_fails_before_ray_starts(command, ca
     assert capsys.readouterr().err == (
         "raylm: error: data.seq_len=2048 is above the 1024 positions of model.preset=tiny; "
         "lower data.seq_len or choose a model with more positions.\n")
+
+
+def test_a_pretrained_models_own_tokenizer_is_the_default(tmp_path, tokenizer_dir):
+    import shutil
+
+    from raylm.data import given_tokenizer
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert given_tokenizer(load_config(None, [f"--model.path={model}"])) is None
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, model / f.name)
+    assert given_tokenizer(load_config(None, [f"--model.path={model}"])) == model.resolve()
+    # tokenizer.path wins.
+    assert given_tokenizer(load_config(None, [f"--model.path={model}",
+                                              f"--tokenizer.path={tokenizer_dir}"])) == \
+        tokenizer_dir.resolve()
