@@ -9,7 +9,8 @@
                  [--no-code] [--no-wait]
     raylm jobs list|status ID|logs ID [--follow]|stop ID [--address http://HEAD:8265]
     raylm export RUN_DIR --output DIR
-    raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT] [--max-new-tokens N] [--temperature T]
+    raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT | --chat MESSAGE] [--max-new-tokens N]
+                   [--temperature T]
 
 Every command that runs something takes ``--config PATH`` and any ``--section.key=value``
 override of :mod:`raylm.config`; the other flags say where and how (cluster address, job
@@ -87,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="sample text from a run directory or exported model")
     gen.add_argument("source", help="a run directory or an exported model directory")
     gen.add_argument("--prompt", default="", help="text to continue")
+    gen.add_argument("--chat", help="a user message to answer, rendered with the chat template "
+                                    "fine-tuning used")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     gen.add_argument("--seed", type=int, default=0)
@@ -233,9 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             from raylm.export import generate
 
-            print(args.prompt + generate(args.source, args.prompt,
-                                         max_new_tokens=args.max_new_tokens,
-                                         temperature=args.temperature, seed=args.seed))
+            text = generate(args.source, args.prompt, chat=args.chat,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            seed=args.seed)
+            print(text if args.chat is not None else args.prompt + text)
             return 0
         if args.command == "jobs":
             return cmd_jobs(args)

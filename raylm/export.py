@@ -88,10 +88,16 @@ def export(run_dir: str | Path, output: str | Path) -> Path:
 
 
 @torch.no_grad()
-def generate(source: str | Path, prompt: str, *, max_new_tokens: int = 64,
-             temperature: float = 0.8, top_k: int = 50, seed: int = 0) -> str:
-    """Sample a continuation of ``prompt`` from a run directory or an exported model."""
+def generate(source: str | Path, prompt: str = "", *, chat: str | None = None,
+             max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 50,
+             seed: int = 0) -> str:
+    """Sample a continuation of ``prompt`` from a run directory or an exported model; or, with
+    ``chat``, the answer to that user message, rendered as fine-tuning rendered conversations
+    (the tokenizer's chat template, else raylm's default; see :mod:`raylm.chat`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raylm.chat import generation_prompt, template_for
+    from raylm.corpus import normalize
 
     src = storage.normalize(source)
     if storage.is_file(storage.join(src, RUN_INFO)):
@@ -101,7 +107,13 @@ def generate(source: str | Path, prompt: str, *, max_new_tokens: int = 64,
     else:
         raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if chat is not None:
+        messages = [{"role": "user", "content": normalize(chat)}]
+        ids = torch.from_numpy(generation_prompt(
+            messages, tok.backend_tokenizer, template_for(tok),
+            eos_id=tok.eos_token_id).astype("int64"))[None]
+    else:
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     if ids.shape[1] == 0:
         ids = torch.tensor([[tok.eos_token_id]])
     torch.manual_seed(seed)

@@ -121,7 +121,7 @@ def test_long_examples_can_be_truncated_and_prompt_completion_pairs_train(
     assert 0 < m["trained_tokens"] < m["tokens"]
 
 
-def test_a_chat_run_on_two_workers_learns_the_answers(chats, tokenizer_dir, tmp_path):
+def test_a_chat_run_on_two_workers_learns_the_answers(chats, tokenizer_dir, tmp_path, capsys):
     from raylm.launch import train
 
     args = [f"--data.source={chats}", "--data.format=chat", f"--tokenizer.path={tokenizer_dir}",
@@ -138,3 +138,14 @@ def test_a_chat_run_on_two_workers_learns_the_answers(chats, tokenizer_dir, tmp_
     # The loss is over the answers only: it starts near ln(vocab) and falls well below it.
     assert short["train_loss"] > 5.0 and out["val_loss"] < 0.6 * short["train_loss"]
     assert out["samples"]["duplicated"] == 0 and out["samples"]["skipped"] == 0
+
+    # Asked as it was trained (the default template's "User: ...", "Assistant: "), the model
+    # gives an answer and stops there: it has learned that an answer ends with EOS, not with
+    # another turn. (Forty steps of a 4M-parameter model do not yet reverse the words.)
+    from raylm.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "runs" / "chat"), "--chat",
+                 "Reverse: river mill bread", "--temperature=0", "--max-new-tokens=24"]) == 0
+    answer = capsys.readouterr().out
+    assert answer.strip() and not any(m in answer for m in ("User:", "Assistant:", "System:"))
