@@ -50,19 +50,30 @@ def model_shape(config) -> dict[str, Any]:
     return {k: getattr(config, k, None) for k in SHAPE_KEYS}
 
 
+def _options(model: nn.Module):
+    """A model with frozen parameters (LoRA) checkpoints only what trains: the frozen base is
+    read from model.path on every start."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    # Loading such a checkpoint sets the trainable parameters only (the keys it holds).
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=_options(model))}
+    msd, osd = get_state_dict(model, optimizer, options=_options(model))
     return {"model": msd, "optim": osd}
 
 
 def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict[str, Any], config, samples: np.ndarray | None = None) -> None:
+         state: dict[str, Any], config, samples: np.ndarray | None = None,
+         adapters: dict[str, Any] | None = None) -> None:
     """Write this rank's shards into ``directory`` (rank 0 also ``samples``, the sample
     ledger, and the marker, last)."""
     path = Path(directory)
@@ -81,7 +92,8 @@ def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.opt
         for f in everyone:
             files.update(f)
         marker = {"state": state, "model": model_shape(config), "files": files,
-                  "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+                  "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                  "adapters": adapters or {}}
         tmp = path / f".{MARKER}.tmp"
         tmp.write_text(json.dumps(marker, indent=1))
         os.replace(tmp, path / MARKER)
@@ -106,7 +118,8 @@ def verify(directory: str | os.PathLike) -> dict[str, Any]:
     return marker
 
 
-def check_compatible(marker: dict[str, Any], config, where: str) -> None:
+def check_compatible(marker: dict[str, Any], config, where: str,
+                     adapters: dict[str, Any] | None = None) -> None:
     want, have = model_shape(config), marker["model"]
     diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
     if diff:
@@ -114,16 +127,22 @@ def check_compatible(marker: dict[str, Any], config, where: str) -> None:
         raise CheckpointError(
             f"The checkpoint {where} is for a different model ({detail}). Use the model.preset "
             f"or model.path it was trained with, or start a new run (a new run.name).")
+    if marker.get("adapters", {}) != (adapters or {}):
+        raise CheckpointError(
+            f"The checkpoint {where} holds LoRA adapters {marker.get('adapters') or 'none'} "
+            f"but the run asks for {adapters or 'none'} (lora.*): resume with the settings it "
+            f"was trained with, or start a new run (a new run.name).")
 
 
 def load(directory: str | os.PathLike, *, model: nn.Module,
-         optimizer: torch.optim.Optimizer | None, config) -> dict[str, int]:
+         optimizer: torch.optim.Optimizer | None, config,
+         adapters: dict[str, Any] | None = None) -> dict[str, int]:
     """Load a verified checkpoint into ``model`` (and ``optimizer``); return its train state.
     Works for any world size: DCP reshards to the current one."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     marker = verify(directory)
-    check_compatible(marker, config, str(directory))
+    check_compatible(marker, config, str(directory), adapters)
     sd = _state_dicts(model, optimizer)
     if storage.is_uri(directory):
         # DCP reads local files: each process fetches the checkpoint once, then reads it.
@@ -134,10 +153,10 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(model, sd["model"])
+        set_model_state_dict(model, sd["model"], options=_options(model))
     else:
         set_state_dict(model, optimizer, model_state_dict=sd["model"],
-                       optim_state_dict=sd["optim"])
+                       optim_state_dict=sd["optim"], options=_options(model))
     return marker["state"]
 
 
@@ -193,6 +212,18 @@ def load_pretrained_weights(model: nn.Module, path: str | os.PathLike) -> None:
             full.update(load_file(str(f)))
         if getattr(model.config, "tie_word_embeddings", False):
             full.pop("lm_head.weight", None)
+        # A LoRA layer holds the pretrained weight as `base_layer`.
+        for name, _ in model.named_parameters():
+            plain = name.replace(".base_layer.", ".")
+            if plain != name and plain in full:
+                full[name] = full.pop(plain)
+    # Adapters are not in the file (raylm.lora fills them); every other weight must be.
+    adapters = any(".lora_" in n for n, _ in model.named_parameters())
     set_model_state_dict(model, full, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=True))
+        full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=not adapters))
+    if adapters and rank0:
+        missing = [n for n, _ in model.named_parameters() if ".lora_" not in n and n not in full
+                   and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+        if missing:
+            raise CheckpointError(f"model.path: {path} lacks {', '.join(missing[:5])}")
     reset_buffers(model)

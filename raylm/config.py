@@ -256,6 +256,20 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank; 0 trains every weight (full fine-tuning). Above 0, the base model is frozen
+    and only the low-rank adapters (and their optimizer state) train and are checkpointed."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: an adapter's update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Linear layers that get adapters (default: every linear layer of attention and MLP)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int = 200
     """Optimizer steps to train to (a resumed run continues to this step)."""
@@ -385,6 +399,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -573,6 +588,14 @@ def validate(cfg: Config) -> Config:
     _check(0 <= op.beta1 < 1, "optim.beta1", op.beta1, "0 <= x < 1")
     _check(0 <= op.beta2 < 1, "optim.beta2", op.beta2, "0 <= x < 1")
     _check(op.grad_clip >= 0, "optim.grad_clip", op.grad_clip, ">= 0 (0 disables)")
+    lo = cfg.lora
+    _check(lo.rank >= 0, "lora.rank", lo.rank, "0 (full fine-tuning) or a rank >= 1")
+    _check(lo.alpha > 0, "lora.alpha", lo.alpha, "a number > 0")
+    _check(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "0 <= x < 1")
+    _check(bool(lo.target_modules) and all(lo.target_modules), "lora.target_modules",
+           lo.target_modules, "a non-empty list of linear layer names (q_proj, ...)")
+    _check(not lo.rank or bool(cfg.model.path), "lora.rank", lo.rank,
+           "0 unless model.path names the pretrained model the adapters adapt")
     _check(cfg.checkpoint.every >= 1, "checkpoint.every", cfg.checkpoint.every, ">= 1")
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, ">= 1")
     nw = sc.num_workers

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from raylm import checkpoint, storage
+from raylm import checkpoint, lora, storage
 from raylm.config import config_from_dict
 from raylm.model import build_config, build_meta_model, max_positions, reset_buffers
 
@@ -50,9 +50,18 @@ def load_run_model(run_dir: str | Path):
                           vocab_size=info["vocab_size"], eos_id=info["eos_id"],
                           attn_implementation="sdpa")
     model = build_meta_model(config)
+    args = lora.adapter_args(cfg.lora)
+    if args:
+        model = lora.add_adapters(model, **args)
     model.to_empty(device="cpu")
     reset_buffers(model)  # rotary frequencies are not in checkpoints
-    state = checkpoint.load(found[0], model=model, optimizer=None, config=config)
+    if args:
+        # A LoRA checkpoint holds the adapters; the frozen base is the pretrained model's.
+        checkpoint.load_pretrained_weights(model, cfg.model.path)
+    state = checkpoint.load(found[0], model=model, optimizer=None, config=config,
+                            adapters=lora.settings(cfg.lora))
+    if args:
+        lora.merge_adapters(model)
     model.eval()
     tokenizer_dir = storage.join(rd, TOKENIZER_DIR)
     if storage.is_uri(rd):

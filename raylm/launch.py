@@ -21,7 +21,7 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from raylm import checkpoint, ledger, storage, tracking
+from raylm import checkpoint, ledger, lora, storage, tracking
 from raylm.config import Config, run_dir, storage_root
 from raylm.console import quiet_libraries, train_log_level
 from raylm.data import LAYOUT, READER_CPUS, prepared_dir
@@ -221,7 +221,8 @@ def check_resumable(cfg: Config, *, vocab_size: int, eos_id: int, log
         return None
     model_cfg = build_config(preset=cfg.model.preset, path=cfg.model.path,
                              vocab_size=vocab_size, eos_id=eos_id, attn_implementation="sdpa")
-    checkpoint.check_compatible(found[1], model_cfg, str(found[0]))
+    checkpoint.check_compatible(found[1], model_cfg, str(found[0]),
+                                lora.settings(cfg.lora))
     state = found[1]["state"]
     log(f"raylm: run {cfg.run.name!r} exists; resuming from step {state['step']} "
         f"of {cfg.train.steps} ({found[0]})")

@@ -115,8 +115,10 @@ def build_meta_model(config) -> nn.Module:
 
 def canonical_name(name: str) -> str:
     """A parameter's name without the wrappers parallelism adds (activation checkpointing,
-    torch.compile), so initialization and checkpoints see the model's own names."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+    torch.compile) or a LoRA layer puts around a base weight (``base_layer``), so
+    initialization sees the model's own names."""
+    return (name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            .replace(".base_layer.", "."))
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -139,6 +141,8 @@ def init_weights(model: nn.Module, *, seed: int, num_layers: int) -> None:
     residual_std = INIT_STD / (2 * num_layers) ** 0.5
     for wrapped_name, param in model.named_parameters():
         name = canonical_name(wrapped_name)
+        if ".lora_" in name:
+            continue  # adapters have their own rule (raylm.lora.init_adapters)
         shape = param.shape
         if name.endswith("norm.weight") or param.ndim == 1 and "norm" in name:
             full = torch.ones(shape)

@@ -41,6 +41,8 @@ from raylm.config import Config, config_from_dict
 from raylm.console import quiet_libraries
 from raylm.data import build_train_stream, read_val_blocks
 from raylm.ledger import Ledger
+from raylm.lora import adapter_args
+from raylm.lora import settings as lora_settings
 from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
 from raylm.optim import build_optimizer, lr_at, set_lr
 from raylm.packing import batch_plan, check_positions
@@ -210,7 +212,8 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool) -> None:
     samples = run.ledger.collect(run.built.device)
     with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
         ckpt.save(tmp, model=run.built.model, optimizer=run.optimizer,
-                  state=run.state.state_dict(), config=run.built.config, samples=samples)
+                  state=run.state.state_dict(), config=run.built.config, samples=samples,
+                  adapters=lora_settings(run.cfg.lora))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
@@ -232,7 +235,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         attention=cfg.model.attention, cross_document=d.across_documents,
         plan=ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
                           compile=cfg.model.compile),
-        seed=t.seed)
+        seed=t.seed, lora=adapter_args(cfg.lora))
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=(o.beta1, o.beta2), device_type=device.type)
     state, ledger = restore(run_dir, cfg, built=built, optimizer=optimizer, rank=rank)
@@ -343,7 +346,8 @@ def restore(run_dir: str, cfg: Config, *, built: Built, optimizer: torch.optim.O
     found = ckpt.latest_verified(run_dir)
     if found is not None:
         state.load_state_dict(ckpt.load(found[0], model=built.model, optimizer=optimizer,
-                                        config=built.config))
+                                        config=built.config,
+                                        adapters=lora_settings(cfg.lora)))
         batch = cfg.train.global_batch_size
         if state.data_position != state.step * batch:
             raise ckpt.CheckpointError(

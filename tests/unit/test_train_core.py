@@ -171,3 +171,90 @@ def test_masked_loss_is_the_mean_over_the_global_batchs_trained_targets():
     # A mask that trains everything is the plain mean.
     full = {**batch(), "loss_mask": torch.ones(8, 33, dtype=torch.uint8)}
     assert evaluate(ref, [full]) == pytest.approx(evaluate(ref, [batch()]), abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny Llama saved with save_pretrained, as a pretrained model directory is."""
+    from raylm.model import build_config
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
+                          attn_implementation="sdpa")
+    torch.manual_seed(3)
+    out = tmp_path_factory.mktemp("pretrained")
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+    return out
+
+
+def lora_model(path, rank=4):
+    return build_training_model(preset=None, path=str(path), vocab_size=VOCAB, eos_id=0,
+                                device=torch.device("cpu"), precision="fp32", seed=0,
+                                lora={"rank": rank, "alpha": 8.0, "dropout": 0.0,
+                                      "target_modules": ["q_proj", "v_proj", "down_proj"]})
+
+
+def test_lora_starts_as_the_base_model_and_trains_only_the_adapters(pretrained):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(pretrained))
+    b = lora_model(pretrained)
+    trainable = {n for n, p in b.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    # 2 layers x 3 targets x (A + B)
+    assert len(trainable) == 12
+    ids = batch(2)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(b.model(input_ids=ids).logits, base(input_ids=ids).logits)
+    frozen = {n: p.detach().clone() for n, p in b.model.named_parameters()
+              if not p.requires_grad}
+    from raylm.optim import build_optimizer
+
+    opt = build_optimizer(b.model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95),
+                          device_type="cpu")
+    assert sum(len(g["params"]) for g in opt.param_groups) == 12
+    losses = [train_step(b, opt, [batch()], accumulation=1, grad_clip=1.0)[0]
+              for _ in range(3)]
+    assert losses[-1] < losses[0]
+    for n, p in b.model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, frozen[n]), n
+
+
+def test_lora_checkpoints_hold_only_adapters_and_resume_exactly(pretrained, tmp_path):
+    from raylm import checkpoint
+    from raylm.optim import build_optimizer
+
+    def optimizer(b):
+        return build_optimizer(b.model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95),
+                               device_type="cpu")
+
+    adapters = {"rank": 4, "alpha": 8.0, "target_modules": ["down_proj", "q_proj", "v_proj"]}
+    full = lora_model(pretrained)
+    opt = optimizer(full)
+    losses = [train_step(full, opt, [batch(seed=s)], accumulation=1, grad_clip=1.0)[0]
+              for s in range(4)]
+    first = lora_model(pretrained)
+    opt1 = optimizer(first)
+    for s in range(2):
+        train_step(first, opt1, [batch(seed=s)], accumulation=1, grad_clip=1.0)
+    checkpoint.save(tmp_path / "ckpt", model=first.model, optimizer=opt1,
+                    state={"step": 2}, config=first.config, adapters=adapters)
+    assert checkpoint.verify(tmp_path / "ckpt")["adapters"] == adapters
+    # Adapters and their Adam moments only: the base is read from model.path on every start.
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert len(model_keys) == 12 and all(".lora_" in k for k in model_keys)
+    assert all(".lora_" in k for k in keys if k.startswith("optim.state."))
+    again = lora_model(pretrained)
+    opt2 = optimizer(again)
+    checkpoint.load(tmp_path / "ckpt", model=again.model, optimizer=opt2, config=again.config,
+                    adapters=adapters)
+    resumed = [train_step(again, opt2, [batch(seed=s)], accumulation=1, grad_clip=1.0)[0]
+               for s in (2, 3)]
+    assert resumed == pytest.approx(losses[2:], abs=1e-6)
+    with pytest.raises(checkpoint.CheckpointError, match="holds LoRA adapters"):
+        checkpoint.load(tmp_path / "ckpt", model=again.model, optimizer=None,
+                        config=again.config, adapters={"rank": 8})
