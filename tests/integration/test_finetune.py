@@ -121,31 +121,61 @@ def test_long_examples_can_be_truncated_and_prompt_completion_pairs_train(
     assert 0 < m["trained_tokens"] < m["tokens"]
 
 
-def test_a_chat_run_on_two_workers_learns_the_answers(chats, tokenizer_dir, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, tokenizer_dir):
+    """A tiny Llama for the test tokenizer, saved with save_pretrained: the model fine-tuned."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raylm.model import build_config
+
+    from_tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    config = build_config(preset="tiny", path=None, vocab_size=len(from_tok["model"]["vocab"]),
+                          eos_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("pretrained")
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+    return out
+
+
+def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_dir,
+                                                                pretrained, tmp_path, capsys):
+    """LoRA adapters on a saved pretrained model, 2 FSDP2 workers, chat data: a run stopped at
+    step 10 and resumed to 20 ends where an uninterrupted 20-step run ends."""
     from raylm.launch import train
 
     args = [f"--data.source={chats}", "--data.format=chat", f"--tokenizer.path={tokenizer_dir}",
             "--data.seq_len=159", "--data.rows_per_row_group=8", "--data.val_fraction=0.1",
             f"--run.cache_dir={tmp_path}/cache", f"--run.storage_path={tmp_path}/runs",
-            "--model.preset=tiny", "--train.precision=fp32", "--train.global_batch_size=8",
+            f"--model.path={pretrained}", "--lora.rank=8", "--lora.alpha=16",
+            "--train.precision=fp32", "--train.global_batch_size=8",
             "--train.micro_batch_size=2", "--scaling.num_workers=2", "--train.log_every=10",
-            "--train.eval_every=40", "--train.eval_batches=2", "--checkpoint.every=40",
-            "--optim.lr=3e-3", "--optim.warmup_steps=5", "--tracking.enabled=false"]
-    short = train(load_config(None, [*args, "--run.name=chat", "--train.steps=1"]),
+            "--train.eval_every=10", "--train.eval_batches=2", "--checkpoint.every=10",
+            "--optim.lr=1e-2", "--optim.warmup_steps=2", "--optim.schedule=constant",
+            "--tracking.enabled=false"]
+    full = train(load_config(None, [*args, "--run.name=whole", "--train.steps=20"]),
+                 log=print)
+    train(load_config(None, [*args, "--run.name=split", "--train.steps=10"]), log=print)
+    split = train(load_config(None, [*args, "--run.name=split", "--train.steps=20"]),
                   log=print)
-    out = train(load_config(None, [*args, "--run.name=chat", "--train.steps=40"]), log=print)
-    assert out["status"] == "finished" and out["final_step"] == 40 and out["workers"] == 2
-    # The loss is over the answers only: it starts near ln(vocab) and falls well below it.
-    assert short["train_loss"] > 5.0 and out["val_loss"] < 0.6 * short["train_loss"]
-    assert out["samples"]["duplicated"] == 0 and out["samples"]["skipped"] == 0
+    assert full["status"] == split["status"] == "finished" and split["resumed_from_step"] == 10
+    assert full["workers"] == 2
+    assert split["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
+    assert split["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
+    assert split["samples"]["duplicated"] == 0 and split["samples"]["skipped"] == 0
+    # The 2 ranks' checkpoint holds the adapters (and their Adam state), not the base.
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(split["checkpoint_path"]).read_metadata().state_dict_metadata
+    tensors = [k for k in keys if k.startswith(("model.", "optim.state."))]
+    assert tensors and all(".lora_" in k for k in tensors)
 
     # Asked as it was trained (the default template's "User: ...", "Assistant: "), the model
-    # gives an answer and stops there: it has learned that an answer ends with EOS, not with
-    # another turn. (Forty steps of a 4M-parameter model do not yet reverse the words.)
+    # gives an answer and stops there rather than writing another turn.
     from raylm.cli import main
 
     capsys.readouterr()
-    assert main(["generate", str(tmp_path / "runs" / "chat"), "--chat",
+    assert main(["generate", str(tmp_path / "runs" / "split"), "--chat",
                  "Reverse: river mill bread", "--temperature=0", "--max-new-tokens=24"]) == 0
     answer = capsys.readouterr().out
-    assert answer.strip() and not any(m in answer for m in ("User:", "Assistant:", "System:"))
+    assert not any(m in answer for m in ("User:", "Assistant:", "System:")), answer
