@@ -8,7 +8,7 @@
                  [--command train|tune] [--env KEY=VALUE ...] [--pip PKG ...] [--image URI]
                  [--no-code] [--no-wait]
     raylm jobs list|status ID|logs ID [--follow]|stop ID [--address http://HEAD:8265]
-    raylm export RUN_DIR --output DIR
+    raylm export RUN_DIR --output DIR [--merge]
     raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT | --chat MESSAGE] [--max-new-tokens N]
                    [--temperature T]
 
@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "model directory")
     ex.add_argument("run_dir", help="the run directory (run.storage_path/run.name)")
     ex.add_argument("--output", required=True, help="directory for the exported model")
+    ex.add_argument("--merge", action="store_true",
+                    help="LoRA runs: write the base with the adapters merged in, instead of a "
+                         "PEFT adapter directory")
     gen = sub.add_parser("generate", help="sample text from a run directory or exported model")
     gen.add_argument("source", help="a run directory or an exported model directory")
     gen.add_argument("--prompt", default="", help="text to continue")
@@ -231,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "export":
             from raylm.export import export
 
-            print(f"exported to {export(args.run_dir, args.output)}")
+            print(f"exported to {export(args.run_dir, args.output, merge=args.merge)}")
             return 0
         if args.command == "generate":
             from raylm.export import generate

@@ -33,9 +33,10 @@ def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
         storage.upload(tokenizer_path, target)
 
 
-def load_run_model(run_dir: str | Path):
+def load_run_model(run_dir: str | Path, *, merge: bool = True):
     """(model in eval mode, local tokenizer directory, step) from a run's newest verified
-    checkpoint. A run in object storage has its tokenizer fetched to a temporary directory."""
+    checkpoint. A LoRA run's adapters are merged into the base unless ``merge`` is false. A run
+    in object storage has its tokenizer fetched to a temporary directory."""
 
     rd = storage.normalize(run_dir)
     if not storage.is_file(storage.join(rd, RUN_INFO)):
@@ -60,7 +61,7 @@ def load_run_model(run_dir: str | Path):
         checkpoint.load_pretrained_weights(model, cfg.model.path)
     state = checkpoint.load(found[0], model=model, optimizer=None, config=config,
                             adapters=lora.settings(cfg.lora))
-    if args:
+    if args and merge:
         lora.merge_adapters(model)
     model.eval()
     tokenizer_dir = storage.join(rd, TOKENIZER_DIR)
@@ -70,30 +71,60 @@ def load_run_model(run_dir: str | Path):
     return model, Path(tokenizer_dir), int(state["step"])
 
 
-def export(run_dir: str | Path, output: str | Path) -> Path:
-    """Write the run's newest checkpoint as a model directory that plain ``transformers``
-    clients (``from_pretrained``, ``generate``, ``pipeline``) use as it is: the KV cache on
-    (training turns it off; without it every new token re-runs the whole sequence, 2x slower
-    at 300 tokens on the tiny model), EOS and padding named, and the tokenizer's length limit
-    set to the model's positions."""
+def export(run_dir: str | Path, output: str | Path, *, merge: bool = False) -> Path:
+    """Write the run's newest checkpoint as a directory plain clients use as it is.
+
+    A full model: a Hugging Face model directory (``from_pretrained``, ``generate``,
+    ``pipeline``), with the KV cache on (training turns it off; without it every new token
+    re-runs the whole sequence), EOS and padding named, and the tokenizer's length limit set to
+    the model's positions. A LoRA run: a PEFT adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``, written by peft itself) that ``PeftModel.from_pretrained``
+    loads onto the base model, or, with ``merge``, the merged model as a full directory. The
+    tokenizer (with its chat template, if any) goes with either."""
     from transformers import AutoTokenizer
 
-    model, tokenizer_dir, step = load_run_model(run_dir)
+    info = json.loads(storage.read_text(storage.join(storage.normalize(run_dir), RUN_INFO))) \
+        if storage.is_file(storage.join(storage.normalize(run_dir), RUN_INFO)) else None
+    adapters = info is not None and lora.adapter_args(config_from_dict(info["config"]).lora)
+    model, tokenizer_dir, step = load_run_model(run_dir, merge=merge or not adapters)
     out = Path(output).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     model.config.use_cache = True
     gen = model.generation_config
     gen.use_cache = True
     gen.eos_token_id = gen.pad_token_id = model.config.eos_token_id
-    model.save_pretrained(str(out), safe_serialization=True)
+    if adapters and not merge:
+        _save_adapters(model, config_from_dict(info["config"]), out)
+    else:
+        model.save_pretrained(str(out), safe_serialization=True)
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy(f, out / f.name)
     tok = AutoTokenizer.from_pretrained(str(out))
     tok.model_max_length = max_positions(model.config)
     tok.save_pretrained(str(out))
     (out / "raylm_export.json").write_text(json.dumps(
-        {"run_dir": storage.normalize(run_dir), "step": step}, indent=1))
+        {"run_dir": storage.normalize(run_dir), "step": step,
+         "kind": "lora-adapter" if adapters and not merge else "model"}, indent=1))
     return out
+
+
+def _save_adapters(model: torch.nn.Module, cfg, out: Path) -> None:
+    """The trained adapters as peft writes them: a PeftModel on the base (from model.path),
+    given raylm's adapter weights (the injected layers have the same names), saved by peft."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lo = cfg.lora
+    base = AutoModelForCausalLM.from_pretrained(cfg.model.path)
+    peft_model = get_peft_model(base, LoraConfig(
+        r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
+        target_modules=list(lo.target_modules), bias="none"))
+    trained = {n: p for n, p in model.state_dict().items() if lora.ADAPTER_MARK in n}
+    result = peft_model.base_model.model.load_state_dict(trained, strict=False)
+    if result.unexpected_keys or any(lora.ADAPTER_MARK in k for k in result.missing_keys):
+        raise RuntimeError(f"adapter names do not match peft's: {result.unexpected_keys[:3]} "
+                           f"{[k for k in result.missing_keys if lora.ADAPTER_MARK in k][:3]}")
+    peft_model.save_pretrained(str(out))
 
 
 @torch.no_grad()

@@ -179,3 +179,23 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
                  "Reverse: river mill bread", "--temperature=0", "--max-new-tokens=24"]) == 0
     answer = capsys.readouterr().out
     assert not any(m in answer for m in ("User:", "Assistant:", "System:")), answer
+
+    # Exported as peft's adapter directory, loaded onto the base with peft, it computes what
+    # the merged export computes.
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir = str(tmp_path / "runs" / "split")
+    assert main(["export", run_dir, "--output", str(tmp_path / "adapter")]) == 0
+    assert main(["export", run_dir, "--output", str(tmp_path / "merged"), "--merge"]) == 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(pretrained)),
+                                        str(tmp_path / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    ids = torch.randint(1, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+        base = AutoModelForCausalLM.from_pretrained(str(pretrained)).eval()
+        assert not torch.allclose(base(input_ids=ids).logits, merged(input_ids=ids).logits)
