@@ -383,6 +383,10 @@ class TuneConfig:
     """Minimum-LR ratios to choose among; empty keeps optim.min_lr_ratio."""
     weight_decays: list[float] = field(default_factory=list)
     """Weight decays to choose among; empty keeps optim.weight_decay."""
+    lora_ranks: list[int] = field(default_factory=list)
+    """LoRA ranks to choose among (each >= 1; needs model.path); empty keeps lora.rank."""
+    lora_alphas: list[float] = field(default_factory=list)
+    """LoRA alphas to choose among; empty keeps lora.alpha."""
     num_samples: int = 8
     """Trials in the sweep (random and optuna); grid runs every combination once."""
     lr_points: int = 3
@@ -625,6 +629,11 @@ def validate(cfg: Config) -> Config:
            "numbers 0 <= x <= 1")
     _check(all(w >= 0 for w in tu.weight_decays), "tune.weight_decays", tu.weight_decays,
            "numbers >= 0")
+    _check(all(r >= 1 for r in tu.lora_ranks) and (not tu.lora_ranks or bool(cfg.model.path)),
+           "tune.lora_ranks", tu.lora_ranks,
+           "ranks >= 1, with model.path naming the pretrained model they adapt")
+    _check(all(a > 0 for a in tu.lora_alphas), "tune.lora_alphas", tu.lora_alphas,
+           "numbers > 0")
     bad = [s for s in tu.schedules if s not in SCHEDULES]
     _check(bool(tu.schedules) and not bad, "tune.schedules", tu.schedules,
            f"a non-empty list drawn from {', '.join(SCHEDULES)}")

@@ -55,7 +55,9 @@ def search_space(cfg: Config) -> dict[str, Any]:
     choices = {"optim.schedule": tu.schedules,
                "optim.warmup_steps": tu.warmup_steps or [o.warmup_steps],
                "optim.min_lr_ratio": tu.min_lr_ratios or [o.min_lr_ratio],
-               "optim.weight_decay": tu.weight_decays or [o.weight_decay]}
+               "optim.weight_decay": tu.weight_decays or [o.weight_decay],
+               "lora.rank": tu.lora_ranks or [cfg.lora.rank],
+               "lora.alpha": tu.lora_alphas or [cfg.lora.alpha]}
     if tu.search == "grid":
         n = tu.lr_points
         # Largest first, so that ASHA has records to compare the smallest (slowest) against.

@@ -74,3 +74,22 @@ def test_autoscaling_cluster_queues_trials_instead_of_refusing():
     assert concurrent_trials(cfg, {"CPU": 1}) == 6
     capped = load_config(None, ["--scaling.wait_for_nodes=true", "--tune.max_concurrent=2"])
     assert concurrent_trials(capped, {}) == 2
+
+
+def test_lora_ranks_and_alphas_are_swept_beside_the_schedule(tmp_path):
+    from raylm.config import ConfigError
+
+    model = ["--model.path=/models/base", "--lora.rank=8"]
+    cfg = load_config(None, [*model, "--tune.search=grid", "--tune.lr_points=1",
+                             "--tune.schedules=[constant]", "--tune.lora_ranks=[4, 16]",
+                             "--tune.lora_alphas=[8, 32]"])
+    space = search_space(cfg)
+    assert space["lora.rank"]["grid_search"] == [4, 16]
+    assert space["lora.alpha"]["grid_search"] == [8.0, 32.0]
+    trial = trial_config(cfg.to_dict(), {"optim.lr": 1e-3, "lora.rank": 16, "lora.alpha": 32.0},
+                         trials_dir=str(tmp_path), trial_id="t_00001", prepared="/data/p")
+    assert (trial.lora.rank, trial.lora.alpha) == (16, 32.0)
+    # Without the lists, every trial keeps the base config's adapters.
+    assert search_space(load_config(None, model))["lora.rank"].categories == [8]
+    with pytest.raises(ConfigError, match="tune.lora_ranks"):
+        load_config(None, ["--tune.lora_ranks=[4]"])  # no model.path to adapt
