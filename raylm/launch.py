@@ -189,6 +189,8 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
                       resources=resources, callbacks=callbacks).fit()
+        if tracker and cfg.lora.rank:
+            log_adapter(rd, tracker)
     except Exception as e:  # Ray Train raises once max_failures is used up
         error = e
     finally:
@@ -208,6 +210,18 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
         log(f"raylm: MLflow run {tracker.run_id} ({tracker.uri}); browse with: mlflow ui "
             f"--backend-store-uri {tracker.uri}")
     return summary
+
+
+def log_adapter(run_dir: str, tracker: tracking.Tracker) -> None:
+    """A LoRA run's final adapter, exported as peft writes it, as the MLflow artifact
+    ``adapter/`` (megabytes: the adapters, not the base model)."""
+    import tempfile
+    from pathlib import Path
+
+    from raylm.export import export
+
+    with tempfile.TemporaryDirectory(prefix="raylm-adapter-") as tmp:
+        tracker.log_model_dir(export(run_dir, Path(tmp) / "adapter"), "adapter")
 
 
 def check_resumable(cfg: Config, *, vocab_size: int, eos_id: int, log

@@ -89,6 +89,9 @@ class Tracker:
     def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
         pass
 
+    def log_model_dir(self, directory: Path, artifact_path: str) -> None:
+        pass
+
     def finish(self, *, failed: bool) -> None:
         pass
 
@@ -219,6 +222,11 @@ class MLflowTracker(Tracker):
         if child:
             client.set_tag(child, "raylm.best", "true")
             client.set_tag(self.run_id, "raylm.best_run_id", child)
+
+    def log_model_dir(self, directory: Path, artifact_path: str) -> None:
+        """An exported directory (a LoRA run's adapter) as artifacts of the run."""
+        self._guard(f"record the {artifact_path}", lambda client: client.log_artifacts(
+            self.run_id, str(directory), artifact_path))
 
     def finish(self, *, failed: bool) -> None:
         self._guard("close the run", lambda client: client.set_terminated(

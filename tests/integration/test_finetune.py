@@ -153,8 +153,16 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
             "--train.eval_every=10", "--train.eval_batches=2", "--checkpoint.every=10",
             "--optim.lr=1e-2", "--optim.warmup_steps=2", "--optim.schedule=constant",
             "--tracking.enabled=false"]
-    full = train(load_config(None, [*args, "--run.name=whole", "--train.steps=20"]),
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    full = train(load_config(None, [*args, "--run.name=whole", "--train.steps=20",
+                                    "--tracking.enabled=true", f"--tracking.uri={store}"]),
                  log=print)
+    # MLflow holds the run's final adapter as peft writes it.
+    from mlflow import MlflowClient
+
+    logged = {a.path for a in MlflowClient(store).list_artifacts(full["mlflow_run_id"],
+                                                                 "adapter")}
+    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= logged
     train(load_config(None, [*args, "--run.name=split", "--train.steps=10"]), log=print)
     split = train(load_config(None, [*args, "--run.name=split", "--train.steps=20"]),
                   log=print)
