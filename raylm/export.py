@@ -127,37 +127,61 @@ def _save_adapters(model: torch.nn.Module, cfg, out: Path) -> None:
     peft_model.save_pretrained(str(out))
 
 
-@torch.no_grad()
+class Generator:
+    """A model loaded once (from a run directory or a model directory) to sample from many
+    times: continuations of text, or answers to conversations rendered as fine-tuning rendered
+    them (the tokenizer's chat template, else raylm's default; see :mod:`raylm.chat`)."""
+
+    def __init__(self, source: str | Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from raylm.chat import template_for
+
+        src = storage.normalize(source)
+        if storage.is_file(storage.join(src, RUN_INFO)):
+            self.model, tok_dir, _ = load_run_model(src)
+        elif storage.is_file(storage.join(src, "config.json")) and not storage.is_uri(src):
+            self.model, tok_dir = AutoModelForCausalLM.from_pretrained(str(src)).eval(), src
+        else:
+            raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
+        self.tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        self.template = template_for(self.tok)
+
+    def complete(self, prompt: str, **sampling) -> str:
+        ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        return self._sample(ids, **sampling)
+
+    def answer(self, messages: list[dict[str, str]], **sampling) -> str:
+        """The assistant's answer to ``messages`` (which end with a user turn)."""
+        from raylm.chat import generation_prompt
+        from raylm.corpus import normalize
+
+        messages = [{"role": m["role"], "content": normalize(m["content"])} for m in messages]
+        ids = generation_prompt(messages, self.tok.backend_tokenizer, self.template,
+                                eos_id=self.tok.eos_token_id)
+        return self._sample(torch.from_numpy(ids.astype("int64"))[None], **sampling)
+
+    @torch.no_grad()
+    def _sample(self, ids: torch.Tensor, *, max_new_tokens: int = 64, temperature: float = 0.8,
+                top_k: int = 50, seed: int = 0) -> str:
+        if ids.shape[1] == 0:
+            ids = torch.tensor([[self.tok.eos_token_id]])
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None, top_k=top_k,
+            pad_token_id=self.tok.eos_token_id, use_cache=True)
+        return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
 def generate(source: str | Path, prompt: str = "", *, chat: str | None = None,
              max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 50,
              seed: int = 0) -> str:
     """Sample a continuation of ``prompt`` from a run directory or an exported model; or, with
-    ``chat``, the answer to that user message, rendered as fine-tuning rendered conversations
-    (the tokenizer's chat template, else raylm's default; see :mod:`raylm.chat`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from raylm.chat import generation_prompt, template_for
-    from raylm.corpus import normalize
-
-    src = storage.normalize(source)
-    if storage.is_file(storage.join(src, RUN_INFO)):
-        model, tok_dir, _ = load_run_model(src)
-    elif storage.is_file(storage.join(src, "config.json")) and not storage.is_uri(src):
-        model, tok_dir = AutoModelForCausalLM.from_pretrained(str(src)), src
-    else:
-        raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    ``chat``, the answer to that user message (see :class:`Generator`)."""
+    g = Generator(source)
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                    seed=seed)
     if chat is not None:
-        messages = [{"role": "user", "content": normalize(chat)}]
-        ids = torch.from_numpy(generation_prompt(
-            messages, tok.backend_tokenizer, template_for(tok),
-            eos_id=tok.eos_token_id).astype("int64"))[None]
-    else:
-        ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    if ids.shape[1] == 0:
-        ids = torch.tensor([[tok.eos_token_id]])
-    torch.manual_seed(seed)
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                         temperature=temperature if temperature > 0 else None, top_k=top_k,
-                         pad_token_id=tok.eos_token_id, use_cache=True)
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        return g.answer([{"role": "user", "content": chat}], **sampling)
+    return g.complete(prompt, **sampling)
