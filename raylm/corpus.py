@@ -278,22 +278,8 @@ def _rows(f: SourceFile, fields: list[str]) -> Iterator[tuple]:
     """``(row, reason, line)``: each row of a JSONL/Parquet/Arrow file as a mapping of the
     ``fields`` (absent ones None), or the reason it cannot be read."""
     if f.format == "jsonl":
-        with open(f.path, "rb") as fh:
-            for lineno, raw in enumerate(fh, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    yield None, "undecodable", lineno
-                    continue
-                except ValueError:
-                    yield None, "malformed", lineno
-                    continue
-                if not isinstance(obj, dict):
-                    yield None, "malformed", lineno
-                    continue
-                yield {k: obj.get(k) for k in fields}, None, lineno
+        for obj, reason, lineno in _jsonl_objects(f):
+            yield (None if obj is None else {k: obj.get(k) for k in fields}), reason, lineno
         return
     columns = {k: _table_column(f, k) for k in fields}
     rows = max((len(c) for c in columns.values() if c is not None), default=None)
@@ -354,31 +340,39 @@ def _text_records(f: SourceFile, *, text_unit: str, **_) -> Iterator[tuple]:
             yield (None, "undecodable", start) if bad else ("".join(para), None, start)
 
 
-def _jsonl_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
+def _jsonl_objects(f: SourceFile) -> Iterator[tuple]:
+    """``(object, None, line)`` for each JSON object line of a JSONL file, or ``(None, reason,
+    line)`` for a line that is not one."""
     with open(f.path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue  # blank lines separate nothing and hold no record
             try:
-                line = raw.decode("utf-8")
+                obj = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:
                 yield None, "undecodable", lineno
                 continue
-            try:
-                obj = json.loads(line)
             except ValueError:
                 yield None, "malformed", lineno
                 continue
             if not isinstance(obj, dict):
                 yield None, "malformed", lineno
                 continue
-            value = obj.get(text_field)
-            if value is None:
-                yield None, "missing_field", lineno
-            elif not isinstance(value, str):
-                yield None, "malformed", lineno
-            else:
-                yield value, None, lineno
+            yield obj, None, lineno
+
+
+def _jsonl_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
+    for obj, reason, lineno in _jsonl_objects(f):
+        if obj is None:
+            yield None, reason, lineno
+            continue
+        value = obj.get(text_field)
+        if value is None:
+            yield None, "missing_field", lineno
+        elif not isinstance(value, str):
+            yield None, "malformed", lineno
+        else:
+            yield value, None, lineno
 
 
 def _table_batches(f: SourceFile, column: str):

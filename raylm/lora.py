@@ -57,9 +57,7 @@ def _name_seed(seed: int, name: str) -> int:
 def init_adapters(model: nn.Module, *, seed: int) -> None:
     """Fill the materialized adapters (full tensors or FSDP shards): A uniform in
     +-1/sqrt(fan_in) by (seed, name), B zero."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from raylm.model import canonical_name
+    from raylm.model import canonical_name, copy_full
 
     for wrapped, param in model.named_parameters():
         name = canonical_name(wrapped)
@@ -71,12 +69,7 @@ def init_adapters(model: nn.Module, *, seed: int) -> None:
             full = torch.empty(param.shape).uniform_(-bound, bound, generator=gen)
         else:
             continue
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
-                                      src_data_rank=None)
-            param.to_local().copy_(local.to_local())
-        else:
-            param.copy_(full.to(param.dtype))
+        copy_full(param, full)
 
 
 def base_name(name: str) -> str:

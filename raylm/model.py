@@ -136,8 +136,6 @@ def init_weights(model: nn.Module, *, seed: int, num_layers: int) -> None:
     (o_proj, down_proj) are scaled by 1/sqrt(2 * layers) (GPT-2's rule, keeps the residual
     variance flat with depth); norms = 1; biases = 0.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     residual_std = INIT_STD / (2 * num_layers) ** 0.5
     for wrapped_name, param in model.named_parameters():
         name = canonical_name(wrapped_name)
@@ -152,13 +150,22 @@ def init_weights(model: nn.Module, *, seed: int, num_layers: int) -> None:
             std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
             gen = torch.Generator().manual_seed(_name_seed(seed, name))
             full = torch.empty(shape).normal_(0.0, std, generator=gen)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
-                                      src_data_rank=None)
-            param.to_local().copy_(local.to_local())
-        else:
-            param.copy_(full.to(param.dtype))
+        copy_full(param, full)
     reset_buffers(model)
+
+
+@torch.no_grad()
+def copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Set ``param`` (a full tensor or this rank's FSDP DTensor shard) from the parameter's
+    full value, computed alike on every rank."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        local = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
+                                  src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full.to(param.dtype))
 
 
 @torch.no_grad()
