@@ -7,12 +7,15 @@ import pytest
 def ray_cluster():
     """One local Ray cluster for every module that needs a plain one (starting one takes ~10 s
     here); the modules that need another shape (several nodes, an autoscaler, a job server)
-    run before these, in their own processes or shut theirs down."""
+    run before these (pytest takes modules in name order: autoscaling, elastic, jobs, then
+    notebooks, pipeline, sft, train, tune), in their own processes or shut theirs down: the
+    jobs module's `ray stop --force` would take this cluster down with its own."""
     import ray
 
     # Four logical CPUs on this two-core machine: two training workers plus their readers and
     # the Train controller, which mostly wait. With the dashboard: Ray Train's placement-group
     # cleaner asks the state API whether the controller of a trial that Tune stopped is gone.
-    ray.init(num_cpus=4, include_dashboard=True, log_to_driver=False)
+    # address="local": a new cluster, never the head another module's `ray start` recorded.
+    ray.init(address="local", num_cpus=4, include_dashboard=True, log_to_driver=False)
     yield
     ray.shutdown()
