@@ -13,6 +13,11 @@ order is what makes the output, and so every later run, reproducible. The driver
 hash per unique document (a Python set: ~70 bytes each, 70 MB for a million documents) and less
 than one row group of blocks; all else streams.
 
+Fine-tuning examples (``data.format`` chat or prompt_completion) take the same path: the tasks
+read them as checked JSON, render and tokenize them with their loss mask (:mod:`raylm.chat`,
+:class:`ExampleRenderer`), and the driver packs them whole (:class:`raylm.packing.
+ExamplePacker`); their blocks carry a ``loss_mask`` column, which the readers pass on.
+
 Training (``build_train_stream``) never uses ``streaming_split``: it hands out blocks to
 whichever worker asks first, so two runs see different orders (measured: two runs of
 ``streaming_split(2, equal=True)`` over 2,000 rows gave each rank a different sequence). Instead
@@ -44,10 +49,10 @@ import pyarrow.parquet as pq
 from raylm.config import Config, cache_dir
 from raylm.corpus import (
     DROP_REASONS,
-    SourceError,
     EXAMPLE_DROP_REASONS,
     EXAMPLE_FORMATS,
     PREPARED_MANIFEST,
+    SourceError,
     SourceFile,
     content_hash,
     fingerprint_files,
