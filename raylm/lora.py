@@ -44,10 +44,6 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, dropout: float,
     return model
 
 
-def has_adapters(model: nn.Module) -> bool:
-    return any(ADAPTER_MARK in name for name, _ in model.named_parameters())
-
-
 def _name_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"lora:{seed}:{name}".encode(), digest_size=8)
                           .digest(), "little") & ((1 << 63) - 1)
@@ -70,12 +66,6 @@ def init_adapters(model: nn.Module, *, seed: int) -> None:
         else:
             continue
         copy_full(param, full)
-
-
-def base_name(name: str) -> str:
-    """A parameter's name in the model without adapters (``q_proj.base_layer.weight`` ->
-    ``q_proj.weight``): what pretrained weights and plain initialization use."""
-    return name.replace(".base_layer.", ".")
 
 
 def adapter_args(lora) -> dict | None:
