@@ -33,16 +33,21 @@ def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
         storage.upload(tokenizer_path, target)
 
 
+def read_run_info(run_dir: str) -> dict:
+    """``RUN_DIR/run.json``: the resolved config, vocabulary and EOS id."""
+    if not storage.is_file(storage.join(run_dir, RUN_INFO)):
+        raise ValueError(f"{run_dir} is not a raylm run directory (no {RUN_INFO}); pass the "
+                         f"directory `raylm train` printed as its run dir.")
+    return json.loads(storage.read_text(storage.join(run_dir, RUN_INFO)))
+
+
 def load_run_model(run_dir: str | Path, *, merge: bool = True):
     """(model in eval mode, local tokenizer directory, step) from a run's newest verified
     checkpoint. A LoRA run's adapters are merged into the base unless ``merge`` is false. A run
     in object storage has its tokenizer fetched to a temporary directory."""
 
     rd = storage.normalize(run_dir)
-    if not storage.is_file(storage.join(rd, RUN_INFO)):
-        raise ValueError(f"{rd} is not a raylm run directory (no {RUN_INFO}); pass the "
-                         f"directory `raylm train` printed as its run dir.")
-    info = json.loads(storage.read_text(storage.join(rd, RUN_INFO)))
+    info = read_run_info(rd)
     cfg = config_from_dict(info["config"])
     found = checkpoint.latest_verified(rd)
     if found is None:
@@ -83,9 +88,8 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False) -> P
     tokenizer (with its chat template, if any) goes with either."""
     from transformers import AutoTokenizer
 
-    info = json.loads(storage.read_text(storage.join(storage.normalize(run_dir), RUN_INFO))) \
-        if storage.is_file(storage.join(storage.normalize(run_dir), RUN_INFO)) else None
-    adapters = info is not None and lora.adapter_args(config_from_dict(info["config"]).lora)
+    cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
+    adapters = lora.adapter_args(cfg.lora)
     model, tokenizer_dir, step = load_run_model(run_dir, merge=merge or not adapters)
     out = Path(output).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +98,7 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False) -> P
     gen.use_cache = True
     gen.eos_token_id = gen.pad_token_id = model.config.eos_token_id
     if adapters and not merge:
-        _save_adapters(model, config_from_dict(info["config"]), out)
+        _save_adapters(model, cfg, out)
     else:
         model.save_pretrained(str(out), safe_serialization=True)
     for f in Path(tokenizer_dir).iterdir():
