@@ -267,6 +267,10 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Linear layers that get adapters (default: every linear layer of attention and MLP)."""
+    base_quantization: Literal["none", "nf4"] = "none"
+    """QLoRA: ``nf4`` holds the frozen base weights of the adapted layers in 4-bit NormalFloat
+    (torchao's NF4 tensor, which FSDP2 shards and all-gathers as 4-bit data), dequantized per
+    layer in the forward pass. CUDA workers only (``scaling.use_gpu: true``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -600,6 +604,12 @@ def validate(cfg: Config) -> Config:
            lo.target_modules, "a non-empty list of linear layer names (q_proj, ...)")
     _check(not lo.rank or bool(cfg.model.path), "lora.rank", lo.rank,
            "0 unless model.path names the pretrained model the adapters adapt")
+    if lo.base_quantization == "nf4":
+        _check(bool(lo.rank), "lora.base_quantization", lo.base_quantization,
+               "none unless lora.rank >= 1 (an NF4 base is frozen: only adapters train)")
+        _check(sc.use_gpu, "lora.base_quantization", lo.base_quantization,
+               "none on CPU workers: NF4 bases run on CUDA (set scaling.use_gpu=true on a "
+               "cluster with GPUs, or train the adapters on an unquantized base)")
     _check(cfg.checkpoint.every >= 1, "checkpoint.every", cfg.checkpoint.every, ">= 1")
     _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, ">= 1")
     nw = sc.num_workers

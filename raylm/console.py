@@ -48,6 +48,15 @@ def quiet_libraries(verbose: bool) -> None:
     logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"])
 
 
+def quiet_torchao() -> None:
+    """Call before importing peft or torchao. Installed, torchao is imported by peft and
+    transformers, and warns on import that its CUDA extensions built for other Python versions
+    do not load and that torch deprecates a registration it makes: four lines about the
+    installation in every process that touches LoRA, none about the run. Its errors print."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
 def train_log_level(verbose: bool) -> str:
     """The level of Ray Train's own ``ray.train`` console lines (controller and workers)."""
     return "INFO" if verbose else "WARNING"

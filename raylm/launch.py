@@ -26,7 +26,7 @@ from raylm.config import Config, run_dir, storage_root
 from raylm.console import quiet_libraries, train_log_level
 from raylm.data import LAYOUT, READER_CPUS, prepared_dir
 from raylm.export import write_run_info
-from raylm.model import build_config, check_seq_len
+from raylm.model import build_config, build_meta_model, check_seq_len
 from raylm.optim import EXTEND_CLEANLY, schedule_change
 from raylm.record import SUMMARY, RunRecord
 from raylm.tokenizer import load_backend
@@ -38,8 +38,17 @@ def cluster_capacity() -> dict[str, float]:
 
 
 def check_request(cfg: Config) -> None:
-    """What can be refused without the cluster: the sequence length against the model."""
+    """What can be refused without the cluster: the sequence length against the model, and an
+    NF4 base whose layers do not shard into whole quantization blocks at every worker count
+    the run may have."""
     check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
+    if cfg.lora.base_quantization == "nf4":
+        config = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
+                              eos_id=0, attn_implementation="sdpa")
+        model = lora.add_adapters(build_meta_model(config), **lora.adapter_args(cfg.lora))
+        fewest, most = cfg.scaling.worker_range
+        for workers in range(fewest, most + 1):
+            lora.check_nf4_shapes(model, list(cfg.lora.target_modules), workers)
 
 
 @dataclass(frozen=True)
@@ -178,7 +187,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
         f"{layout['splits']['train']['blocks']:,} blocks of {layout['seq_len']} tokens, run dir "
         f"{rd}")
     write_run_info(rd, config=cfg.to_dict(), vocab_size=vocab, eos_id=eos,
-                   tokenizer_path=manifest["tokenizer_path"])
+                   tokenizer_path=manifest["tokenizer_path"], prepared=str(prepared))
     tracker = tracking.start(cfg, log=log, parent=tracking_parent)
     record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
                        verbose=cfg.run.verbose)

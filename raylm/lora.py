@@ -12,6 +12,14 @@ adapted model starts as the base model.
 Only the trainable parameters (and their optimizer state) go into checkpoints: the base comes
 from ``model.path`` on every start, so a checkpoint of a 1B model's rank-16 adapters is tens of
 megabytes, not gigabytes.
+
+QLoRA (``lora.base_quantization: nf4``): the frozen weight of every adapted layer is held as
+torchao's ``NF4Tensor`` (4-bit NormalFloat in blocks of 64 values, their scales quantized again
+in blocks of 256), which knows how FSDP2 splits and all-gathers it, and dequantizes in the
+linear's forward. Its quantization constants come from the whole tensor, so it must be
+quantized before sharding and alike on every rank: :func:`load_quantized_base` materializes
+the meta model one tensor at a time (read on rank 0, broadcast, NF4-quantized on each rank),
+so no rank ever holds the unquantized model, and FSDP2 then shards what it built.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import hashlib
 import torch
 from torch import nn
 
+from raylm.console import quiet_torchao
+
 ADAPTER_MARK = ".lora_"
 
 
@@ -28,6 +38,7 @@ def add_adapters(model: nn.Module, *, rank: int, alpha: float, dropout: float,
                  target_modules: list[str]) -> nn.Module:
     """Inject LoRA adapters (on whatever device the model is, meta included) and freeze the
     rest; returns the same model."""
+    quiet_torchao()
     from peft import LoraConfig, inject_adapter_in_model
 
     found = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
@@ -90,6 +101,7 @@ def settings(lora) -> dict:
 def merge_adapters(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put the plain linear layer back: the model
     a Hugging Face client loads without peft. Returns the same model."""
+    quiet_torchao()
     from peft.tuners.lora import LoraLayer
 
     for name, module in list(model.named_modules()):
@@ -98,3 +110,77 @@ def merge_adapters(model: nn.Module) -> nn.Module:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, module.base_layer)
     return model
+
+
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+
+
+def check_nf4_shapes(model: nn.Module, target_modules: list[str], world_size: int) -> None:
+    """Each quantized weight must split into whole quantization blocks per rank (FSDP2 shards
+    it by rows, and an NF4 shard is whole blocks of whole scale blocks)."""
+    unit = NF4_BLOCK * NF4_SCALER_BLOCK * world_size
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in target_modules:
+            rows, cols = m.weight.shape
+            if rows % world_size or (rows * cols) % unit:
+                raise ValueError(
+                    f"lora.base_quantization=nf4: {name}.weight ({rows}x{cols}) does not split "
+                    f"into {world_size} shards of whole NF4 blocks ({NF4_BLOCK} values x "
+                    f"{NF4_SCALER_BLOCK} per scale block per rank); leave that layer out of "
+                    f"lora.target_modules or use fewer workers.")
+
+
+@torch.no_grad()
+def load_quantized_base(model: nn.Module, path: str, device: torch.device) -> int:
+    """Materialize the meta ``model`` (with adapters injected) on ``device`` from the pretrained
+    weights in ``path``: the base weight of every adapted layer as a frozen NF4 tensor, every
+    other pretrained weight as it is, adapters empty (for :func:`init_adapters`), non-persistent
+    buffers recomputed. Rank 0 reads each tensor and broadcasts it; returns how many weights
+    were quantized."""
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    quiet_torchao()
+    from torchao.quantization import to_nf4
+
+    from raylm.checkpoint import CheckpointError
+    from raylm.model import reset_buffers
+
+    distributed = dist.is_initialized()
+    rank0 = not distributed or dist.get_rank() == 0
+    where: dict[str, object] = {}
+    if rank0:
+        from pathlib import Path
+
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"model.path: {path} holds no .safetensors weights.")
+        for f in files:
+            handle = safe_open(str(f), "pt", device="cpu")
+            where.update({k: handle for k in handle.keys()})
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    quantized = 0
+    for name, param in list(model.named_parameters()):
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        value = torch.empty(param.shape, dtype=param.dtype, device=device)
+        if ADAPTER_MARK not in name:
+            if rank0:
+                stored = name.replace(".base_layer.", ".")
+                if stored not in where:
+                    raise CheckpointError(f"model.path: {path} lacks {stored}")
+                value.copy_(where[stored].get_tensor(stored))
+            if distributed:
+                dist.broadcast(value, src=0)
+        if name.endswith(".base_layer.weight"):
+            value = to_nf4(value, NF4_BLOCK, NF4_SCALER_BLOCK)
+            quantized += 1
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=param.requires_grad)
+    if tied:
+        model.tie_weights()
+    for name, buf in list(model.named_buffers()):
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        module._buffers[leaf] = torch.empty_like(buf, device=device)
+    reset_buffers(model)
+    return quantized

@@ -84,7 +84,8 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
     torch.distributed is initialized with more than one rank); returns it."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    if precision == "bf16-true":
+    # An NF4 base arrives in bf16 already, and ``.to(dtype)`` would dequantize it.
+    if precision == "bf16-true" and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
     blocks = decoder_blocks(model)
     for i, block in enumerate(blocks):

@@ -25,7 +25,7 @@ from torch import nn
 
 from raylm.attention import AttentionChoice, choose_attention
 from raylm.checkpoint import load_pretrained_weights
-from raylm.lora import add_adapters, init_adapters
+from raylm.lora import add_adapters, check_nf4_shapes, init_adapters, load_quantized_base
 from raylm.model import build_config, build_meta_model, init_weights
 from raylm.parallelize import (
     DATA_PARALLEL,
@@ -84,24 +84,37 @@ class Built:
 def build_training_model(*, preset: str | None, path: str | None, vocab_size: int, eos_id: int,
                          device: torch.device, precision: str = "auto", attention: str = "auto",
                          cross_document: bool = True, plan: ParallelPlan = DATA_PARALLEL,
-                         seed: int = 0, lora: dict[str, Any] | None = None) -> Built:
+                         seed: int = 0, lora: dict[str, Any] | None = None,
+                         base_quantization: str = "none") -> Built:
     """Build on meta (with LoRA adapters when ``lora`` gives a rank: see :mod:`raylm.lora`),
     parallelize, materialize on ``device``, initialize (or load pretrained weights, read once
-    on rank 0 and scattered)."""
+    on rank 0 and scattered). With ``base_quantization="nf4"`` (QLoRA) the adapted layers'
+    base weights are NF4-quantized as they are loaded, before sharding."""
     choice = choose_attention(device.type, requested=attention, cross_document=cross_document)
     precision = resolve_precision(precision, device.type)
     config = build_config(preset=preset, path=path, vocab_size=vocab_size, eos_id=eos_id,
                           attn_implementation=choice.implementation)
     model = build_meta_model(config)
-    if lora and lora.get("rank"):
+    adapters = bool(lora and lora.get("rank"))
+    if adapters:
         model = add_adapters(model, **lora)
-    parallelize(model, device_type=device.type, precision=precision, plan=plan)
-    model.to_empty(device=device)
-    if path:
-        load_pretrained_weights(model, path)
+    if base_quantization == "nf4":
+        if not (adapters and path):
+            raise ValueError("an NF4 base needs LoRA adapters and a pretrained model.path")
+        check_nf4_shapes(model, lora["target_modules"],
+                         dist.get_world_size() if dist.is_initialized() else 1)
+        if precision == "bf16-true":
+            model.to(torch.bfloat16)  # quantized from bf16, as it would be parallelized
+        load_quantized_base(model, path, device)
+        parallelize(model, device_type=device.type, precision=precision, plan=plan)
     else:
-        init_weights(model, seed=seed, num_layers=config.num_hidden_layers)
-    if lora and lora.get("rank"):
+        parallelize(model, device_type=device.type, precision=precision, plan=plan)
+        model.to_empty(device=device)
+        if path:
+            load_pretrained_weights(model, path)
+        else:
+            init_weights(model, seed=seed, num_layers=config.num_hidden_layers)
+    if adapters:
         init_adapters(model, seed=seed)
     model.train()
     return Built(model, choice, precision, device, config)

@@ -235,7 +235,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         attention=cfg.model.attention, cross_document=d.across_documents,
         plan=ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
                           compile=cfg.model.compile),
-        seed=t.seed, lora=adapter_args(cfg.lora))
+        seed=t.seed, lora=adapter_args(cfg.lora),
+        base_quantization=cfg.lora.base_quantization)
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=(o.beta1, o.beta2), device_type=device.type)
     state, ledger = restore(run_dir, cfg, built=built, optimizer=optimizer, rank=rank)

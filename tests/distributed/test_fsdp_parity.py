@@ -1,4 +1,5 @@
-"""FSDP2 over 2 gloo processes matches a single-process reference (fp32, CPU), no Ray."""
+"""FSDP2 over 2 gloo processes matches a single-process reference (fp32, CPU), no Ray: full
+training, masked fine-tuning steps, LoRA adapters and LoRA on an NF4-quantized base."""
 
 from __future__ import annotations
 
@@ -25,7 +26,23 @@ def masked_data() -> dict[str, torch.Tensor]:
     return {**data(1), "loss_mask": mask}
 
 
-def run(world: int, rank: int, out: dict) -> None:
+LORA = {"rank": 8, "alpha": 16, "dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"]}
+
+
+def save_pretrained(path: str) -> None:
+    """A small Llama whose linear layers hold whole NF4 blocks on each of 2 ranks."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+        tie_word_embeddings=False)).save_pretrained(path)
+
+
+def run(world: int, rank: int, out: dict, pretrained: str) -> None:
     from raylm.optim import build_optimizer
     from raylm.train import batch_loss, build_training_model, clip_grad_norm, train_step
 
@@ -63,8 +80,35 @@ def run(world: int, rank: int, out: dict) -> None:
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         for n, p in tuned.model.named_parameters()}
 
+    # LoRA on a pretrained model, its base as it is and in NF4, masked blocks: the adapters'
+    # gradients, as the change of one SGD step at lr 1 (the second: B starts at zero, so A's
+    # first gradient is zero), then the losses of 3 AdamW steps.
+    def adapters(model):
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in model.named_parameters() if ".lora_" in n}
 
-def worker(rank: int, world: int, port: int, path: str) -> None:
+    for base in ("none", "nf4"):
+        adapted = build_training_model(
+            preset=None, path=pretrained, vocab_size=VOCAB, eos_id=0,
+            device=torch.device("cpu"), precision="fp32", seed=0, lora=LORA,
+            base_quantization=base)
+        frozen = adapted.model.model.layers[0].mlp.up_proj.base_layer.weight
+        local = frozen.to_local() if hasattr(frozen, "to_local") else frozen.data
+        out[f"lora_{base}_frozen"] = type(local).__name__
+        trained = [p for p in adapted.model.parameters() if p.requires_grad]
+        sgd = torch.optim.SGD(trained, lr=1.0)
+        train_step(adapted, sgd, [mine(masked_data())], accumulation=1, grad_clip=0.0)
+        before = adapters(adapted.model)
+        train_step(adapted, sgd, [mine(masked_data())], accumulation=1, grad_clip=0.0)
+        out[f"lora_{base}_grads"] = {n: before[n] - p for n, p in adapters(adapted.model).items()}
+        opt = build_optimizer(adapted.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                              device_type="cpu")
+        out[f"lora_{base}_losses"] = [
+            train_step(adapted, opt, [mine(masked_data())], accumulation=1, grad_clip=1.0)[0]
+            for _ in range(STEPS)]
+
+
+def worker(rank: int, world: int, port: int, path: str, pretrained: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -72,7 +116,7 @@ def worker(rank: int, world: int, port: int, path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out: dict = {}
-        run(world, rank, out)
+        run(world, rank, out, pretrained)
         if rank == 0:
             torch.save(out, path)
         # Leave together: the store lives in rank 0 and must outlive every rank's last call.
@@ -106,11 +150,13 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("fsdp") / "rank0.pt")
-    mp.spawn(worker, args=(2, free_port(), path), nprocs=2, join=True)
+    root = tmp_path_factory.mktemp("fsdp")
+    path, pretrained = str(root / "rank0.pt"), str(root / "pretrained")
+    save_pretrained(pretrained)
+    mp.spawn(worker, args=(2, free_port(), path, pretrained), nprocs=2, join=True)
     reference: dict = {}
     torch.set_num_threads(1)
-    run(1, 0, reference)
+    run(1, 0, reference, pretrained)
     return torch.load(path), reference
 
 
@@ -139,3 +185,19 @@ def test_masked_steps_average_over_the_global_batchs_trained_targets(results):
     for name, p in ref["masked_params"].items():
         torch.testing.assert_close(fsdp["masked_params"][name], p, atol=1e-5, rtol=1e-5,
                                    msg=name)
+
+
+@pytest.mark.parametrize("base", ["none", "nf4"])
+def test_lora_gradients_and_steps_match_single_process(results, base):
+    fsdp, ref = results
+    kind = {"none": "Tensor", "nf4": "NF4Tensor"}[base]
+    assert fsdp[f"lora_{base}_frozen"] == ref[f"lora_{base}_frozen"] == kind
+    grads = fsdp[f"lora_{base}_grads"]
+    assert grads.keys() == ref[f"lora_{base}_grads"].keys() and grads
+    assert all(".base_layer." not in n for n in grads)
+    for name, g in ref[f"lora_{base}_grads"].items():
+        assert g.abs().max() > 0, name
+        torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-5, msg=name)
+    losses = fsdp[f"lora_{base}_losses"]
+    assert losses == pytest.approx(ref[f"lora_{base}_losses"], abs=1e-5)
+    assert losses[-1] < losses[0]

@@ -208,3 +208,21 @@ def test_a_pretrained_models_own_tokenizer_is_the_default(tmp_path, tokenizer_di
     assert given_tokenizer(load_config(None, [f"--model.path={model}",
                                               f"--tokenizer.path={tokenizer_dir}"])) == \
         tokenizer_dir.resolve()
+
+
+def test_an_nf4_base_is_refused_on_cpu_workers_before_ray_starts(capsys, monkeypatch):
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    qlora = ["--model.path=/models/base", "--lora.rank=16", "--lora.base_quantization=nf4"]
+    assert main(["train", *qlora, "--tracking.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raylm: error: Invalid value for 'lora.base_quantization': 'nf4'. "
+                          "Allowed: none on CPU workers") and err.count("\n") == 1
+    with pytest.raises(ConfigError, match="none unless lora.rank >= 1"):
+        load_config(None, ["--model.path=/models/base", "--lora.base_quantization=nf4",
+                           "--scaling.use_gpu=true"])
+    assert load_config(None, [*qlora, "--scaling.use_gpu=true"]).lora.base_quantization == "nf4"
