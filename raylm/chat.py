@@ -13,8 +13,9 @@ Two renderers:
   text, and each assistant turn's content is followed by the tokenizer's EOS, which is trained
   (that is how the model learns to stop). Turns are separated by a blank line.
 - :class:`JinjaTemplate`, for a tokenizer with its own Jinja chat template (Llama, Qwen,
-  ...), rendered by transformers' renderer. The template is rendered for growing prefixes of the conversation; each message's
-  segment is the text its prefix adds, and an assistant message's segment is split where the
+  ...), rendered by transformers' renderer. The template is rendered for growing prefixes of
+  the conversation; each message's segment is the text its prefix adds, and an assistant
+  message's segment is split where the
   template's generation prompt (its assistant header) ends, so the header is not trained and
   the content and the end-of-turn markup are. A template that does not render prefixes as
   prefixes of the whole cannot be split this way and is refused, by name.

@@ -8,9 +8,9 @@ import pytest
 
 from raylm.chat import (
     DefaultTemplate,
+    JinjaTemplate,
     Segment,
     TemplateError,
-    JinjaTemplate,
     conversation_segments,
     encode,
     generation_prompt,

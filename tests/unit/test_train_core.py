@@ -176,8 +176,9 @@ def test_masked_loss_is_the_mean_over_the_global_batchs_trained_targets():
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A tiny Llama saved with save_pretrained, as a pretrained model directory is."""
-    from raylm.model import build_config
     from transformers import AutoModelForCausalLM
+
+    from raylm.model import build_config
 
     config = build_config(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
                           attn_implementation="sdpa")
