@@ -26,6 +26,7 @@ def quiet_libraries(verbose: bool) -> None:
     import ray.data  # noqa: F401 (it installs its handlers when first imported)
 
     level = logging.INFO if verbose else logging.WARNING
+    quiet_torchao()
     # Ray Data: its console handler only; its file handler keeps writing ray-data.log.
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler):
@@ -49,10 +50,11 @@ def quiet_libraries(verbose: bool) -> None:
 
 
 def quiet_torchao() -> None:
-    """Call before importing peft or torchao. Installed, torchao is imported by peft and
-    transformers, and warns on import that its CUDA extensions built for other Python versions
-    do not load and that torch deprecates a registration it makes: four lines about the
-    installation in every process that touches LoRA, none about the run. Its errors print."""
+    """Call before importing peft or torchao. Installed, torchao is imported by peft and by
+    transformers (whenever it builds a model), and warns on import that its CUDA extensions
+    built for other Python versions and Triton do not load and that torch deprecates a
+    registration it makes: five lines about the installation in every process that builds a
+    model, none about the run. Its errors still print."""
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 

@@ -105,6 +105,9 @@ def check_seq_len(seq_len: int, *, preset: str | None, path: str | None) -> None
 
 def build_meta_model(config) -> nn.Module:
     """The model with every parameter on the meta device: no memory until materialized."""
+    from raylm.console import quiet_torchao
+
+    quiet_torchao()
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -39,6 +39,18 @@ PARAGRAPHS = [
 ]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device; elsewhere they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def make_docs(n: int, *, tag: str = "") -> list[str]:
     """``n`` distinct documents built from the paragraphs above."""
     out = []

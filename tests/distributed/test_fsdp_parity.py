@@ -106,6 +106,24 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
         out[f"lora_{base}_losses"] = [
             train_step(adapted, opt, [mine(masked_data())], accumulation=1, grad_clip=1.0)[0]
             for _ in range(STEPS)]
+    # The NF4 run's checkpoint (adapters and their Adam state; the NF4 base is not in it)
+    # restores into a fresh NF4 model, whose next step is the continuing run's.
+    from raylm import checkpoint
+
+    settings = {k: LORA[k] for k in ("rank", "alpha", "target_modules")}
+    ckpt = f"{pretrained}-checkpoint-{world}"
+    checkpoint.save(ckpt, model=adapted.model, optimizer=opt, state={"step": STEPS},
+                    config=adapted.config, adapters=settings)
+    fresh = build_training_model(preset=None, path=pretrained, vocab_size=VOCAB, eos_id=0,
+                                 device=torch.device("cpu"), precision="fp32", seed=1,
+                                 lora=LORA, base_quantization="nf4")
+    fresh_opt = build_optimizer(fresh.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                                device_type="cpu")
+    checkpoint.load(ckpt, model=fresh.model, optimizer=fresh_opt, config=fresh.config,
+                    adapters=settings)
+    out["nf4_resumed"] = [train_step(b, o, [mine(masked_data())], accumulation=1,
+                                     grad_clip=1.0)[0]
+                          for b, o in ((adapted, opt), (fresh, fresh_opt))]
 
 
 def worker(rank: int, world: int, port: int, path: str, pretrained: str) -> None:
@@ -201,3 +219,11 @@ def test_lora_gradients_and_steps_match_single_process(results, base):
     losses = fsdp[f"lora_{base}_losses"]
     assert losses == pytest.approx(ref[f"lora_{base}_losses"], abs=1e-5)
     assert losses[-1] < losses[0]
+
+
+def test_an_nf4_lora_checkpoint_resumes_exactly(results):
+    """Saved on 2 ranks and on 1, loaded into a fresh NF4 model (other adapter seed): its next
+    step is the continuing model's."""
+    for out in results:
+        continued, resumed = out["nf4_resumed"]
+        assert resumed == pytest.approx(continued, abs=1e-6)
