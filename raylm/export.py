@@ -5,6 +5,13 @@ config, vocabulary and EOS id) and a copy of the tokenizer in ``RUN_DIR/tokenize
 the newest verified checkpoint on one process (DCP gathers the shards of any world size into
 full tensors) and writes ``config.json``, ``model.safetensors`` and the tokenizer files, which
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load.
+
+``--quantize int8`` is post-training, weight-only quantization for deployment, done by torchao
+through transformers' ``TorchAoConfig`` (nothing of it is written here): the linear layers,
+output head included, hold int8 weights with one scale per output row; the embedding table
+stays in the training precision (a lookup reads one row per token, so it costs memory, not
+compute). The figures that decide whether to ship it, the size against the unquantized export
+and the validation-loss change on the run's own validation blocks, are measured by the export.
 """
 
 from __future__ import annotations
@@ -18,19 +25,30 @@ import torch
 
 from raylm import checkpoint, lora, storage
 from raylm.config import config_from_dict
+from raylm.console import quiet_torchao
 from raylm.model import build_config, build_meta_model, max_positions, reset_buffers
 
 RUN_INFO = "run.json"
 TOKENIZER_DIR = "tokenizer"
 
 
+QUANTIZATIONS = ("int8",)
+
+
 def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
-                   tokenizer_path: str) -> None:
+                   tokenizer_path: str, prepared: str) -> None:
     storage.write_text(storage.join(run_dir, RUN_INFO), json.dumps(
-        {"config": config, "vocab_size": vocab_size, "eos_id": eos_id}, indent=1))
+        {"config": config, "vocab_size": vocab_size, "eos_id": eos_id, "prepared": prepared},
+        indent=1))
     target = storage.join(run_dir, TOKENIZER_DIR)
     if not storage.is_dir(target):
-        storage.upload(tokenizer_path, target)
+        # The tokenizer's own files only: it is often a whole model directory (model.path's),
+        # whose weights must not travel with every run, nor land in its exports.
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory(prefix="raylm-tokenizer-") as tmp:
+            AutoTokenizer.from_pretrained(str(tokenizer_path)).save_pretrained(tmp)
+            storage.upload(tmp, target)
 
 
 def read_run_info(run_dir: str) -> dict:
@@ -76,7 +94,8 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True):
     return model, Path(tokenizer_dir), int(state["step"])
 
 
-def export(run_dir: str | Path, output: str | Path, *, merge: bool = False) -> Path:
+def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
+           quantize: str | None = None, log=print) -> Path:
     """Write the run's newest checkpoint as a directory plain clients use as it is.
 
     A full model: a Hugging Face model directory (``from_pretrained``, ``generate``,
@@ -85,9 +104,13 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False) -> P
     the model's positions. A LoRA run: a PEFT adapter directory (``adapter_config.json``,
     ``adapter_model.safetensors``, written by peft itself) that ``PeftModel.from_pretrained``
     loads onto the base model, or, with ``merge``, the merged model as a full directory. The
-    tokenizer (with its chat template, if any) goes with either."""
+    tokenizer (with its chat template, if any) goes with either. ``quantize="int8"`` writes the
+    (merged) model with int8 weights instead, and logs what that changed (see the module
+    docstring)."""
     from transformers import AutoTokenizer
 
+    if quantize is not None:
+        return _export_quantized(run_dir, output, quantize, log=log)
     cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
     adapters = lora.adapter_args(cfg.lora)
     model, tokenizer_dir, step = load_run_model(run_dir, merge=merge or not adapters)
@@ -101,9 +124,9 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False) -> P
         _save_adapters(model, cfg, out)
     else:
         model.save_pretrained(str(out), safe_serialization=True)
-    for f in Path(tokenizer_dir).iterdir():
-        shutil.copy(f, out / f.name)
-    tok = AutoTokenizer.from_pretrained(str(out))
+    # Saved by the tokenizer itself, so only its files are written (runs recorded before that
+    # rule kept a whole model directory as their tokenizer).
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tok.model_max_length = max_positions(model.config)
     tok.save_pretrained(str(out))
     (out / "raylm_export.json").write_text(json.dumps(
@@ -112,9 +135,89 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False) -> P
     return out
 
 
+def _export_quantized(run_dir: str | Path, output: str | Path, method: str, *, log) -> Path:
+    quiet_torchao()
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"--quantize {method}: not one of {', '.join(QUANTIZATIONS)}.")
+    out = Path(output).expanduser()
+    with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
+        plain = export(run_dir, tmp, merge=True)
+        full = AutoModelForCausalLM.from_pretrained(tmp).eval()
+        # A tied output head is the embedding table: untie it, or quantizing the head would
+        # hand the embedding lookup an int8 tensor.
+        tied = bool(full.config.tie_word_embeddings)
+        model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=TorchAoConfig(
+            Int8WeightOnlyConfig(), include_input_output_embeddings=True,
+            untie_embedding_weights=tied)).eval()
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(out), safe_serialization=True)
+        for f in plain.iterdir():
+            if f.name not in {"config.json", "generation_config.json"} and \
+                    not f.name.endswith(".safetensors"):
+                shutil.copy(f, out / f.name)
+        sizes = [_weights_bytes(Path(tmp)), _weights_bytes(out)]
+        losses = _validation_losses(run_dir, [full, model], log=log)
+    report = {"quantization": f"{method} weight-only (torchao)",
+              "unquantized_bytes": sizes[0], "bytes": sizes[1]}
+    line = (f"{method} weight-only: {sizes[1] / 2**20:.1f} MiB against {sizes[0] / 2**20:.1f} "
+            f"MiB unquantized ({sizes[1] / sizes[0]:.2f}x)")
+    if losses:
+        report.update(unquantized_val_loss=losses[0], val_loss=losses[1])
+        line += (f"; validation loss {losses[0]:.4f} -> {losses[1]:.4f} "
+                 f"({losses[1] - losses[0]:+.4f})")
+    info = json.loads((out / "raylm_export.json").read_text())
+    info.update(kind=f"model-{method}", **report)
+    (out / "raylm_export.json").write_text(json.dumps(info, indent=1))
+    log(line)
+    return out
+
+
+def _weights_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def _validation_losses(run_dir: str | Path, models: list, *, log) -> list[float]:
+    """Each model's loss on the run's validation blocks (as training evaluates: the same
+    blocks, masked targets for fine-tuning data); empty, with the reason logged, when the run's
+    prepared data is not on this machine."""
+    from raylm.attention import choose_attention
+    from raylm.data import PackedSplit, eval_samples_per_rank, read_val_blocks
+    from raylm.record import SUMMARY
+    from raylm.train import Built, evaluate
+
+    info = read_run_info(storage.normalize(run_dir))
+    prepared = info.get("prepared")
+    if not prepared or not Path(prepared, "layout.json").is_file():
+        where = prepared or "its path is not in run.json"
+        log(f"validation loss not compared: the run's prepared data ({where}) is not on this "
+            f"machine")
+        return []
+    cfg = config_from_dict(info["config"])
+    # The blocks the run's last evaluation read: each of its W workers took its share of the
+    # first blocks in storage order, so one reader taking W shares reads the same ones, and
+    # the unquantized figure is the run's own final validation loss.
+    summary = storage.join(storage.normalize(run_dir), SUMMARY)
+    workers = (json.loads(storage.read_text(summary)).get("workers") if storage.is_file(summary)
+               else None) or cfg.scaling.worker_range[0]
+    micro = cfg.train.micro_batch_size
+    per_rank = eval_samples_per_rank(PackedSplit.load(prepared, "val"), workers,
+                                     cfg.train.eval_batches * micro)
+    blocks = read_val_blocks(prepared, rank=0, world_size=1, eval_samples=per_rank * workers)
+    batches = [{k: torch.from_numpy(v[i:i + micro]) for k, v in blocks.items()}
+               for i in range(0, len(blocks["input_ids"]), micro)]
+    cross = cfg.data.across_documents
+    attention = choose_attention("cpu", cross_document=cross)
+    return [evaluate(Built(m, attention, "fp32", torch.device("cpu"), m.config), batches,
+                     cross_document=cross) for m in models]
+
+
 def _save_adapters(model: torch.nn.Module, cfg, out: Path) -> None:
     """The trained adapters as peft writes them: a PeftModel on the base (from model.path),
     given raylm's adapter weights (the injected layers have the same names), saved by peft."""
+    quiet_torchao()
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -137,6 +240,7 @@ class Generator:
     them (the tokenizer's chat template, else raylm's default; see :mod:`raylm.chat`)."""
 
     def __init__(self, source: str | Path) -> None:
+        quiet_torchao()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from raylm.chat import template_for

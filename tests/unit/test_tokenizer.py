@@ -39,3 +39,24 @@ def test_load_backend_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         load_backend(tmp_path / "empty")
+
+
+def test_a_run_keeps_only_the_tokenizers_files_of_a_model_directory(tokenizer_dir, tmp_path):
+    """The tokenizer of a fine-tuning run is usually model.path itself: the run's copy (which
+    exports and generation read) holds the tokenizer, not the model's weights and config."""
+    import json
+    import shutil
+
+    from raylm.export import TOKENIZER_DIR, write_run_info
+
+    model = tmp_path / "model"
+    shutil.copytree(tokenizer_dir, model)
+    (model / "model.safetensors").write_bytes(b"\0" * 1024)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    write_run_info(str(tmp_path / "run"), config={}, vocab_size=400, eos_id=0,
+                   tokenizer_path=str(model), prepared=str(tmp_path / "prepared"))
+    kept = {f.name for f in (tmp_path / "run" / TOKENIZER_DIR).iterdir()}
+    assert "tokenizer.json" in kept and not kept & {"model.safetensors", "config.json"}
+    ours = AutoTokenizer.from_pretrained(str(tmp_path / "run" / TOKENIZER_DIR))
+    text = "The river carried the boats past the old mill."
+    assert ours(text)["input_ids"] == AutoTokenizer.from_pretrained(str(model))(text)["input_ids"]
