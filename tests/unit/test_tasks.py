@@ -45,3 +45,30 @@ def test_score_is_greedy_exact_match_over_the_conversations(tmp_path, tokenizer_
     result = score(tmp_path / "model", paths["heldout"], max_new_tokens=4)
     # An untrained model answers nothing right; the scorer ran every conversation.
     assert result == {"examples": 4, "exact_match": 0.0}
+
+
+def test_the_pretraining_text_lists_words_in_order_and_the_model_loads(tmp_path):
+    """The text the fine-tuned model is pretrained on repeats lists in their order (copying is
+    what it teaches) and never holds a list reversed; `model` saves a 4-layer Llama with a
+    tokenizer trained on that text."""
+    import re
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raylm.tasks import model
+
+    paths = write(tmp_path, train=10, heldout=5, pretrain=1000)
+    texts = [json.loads(line)["text"] for line in open(paths["pretrain"])]
+    assert len(texts) == 1000
+    for text in texts:
+        listed = re.search(r"In the end (.*) were still there\.$", text).group(1)
+        assert f" {listed}." in text[:text.rindex("In the end")]
+        words = re.split(r", | and ", listed)
+        assert ", ".join(words[:0:-1]) + " and " + words[0] not in text
+    out = model(tmp_path / "model", tmp_path, layers=2, hidden=64, heads=2)
+    loaded = AutoModelForCausalLM.from_pretrained(str(out))
+    assert (loaded.config.num_hidden_layers, loaded.config.hidden_size) == (2, 64)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.eos_token_id == loaded.config.eos_token_id
+    # The task's words, as answers hold them (after a space), are whole tokens.
+    assert len(tok(" bread mill river")["input_ids"]) == 3
