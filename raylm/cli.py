@@ -8,7 +8,7 @@
                  [--command train|tune] [--env KEY=VALUE ...] [--pip PKG ...] [--image URI]
                  [--no-code] [--no-wait]
     raylm jobs list|status ID|logs ID [--follow]|stop ID [--address http://HEAD:8265]
-    raylm export RUN_DIR --output DIR [--merge]
+    raylm export RUN_DIR --output DIR [--merge | --quantize int8]
     raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT | --chat MESSAGE] [--max-new-tokens N]
                    [--temperature T]
 
@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--merge", action="store_true",
                     help="LoRA runs: write the base with the adapters merged in, instead of a "
                          "PEFT adapter directory")
+    ex.add_argument("--quantize", choices=["int8"],
+                    help="write int8 weight-only linear layers (torchao; LoRA runs are merged "
+                         "first) and print the size and validation-loss change")
     gen = sub.add_parser("generate", help="sample text from a run directory or exported model")
     gen.add_argument("source", help="a run directory or an exported model directory")
     gen.add_argument("--prompt", default="", help="text to continue")
@@ -234,7 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "export":
             from raylm.export import export
 
-            print(f"exported to {export(args.run_dir, args.output, merge=args.merge)}")
+            out = export(args.run_dir, args.output, merge=args.merge, quantize=args.quantize)
+            print(f"exported to {out}")
             return 0
         if args.command == "generate":
             from raylm.export import generate
