@@ -287,6 +287,8 @@ class RunRecord(UserCallback):
             "mlflow_tracking_uri": self.tracker.uri,
             "resumed_from_step": self.resumed_from_step,
             "workers": m.get("workers"),
+            "trainable_params": m.get("trainable_params"),
+            "peak_memory_gb": m.get("peak_memory_gb"),
             **summarize(self.records),
             "attention_backend": m.get("attention_backend"),
             "precision": m.get("precision"),

@@ -270,6 +270,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     data_startup_s = time.perf_counter() - t0
     constant = {
         "workers": world, "accumulation": accumulation, "micro_batch": micro_batch,
+        # DTensor shards count at their full size: the model's figure, not this rank's.
+        "trainable_params": sum(p.numel() for p in built.model.parameters() if p.requires_grad),
         "attention_backend": built.attention.backend, "precision": built.precision,
         "resumed_from_step": state.step if state.step else None,
         "group_started": group_started, "data_startup_s": data_startup_s,

@@ -2,6 +2,7 @@
 
     data      Ray Data tokenize+pack vs datasets.Dataset.map(num_proc=2)
     overhead  raylm single-worker training vs a bare PyTorch loop
+    lora      LoRA vs full fine-tuning of one model: parameters, checkpoint, memory, speed
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     ov.add_argument("--micro-batch", type=int, default=8)
     ov.add_argument("--seq-len", type=int, default=256)
     ov.add_argument("--workdir", default=None)
+    lo = sub.add_parser("lora", help="LoRA vs full fine-tuning: trainable parameters, "
+                                     "checkpoint size, peak memory per worker, tokens/s")
+    lo.add_argument("--output", required=True)
+    lo.add_argument("--preset", default="125m", help="the fine-tuned model's architecture")
+    lo.add_argument("--rank", type=int, default=16)
+    lo.add_argument("--steps", type=int, default=6)
+    lo.add_argument("--workers", type=int, default=2)
+    lo.add_argument("--micro-batch", type=int, default=2)
+    lo.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
 
     # Each benchmark imports only what it runs: the GPU machines that run some of them have no
@@ -46,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run(preset=args.preset, steps=args.steps, micro_batch=args.micro_batch,
                      seq_len=args.seq_len, workdir=args.workdir)
+    elif args.name == "lora":
+        from raylm.bench.lora import run
+
+        result = run(preset=args.preset, rank=args.rank, steps=args.steps,
+                     workers=args.workers, micro_batch=args.micro_batch, workdir=args.workdir)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
