@@ -690,6 +690,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         key, value = parse_override(arg)
         section, _, name = key.partition(".")
         _merge(tree, section, {name: value}, origin="command line")
+    # A relative model.path means the caller's directory; workers, Tune trials and later
+    # exports run elsewhere, so it travels absolute.
+    path = tree["model"].get("path")
+    if isinstance(path, str) and path and not storage.is_uri(path):
+        tree["model"]["path"] = str(Path(path).expanduser().resolve())
     cfg = Config(**{name: _build_section(name, values) for name, values in tree.items()})
     return validate(cfg)
 

@@ -19,7 +19,9 @@ in blocks of 256), which knows how FSDP2 splits and all-gathers it, and dequanti
 linear's forward. Its quantization constants come from the whole tensor, so it must be
 quantized before sharding and alike on every rank: :func:`load_quantized_base` materializes
 the meta model one tensor at a time (read on rank 0, broadcast, NF4-quantized on each rank),
-so no rank ever holds the unquantized model, and FSDP2 then shards what it built.
+and FSDP2 then shards what it built. No rank holds more than one adapted weight unquantized
+at a time; the unadapted ones (embeddings, norms, output head) are whole on each rank until
+FSDP2 shards them.
 """
 
 from __future__ import annotations

@@ -226,3 +226,11 @@ def test_an_nf4_base_is_refused_on_cpu_workers_before_ray_starts(capsys, monkeyp
         load_config(None, ["--model.path=/models/base", "--lora.base_quantization=nf4",
                            "--scaling.use_gpu=true"])
     assert load_config(None, [*qlora, "--scaling.use_gpu=true"]).lora.base_quantization == "nf4"
+
+
+def test_a_relative_model_path_travels_absolute(tmp_path, monkeypatch):
+    """Workers, Tune trials and exports run in other directories than the command."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["--model.path=runs/base-hf"])
+    assert cfg.model.path == str(tmp_path.resolve() / "runs" / "base-hf")
+    assert load_config(None, []).model.path is None
