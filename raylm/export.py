@@ -210,6 +210,10 @@ def _validation_losses(run_dir: str | Path, models: list, *, log) -> list[float]
                for i in range(0, len(blocks["input_ids"]), micro)]
     cross = cfg.data.across_documents
     attention = choose_attention("cpu", cross_document=cross)
+    for m in models:
+        # As in training: with a KV cache transformers ignores the per-document positions and
+        # lets documents attend to each other.
+        m.config.use_cache = False
     return [evaluate(Built(m, attention, "fp32", torch.device("cpu"), m.config), batches,
                      cross_document=cross) for m in models]
 

@@ -12,6 +12,7 @@ import pytest
 
 from raylm.config import load_config
 from raylm.data import prepare
+from tests.integration import faults
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
@@ -138,21 +139,26 @@ def pretrained(tmp_path_factory, tokenizer_dir):
     return out
 
 
-def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_dir,
-                                                                pretrained, tmp_path, capsys):
-    """LoRA adapters on a saved pretrained model, 2 FSDP2 workers, chat data: a run stopped at
-    step 10 and resumed to 20 ends where an uninterrupted 20-step run ends."""
-    from raylm.launch import train
-
-    args = [f"--data.source={chats}", "--data.format=chat", f"--tokenizer.path={tokenizer_dir}",
+def lora_run(chats, tokenizer_dir, pretrained, tmp_path) -> list[str]:
+    """LoRA rank 8 on the pretrained model, the chat data, fp32, 8 sequences per step."""
+    return [f"--data.source={chats}", "--data.format=chat", f"--tokenizer.path={tokenizer_dir}",
             "--data.seq_len=159", "--data.rows_per_row_group=8", "--data.val_fraction=0.1",
             f"--run.cache_dir={tmp_path}/cache", f"--run.storage_path={tmp_path}/runs",
             f"--model.path={pretrained}", "--lora.rank=8", "--lora.alpha=16",
             "--train.precision=fp32", "--train.global_batch_size=8",
-            "--train.micro_batch_size=2", "--scaling.num_workers=2", "--train.log_every=10",
-            "--train.eval_every=10", "--train.eval_batches=2", "--checkpoint.every=10",
-            "--optim.lr=1e-2", "--optim.warmup_steps=2", "--optim.schedule=constant",
-            "--tracking.enabled=false"]
+            "--train.micro_batch_size=2", "--train.eval_batches=2", "--optim.lr=1e-2",
+            "--optim.warmup_steps=2", "--optim.schedule=constant", "--tracking.enabled=false"]
+
+
+def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_dir,
+                                                                pretrained, tmp_path, capsys):
+    """LoRA adapters on a saved pretrained model, 2 FSDP2 workers, chat data: a run stopped at
+    step 10 and resumed to 20, losing a worker on the way, ends where an uninterrupted 20-step
+    run ends; its exports (adapter, merged, int8) agree."""
+    from raylm.launch import train
+
+    args = [*lora_run(chats, tokenizer_dir, pretrained, tmp_path), "--scaling.num_workers=2",
+            "--train.log_every=10", "--train.eval_every=10", "--checkpoint.every=10"]
     store = f"sqlite:///{tmp_path}/mlflow.db"
     full = train(load_config(None, [*args, "--run.name=whole", "--train.steps=20",
                                     "--tracking.enabled=true", f"--tracking.uri={store}"]),
@@ -163,10 +169,19 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
     logged = {a.path for a in MlflowClient(store).list_artifacts(full["mlflow_run_id"],
                                                                  "adapter")}
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= logged
+    # Stopped at step 10, resumed to 20 with a worker SIGKILLed after the step-15 checkpoint:
+    # the group restarts from a checkpoint of the adapters.
     train(load_config(None, [*args, "--run.name=split", "--train.steps=10"]), log=print)
-    split = train(load_config(None, [*args, "--run.name=split", "--train.steps=20"]),
-                  log=print)
+    killed = []
+    split = faults.run_and_interfere(
+        lambda: train(load_config(None, [*args, "--run.name=split", "--train.steps=20",
+                                         "--checkpoint.every=5"]), log=print),
+        tmp_path / "runs" / "split", when_step=15,
+        act=lambda: killed.append(faults.kill_a_worker()))
     assert full["status"] == split["status"] == "finished" and split["resumed_from_step"] == 10
+    assert killed and split["restarts"] == 1
+    (restart,) = [i for i in split["interruptions"] if i["event"] == "restart"]
+    assert restart["resumed_from_step"] == 15 and restart["to_workers"] == 2
     assert full["workers"] == 2
     assert split["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
     assert split["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
@@ -207,3 +222,47 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
                                    atol=1e-5, rtol=1e-5)
         base = AutoModelForCausalLM.from_pretrained(str(pretrained)).eval()
         assert not torch.allclose(base(input_ids=ids).logits, merged(input_ids=ids).logits)
+
+    # Quantized for deployment: int8 linear weights that from_pretrained loads, smaller on
+    # disk, measured against the merged model on the run's own validation blocks (the
+    # unquantized figure is the run's final validation loss).
+    from torchao.quantization import Int8Tensor
+
+    capsys.readouterr()
+    assert main(["export", run_dir, "--output", str(tmp_path / "int8"), "--quantize=int8"]) == 0
+    assert "int8 weight-only" in capsys.readouterr().out
+    report = json.loads((tmp_path / "int8" / "raylm_export.json").read_text())
+    assert report["bytes"] < report["unquantized_bytes"]
+    assert report["unquantized_val_loss"] == pytest.approx(split["val_loss"], abs=1e-4)
+    assert abs(report["val_loss"] - report["unquantized_val_loss"]) < 0.05
+    int8 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "int8")).eval()
+    assert isinstance(int8.model.layers[0].mlp.down_proj.weight, Int8Tensor)
+    assert isinstance(int8.lm_head.weight, Int8Tensor)
+    with torch.no_grad():
+        torch.testing.assert_close(int8(input_ids=ids).logits, merged(input_ids=ids).logits,
+                                   atol=0.05, rtol=0)
+
+
+def test_a_lora_sweep_trains_each_rank_and_opens_the_best(chats, tokenizer_dir, pretrained,
+                                                          tmp_path):
+    """`raylm tune` over LoRA ranks: each trial a LoRA run whose checkpoint holds adapters of
+    its own rank; the best config names the winning rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from raylm.tune import sweep
+
+    out = sweep(load_config(None, [
+        *lora_run(chats, tokenizer_dir, pretrained, tmp_path), "--run.name=lora-sweep",
+        "--train.steps=5", "--train.eval_every=5", "--scaling.num_workers=1",
+        "--tune.search=grid", "--tune.lr_points=1", "--tune.lr_max=1e-2",
+        "--tune.schedules=[constant]", "--tune.lora_ranks=[2,8]", "--tune.lora_alphas=[16]",
+        "--tune.max_concurrent=2"]), log=print)
+    assert sorted(t["config"]["lora.rank"] for t in out["trials"]) == [2, 8]
+    for trial in out["trials"]:
+        meta = dcp.FileSystemReader(trial["checkpoint_path"]).read_metadata()
+        shapes = {k: v.size for k, v in meta.state_dict_metadata.items()
+                  if k.startswith("model.") and k.endswith("lora_A.default.weight")}
+        assert shapes and all(size[0] == trial["config"]["lora.rank"]
+                              for size in shapes.values())
+    best = load_config(tmp_path / "runs" / "lora-sweep" / "best.yaml")
+    assert best.lora.rank == out["best"]["config"]["lora.rank"]

@@ -10,6 +10,7 @@ import pytest
 from raylm.config import load_config
 from raylm.launch import train
 from tests.conftest import tiny_run
+from tests.integration import faults
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
@@ -168,7 +169,8 @@ def test_bad_requests_fail_before_workers_start(base):
                                          r"scaling.num_workers=4 or"):
         train_run(base, "--run.name=bad2", "--scaling.num_workers=8",
             "--train.global_batch_size=16")
-    with pytest.raises(ValueError, match="data.seq_len=2048 is above the 1024 positions of model.preset=tiny"):
+    with pytest.raises(ValueError, match="data.seq_len=2048 is above the 1024 positions of "
+                                         "model.preset=tiny"):
         train_run(base, "--run.name=bad3", "--data.seq_len=2048")
     with pytest.raises(ValueError, match="the validation split has 0 blocks, fewer than the 2"):
         train_run(base, "--run.name=bad4", "--data.val_fraction=0.0")
@@ -181,41 +183,10 @@ def test_bad_requests_fail_before_workers_start(base):
 # --------------------------------------------------------------------------------------------
 
 
-def train_workers():
-    """The live Ray Train worker processes of the (one) run in progress."""
-    import psutil
-
-    return [p for p in psutil.process_iter(["cmdline"])
-            if any("ray::RayTrainWorker" in part for part in (p.info["cmdline"] or []))]
-
-
-def run_and_interfere(base, args, *, when_step: int, act, timeout: float = 240.0):
-    """Start a run in a thread; once it has a verified checkpoint at ``when_step`` or later
-    and the controller has heard of its worker group (reports reach it at its next poll), call
-    ``act()`` from outside the training; return the run's summary."""
-    import threading
-    import time
-
-    from raylm import checkpoint, record
-
-    out: dict = {}
-    thread = threading.Thread(target=lambda: out.update(summary=train_run(base, *args)),
-                              daemon=True)
-    run_dir = base_dir(base) / next(a for a in args if a.startswith("--run.name=")).split("=")[1]
-    thread.start()
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        found = checkpoint.latest_verified(run_dir, warn=lambda m: None)
-        if (found and found[1]["state"]["step"] >= when_step
-                and any(e["event"] == "group_start" for e in record.read(str(run_dir)))):
-            act()
-            break
-        time.sleep(0.02)
-    else:
-        raise AssertionError(f"no checkpoint at step {when_step} within {timeout}s")
-    thread.join(timeout)
-    assert "summary" in out, "the run did not finish"
-    return out["summary"]
+def run_and_interfere(base, args, *, when_step: int, act):
+    name = next(a for a in args if a.startswith("--run.name=")).split("=")[1]
+    return faults.run_and_interfere(lambda: train_run(base, *args), base_dir(base) / name,
+                                    when_step=when_step, act=act)
 
 
 def assert_exact_samples(summary, steps):
@@ -225,18 +196,10 @@ def assert_exact_samples(summary, steps):
 
 
 def test_worker_killed_with_sigkill_restarts_and_ends_like_uninterrupted(base, trained):
-    import signal
-
     killed = []
-
-    def kill_one():
-        victim = train_workers()[0]
-        killed.append(victim.pid)
-        victim.send_signal(signal.SIGKILL)
-
     out = run_and_interfere(
         base, ["--run.name=sigkill", "--train.steps=30", "--checkpoint.every=5"],
-        when_step=5, act=kill_one)
+        when_step=5, act=lambda: killed.append(faults.kill_a_worker()))
     assert killed and out["status"] == "finished"
     assert out["final_step"] == 30 and out["restarts"] == 1 and out["failures"] >= 1
     (restart,) = out["interruptions"]
@@ -254,7 +217,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_from_it(base, trained)
 
     out = run_and_interfere(
         base, ["--run.name=sigterm", "--train.steps=30", "--checkpoint.every=5"],
-        when_step=5, act=lambda: train_workers()[-1].send_signal(signal.SIGTERM))
+        when_step=5, act=lambda: faults.train_workers()[-1].send_signal(signal.SIGTERM))
     assert out["final_step"] == 30 and out["restarts"] == 1
     (restart,) = out["interruptions"]
     # The preempted group saved at the step it had reached, so nothing is trained twice.
