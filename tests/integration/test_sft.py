@@ -242,27 +242,3 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
         torch.testing.assert_close(int8(input_ids=ids).logits, merged(input_ids=ids).logits,
                                    atol=0.05, rtol=0)
 
-
-def test_a_lora_sweep_trains_each_rank_and_opens_the_best(chats, tokenizer_dir, pretrained,
-                                                          tmp_path):
-    """`raylm tune` over LoRA ranks: each trial a LoRA run whose checkpoint holds adapters of
-    its own rank; the best config names the winning rank."""
-    import torch.distributed.checkpoint as dcp
-
-    from raylm.tune import sweep
-
-    out = sweep(load_config(None, [
-        *lora_run(chats, tokenizer_dir, pretrained, tmp_path), "--run.name=lora-sweep",
-        "--train.steps=5", "--train.eval_every=5", "--scaling.num_workers=1",
-        "--tune.search=grid", "--tune.lr_points=1", "--tune.lr_max=1e-2",
-        "--tune.schedules=[constant]", "--tune.lora_ranks=[2,8]", "--tune.lora_alphas=[16]",
-        "--tune.max_concurrent=2"]), log=print)
-    assert sorted(t["config"]["lora.rank"] for t in out["trials"]) == [2, 8]
-    for trial in out["trials"]:
-        meta = dcp.FileSystemReader(trial["checkpoint_path"]).read_metadata()
-        shapes = {k: v.size for k, v in meta.state_dict_metadata.items()
-                  if k.startswith("model.") and k.endswith("lora_A.default.weight")}
-        assert shapes and all(size[0] == trial["config"]["lora.rank"]
-                              for size in shapes.values())
-    best = load_config(tmp_path / "runs" / "lora-sweep" / "best.yaml")
-    assert best.lora.rank == out["best"]["config"]["lora.rank"]

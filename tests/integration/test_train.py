@@ -95,7 +95,8 @@ def test_train_resume_equals_uninterrupted(base, trained):
         "status", "final_step", "train_loss", "val_loss", "tokens_per_s", "mfu",
         "data_wait_fraction", "wall_s", "checkpoint_path", "mlflow_run_id",
         "mlflow_tracking_uri", "resumed_from_step", "workers", "restarts", "resizes",
-        "failures", "interruptions", "samples", "attention_backend", "precision"}
+        "failures", "interruptions", "samples", "attention_backend", "precision",
+        "trainable_params", "peak_memory_gb"}
     # 30 steps x 8 sequences, in the seed's order, over two invocations.
     assert summary["samples"] == {"steps": 30, "trained": 240, "duplicated": 0,
                                   "skipped": 0, "in_order": True}

@@ -94,18 +94,40 @@ def test_bad_sweeps_fail_before_any_trial(base):
                                  "--scaling.cpus_per_worker=3"]), log=print)
 
 
-def test_an_interrupted_sweep_resumes(base, tmp_path):
-    """`raylm tune` stopped with Ctrl-C once its first trial is done; the same command again
-    finishes the sweep without training that trial a second time."""
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, tokenizer_dir):
+    """A tiny Llama for the test tokenizer, saved with save_pretrained: the model a LoRA sweep
+    adapts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raylm.model import build_config
+
+    vocab = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+    config = build_config(preset="tiny", path=None, vocab_size=vocab, eos_id=0,
+                          attn_implementation="sdpa")
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("pretrained")
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+    return out
+
+
+def test_an_interrupted_lora_sweep_resumes(base, pretrained, tmp_path):
+    """`raylm tune` over LoRA ranks, stopped with Ctrl-C once its first trial is done; the same
+    command again finishes the sweep without training that trial a second time, and each
+    trial's checkpoint holds adapters of its own rank."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
+    import torch.distributed.checkpoint as dcp
+
     root = Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
     args = [sys.executable, "-m", "raylm", "tune", *base, "--run.name=resumed",
-            "--tune.lr_points=2", "--tune.max_concurrent=1", "--train.steps=10"]
+            f"--model.path={pretrained}", "--lora.rank=4", "--tune.lr_points=1",
+            "--tune.lora_ranks=[2, 8]", "--tune.max_concurrent=1", "--train.steps=10"]
     import ray
 
     # Both drivers join the suite's cluster (a local one would take ~10 s to start each time);
@@ -138,3 +160,9 @@ def test_an_interrupted_sweep_resumes(base, tmp_path):
     records = [json.loads(line) for line in (trials / done[0] / "events.jsonl").read_text()
                .splitlines()]
     assert len({r["invocation"] for r in records}) == 1
+    for trial in summary["trials"]:
+        meta = dcp.FileSystemReader(trial["checkpoint_path"]).read_metadata()
+        ranks = {v.size[0] for k, v in meta.state_dict_metadata.items()
+                 if k.startswith("model.") and k.endswith("lora_A.default.weight")}
+        assert ranks == {trial["config"]["lora.rank"]}
+    assert sorted(t["config"]["lora.rank"] for t in summary["trials"]) == [2, 8]
