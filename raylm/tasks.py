@@ -53,8 +53,8 @@ def pretraining_text(documents: int, *, seed: int = 0) -> list[str]:
     fine-tuned: what a model pretrained on real text brings to fine-tuning, here in miniature.
     Each paragraph keeps to a few words, and lists a few of them twice in the same order (as
     prose does: "we bought bread, salt and tea ... in the end bread, salt and tea were still
-    there"), so the model learns the words and to copy from its context. Nothing in it is
-    reversed."""
+    there"), so the model learns the words and to copy from its context. No paragraph lists
+    the same words in reverse: the fine-tune is where reversing is taught."""
     rng = random.Random(seed)
     out = []
     for _ in range(documents):
