@@ -51,6 +51,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def save_tiny_llama(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
+    """The tiny preset, randomly initialized and saved with save_pretrained: a pretrained model
+    directory as fine-tuning reads one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raylm.model import build_config
+
+    config = build_config(preset="tiny", path=None, vocab_size=vocab_size, eos_id=0,
+                          attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+    return out
+
+
+def tokenizer_vocab(tokenizer_dir: Path) -> int:
+    return len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
+
+
 def make_docs(n: int, *, tag: str = "") -> list[str]:
     """``n`` distinct documents built from the paragraphs above."""
     out = []

@@ -12,6 +12,7 @@ import pytest
 
 from raylm.config import load_config
 from raylm.data import prepare
+from tests.conftest import save_tiny_llama, tokenizer_vocab
 from tests.integration import faults
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
@@ -125,18 +126,8 @@ def test_long_examples_can_be_truncated_and_prompt_completion_pairs_train(
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory, tokenizer_dir):
     """A tiny Llama for the test tokenizer, saved with save_pretrained: the model fine-tuned."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from raylm.model import build_config
-
-    from_tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    config = build_config(preset="tiny", path=None, vocab_size=len(from_tok["model"]["vocab"]),
-                          eos_id=0, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("pretrained")
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("pretrained"),
+                           vocab_size=tokenizer_vocab(tokenizer_dir))
 
 
 def lora_run(chats, tokenizer_dir, pretrained, tmp_path) -> list[str]:

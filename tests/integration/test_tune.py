@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from raylm.config import load_config
-from tests.conftest import tiny_run
+from tests.conftest import save_tiny_llama, tiny_run, tokenizer_vocab
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
@@ -98,18 +98,8 @@ def test_bad_sweeps_fail_before_any_trial(base):
 def pretrained(tmp_path_factory, tokenizer_dir):
     """A tiny Llama for the test tokenizer, saved with save_pretrained: the model a LoRA sweep
     adapts."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from raylm.model import build_config
-
-    vocab = len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
-    config = build_config(preset="tiny", path=None, vocab_size=vocab, eos_id=0,
-                          attn_implementation="sdpa")
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("pretrained")
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("pretrained"),
+                           vocab_size=tokenizer_vocab(tokenizer_dir))
 
 
 def test_an_interrupted_lora_sweep_resumes(base, pretrained, tmp_path):

@@ -7,6 +7,7 @@ import torch
 
 from raylm.parallelize import ParallelPlan
 from raylm.train import TrainState, build_training_model, evaluate, train_step
+from tests.conftest import save_tiny_llama
 
 VOCAB = 300
 
@@ -176,16 +177,7 @@ def test_masked_loss_is_the_mean_over_the_global_batchs_trained_targets():
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A tiny Llama saved with save_pretrained, as a pretrained model directory is."""
-    from transformers import AutoModelForCausalLM
-
-    from raylm.model import build_config
-
-    config = build_config(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
-                          attn_implementation="sdpa")
-    torch.manual_seed(3)
-    out = tmp_path_factory.mktemp("pretrained")
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
-    return out
+    return save_tiny_llama(tmp_path_factory.mktemp("pretrained"), vocab_size=VOCAB, seed=3)
 
 
 def lora_model(path, rank=4):
