@@ -8,15 +8,20 @@ fails loudly instead).
 
 Packed blocks hold several documents. With ``data.cross_document_attention: false`` the loop
 passes position ids that restart at every document start; transformers turns them into a
-block-diagonal causal mask (SDPA) or varlen sequence boundaries (flash-attn). The kernels:
+block-diagonal causal mask: a dense one for SDPA (batch x seq x seq, and SDPA's CUDA flash
+kernel takes no mask, so the slower memory-efficient one runs), a ``BlockMask`` for
+FlexAttention (which skips the blocks that cross documents and builds nothing dense), or varlen
+sequence boundaries for flash-attn. The kernels:
 
-    device  cross-document  flash-attn installed  ->  backend
-    cpu     any             -                     ->  SDPA flash (CPU kernel; takes a mask)
-    cuda    allowed         no / not asked        ->  SDPA flash
-    cuda    allowed         yes, asked            ->  flash-attn
-    cuda    blocked         yes                   ->  flash-attn varlen
-    cuda    blocked         no                    ->  SDPA memory-efficient (the CUDA flash
-                                                      kernel takes no mask)
+    device  cross-document  requested                       ->  backend
+    cpu     any             auto, sdpa                      ->  SDPA flash (CPU kernel; masks)
+    cuda    allowed         auto, sdpa                      ->  SDPA flash (bf16), SDPA
+                                                                memory-efficient (fp32)
+    cuda    allowed         flash_attention_2               ->  flash-attn
+    cuda    blocked         auto, flash-attn installed      ->  flash-attn varlen
+    cuda    blocked         auto without flash-attn         ->  FlexAttention (block-sparse)
+    cuda    any             flex_attention                  ->  FlexAttention
+    cuda    blocked         sdpa                            ->  SDPA memory-efficient, dense mask
 """
 
 from __future__ import annotations
@@ -51,11 +56,15 @@ def flash_attn_available() -> bool:
 
 
 def choose_attention(device_type: str, *, requested: str = "auto",
-                     cross_document: bool = True) -> AttentionChoice:
-    """Pick the kernel for ``device_type`` ('cuda' or 'cpu')."""
+                     cross_document: bool = True, precision: str = "bf16-mixed"
+                     ) -> AttentionChoice:
+    """Pick the kernel for ``device_type`` ('cuda' or 'cpu') and the resolved ``precision``
+    (the CUDA flash kernels take 16-bit inputs only: fp32 training uses the memory-efficient
+    SDPA kernel, or FlexAttention for per-document masks)."""
     if requested not in ATTENTIONS:
         raise ValueError(f"model.attention: {requested!r} is not one of "
                          f"{', '.join(ATTENTIONS)}.")
+    half = precision != "fp32"
     if requested == "flash_attention_2":
         if device_type != "cuda":
             raise ValueError("model.attention=flash_attention_2 needs CUDA GPUs; use auto or "
@@ -63,13 +72,24 @@ def choose_attention(device_type: str, *, requested: str = "auto",
         if not flash_attn_available():
             raise ValueError("model.attention=flash_attention_2 but the flash-attn package is "
                              "not installed; pip install flash-attn, or use auto.")
+        if not half:
+            raise ValueError("model.attention=flash_attention_2 needs bf16 (train.precision="
+                             "bf16-mixed or bf16-true); use auto with fp32.")
+    if requested == "flex_attention" and device_type != "cuda":
+        raise ValueError("model.attention=flex_attention needs CUDA GPUs (it is compiled "
+                         "with Triton); use auto or sdpa on CPU.")
     if device_type != "cuda":
         return AttentionChoice("sdpa", "sdpa-flash-cpu", (SDPBackend.FLASH_ATTENTION,))
     use_fa = requested == "flash_attention_2" or (
-        requested == "auto" and not cross_document and flash_attn_available())
+        requested == "auto" and not cross_document and half and flash_attn_available())
     if use_fa:
         return AttentionChoice("flash_attention_2",
                                "flash-attn" if cross_document else "flash-attn-varlen")
-    if cross_document:
+    if requested == "flex_attention" or (requested == "auto" and not cross_document):
+        return AttentionChoice("flex_attention", "flex-attention")
+    if not cross_document:
+        return AttentionChoice("sdpa", "sdpa-efficient-masked",
+                               (SDPBackend.EFFICIENT_ATTENTION,))
+    if half:
         return AttentionChoice("sdpa", "sdpa-flash-cuda", (SDPBackend.FLASH_ATTENTION,))
-    return AttentionChoice("sdpa", "sdpa-efficient-masked", (SDPBackend.EFFICIENT_ATTENTION,))
+    return AttentionChoice("sdpa", "sdpa-efficient-cuda", (SDPBackend.EFFICIENT_ATTENTION,))

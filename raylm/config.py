@@ -25,7 +25,7 @@ from raylm import storage
 # Names other modules check against, stated once here with the fields that take them.
 Schedule = Literal["cosine", "linear", "constant", "wsd", "cyclical"]
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
-Attention = Literal["auto", "sdpa", "flash_attention_2"]
+Attention = Literal["auto", "sdpa", "flex_attention", "flash_attention_2"]
 ATTENTIONS: tuple[str, ...] = typing.get_args(Attention)
 
 
@@ -246,8 +246,9 @@ class ModelConfig:
     path: str | None = None
     """Local pretrained model directory; overrides the preset."""
     attention: Attention = "auto"
-    """Attention kernel: auto picks SDPA flash, or flash-attn's varlen kernel on CUDA when
-    documents must not attend to each other and flash-attn is installed."""
+    """Attention kernel: auto picks SDPA flash; on CUDA, when documents must not attend to
+    each other, flash-attn's varlen kernel if installed, else FlexAttention (no dense mask).
+    sdpa and flex_attention force those; see raylm.attention."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward (less memory, ~30% more
     compute)."""
@@ -371,6 +372,9 @@ class TrackingConfig:
     """MLflow tracking URI; unset uses MLFLOW_TRACKING_URI, else a local store in RUN_DIR."""
     experiment: str = "raylm"
     """MLflow experiment name."""
+    gpu_hour_price: float | None = None
+    """Price of one GPU-hour, in any currency: the run then reports ``cost`` = GPU-hours x
+    this (unset: no cost figure)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -555,6 +559,8 @@ def validate(cfg: Config) -> Config:
     sources = [d.source] if isinstance(d.source, str) else d.source
     _check(bool(sources) and all(sources), "data.source", d.source, "a non-empty source or list")
     _check(d.seq_len >= 8, "data.seq_len", d.seq_len, "an integer >= 8")
+    _check(cfg.tracking.gpu_hour_price is None or cfg.tracking.gpu_hour_price >= 0,
+           "tracking.gpu_hour_price", cfg.tracking.gpu_hour_price, "unset or a price >= 0")
     _check(d.min_chars >= 0, "data.min_chars", d.min_chars, "an integer >= 0")
     _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "0 <= x < 1")
     _check(d.max_bad_records_listed >= 0, "data.max_bad_records_listed",

@@ -99,13 +99,19 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
         # a step for nothing (measured on the tiny preset, CPU). DCP checkpoints of the plain
         # model still reshard onto any later world size.
         return model
+    return shard(model, mesh=build_mesh(device_type), precision=precision)
+
+
+def shard(model: nn.Module, *, mesh, precision: str) -> nn.Module:
+    """FSDP2 ``fully_shard`` per decoder block and at the root over ``mesh``, with the mixed
+    precision policy of ``precision``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if precision == "bf16-mixed":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
-    mesh = build_mesh(device_type)
+    blocks = decoder_blocks(model)
     n = len(blocks)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.

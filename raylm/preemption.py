@@ -19,11 +19,11 @@ Ray's worker processes answer SIGTERM by exiting at once, and Python lets only t
 install a signal handler, while Ray Train runs the training function in a thread of its
 worker actor. So the handler is installed by a task sent to the worker's own actor, which
 Ray runs on that main thread; it only records the request. The training loop asks at every
-step boundary whether any rank got one (one all-reduce of a single integer), and if so every
-rank saves and reports a checkpoint and then raises :class:`Preempted`: Ray Train counts a
-worker-group failure and, within ``train.max_failures``, restarts from that checkpoint on
-the workers that are left, which loses no step. A second SIGTERM while the first is pending
-exits at once, as Ray would have.
+step boundary whether any rank got one (one all-reduce of two integers, :class:`Vote`), and if
+so every rank saves and reports a checkpoint and then raises :class:`Preempted`: Ray Train
+counts a worker-group failure and, within ``train.max_failures``, restarts from that
+checkpoint on the workers that are left, which loses no step. A second SIGTERM while the
+first is pending exits at once, as Ray would have.
 
 The SIGTERM handler is written by hand because Ray Train's own preemption support reacts to
 node drains, not to a signal sent to a process.
@@ -110,12 +110,45 @@ def drain_notice() -> str | None:
     return f"node {nodes} is draining ({left:.0f} s to its deadline)"
 
 
-def vote(device: torch.device) -> str | None:
-    """Why this step must end the worker group, agreed by every rank ("SIGTERM" or "node
-    drain"), or None: all ranks must call this at the same step."""
-    flags = [requested(), drain_notice() is not None]
-    t = torch.tensor([int(f) for f in flags], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    sigterm, drain = (bool(v) for v in t.tolist())
+class Vote:
+    """Every rank's stop flags (SIGTERM, node drain), all-reduced at every step, so that all
+    ranks stop at the same step; all ranks must call it at every step.
+
+    On a GPU the result is read one step late. Reading an all-reduced flag back at once makes
+    the host wait until the GPU has run everything queued before it (the whole step) before it
+    can queue the next step, and the GPU then idles while the host prepares it. So each step's
+    flags are all-reduced and copied to pinned host memory without waiting, and read at the
+    next step: by then that copy, queued behind the previous step's kernels, is done or nearly.
+    Every rank reads the same step's result, so all stop together, one step after the request.
+    On a CPU the result is read at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def __call__(self) -> str | None:
+        """Why the group must stop now ("SIGTERM" or "node drain"), or None."""
+        # Set on the device by fill kernels: a copy from pageable host memory may wait for
+        # the GPU's queue to drain, which is the wait this class exists to avoid.
+        flags = torch.zeros(2, dtype=torch.int32, device=self.device)
+        if requested():
+            flags[0] = 1
+        if drain_notice() is not None:
+            flags[1] = 1
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if self.device.type != "cuda":
+            return _cause(flags.tolist())
+        host = flags.to("cpu", non_blocking=True)  # pinned: the copy does not block
+        done = torch.cuda.Event()
+        done.record()
+        previous, self.pending = self.pending, (host, done)
+        if previous is None:
+            return None
+        previous[1].synchronize()
+        return _cause(previous[0].tolist())
+
+
+def _cause(flags: list[int]) -> str | None:
+    sigterm, drain = (bool(v) for v in flags)
     return "SIGTERM" if sigterm else "node drain" if drain else None

@@ -289,6 +289,9 @@ class RunRecord(UserCallback):
             "workers": m.get("workers"),
             "trainable_params": m.get("trainable_params"),
             "peak_memory_gb": m.get("peak_memory_gb"),
+            # GPU energy and time (None on CPUs): see raylm.energy.
+            **{k: m.get(k) for k in ("joules_per_token", "watts_per_gpu", "energy_kwh",
+                                     "gpu_hours", "cost")},
             **summarize(self.records),
             "attention_backend": m.get("attention_backend"),
             "precision": m.get("precision"),

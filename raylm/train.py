@@ -49,6 +49,11 @@ class TrainState:
     lr: float | None = None
     """Learning rate of the last step done: a resume under settings that move the schedule
     is noticed by it (checkpoints written before it existed have none)."""
+    energy_j: float | None = None
+    """Joules drawn by the run's GPUs so far, every worker group (None: not measured, on
+    CPUs or without NVML)."""
+    gpu_s: float | None = None
+    """GPU-seconds so far: each group's wall time x its GPUs (None on CPUs)."""
 
     def advance(self, *, samples: int, tokens: int, lr: float | None = None) -> None:
         """One optimizer step over ``samples`` sequences holding ``tokens`` targets, at
@@ -58,6 +63,13 @@ class TrainState:
         self.data_position += samples
         self.lr = lr
 
+    def add_usage(self, *, joules: float | None, gpu_seconds: float | None) -> None:
+        """Count a report window's energy and GPU time into the run's totals."""
+        if joules is not None:
+            self.energy_j = (self.energy_j or 0.0) + joules
+        if gpu_seconds is not None:
+            self.gpu_s = (self.gpu_s or 0.0) + gpu_seconds
+
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -66,6 +78,8 @@ class TrainState:
         self.tokens_seen = int(state["tokens_seen"])
         self.data_position = int(state["data_position"])
         self.lr = state.get("lr")
+        self.energy_j = state.get("energy_j")
+        self.gpu_s = state.get("gpu_s")
 
 
 # Targets that carry no loss (cross_entropy's ignore_index).
@@ -90,8 +104,9 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     parallelize, materialize on ``device``, initialize (or load pretrained weights, read once
     on rank 0 and scattered). With ``base_quantization="nf4"`` (QLoRA) the adapted layers'
     base weights are NF4-quantized as they are loaded, before sharding."""
-    choice = choose_attention(device.type, requested=attention, cross_document=cross_document)
     precision = resolve_precision(precision, device.type)
+    choice = choose_attention(device.type, requested=attention, cross_document=cross_document,
+                              precision=precision)
     config = build_config(preset=preset, path=path, vocab_size=vocab_size, eos_id=eos_id,
                           attn_implementation=choice.implementation)
     model = build_meta_model(config)
@@ -144,9 +159,10 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
 def trained_targets(batches: Iterable[dict[str, torch.Tensor]], device: torch.device
                     ) -> torch.Tensor:
     """Targets that carry loss in ``batches``, summed over every rank (all call it)."""
-    n = torch.zeros((), dtype=torch.float64, device=device)
-    for b in batches:
-        n += b["loss_mask"][:, 1:].sum().to(device)
+    # Counted on the host (the masks are host tensors) and written by a fill kernel: a copy
+    # from pageable host memory may wait for the GPU's queue to drain.
+    local = sum(int(b["loss_mask"][:, 1:].sum()) for b in batches)
+    n = torch.full((), local, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(n)
     return n
@@ -162,9 +178,14 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 def train_step(built: Built, optimizer: torch.optim.Optimizer,
                micro_batches: Iterable[dict[str, torch.Tensor]], *, accumulation: int,
-               grad_clip: float, cross_document: bool = True) -> tuple[float, float]:
+               grad_clip: float, cross_document: bool = True
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``accumulation`` micro-batches; returns (loss averaged over the
-    global batch, global gradient norm before clipping).
+    global batch, global gradient norm before clipping) as 0-d tensors on the device.
+
+    Nothing here waits for the device: a Python float of the loss at every step would stop the
+    host until the GPU has finished the step, and the next step's kernels would only start
+    queueing then. Callers convert when they report.
 
     Blocks with a loss mask are averaged over the trained targets of the whole global batch,
     not per micro-batch: micro-batches hold different numbers of trained targets, and a mean of
@@ -180,7 +201,8 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
         count = trained_targets(micro_batches, built.device).float()
         for batch in micro_batches:
             loss_sum = batch_loss(built, batch, cross_document=cross_document)
-            (loss_sum * world / count).backward()
+            with built.attention.context():  # activation checkpointing recomputes in here
+                (loss_sum * world / count).backward()
             total += loss_sum.detach()
         if dist.is_initialized():
             dist.all_reduce(total)
@@ -188,7 +210,8 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
     else:
         for batch in micro_batches:
             loss = batch_loss(built, batch, cross_document=cross_document)
-            (loss / accumulation).backward()
+            with built.attention.context():
+                (loss / accumulation).backward()
             total += loss.detach()
         mean = total / accumulation
         if dist.is_initialized():
@@ -196,7 +219,7 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
     norm = clip_grad_norm(built.model, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(mean), float(norm)
+    return mean.detach(), norm.detach()
 
 
 @torch.no_grad()
@@ -209,7 +232,7 @@ def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
     n = torch.zeros((), device=built.device)
     for batch in batches:
         total += batch_loss(built, batch, cross_document=cross_document)
-        n += batch["loss_mask"][:, 1:].sum().to(built.device) if "loss_mask" in batch else 1
+        n += int(batch["loss_mask"][:, 1:].sum()) if "loss_mask" in batch else 1
     built.model.train()
     if dist.is_initialized():
         dist.all_reduce(total)

@@ -40,6 +40,7 @@ from raylm import preemption
 from raylm.config import Config, config_from_dict
 from raylm.console import quiet_libraries
 from raylm.data import build_train_stream, read_val_blocks
+from raylm.energy import EnergyCounter, run_figures, window_figures
 from raylm.ledger import Ledger
 from raylm.lora import adapter_args
 from raylm.lora import settings as lora_settings
@@ -69,6 +70,7 @@ class Setup:
     val_batches: list[dict[str, torch.Tensor]]
     tracker: Tracker
     meter: StepMeter
+    vote: preemption.Vote
     constant_metrics: dict[str, Any]
     """Reported with every step: the layout, the kernels that ran, where the group resumed."""
 
@@ -111,13 +113,19 @@ def train(run: Setup) -> None:
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
         meter.step_ends(tokens_per_step)
         # Every rank takes part in the vote, every step.
-        cause = preemption.vote(run.built.device)
+        cause = run.vote()
         todo = at_boundary(state.step, cfg=run.cfg, preempt_requested=cause is not None)
         if not todo.report:
             continue
-        metrics = {"step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                   "tokens_seen": state.tokens_seen, "preempted": todo.preempted,
-                   **meter.window(), **run.constant_metrics}
+        window = meter.window()
+        state.add_usage(joules=window.pop("energy_j"), gpu_seconds=window.pop("gpu_s"))
+        # The only host-device synchronisations of the loop are here, at reports.
+        metrics = {"step": state.step, "loss": float(loss), "lr": lr,
+                   "grad_norm": float(grad_norm), "tokens_seen": state.tokens_seen,
+                   "preempted": todo.preempted, **window,
+                   **run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
+                                 gpu_hour_price=run.cfg.tracking.gpu_hour_price),
+                   **run.constant_metrics}
         if todo.evaluate:
             metrics.update(validate(run))
         save_and_report(run, metrics, save=todo.save)
@@ -150,19 +158,30 @@ def at_boundary(step: int, *, cfg: Config, preempt_requested: bool) -> Boundary:
 
 class StepMeter:
     """Times the loop: tokens/s and the share of time spent waiting for data, over the window
-    since the last report and (data wait) over the whole run."""
+    since the last report and (data wait) over the whole run; and the GPUs' energy (see
+    :mod:`raylm.energy`).
+
+    Energy windows follow one another without gaps (each starts where the last was read, so
+    evaluation, checkpoints and setup count), while the throughput window restarts after each
+    report. All ranks call :meth:`window` at the same steps (it all-reduces on GPUs)."""
 
     def __init__(self, *, flops_per_token: float, peak_flops: float | None, world_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, energy: EnergyCounter | None = None,
+                 energy_since: tuple[float, float | None] | None = None) -> None:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.world_size, self.device = world_size, device
         self.run_t0 = time.perf_counter()
         self.busy_s = self.run_wait_s = 0.0
+        self.energy = energy
+        # (time, joules) where the first energy window starts: the group's setup by default.
+        self.energy_t0, self.energy_j0 = energy_since or (
+            time.perf_counter(), energy.read() if energy else None)
         self.window_reset()
 
     def window_reset(self) -> None:
         self.window_t0 = time.perf_counter()
         self.window_tokens = 0
+        self.window_steps = 0
         self.window_wait_s = 0.0
 
     def step_begins(self) -> None:
@@ -182,6 +201,7 @@ class StepMeter:
 
     def step_ends(self, tokens: int) -> None:
         self.window_tokens += tokens
+        self.window_steps += 1
         self.busy_s += time.perf_counter() - self.step_t0
 
     def window(self) -> dict[str, float]:
@@ -196,7 +216,30 @@ class StepMeter:
             "mfu": mfu(tok_s, self.flops_per_token, self.peak_flops, self.world_size),
             "elapsed_s": now - self.run_t0,
             "peak_memory_gb": peak_memory_bytes(self.device) / 2**30,
+            **self._energy_window(now),
         }
+
+    def _energy_window(self, now: float) -> dict[str, float | None]:
+        """Joules drawn by every GPU since the last energy reading, GPU-seconds over the same
+        span, and the window figures; None throughout on CPUs."""
+        if self.device.type != "cuda":
+            return {"energy_j": None, "gpu_s": None, **window_figures(
+                joules=None, steps=0, tokens=0, seconds=0.0, gpus=0)}
+        joules = self.energy.read() if self.energy else None
+        mine = (torch.tensor([0.0, 1.0], dtype=torch.float64) if joules is None
+                or self.energy_j0 is None else
+                torch.tensor([joules - self.energy_j0, 0.0], dtype=torch.float64))
+        if torch.distributed.is_initialized():
+            mine = mine.to(self.device)
+            torch.distributed.all_reduce(mine)
+        total, missing = mine.tolist()
+        seconds = now - self.energy_t0
+        self.energy_t0, self.energy_j0 = now, joules
+        total = None if missing else total  # one rank without a counter: no figure at all
+        return {"energy_j": total, "gpu_s": seconds * self.world_size,
+                **window_figures(joules=total, steps=self.window_steps,
+                                 tokens=self.window_tokens, seconds=seconds,
+                                 gpus=self.world_size)}
 
 
 def validate(run: Setup) -> dict[str, float]:
@@ -228,6 +271,9 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     if device.type == "cpu":
         # One intra-op thread per reserved CPU: workers sharing a node must not oversubscribe.
         torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    # Energy is counted from here: building, restoring and the first batch draw power too.
+    energy = EnergyCounter(device)
+    energy_since = (time.perf_counter(), energy.read())
     d, t, o = cfg.data, cfg.train, cfg.optim
     built = build_training_model(
         preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
@@ -251,7 +297,11 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         loop_config["prepared"], rank=rank, world_size=world, start_step=state.step,
         num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
         global_batch=t.global_batch_size, resources=loop_config["reader_resources"])
-    batches = iter(train_ds.iter_torch_batches(batch_size=micro_batch,
+    # Batches stay on the host (the positions and rows are checked and logged there; in a
+    # GPU worker Ray's default would move them to the GPU), pinned so that the step's copy
+    # of the tokens to the GPU never waits for its queue.
+    batches = iter(train_ds.iter_torch_batches(batch_size=micro_batch, device="cpu",
+                                               pin_memory=device.type == "cuda",
                                                prefetch_batches=d.prefetch_batches))
     val = {k: torch.from_numpy(v) for k, v in read_val_blocks(
         loop_config["prepared"], rank=rank, world_size=world,
@@ -282,11 +332,13 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
               f"{torch.cuda.get_device_name(device)!r} (raylm.metrics.BF16_PEAK_FLOPS)",
               flush=True)
     meter = StepMeter(flops_per_token=flops_per_token(built.config, d.seq_len),
-                      peak_flops=peak, world_size=world, device=device)
+                      peak_flops=peak, world_size=world, device=device, energy=energy,
+                      energy_since=energy_since)
     return Setup(cfg=cfg, rank=rank, world_size=world, built=built, optimizer=optimizer,
                  state=state, ledger=ledger, micro_batch=micro_batch,
                  accumulation=accumulation, batches=batches, val_batches=val_batches,
-                 tracker=tracker, meter=meter, constant_metrics=constant)
+                 tracker=tracker, meter=meter, vote=preemption.Vote(device),
+                 constant_metrics=constant)
 
 
 class DataStall(RuntimeError):

@@ -66,6 +66,11 @@ def save_tiny_llama(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
     return out
 
 
+def floats(values) -> tuple[float, ...]:
+    """``train_step``'s (loss, grad norm) tensors as Python floats."""
+    return tuple(float(v) for v in values)
+
+
 def tokenizer_vocab(tokenizer_dir: Path) -> int:
     return len(json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"])
 

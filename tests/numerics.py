@@ -67,8 +67,8 @@ def run(rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
         ids = torch.from_numpy(blocks[order.rows(positions)].astype(np.int64))
         batches = [{"input_ids": ids[i:i + micro]} for i in range(0, per_rank, micro)]
         set_lr(optimizer, lr_at(step, **OPTIM))
-        loss, norm = train_step(built, optimizer, batches, accumulation=accumulation,
-                                grad_clip=1.0)
+        loss, norm = (float(x) for x in train_step(built, optimizer, batches,
+                                                   accumulation=accumulation, grad_clip=1.0))
         losses.append(loss)
         norms.append(norm)
     held = torch.from_numpy(blocks[:16].astype(np.int64))

@@ -3,6 +3,7 @@
     data      Ray Data tokenize+pack vs datasets.Dataset.map(num_proc=2)
     overhead  raylm single-worker training vs a bare PyTorch loop
     lora      LoRA vs full fine-tuning of one model: parameters, checkpoint, memory, speed
+    mfu       one GPU: tokens/s, MFU, memory, J/token of raylm's step vs a bare loop
 """
 
 from __future__ import annotations
@@ -41,6 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--workers", type=int, default=2)
     lo.add_argument("--micro-batch", type=int, default=2)
     lo.add_argument("--workdir", default=None)
+    mf = sub.add_parser("mfu", help="one GPU: raylm step vs bare PyTorch loop, MFU, "
+                                    "memory, energy (torch + transformers only)")
+    mf.add_argument("--output", required=True)
+    mf.add_argument("--presets", default="125m,350m,1b")
+    mf.add_argument("--seq-len", type=int, default=2048)
+    mf.add_argument("--compile", default="off,on", help="off, on, or off,on (both)")
+    mf.add_argument("--micro-batch", type=int, default=0,
+                    help="first micro batch to try (0: per preset); halves on OOM")
+    mf.add_argument("--warmup", type=int, default=8)
+    mf.add_argument("--steps", type=int, default=20)
+    mf.add_argument("--log-every", type=int, default=10)
+    mf.add_argument("--profile", default=None, help="preset whose step kernels to list")
+    mf.add_argument("--per-document", default=None,
+                    help="preset to time per-document attention kernels on")
+    mf.add_argument("--synced", action="store_true",
+                    help="also time raylm's step reading loss and grad norm back every step")
     args = p.parse_args(argv)
 
     # Each benchmark imports only what it runs: the GPU machines that run some of them have no
@@ -61,6 +78,14 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run(preset=args.preset, rank=args.rank, steps=args.steps,
                      workers=args.workers, micro_batch=args.micro_batch, workdir=args.workdir)
+    elif args.name == "mfu":
+        from raylm.bench.mfu import run
+
+        result = run(presets=args.presets.split(","), seq_len=args.seq_len,
+                     compile_modes=[m == "on" for m in args.compile.split(",")],
+                     micro_batch=args.micro_batch, warmup=args.warmup, steps=args.steps,
+                     log_every=args.log_every, profile_preset=args.profile,
+                     per_document_preset=args.per_document, synced=args.synced)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -31,7 +31,7 @@ def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "ti
     losses = []
     for step in range(start, STEPS):
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in data(step % 2).items()}
-        losses.append(train_step(built, opt, [batch], accumulation=1, grad_clip=1.0)[0])
+        losses.append(float(train_step(built, opt, [batch], accumulation=1, grad_clip=1.0)[0]))
         if step + 1 == 2 and not resume:
             checkpoint.save(ckpt, model=built.model, optimizer=opt, config=built.config,
                             state={"step": 2, "tokens_seen": 2 * 4 * 32, "data_position": 8})

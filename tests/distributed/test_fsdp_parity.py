@@ -64,8 +64,8 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
     opt = build_optimizer(built.model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
                           device_type="cpu")
     # The same batch each step: memorizing it must lower the loss.
-    out["losses"] = [train_step(built, opt, [mine(data(0))], accumulation=1, grad_clip=1.0)[0]
-                     for s in range(STEPS)]
+    out["losses"] = [float(train_step(built, opt, [mine(data(0))], accumulation=1,
+                                      grad_clip=1.0)[0]) for s in range(STEPS)]
     out["params"] = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                      for n, p in built.model.named_parameters()}
 
@@ -74,8 +74,8 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
     tuned = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32", seed=0)
     sgd = torch.optim.SGD(tuned.model.parameters(), lr=1.0)
-    out["masked"] = train_step(tuned, sgd, [mine(masked_data())], accumulation=1,
-                               grad_clip=0.0)
+    out["masked"] = tuple(float(x) for x in train_step(
+        tuned, sgd, [mine(masked_data())], accumulation=1, grad_clip=0.0))
     out["masked_params"] = {
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         for n, p in tuned.model.named_parameters()}
@@ -104,7 +104,7 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
         opt = build_optimizer(adapted.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
                               device_type="cpu")
         out[f"lora_{base}_losses"] = [
-            train_step(adapted, opt, [mine(masked_data())], accumulation=1, grad_clip=1.0)[0]
+            float(train_step(adapted, opt, [mine(masked_data())], accumulation=1, grad_clip=1.0)[0])
             for _ in range(STEPS)]
     # The NF4 run's checkpoint (adapters and their Adam state; the NF4 base is not in it)
     # restores into a fresh NF4 model, whose next step is the continuing run's.
@@ -121,8 +121,8 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
                                 device_type="cpu")
     checkpoint.load(ckpt, model=fresh.model, optimizer=fresh_opt, config=fresh.config,
                     adapters=settings)
-    out["nf4_resumed"] = [train_step(b, o, [mine(masked_data())], accumulation=1,
-                                     grad_clip=1.0)[0]
+    out["nf4_resumed"] = [float(train_step(b, o, [mine(masked_data())], accumulation=1,
+                                     grad_clip=1.0)[0])
                           for b, o in ((adapted, opt), (fresh, fresh_opt))]
 
 

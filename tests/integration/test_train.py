@@ -96,7 +96,11 @@ def test_train_resume_equals_uninterrupted(base, trained):
         "data_wait_fraction", "wall_s", "checkpoint_path", "mlflow_run_id",
         "mlflow_tracking_uri", "resumed_from_step", "workers", "restarts", "resizes",
         "failures", "interruptions", "samples", "attention_backend", "precision",
-        "trainable_params", "peak_memory_gb"}
+        "trainable_params", "peak_memory_gb", "joules_per_token", "watts_per_gpu",
+        "energy_kwh", "gpu_hours", "cost"}
+    # Nothing measures energy on a CPU: no figure, rather than a zero.
+    assert [summary[k] for k in ("joules_per_token", "energy_kwh", "gpu_hours", "cost")] == [
+        None] * 4
     # 30 steps x 8 sequences, in the seed's order, over two invocations.
     assert summary["samples"] == {"steps": 30, "trained": 240, "duplicated": 0,
                                   "skipped": 0, "in_order": True}

@@ -79,6 +79,11 @@ def test_documents_do_not_attend_across_boundaries():
 def test_attention_choice_table():
     assert choose_attention("cuda").backend == "sdpa-flash-cuda"
     blocked = choose_attention("cuda", cross_document=False)
-    assert blocked.backend in ("flash-attn-varlen", "sdpa-efficient-masked")
-    with pytest.raises(ValueError, match="needs CUDA"):
-        choose_attention("cpu", requested="flash_attention_2")
+    assert blocked.backend in ("flash-attn-varlen", "flex-attention")
+    assert choose_attention("cuda", requested="sdpa",
+                            cross_document=False).backend == "sdpa-efficient-masked"
+    assert choose_attention("cuda", requested="flex_attention").implementation == (
+        "flex_attention")
+    for kernel in ("flash_attention_2", "flex_attention"):
+        with pytest.raises(ValueError, match="needs CUDA"):
+            choose_attention("cpu", requested=kernel)

@@ -7,7 +7,7 @@ import torch
 
 from raylm.parallelize import ParallelPlan
 from raylm.train import TrainState, build_training_model, evaluate, train_step
-from tests.conftest import save_tiny_llama
+from tests.conftest import floats, save_tiny_llama
 
 VOCAB = 300
 
@@ -28,9 +28,9 @@ def test_gradient_accumulation_2x4_equals_1x8():
     # Plain SGD with lr 1: the parameter change is exactly the gradient.
     sgd1 = torch.optim.SGD(one.model.parameters(), lr=1.0)
     sgd2 = torch.optim.SGD(two.model.parameters(), lr=1.0)
-    loss1, norm1 = train_step(one, sgd1, [b], accumulation=1, grad_clip=0.0)
+    loss1, norm1 = floats(train_step(one, sgd1, [b], accumulation=1, grad_clip=0.0))
     halves = [{k: v[:4] for k, v in b.items()}, {k: v[4:] for k, v in b.items()}]
-    loss2, norm2 = train_step(two, sgd2, halves, accumulation=2, grad_clip=0.0)
+    loss2, norm2 = floats(train_step(two, sgd2, halves, accumulation=2, grad_clip=0.0))
     assert loss1 == pytest.approx(loss2, abs=1e-5)
     assert norm1 == pytest.approx(norm2, abs=1e-5)
     for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters(),
@@ -48,8 +48,8 @@ def test_wrong_number_of_micro_batches_is_caught():
 def test_clipping_bounds_the_update_and_eval_is_a_mean():
     b = built()
     before = [p.detach().clone() for p in b.model.parameters()]
-    _, norm = train_step(b, torch.optim.SGD(b.model.parameters(), lr=1.0), [batch()],
-                         accumulation=1, grad_clip=0.5)
+    _, norm = floats(train_step(b, torch.optim.SGD(b.model.parameters(), lr=1.0), [batch()],
+                         accumulation=1, grad_clip=0.5))
     delta = torch.sqrt(sum(((p - q) ** 2).sum() for p, q in zip(b.model.parameters(), before,
                                                                  strict=True)))
     assert norm > 0.5 and float(delta) == pytest.approx(0.5, rel=1e-4)
@@ -94,7 +94,7 @@ def test_activation_checkpointing_and_compile_keep_the_math():
     results = []
     for b in (plain, wrapped):
         sgd = torch.optim.SGD(b.model.parameters(), lr=1.0)
-        results.append(train_step(b, sgd, [batch(4)], accumulation=1, grad_clip=0.0))
+        results.append(floats(train_step(b, sgd, [batch(4)], accumulation=1, grad_clip=0.0)))
     assert results[0] == pytest.approx(results[1], abs=1e-5)
     # Wrapping changes module paths, not the checkpoint's parameter names.
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -153,11 +153,11 @@ def test_masked_loss_is_the_mean_over_the_global_batchs_trained_targets():
     per_row = b["loss_mask"][:, 1:].sum(1)
     assert per_row.min() * 3 < per_row.max()
     one, four = built(), built()
-    loss1, norm1 = train_step(one, torch.optim.SGD(one.model.parameters(), lr=1.0), [b],
-                              accumulation=1, grad_clip=0.0)
+    loss1, norm1 = floats(train_step(one, torch.optim.SGD(one.model.parameters(), lr=1.0), [b],
+                              accumulation=1, grad_clip=0.0))
     quarters = [{k: v[i:i + 2] for k, v in b.items()} for i in range(0, 8, 2)]
-    loss4, norm4 = train_step(four, torch.optim.SGD(four.model.parameters(), lr=1.0),
-                              quarters, accumulation=4, grad_clip=0.0)
+    loss4, norm4 = floats(train_step(four, torch.optim.SGD(four.model.parameters(), lr=1.0),
+                              quarters, accumulation=4, grad_clip=0.0))
     assert loss1 == pytest.approx(loss4, abs=1e-6) and norm1 == pytest.approx(norm4, abs=1e-6)
     for p1, p4 in zip(one.model.parameters(), four.model.parameters(), strict=True):
         torch.testing.assert_close(p1, p4, atol=1e-6, rtol=1e-5)
@@ -206,7 +206,7 @@ def test_lora_starts_as_the_base_model_and_trains_only_the_adapters(pretrained):
     opt = build_optimizer(b.model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95),
                           device_type="cpu")
     assert sum(len(g["params"]) for g in opt.param_groups) == 12
-    losses = [train_step(b, opt, [batch()], accumulation=1, grad_clip=1.0)[0]
+    losses = [float(train_step(b, opt, [batch()], accumulation=1, grad_clip=1.0)[0])
               for _ in range(3)]
     assert losses[-1] < losses[0]
     for n, p in b.model.named_parameters():
@@ -225,7 +225,7 @@ def test_lora_checkpoints_hold_only_adapters_and_resume_exactly(pretrained, tmp_
     adapters = {"rank": 4, "alpha": 8.0, "target_modules": ["down_proj", "q_proj", "v_proj"]}
     full = lora_model(pretrained)
     opt = optimizer(full)
-    losses = [train_step(full, opt, [batch(seed=s)], accumulation=1, grad_clip=1.0)[0]
+    losses = [float(train_step(full, opt, [batch(seed=s)], accumulation=1, grad_clip=1.0)[0])
               for s in range(4)]
     first = lora_model(pretrained)
     opt1 = optimizer(first)
@@ -245,7 +245,7 @@ def test_lora_checkpoints_hold_only_adapters_and_resume_exactly(pretrained, tmp_
     opt2 = optimizer(again)
     checkpoint.load(tmp_path / "ckpt", model=again.model, optimizer=opt2, config=again.config,
                     adapters=adapters)
-    resumed = [train_step(again, opt2, [batch(seed=s)], accumulation=1, grad_clip=1.0)[0]
+    resumed = [float(train_step(again, opt2, [batch(seed=s)], accumulation=1, grad_clip=1.0)[0])
                for s in (2, 3)]
     assert resumed == pytest.approx(losses[2:], abs=1e-6)
     with pytest.raises(checkpoint.CheckpointError, match="holds LoRA adapters"):
@@ -282,8 +282,8 @@ def test_qlora_holds_the_base_in_nf4_and_trains_like_lora_in_bf16(tmp_path):
         memory[base] = torch.cuda.memory_allocated() - before
         opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
                               device_type="cuda")
-        losses[base] = [train_step(built, opt, [{"input_ids": ids}], accumulation=1,
-                                   grad_clip=1.0)[0] for _ in range(5)]
+        losses[base] = [float(train_step(built, opt, [{"input_ids": ids}], accumulation=1,
+                                   grad_clip=1.0)[0]) for _ in range(5)]
         del built, opt
     assert memory["nf4"] < memory["none"] / 3, memory
     assert losses["nf4"][0] == pytest.approx(losses["none"][0], abs=0.05)

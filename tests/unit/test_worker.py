@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from raylm.config import load_config
+from raylm.energy import run_figures
+from raylm.train import TrainState
 from raylm.worker import Boundary, DataStall, StepMeter, at_boundary, first_batch
 
 CFG = load_config(None, ["--train.steps=30", "--train.log_every=5", "--train.eval_every=10",
@@ -100,3 +102,64 @@ def test_first_batch_passes_on_the_streams_own_error():
     with pytest.raises(OSError, match="row group 3 is unreadable"):
         first_batch(_stream(release, fail=True), timeout_s=5, keep_waiting=False,
                     waiting_for=lambda: "", log=print)
+
+
+class Counter:
+    """A GPU energy counter whose readings the test sets (the real one reads NVML; the GPU
+    tests read it on a real GPU)."""
+
+    def __init__(self, joules: list[float]) -> None:
+        self.joules = joules
+
+    def read(self) -> float:
+        return self.joules.pop(0)
+
+
+def test_energy_windows_follow_each_other_and_totals_survive_a_restart(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("raylm.worker.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("raylm.worker.peak_memory_bytes", lambda device: 0)
+    # One GPU: 1,000 J at setup, 1,300 J after 10 steps (2 s, setup included), 1,700 J after
+    # the next 10 (evaluation and a checkpoint between the windows count too).
+    meter = StepMeter(flops_per_token=1.0, peak_flops=None, world_size=1,
+                      device=torch.device("cuda"), energy=Counter([1000.0, 1300.0, 1700.0]),
+                      energy_since=None)
+    state = TrainState()
+    windows = []
+    for _ in range(2):
+        for _ in range(10):
+            meter.step_begins()
+            meter.step_ends(tokens=100)
+        clock[0] += 2.0
+        w = meter.window()
+        state.add_usage(joules=w.pop("energy_j"), gpu_seconds=w.pop("gpu_s"))
+        windows.append(w)
+        meter.window_reset()
+    assert windows[0]["joules_per_step"] == pytest.approx(30.0)
+    assert windows[0]["joules_per_token"] == pytest.approx(0.3)
+    assert windows[0]["watts_per_gpu"] == pytest.approx(150.0)
+    assert windows[1]["joules_per_step"] == pytest.approx(40.0)
+    # The run's totals go into the checkpoint and continue in the next worker group.
+    resumed = TrainState()
+    resumed.load_state_dict(state.state_dict())
+    resumed.add_usage(joules=360.0, gpu_seconds=1.0)
+    figures = run_figures(joules=resumed.energy_j, gpu_seconds=resumed.gpu_s,
+                          gpu_hour_price=2.5)
+    assert figures["energy_kwh"] == pytest.approx(1060.0 / 3.6e6)
+    assert figures["gpu_hours"] == pytest.approx(5.0 / 3600)
+    assert figures["cost"] == pytest.approx(2.5 * 5.0 / 3600)
+
+
+def test_cpu_runs_report_no_energy():
+    meter = StepMeter(flops_per_token=1.0, peak_flops=None, world_size=2,
+                      device=torch.device("cpu"))
+    meter.step_begins()
+    meter.step_ends(tokens=10)
+    w = meter.window()
+    assert [w[k] for k in ("energy_j", "gpu_s", "joules_per_step", "watts_per_gpu",
+                           "joules_per_token")] == [None] * 5
+    state = TrainState()
+    state.add_usage(joules=None, gpu_seconds=None)
+    assert run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
+                       gpu_hour_price=2.0) == {"energy_kwh": None, "gpu_hours": None,
+                                               "cost": None}
