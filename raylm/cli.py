@@ -27,9 +27,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from raylm.cluster import connect
 from raylm.config import Config, ConfigError, load_config
-from raylm.tracking import resolve_uri
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,46 +137,25 @@ def _say(message: str) -> None:
 
 
 def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
-    from raylm.console import quiet_libraries
-    from raylm.corpus import resolve_sources
-    from raylm.data import prepare
+    from raylm import api
 
-    d = cfg.data
-    # Resolve sources before starting Ray: a missing path fails in a second, not after init.
-    resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
-    connect(cfg.run.ray_address, log=_say)
-    quiet_libraries(cfg.run.verbose)
-    manifest = prepare(cfg, args.output, log=_say)
+    manifest = api.prepare(cfg, output=args.output)
     print(json.dumps({k: v for k, v in manifest.items() if k != "bad_records"}, indent=2))
     print(f"wrote {args.output}/manifest.json")
     return 0
 
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
-    from raylm.launch import train
-    from raylm.model import check_seq_len
+    from raylm import api
 
-    check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
-    if cfg.tracking.enabled:
-        resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
-    connect(cfg.run.ray_address, log=_say)
-    summary = train(cfg, log=_say)
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(api.train(cfg).summary, indent=2))
     return 0
 
 
 def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
-    from raylm.model import check_seq_len
-    from raylm.tune import check_sweep, sweep
+    from raylm import api
 
-    # Before Ray starts:
-    check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
-    check_sweep(cfg)
-    if cfg.tracking.enabled:
-        resolve_uri(cfg)
-    connect(cfg.run.ray_address, log=_say)
-    summary = sweep(cfg, log=_say)
-    print(json.dumps(summary["best"], indent=2))
+    print(json.dumps(api.tune(cfg).best, indent=2))
     return 0
 
 
@@ -235,17 +212,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(rest)
     try:
         if args.command == "export":
-            from raylm.export import export
+            from raylm import api
 
-            out = export(args.run_dir, args.output, merge=args.merge, quantize=args.quantize)
+            out = api.export(args.run_dir, args.output, merge=args.merge,
+                             quantize=args.quantize)
             print(f"exported to {out}")
             return 0
         if args.command == "generate":
-            from raylm.export import generate
+            from raylm import api
 
-            text = generate(args.source, args.prompt, chat=args.chat,
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            seed=args.seed)
+            text = api.generate(args.source, args.prompt, chat=args.chat,
+                                max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, seed=args.seed)
             print(text if args.chat is not None else args.prompt + text)
             return 0
         if args.command == "jobs":

@@ -14,6 +14,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -674,10 +675,15 @@ def parse_override(arg: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the YAML file at ``path``, then ``--section.key=value`` overrides."""
+def load_config(path: str | os.PathLike | Config | None = None,
+                overrides: Sequence[str] | Mapping[str, Any] = ()) -> Config:
+    """Defaults (or the given :class:`Config`), then the YAML file at ``path``, then the
+    overrides: ``--section.key=value`` strings (the CLI's, values read as YAML) or a mapping of
+    ``section.key`` to a value (the Python API's), checked alike."""
     tree: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    if path is not None:
+    if isinstance(path, Config):
+        tree = {name: dict(values) for name, values in path.to_dict().items()}
+    elif path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"Config file not found: {p}")
@@ -692,10 +698,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
                               f"{type(loaded).__name__}.")
         for section, values in loaded.items():
             _merge(tree, section, values, origin=str(p))
-    for arg in overrides:
-        key, value = parse_override(arg)
+    if isinstance(overrides, Mapping):
+        pairs, origin = list(overrides.items()), "overrides"
+    else:
+        pairs, origin = [parse_override(a) for a in overrides], "command line"
+    for key, value in pairs:
+        if not isinstance(key, str) or "." not in key:
+            raise ConfigError(f"Override key {key!r} is not 'section.key' (for example "
+                              f"'train.steps').")
         section, _, name = key.partition(".")
-        _merge(tree, section, {name: value}, origin="command line")
+        _merge(tree, section, {name: value}, origin=origin)
     # A relative model.path means the caller's directory; workers, Tune trials and later
     # exports run elsewhere, so it travels absolute.
     path = tree["model"].get("path")

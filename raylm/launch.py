@@ -25,7 +25,7 @@ from raylm import checkpoint, ledger, lora, storage, tracking
 from raylm.config import Config, run_dir, storage_root
 from raylm.console import quiet_libraries, train_log_level
 from raylm.data import LAYOUT, READER_CPUS, prepared_dir
-from raylm.export import write_run_info
+from raylm.exporter import write_run_info
 from raylm.model import build_config, build_meta_model, check_seq_len
 from raylm.optim import EXTEND_CLEANLY, schedule_change
 from raylm.record import SUMMARY, RunRecord
@@ -56,7 +56,7 @@ class ResourcePlan:
     """What a run places on the cluster, per training worker: the worker itself, and the Ray
     Data actor that reads its stream (:func:`raylm.data.build_train_stream`). The Train
     controller asks for no resources, the validation blocks are read in the worker, and a
-    Tune trial's own process asks for 0.01 CPU (counted by :mod:`raylm.tune`)."""
+    Tune trial's own process asks for 0.01 CPU (counted by :mod:`raylm.sweep`)."""
 
     worker: dict[str, float]
     reader: dict[str, float]
@@ -227,7 +227,7 @@ def log_adapter(run_dir: str, tracker: tracking.Tracker) -> None:
     import tempfile
     from pathlib import Path
 
-    from raylm.export import export
+    from raylm.exporter import export
 
     with tempfile.TemporaryDirectory(prefix="raylm-adapter-") as tmp:
         tracker.log_model_dir(export(run_dir, Path(tmp) / "adapter"), "adapter")

@@ -59,6 +59,11 @@ EVENTS = "events.jsonl"
 GROUP_START = "group_start"
 SEGMENTS = "events"
 SUMMARY = "summary.json"
+# The reported figures each progress record keeps: the run's metric history (raylm.api reads
+# it back as a DataFrame), whether or not MLflow is on.
+HISTORY = ("loss", "val_loss", "val_perplexity", "lr", "grad_norm", "tokens_per_s", "mfu",
+           "data_wait_fraction", "peak_memory_gb", "workers", "joules_per_token",
+           "watts_per_gpu", "energy_kwh")
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,7 +242,8 @@ class RunRecord(UserCallback):
         if m.get("event") == GROUP_START:
             return
         step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
-        self._add("progress", step=step, step_time=step_time)
+        self._add("progress", step=step, step_time=step_time,
+                  **{k: m[k] for k in HISTORY if m.get(k) is not None})
         if not self.group_reported:  # an interruption is complete at its group's first step
             self.group_reported = True
             self._announce(step)

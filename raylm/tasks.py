@@ -125,7 +125,7 @@ def score(source: str | Path, data: str | Path, *, limit: int | None = None,
     """Greedy exact-match accuracy of ``source`` (a run directory or a model directory) on the
     conversations of ``data``: the answer generated for each user turn (rendered as training
     rendered it) against the reference, both whitespace-normalized."""
-    from raylm.export import Generator
+    from raylm.exporter import Generator
 
     rows = [json.loads(line)["messages"] for line in Path(data).read_text().splitlines()]
     rows = rows[:limit] if limit else rows

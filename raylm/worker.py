@@ -4,7 +4,7 @@ The ``while`` loop in :func:`train` reads top to bottom like nanoGPT's; what it 
 apart as torchtitan keeps it:
 
 - :func:`setup`: build and parallelize the model, restore the latest checkpoint, and only then
-  open this rank's data streams, at the step the restored :class:`~raylm.train.TrainState`
+  open this rank's data streams, at the step the restored :class:`~raylm.step.TrainState`
   holds. That state is the run's one resume point: nothing else decides where the data starts.
 - :class:`StepMeter`: wall time, tokens and time spent waiting for data, per report window and
   over the run.
@@ -49,8 +49,8 @@ from raylm.optim import build_optimizer, lr_at, set_lr
 from raylm.packing import batch_plan, check_positions
 from raylm.parallelize import ParallelPlan
 from raylm.record import GROUP_START
+from raylm.step import Built, TrainState, build_training_model, evaluate, train_step
 from raylm.tracking import Tracker
-from raylm.train import Built, TrainState, build_training_model, evaluate, train_step
 
 
 @dataclass

@@ -49,7 +49,7 @@ def run(rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
     and the loss over the first 16 blocks afterwards (identical on every rank)."""
     from raylm.optim import build_optimizer, lr_at, set_lr
     from raylm.packing import SampleOrder, batch_plan, rank_positions
-    from raylm.train import build_training_model, evaluate, train_step
+    from raylm.step import build_training_model, evaluate, train_step
 
     torch.set_num_threads(1)
     blocks, sizes = packed_blocks()

@@ -7,10 +7,10 @@ Needs torch and transformers only (no Ray, MLflow or datasets), so it runs on an
 a CUDA GPU. For each preset and each compile setting, in one process and on the same random
 tokens (blocks of ``seq_len + 1``, pinned host memory, as a data loader delivers them):
 
-- raylm: :func:`raylm.train.build_training_model` (bf16-mixed, the attention kernel raylm
+- raylm: :func:`raylm.step.build_training_model` (bf16-mixed, the attention kernel raylm
   pins, its initialization), :func:`raylm.optim.build_optimizer` (fused AdamW), and per step
   what a worker does besides fetching data: the learning rate from the schedule,
-  :func:`raylm.train.train_step` (clipping included), the preemption vote, and the loss read
+  :func:`raylm.step.train_step` (clipping included), the preemption vote, and the loss read
   back every ``--log-every`` steps.
 - bare: the same architecture from ``transformers`` on the GPU, fp32 weights under bf16
   autocast, the same SDPA kernel pinned, fused AdamW, the same per-block compile, and
@@ -43,7 +43,7 @@ from raylm.energy import EnergyCounter
 from raylm.metrics import bf16_peak, flops_per_token
 from raylm.optim import build_optimizer, lr_at, set_lr
 from raylm.parallelize import ParallelPlan
-from raylm.train import Built, batch_loss, build_training_model, clip_grad_norm, train_step
+from raylm.step import Built, batch_loss, build_training_model, clip_grad_norm, train_step
 
 VOCAB = 32000  # a Llama-2-sized vocabulary (padded to 32,000: already a multiple of 64)
 MICRO_BATCH = {"tiny": 8, "125m": 16, "350m": 16, "1b": 8}

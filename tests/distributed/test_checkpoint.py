@@ -17,7 +17,7 @@ STEPS = 4
 def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "tiny") -> list:
     from raylm import checkpoint
     from raylm.optim import build_optimizer
-    from raylm.train import build_training_model, train_step
+    from raylm.step import build_training_model, train_step
 
     built = build_training_model(preset=preset, path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32", seed=0)

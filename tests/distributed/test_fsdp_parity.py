@@ -44,7 +44,7 @@ def save_pretrained(path: str) -> None:
 
 def run(world: int, rank: int, out: dict, pretrained: str) -> None:
     from raylm.optim import build_optimizer
-    from raylm.train import batch_loss, build_training_model, clip_grad_norm, train_step
+    from raylm.step import batch_loss, build_training_model, clip_grad_norm, train_step
 
     built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32", seed=0)

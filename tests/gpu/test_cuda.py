@@ -18,7 +18,7 @@ import torch
 from raylm import checkpoint
 from raylm.optim import build_optimizer
 from raylm.parallelize import ParallelPlan
-from raylm.train import build_training_model, train_step
+from raylm.step import build_training_model, train_step
 
 pytestmark = pytest.mark.gpu
 

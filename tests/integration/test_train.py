@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from raylm.config import load_config
+import raylm
+from raylm.config import load_config, parse_override
 from raylm.launch import train
 from tests.conftest import tiny_run
 from tests.integration import faults
@@ -39,7 +40,9 @@ def bucket(base) -> str:
 def trained(base):
     """An uninterrupted 30-step run, and one stopped at 20 then resumed to 30 with its run
     directory in object storage (MLflow in the first run's default store beside it)."""
-    full = train_run(base, "--run.name=full", "--train.steps=30", "--checkpoint.every=10")
+    # The uninterrupted run goes through the Python API, overrides as a mapping.
+    full = raylm.train(None, overrides=dict(parse_override(a) for a in [
+        *base, "--run.name=full", "--train.steps=30", "--checkpoint.every=10"])).summary
     split = [f"--run.storage_path={bucket(base)}", "--run.name=split", "--checkpoint.every=10",
              f"--tracking.uri={full['mlflow_tracking_uri']}"]
     first = train_run(base, *split, "--train.steps=20")
@@ -51,7 +54,7 @@ def test_train_resume_equals_uninterrupted(base, trained):
     from mlflow import MlflowClient
 
     from raylm import storage
-    from raylm.export import load_run_model
+    from raylm.exporter import load_run_model
 
     full, first, resumed = trained
     assert full["final_step"] == 30 and full["resumed_from_step"] is None
@@ -106,6 +109,24 @@ def test_train_resume_equals_uninterrupted(base, trained):
                                   "skipped": 0, "in_order": True}
 
 
+def test_the_python_api_reads_the_run_back(base, trained):
+    full, first, resumed = trained
+    run = raylm.Run(base_dir(base) / "full")
+    assert run.summary == full and run.checkpoint == full["checkpoint_path"]
+    assert run.mlflow_run_id == full["mlflow_run_id"] and run.config.train.steps == 30
+    history = run.history
+    assert list(history["step"]) == [5, 10, 15, 20, 25, 30]
+    assert history["loss"].iloc[-1] == pytest.approx(full["train_loss"])
+    assert list(history["val_loss"].notna()) == [False, True, False, True, False, True]
+    assert history["val_loss"].iloc[-1] == pytest.approx(full["val_loss"])
+    assert {"lr", "grad_norm", "tokens_per_s", "data_wait_fraction", "workers"} <= set(history)
+    # The run stopped at 20 and resumed, in object storage: one history over both
+    # invocations, step for step the uninterrupted run's.
+    split = raylm.Run(f"{bucket(base)}/split").history
+    assert list(split["step"]) == list(history["step"])
+    assert list(split["loss"]) == pytest.approx(list(history["loss"]), abs=1e-5)
+
+
 def base_dir(base):
     return Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
 
@@ -114,7 +135,7 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from raylm.cli import main
-    from raylm.export import generate, load_run_model
+    from raylm.exporter import generate, load_run_model
 
     run_dir = base_dir(base) / "full"
     assert main(["export", str(run_dir), "--output", str(tmp_path / "hf")]) == 0

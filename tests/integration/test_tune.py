@@ -27,7 +27,7 @@ def base(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def swept(base):
-    from raylm.tune import sweep
+    from raylm.sweep import sweep
 
     return sweep(load_config(None, [*base, "--run.name=sweep"]), log=print)
 
@@ -55,6 +55,17 @@ def test_sweep_stops_bad_trials_early_and_picks_the_best(base, swept):
     best_cfg = load_config(rd / "best.yaml")
     assert best_cfg.optim.lr == pytest.approx(best["config"]["optim.lr"])
     assert best_cfg.run.name == "sweep-best"
+    # The Python API reads the same sweep back: trials and curves as DataFrames.
+    import raylm
+
+    opened = raylm.Sweep(rd)
+    frame = opened.trials
+    assert len(frame) == 4 and {"optim.lr", "val_loss", "stopped_early"} <= set(frame)
+    assert frame.loc[frame["val_loss"].idxmin(), "trial_id"] == best["trial_id"]
+    curves = opened.curves
+    assert set(curves["trial_id"]) == {t["trial_id"] for t in trials}
+    assert curves.groupby("trial_id")["val_loss"].min().min() == best["val_loss"]
+    assert opened.best_config.optim.lr == pytest.approx(best["config"]["optim.lr"])
 
 
 def test_mlflow_holds_one_parent_and_a_child_per_trial(swept):
@@ -83,7 +94,7 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial(swept):
 
 def test_bad_sweeps_fail_before_any_trial(base):
     from raylm.config import ConfigError
-    from raylm.tune import sweep
+    from raylm.sweep import sweep
 
     with pytest.raises(ConfigError, match="tune.lr_min/tune.lr_max"):
         load_config(None, [*base, "--tune.lr_min=1e-2", "--tune.lr_max=1e-3"])

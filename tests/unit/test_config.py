@@ -234,3 +234,18 @@ def test_a_relative_model_path_travels_absolute(tmp_path, monkeypatch):
     cfg = load_config(None, ["--model.path=runs/base-hf"])
     assert cfg.model.path == str(tmp_path.resolve() / "runs" / "base-hf")
     assert load_config(None, []).model.path is None
+
+
+def test_python_overrides_are_a_mapping_checked_like_the_command_lines():
+    cfg = load_config(None, {"train.steps": 20, "tune.schedules": ["wsd"],
+                             "scaling.use_gpu": False})
+    assert cfg.train.steps == 20 and cfg.tune.schedules == ["wsd"]
+    # A Config is a starting point too, and overrides on it leave it as it was.
+    again = load_config(cfg, {"optim.lr": 5e-4})
+    assert again.train.steps == 20 and again.optim.lr == 5e-4 and cfg.optim.lr != 5e-4
+    with pytest.raises(ConfigError, match="'steps' is not 'section.key'"):
+        load_config(None, {"steps": 3})
+    with pytest.raises(ConfigError, match="Did you mean 'train.steps'"):
+        load_config(None, {"train.stepz": 3})
+    with pytest.raises(ConfigError, match="'train.steps': 'x'"):
+        load_config(None, {"train.steps": "x"})

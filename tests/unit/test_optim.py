@@ -61,7 +61,7 @@ def test_no_weight_decay_on_norms_biases_embeddings():
 
 def test_schedule_change_on_resume():
     from raylm.optim import schedule_change
-    from raylm.train import TrainState
+    from raylm.step import TrainState
 
     def run(schedule, total, steps=30, **kw):
         args = dict(schedule=schedule, peak=1e-3, warmup=5, total=total, min_ratio=0.1,

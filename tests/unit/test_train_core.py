@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from raylm.parallelize import ParallelPlan
-from raylm.train import TrainState, build_training_model, evaluate, train_step
+from raylm.step import TrainState, build_training_model, evaluate, train_step
 from tests.conftest import floats, save_tiny_llama
 
 VOCAB = 300
@@ -67,7 +67,7 @@ def test_train_state_round_trip():
 
 def test_precisions_are_honored_when_asked():
     from raylm.parallelize import resolve_precision
-    from raylm.train import batch_loss
+    from raylm.step import batch_loss
 
     assert resolve_precision("auto", "cpu") == "fp32"  # no native bf16 here: 33x slower
     true = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
@@ -116,7 +116,7 @@ sys.modules["mlflow"] = None
 import torch
 from raylm import checkpoint
 from raylm.optim import build_optimizer
-from raylm.train import build_training_model, train_step
+from raylm.step import build_training_model, train_step
 b = build_training_model(preset="tiny", path=None, vocab_size=300, eos_id=0,
                          device=torch.device("cpu"), precision="fp32")
 opt = build_optimizer(b.model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), device_type="cpu")

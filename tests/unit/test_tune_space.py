@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raylm.config import load_config
-from raylm.tune import concurrent_trials, search_space, trial_config
+from raylm.sweep import concurrent_trials, search_space, trial_config
 
 
 def test_grid_space_spans_the_lr_range_largest_first():

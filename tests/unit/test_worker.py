@@ -10,7 +10,7 @@ import torch
 
 from raylm.config import load_config
 from raylm.energy import run_figures
-from raylm.train import TrainState
+from raylm.step import TrainState
 from raylm.worker import Boundary, DataStall, StepMeter, at_boundary, first_batch
 
 CFG = load_config(None, ["--train.steps=30", "--train.log_every=5", "--train.eval_every=10",

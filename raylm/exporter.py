@@ -186,7 +186,7 @@ def _validation_losses(run_dir: str | Path, models: list, *, log) -> list[float]
     from raylm.attention import choose_attention
     from raylm.data import PackedSplit, eval_samples_per_rank, read_val_blocks
     from raylm.record import SUMMARY
-    from raylm.train import Built, evaluate
+    from raylm.step import Built, evaluate
 
     info = read_run_info(storage.normalize(run_dir))
     prepared = info.get("prepared")

@@ -1,0 +1,248 @@
+"""raylm's Python API: what the ``raylm`` command runs, callable from notebooks and scripts.
+
+    import raylm
+
+    run = raylm.train("jobs/configs/cpu_tiny.yaml", overrides={"train.steps": 20})
+    run.history.plot(x="step", y=["loss", "val_loss"])
+    raylm.export(run, "runs/tiny-hf")
+    print(raylm.generate(run, "The river"))
+
+``prepare``, ``train`` and ``tune`` take a config first (a YAML path, a :class:`Config`, or
+None for the defaults) and ``overrides``, a mapping of ``section.key`` to value, checked exactly
+as the CLI's ``--section.key=value`` (same errors, before Ray starts). ``export`` and
+``generate`` take a run (a :class:`Run`, or its directory) or, for ``generate``, an exported
+model directory.
+
+Ray: each call joins the cluster that ``run.ray_address`` or ``RAY_ADDRESS`` names, or, when
+neither is set, starts a local one the first time and keeps it for the process, so a
+notebook's later cells reuse it; Ray shuts it down when the process (the kernel) exits, or
+call :func:`shutdown`. Training a run whose ``run.name`` exists resumes it (a finished run
+returns at once), with the same MLflow run: re-running a cell never duplicates a run.
+
+Results are read from what the run wrote (``summary.json``, ``events.jsonl``), never from
+printed output: a :class:`Run` opened later, in another process, says the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from raylm import storage
+from raylm.config import Config, load_config
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+ConfigLike = str | os.PathLike | Config | None
+Overrides = Mapping[str, Any] | None
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+def resolve(config: ConfigLike = None, overrides: Overrides = None) -> Config:
+    """The config a call runs with: defaults, ``config``, then ``overrides``."""
+    return load_config(config, overrides or {})
+
+
+class Run:
+    """A training run, read from its directory (``run.storage_path/run.name``)."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = str(run_dir)
+        if not storage.is_file(storage.join(self.run_dir, "run.json")):
+            raise ValueError(f"{self.run_dir} is not a raylm run directory (no run.json); "
+                             f"runs live in run.storage_path/run.name.")
+
+    def __repr__(self) -> str:
+        s = self.summary
+        return (f"Run({self.run_dir!r}, status={s.get('status')}, step={s.get('final_step')}, "
+                f"val_loss={s.get('val_loss')})")
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """``summary.json``: status, final step and losses, throughput, restarts, ..."""
+        path = storage.join(self.run_dir, "summary.json")
+        return json.loads(storage.read_text(path)) if storage.is_file(path) else {}
+
+    @property
+    def config(self) -> Config:
+        """The config the run last trained with."""
+        from raylm.config import config_from_dict
+
+        info = json.loads(storage.read_text(storage.join(self.run_dir, "run.json")))
+        return config_from_dict(info["config"])
+
+    @property
+    def checkpoint(self) -> str | None:
+        """The newest checkpoint's path."""
+        return self.summary.get("checkpoint_path")
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        return self.summary.get("mlflow_run_id")
+
+    @property
+    def history(self) -> pd.DataFrame:
+        """One row per reported step (``step``, ``loss``, ``val_loss`` where evaluated, ``lr``,
+        ``grad_norm``, ``tokens_per_s``, ...), over every invocation of the run. A step
+        trained twice (a restart resumed before it) keeps its last report: the one on the path
+        that the model took."""
+        import pandas as pd
+
+        from raylm.record import read
+
+        rows = {}
+        for r in read(self.run_dir):
+            if r["event"] == "progress":
+                rows[r["step"]] = {k: v for k, v in r.items() if k not in ("event",
+                                                                            "invocation")}
+        frame = pd.DataFrame([rows[s] for s in sorted(rows)])
+        return frame.drop(columns=["time"], errors="ignore") if not frame.empty else frame
+
+
+class Sweep:
+    """A Tune sweep, read from its directory's ``tune_summary.json``."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = str(run_dir)
+        path = storage.join(self.run_dir, "tune_summary.json")
+        if not storage.is_file(path):
+            raise ValueError(f"{self.run_dir} holds no tune_summary.json: not a finished "
+                             f"raylm sweep.")
+        self.summary: dict[str, Any] = json.loads(storage.read_text(path))
+
+    def __repr__(self) -> str:
+        best = self.summary["best"]
+        return (f"Sweep({self.run_dir!r}, trials={len(self.summary['trials'])}, "
+                f"best_val_loss={best and best['val_loss']})")
+
+    @property
+    def trials(self) -> pd.DataFrame:
+        """One row per trial: its sampled settings (``optim.lr``, ...), ``val_loss`` (best
+        reported), ``steps``, ``stopped_early``, ``error``, ``checkpoint_path``."""
+        import pandas as pd
+
+        return pd.DataFrame([{"trial_id": t["trial_id"], **t["config"],
+                              **{k: t[k] for k in ("val_loss", "steps", "stopped_early",
+                                                   "error", "checkpoint_path")}}
+                             for t in self.summary["trials"]])
+
+    @property
+    def curves(self) -> pd.DataFrame:
+        """Every trial's validation curve: ``trial_id``, ``step``, ``val_loss``."""
+        import pandas as pd
+
+        return pd.DataFrame([{"trial_id": t["trial_id"], "step": s, "val_loss": v}
+                             for t in self.summary["trials"] for s, v in t["history"]],
+                            columns=["trial_id", "step", "val_loss"])
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The best trial: ``trial_id``, ``config``, ``val_loss``, ``checkpoint_path``."""
+        return self.summary["best"]
+
+    @property
+    def best_config(self) -> Config:
+        """The sweep's config with the best trial's settings: train it with ``train``."""
+        if self.best is None:
+            raise ValueError(f"no trial of the sweep in {self.run_dir} reported a validation "
+                             f"loss.")
+        import yaml
+
+        from raylm.config import config_from_dict
+
+        return config_from_dict(yaml.safe_load(storage.read_text(
+            storage.join(self.run_dir, "best.yaml"))))
+
+
+def _connect(cfg: Config) -> None:
+    from raylm.cluster import connect
+
+    connect(cfg.run.ray_address, log=_say)
+
+
+def prepare(config: ConfigLike = None, *, overrides: Overrides = None,
+            output: str | os.PathLike) -> dict[str, Any]:
+    """Tokenize and pack ``data.source`` into ``output`` (Parquet blocks and
+    ``manifest.json``); returns the manifest."""
+    from raylm.console import quiet_libraries
+    from raylm.corpus import resolve_sources
+    from raylm.data import prepare as run_prepare
+
+    cfg = resolve(config, overrides)
+    d = cfg.data
+    # A missing path fails in a second, not after Ray starts.
+    resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
+    _connect(cfg)
+    quiet_libraries(cfg.run.verbose)
+    return run_prepare(cfg, output, log=_say)
+
+
+def train(config: ConfigLike = None, *, overrides: Overrides = None) -> Run:
+    """Train (or resume) the run ``run.name``; returns it once it has finished."""
+    from raylm.launch import run_dir
+    from raylm.launch import train as run_train
+    from raylm.model import check_seq_len
+    from raylm.tracking import resolve_uri
+
+    cfg = resolve(config, overrides)
+    check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
+    if cfg.tracking.enabled:
+        resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
+    _connect(cfg)
+    run_train(cfg, log=_say)
+    return Run(run_dir(cfg))
+
+
+def tune(config: ConfigLike = None, *, overrides: Overrides = None) -> Sweep:
+    """Sweep (or resume the sweep) ``run.name``; returns it once every trial has ended."""
+    from raylm.launch import run_dir
+    from raylm.model import check_seq_len
+    from raylm.sweep import check_sweep, sweep
+    from raylm.tracking import resolve_uri
+
+    cfg = resolve(config, overrides)
+    check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
+    check_sweep(cfg)
+    if cfg.tracking.enabled:
+        resolve_uri(cfg)
+    _connect(cfg)
+    sweep(cfg, log=_say)
+    return Sweep(run_dir(cfg))
+
+
+def _source(run: Run | str | os.PathLike) -> str:
+    return run.run_dir if isinstance(run, Run) else str(run)
+
+
+def export(run: Run | str | os.PathLike, output: str | os.PathLike, *, merge: bool = False,
+           quantize: str | None = None) -> Path:
+    """Write the run's newest checkpoint as a Hugging Face model directory (a peft adapter
+    directory for LoRA runs unless ``merge``; int8 weight-only with ``quantize="int8"``)."""
+    from raylm.exporter import export as run_export
+
+    return run_export(_source(run), output, merge=merge, quantize=quantize, log=_say)
+
+
+def generate(source: Run | str | os.PathLike, prompt: str = "", *, chat: str | None = None,
+             max_new_tokens: int = 64, temperature: float = 0.8, seed: int = 0) -> str:
+    """Sample a continuation of ``prompt`` (or, with ``chat``, the answer to that user
+    message) from a run or an exported model directory."""
+    from raylm.exporter import generate as run_generate
+
+    return run_generate(_source(source), prompt, chat=chat, max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed)
+
+
+def shutdown() -> None:
+    """Stop the local Ray cluster a call started (a joined cluster is only left)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
