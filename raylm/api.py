@@ -189,6 +189,7 @@ def train(config: ConfigLike = None, *, overrides: Overrides = None) -> Run:
     from raylm.launch import run_dir
     from raylm.launch import train as run_train
     from raylm.model import check_seq_len
+    from raylm.progress import use_bar
     from raylm.tracking import resolve_uri
 
     cfg = resolve(config, overrides)
@@ -196,7 +197,7 @@ def train(config: ConfigLike = None, *, overrides: Overrides = None) -> Run:
     if cfg.tracking.enabled:
         resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
     _connect(cfg)
-    run_train(cfg, log=_say)
+    run_train(cfg, log=_say, bar=use_bar(cfg.run.progress))
     return Run(run_dir(cfg))
 
 

@@ -133,6 +133,10 @@ class RunConfig:
     """Print Ray's and MLflow's own INFO lines (Ray Train's per-report lines, Ray Data's
     plans and progress, Tune's trial tables) besides raylm's; Ray's session logs keep them
     either way."""
+    progress: Literal["auto", "bar", "lines"] = "auto"
+    """Training progress on the driver: a bar (step, loss, tokens/s, ETA) or a line per
+    report. auto: a bar in Jupyter and terminals, lines where output is a log (CI, ray job
+    logs); see raylm.progress."""
 
 
 @dataclass(frozen=True, kw_only=True)

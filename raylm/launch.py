@@ -28,6 +28,7 @@ from raylm.data import LAYOUT, READER_CPUS, prepared_dir
 from raylm.exporter import write_run_info
 from raylm.model import build_config, build_meta_model, check_seq_len
 from raylm.optim import EXTEND_CLEANLY, schedule_change
+from raylm.progress import Feed
 from raylm.record import SUMMARY, RunRecord
 from raylm.tokenizer import load_backend
 from raylm.worker import train_loop_per_worker
@@ -157,11 +158,13 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
 
 
 def train(cfg: Config, *, log=print, callbacks: list | None = None,
-          tracking_parent: tracking.Tracker | None = None) -> dict[str, Any]:
+          tracking_parent: tracking.Tracker | None = None, bar: bool = False
+          ) -> dict[str, Any]:
     """Prepare data if needed, fit, and finish ``RUN_DIR/summary.json``. Needs ``ray.init``.
 
     A sweep's trial adds Ray Train ``callbacks`` (its Tune reporter) and nests its MLflow run
-    under the sweep's tracker (``tracking_parent``)."""
+    under the sweep's tracker (``tracking_parent``). ``bar``: progress as a bar drawn here
+    (:mod:`raylm.progress`) instead of the controller's lines."""
     rd = run_dir(cfg)
     quiet_libraries(cfg.run.verbose)
     check_request(cfg)
@@ -189,8 +192,9 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     write_run_info(rd, config=cfg.to_dict(), vocab_size=vocab, eos_id=eos,
                    tokenizer_path=manifest["tokenizer_path"], prepared=str(prepared))
     tracker = tracking.start(cfg, log=log, parent=tracking_parent)
+    feed = Feed(cfg.train.steps) if bar else None
     record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
-                       verbose=cfg.run.verbose)
+                       verbose=cfg.run.verbose, progress=feed and feed.queue)
     if moved is not None:
         record.note("schedule_moved", **moved)
     t0 = time.time()
@@ -203,6 +207,8 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     except Exception as e:  # Ray Train raises once max_failures is used up
         error = e
     finally:
+        if feed is not None:
+            feed.close()
         tracker.finish(failed=error is not None)
     summary = finish_summary(cfg, record, layout=layout, failed=error is not None,
                              wall_s=time.time() - t0)

@@ -189,8 +189,10 @@ class RunRecord(UserCallback):
     driver, which passes it to Ray Train with the run's tracker)."""
 
     def __init__(self, run_dir: str, *, total_steps: int, tracker: Tracker,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, progress=None) -> None:
         self.run_dir = run_dir
+        # The driver's progress queue (raylm.progress) when it draws a bar; else lines.
+        self.progress = progress
         self.verbose = verbose
         self.quieted = False  # the controller's libraries (see raylm.console)
         self.total_steps = total_steps
@@ -254,10 +256,22 @@ class RunRecord(UserCallback):
         if checkpoint_name is not None:
             path = self.checkpoint_path = storage.join(self.run_dir, checkpoint_name)
         self.tracker.log_report(m, path)
-        print(progress_line(m, total_steps=self.total_steps, step_time=step_time,
-                            checkpoint=path), flush=True)
+        self._progress(m, step_time=step_time, checkpoint=path)
         if path is not None:
             self.flush()
+
+    def _progress(self, m: dict[str, Any], *, step_time: float, checkpoint: str | None
+                  ) -> None:
+        if self.progress is not None:
+            try:
+                self.progress.put_nowait({k: m.get(k) for k in (
+                    "step", "loss", "val_loss", "tokens_per_s", "resumed_from_step")})
+                return
+            except Exception as e:  # the driver is gone: lines from here on
+                print(f"warning: raylm progress bar: {type(e).__name__}: {e}", flush=True)
+                self.progress = None
+        print(progress_line(m, total_steps=self.total_steps, step_time=step_time,
+                            checkpoint=checkpoint), flush=True)
 
     def note(self, event: str, **fields: Any) -> None:
         """A record of something the driver saw before the run started (a moved schedule)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -36,13 +38,21 @@ def bucket(base) -> str:
     return f"file://{base_dir(base).parent}/bucket/runs"
 
 
+trained_bar: list[str] = []  # what the full run's progress bar drew
+
+
 @pytest.fixture(scope="module")
 def trained(base):
     """An uninterrupted 30-step run, and one stopped at 20 then resumed to 30 with its run
     directory in object storage (MLflow in the first run's default store beside it)."""
-    # The uninterrupted run goes through the Python API, overrides as a mapping.
-    full = raylm.train(None, overrides=dict(parse_override(a) for a in [
-        *base, "--run.name=full", "--train.steps=30", "--checkpoint.every=10"])).summary
+    # The uninterrupted run goes through the Python API, overrides as a mapping, with the
+    # progress bar a notebook or a terminal gets.
+    bar = io.StringIO()
+    with contextlib.redirect_stderr(bar):
+        full = raylm.train(None, overrides={
+            **dict(parse_override(a) for a in base), "run.name": "full", "train.steps": 30,
+            "checkpoint.every": 10, "run.progress": "bar"}).summary
+    trained_bar.append(bar.getvalue())
     split = [f"--run.storage_path={bucket(base)}", "--run.name=split", "--checkpoint.every=10",
              f"--tracking.uri={full['mlflow_tracking_uri']}"]
     first = train_run(base, *split, "--train.steps=20")
@@ -120,6 +130,9 @@ def test_the_python_api_reads_the_run_back(base, trained):
     assert list(history["val_loss"].notna()) == [False, True, False, True, False, True]
     assert history["val_loss"].iloc[-1] == pytest.approx(full["val_loss"])
     assert {"lr", "grad_norm", "tokens_per_s", "data_wait_fraction", "workers"} <= set(history)
+    # Its progress went to the driver's bar (the last report: step 30, with a validation
+    # loss), not to the controller's lines.
+    assert "30/30" in trained_bar[0] and f"val={full['val_loss']:.4f}" in trained_bar[0]
     # The run stopped at 20 and resumed, in object storage: one history over both
     # invocations, step for step the uninterrupted run's.
     split = raylm.Run(f"{bucket(base)}/split").history
