@@ -25,7 +25,7 @@ from raylm import checkpoint, ledger, lora, storage, tracking
 from raylm.config import Config, run_dir, storage_root
 from raylm.console import quiet_libraries, train_log_level
 from raylm.data import LAYOUT, READER_CPUS, prepared_dir
-from raylm.exporter import write_run_info
+from raylm.exporter import RUN_INFO, write_run_info
 from raylm.model import build_config, build_meta_model, check_seq_len
 from raylm.optim import EXTEND_CLEANLY, schedule_change
 from raylm.progress import Feed
@@ -179,6 +179,12 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     layout = json.loads((prepared / LAYOUT).read_text())
     backend, eos = load_backend(manifest["tokenizer_path"])
     vocab = backend.get_vocab_size()
+    done = finished(cfg)
+    if done is not None:
+        log(f"raylm: run {cfg.run.name!r} has trained its {done['final_step']} steps already "
+            f"(train.steps={cfg.train.steps}): nothing to do; raise train.steps to train on. "
+            f"Summary: {storage.join(rd, SUMMARY)}")
+        return done
     moved = check_resumable(cfg, vocab_size=vocab, eos_id=eos, log=log)
     max_workers = cfg.scaling.worker_range[1]
     val_blocks = layout["splits"]["val"]["blocks"]
@@ -192,6 +198,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     write_run_info(rd, config=cfg.to_dict(), vocab_size=vocab, eos_id=eos,
                    tokenizer_path=manifest["tokenizer_path"], prepared=str(prepared))
     tracker = tracking.start(cfg, log=log, parent=tracking_parent)
+    tracker.log_dataset(manifest, str(prepared))
     feed = Feed(cfg.train.steps) if bar else None
     record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
                        verbose=cfg.run.verbose, progress=feed and feed.queue)
@@ -209,9 +216,12 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     finally:
         if feed is not None:
             feed.close()
+    try:
+        summary = finish_summary(cfg, record, layout=layout, failed=error is not None,
+                                 wall_s=time.time() - t0)
+        tracker.log_run_files(rd, (SUMMARY, RUN_INFO))
+    finally:
         tracker.finish(failed=error is not None)
-    summary = finish_summary(cfg, record, layout=layout, failed=error is not None,
-                             wall_s=time.time() - t0)
     summary_path = storage.join(rd, SUMMARY)
     if error is not None:
         log(f"raylm: failed at step {summary['final_step']} after {summary['failures']} "
@@ -237,6 +247,23 @@ def log_adapter(run_dir: str, tracker: tracking.Tracker) -> None:
 
     with tempfile.TemporaryDirectory(prefix="raylm-adapter-") as tmp:
         tracker.log_model_dir(export(run_dir, Path(tmp) / "adapter"), "adapter")
+
+
+def finished(cfg: Config) -> dict[str, Any] | None:
+    """The summary of a run that finished at or beyond ``train.steps``, or None. Running such a
+    run again (a notebook cell run twice) returns it instead of starting a worker group that
+    would train nothing and overwrite the summary with an empty one."""
+    rd = run_dir(cfg)
+    path = storage.join(rd, SUMMARY)
+    if not storage.is_file(path):
+        return None
+    summary = json.loads(storage.read_text(path))
+    found = checkpoint.latest_verified(rd, warn=lambda m: None)
+    if (summary.get("status") != "finished" or found is None
+            or found[1]["state"]["step"] < cfg.train.steps
+            or summary.get("final_step") != found[1]["state"]["step"]):
+        return None
+    return summary
 
 
 def check_resumable(cfg: Config, *, vocab_size: int, eos_id: int, log

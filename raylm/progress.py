@@ -23,10 +23,18 @@ def use_bar(mode: str, stream: TextIO | None = None) -> bool:
     """Whether ``run.progress`` = ``mode`` draws a bar on this driver."""
     if mode != "auto":
         return mode == "bar"
-    if "ipykernel" in sys.modules:  # a notebook's kernel: tqdm.auto draws a widget
+    if in_notebook():
         return True
     stream = stream or sys.stderr
     return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (where tqdm.auto draws a widget). Having
+    imported ipykernel is not enough: tools that run notebooks import it too."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
 
 
 class Bar:

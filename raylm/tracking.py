@@ -92,6 +92,12 @@ class Tracker:
     def log_model_dir(self, directory: Path, artifact_path: str) -> None:
         pass
 
+    def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None:
+        pass
+
+    def log_run_files(self, run_dir: str, names: tuple[str, ...]) -> None:
+        pass
+
     def finish(self, *, failed: bool) -> None:
         pass
 
@@ -228,6 +234,29 @@ class MLflowTracker(Tracker):
         self._guard(f"record the {artifact_path}", lambda client: client.log_artifacts(
             self.run_id, str(directory), artifact_path))
 
+    def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None:
+        """The prepared data as the run's MLflow dataset input (context ``training``): where
+        it lies as the source, the manifest's fingerprint as the digest, the manifest's counts
+        as the profile, so runs can be searched and compared by the data they trained on."""
+        self._guard("record the dataset", self._log_dataset, manifest, prepared)
+
+    def _log_dataset(self, client, manifest: dict[str, Any], prepared: str) -> None:
+        from mlflow.entities import DatasetInput, InputTag
+
+        dataset = prepared_dataset(manifest, prepared)
+        client.log_inputs(self.run_id, datasets=[DatasetInput(
+            dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])])
+
+    def log_run_files(self, run_dir: str, names: tuple[str, ...]) -> None:
+        """Files of the run directory (summary.json, run.json) as artifacts of the run."""
+        def log(client) -> None:
+            for name in names:
+                path = storage.join(run_dir, name)
+                if storage.is_file(path):
+                    client.log_text(self.run_id, storage.read_text(path), name)
+
+        self._guard("record the run's files", log)
+
     def finish(self, *, failed: bool) -> None:
         self._guard("close the run", lambda client: client.set_terminated(
             self.run_id, status="FAILED" if failed else "FINISHED"))
@@ -241,6 +270,47 @@ def _last_sample(monitor) -> None:
     monitor.collect_metrics()
     monitor.publish_metrics(monitor.aggregate_metrics())
     monitor.mlflow_logger.flush()
+
+
+def prepared_dataset(manifest: dict[str, Any], prepared: str):
+    """An MLflow dataset that names prepared data without copying it."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
+
+    counts = {k: manifest[k] for k in ("documents_read", "documents_kept", "dropped", "tokens",
+                                       "blocks", "block_length", "tail_tokens_dropped",
+                                       "trained_tokens", "padding_tokens") if k in manifest}
+
+    class Prepared(MetaDataset):
+        @property
+        def profile(self) -> dict[str, Any]:
+            return counts
+
+        def to_dict(self) -> dict[str, str]:
+            return {**super().to_dict(), "profile": json.dumps(counts)}
+
+    source = (resolve_dataset_source(prepared) if storage.is_uri(prepared)
+              else LocalArtifactDatasetSource(str(Path(prepared).resolve())))
+    return Prepared(source, name=f"prepared-{manifest['fingerprint'][:8]}",
+                    digest=manifest["fingerprint"][:36])
+
+
+def run_tags(cfg: Config) -> dict[str, str]:
+    """Tags to filter runs on (``tags.raylm.training = 'lora'``): the model, how it is trained,
+    the worker count, the precision asked for and the data format."""
+    lo, hi = cfg.scaling.worker_range
+    training = "full"
+    if cfg.lora.rank:
+        training = "qlora" if cfg.lora.base_quantization == "nf4" else "lora"
+    return {
+        "raylm.model": (Path(cfg.model.path).name if cfg.model.path
+                        else f"preset:{cfg.model.preset}"),
+        "raylm.training": training if cfg.model.path else f"pretrain-{training}",
+        "raylm.workers": str(lo) if lo == hi else f"{lo}-{hi}",
+        "raylm.precision": cfg.train.precision,
+        "raylm.data_format": cfg.data.format,
+    }
 
 
 def saved_run_id(directory: str) -> str | None:
@@ -282,6 +352,9 @@ def _find_or_create_run(cfg: Config, uri: str, parent_run_id: str | None) -> str
         if known.get("tracking_uri") == uri:
             run = client.get_run(known["run_id"])
             client.update_run(run.info.run_id, status="RUNNING")
+            # A resume may change the workers or the precision: the tags say what ran last.
+            for k, v in run_tags(cfg).items():
+                client.set_tag(run.info.run_id, k, v)
             return run.info.run_id
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
@@ -291,7 +364,7 @@ def _find_or_create_run(cfg: Config, uri: str, parent_run_id: str | None) -> str
         exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
     else:
         exp_id = exp.experiment_id
-    tags = {"raylm.run_dir": rd, "raylm.run_name": cfg.run.name}
+    tags = {"raylm.run_dir": rd, "raylm.run_name": cfg.run.name, **run_tags(cfg)}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp_id, run_name=cfg.run.name, tags=tags)

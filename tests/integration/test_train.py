@@ -41,6 +41,11 @@ def bucket(base) -> str:
 trained_bar: list[str] = []  # what the full run's progress bar drew
 
 
+def full_overrides(base) -> dict:
+    return {**dict(parse_override(a) for a in base), "run.name": "full", "train.steps": 30,
+            "checkpoint.every": 10, "run.progress": "bar"}
+
+
 @pytest.fixture(scope="module")
 def trained(base):
     """An uninterrupted 30-step run, and one stopped at 20 then resumed to 30 with its run
@@ -49,9 +54,7 @@ def trained(base):
     # progress bar a notebook or a terminal gets.
     bar = io.StringIO()
     with contextlib.redirect_stderr(bar):
-        full = raylm.train(None, overrides={
-            **dict(parse_override(a) for a in base), "run.name": "full", "train.steps": 30,
-            "checkpoint.every": 10, "run.progress": "bar"}).summary
+        full = raylm.train(None, overrides=full_overrides(base)).summary
     trained_bar.append(bar.getvalue())
     split = [f"--run.storage_path={bucket(base)}", "--run.name=split", "--checkpoint.every=10",
              f"--tracking.uri={full['mlflow_tracking_uri']}"]
@@ -104,6 +107,22 @@ def test_train_resume_equals_uninterrupted(base, trained):
     assert any("cpu_utilization" in k for k in system), system
     runs = client.search_runs([mrun.info.experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["full", "split"]
+    # What a notebook filters and compares runs by: tags, the dataset input, the run's files.
+    assert {k: mrun.data.tags[k] for k in ("raylm.model", "raylm.training", "raylm.workers",
+                                           "raylm.data_format")} == {
+        "raylm.model": "preset:tiny", "raylm.training": "pretrain-full", "raylm.workers": "2",
+        "raylm.data_format": "text"}
+    assert [r.info.run_name for r in client.search_runs(
+        [mrun.info.experiment_id], "tags.`raylm.training` = 'pretrain-full'")] != []
+    (dataset,) = [d.dataset for d in mrun.inputs.dataset_inputs]
+    info = json.loads(storage.read_text(f"{uri}/split/run.json"))
+    manifest = json.loads((Path(info["prepared"]) / "manifest.json").read_text())
+    assert dataset.digest == manifest["fingerprint"][:36]
+    assert json.loads(dataset.profile)["blocks"] == manifest["blocks"]
+    logged = json.loads(Path(client.download_artifacts(mrun.info.run_id, "summary.json"))
+                        .read_text())
+    assert logged == resumed
+    assert "run.json" in {a.path for a in client.list_artifacts(mrun.info.run_id)}
     assert set(summary) == {
         "status", "final_step", "train_loss", "val_loss", "tokens_per_s", "mfu",
         "data_wait_fraction", "wall_s", "checkpoint_path", "mlflow_run_id",
@@ -138,6 +157,10 @@ def test_the_python_api_reads_the_run_back(base, trained):
     split = raylm.Run(f"{bucket(base)}/split").history
     assert list(split["step"]) == list(history["step"])
     assert list(split["loss"]) == pytest.approx(list(history["loss"]), abs=1e-5)
+    # Running the finished run again (a notebook cell run twice) trains nothing and keeps
+    # its record.
+    again = raylm.train(None, overrides=full_overrides(base))
+    assert again.summary == full and len(again.history) == len(history)
 
 
 def base_dir(base):
