@@ -90,7 +90,8 @@ class Run:
     @property
     def history(self) -> pd.DataFrame:
         """One row per reported step (``step``, ``loss``, ``val_loss`` where evaluated, ``lr``,
-        ``grad_norm``, ``tokens_per_s``, ...), over every invocation of the run. A step
+        ``grad_norm``, ``tokens_per_s``, ..., ``time`` of the report, ``step_time``), over
+        every invocation of the run. A step
         trained twice (a restart resumed before it) keeps its last report: the one on the path
         that the model took."""
         import pandas as pd
@@ -102,8 +103,7 @@ class Run:
             if r["event"] == "progress":
                 rows[r["step"]] = {k: v for k, v in r.items() if k not in ("event",
                                                                             "invocation")}
-        frame = pd.DataFrame([rows[s] for s in sorted(rows)])
-        return frame.drop(columns=["time"], errors="ignore") if not frame.empty else frame
+        return pd.DataFrame([rows[s] for s in sorted(rows)])
 
 
 class Sweep:
