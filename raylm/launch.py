@@ -179,13 +179,14 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     layout = json.loads((prepared / LAYOUT).read_text())
     backend, eos = load_backend(manifest["tokenizer_path"])
     vocab = backend.get_vocab_size()
-    done = finished(cfg)
+    found = checkpoint.latest_verified(rd, warn=lambda m: log(f"warning: {m}"))
+    done = finished(cfg, found)
     if done is not None:
         log(f"raylm: run {cfg.run.name!r} has trained its {done['final_step']} steps already "
             f"(train.steps={cfg.train.steps}): nothing to do; raise train.steps to train on. "
             f"Summary: {storage.join(rd, SUMMARY)}")
         return done
-    moved = check_resumable(cfg, vocab_size=vocab, eos_id=eos, log=log)
+    moved = check_resumable(cfg, found, vocab_size=vocab, eos_id=eos, log=log)
     max_workers = cfg.scaling.worker_range[1]
     val_blocks = layout["splits"]["val"]["blocks"]
     if val_blocks < max_workers:
@@ -249,30 +250,28 @@ def log_adapter(run_dir: str, tracker: tracking.Tracker) -> None:
         tracker.log_model_dir(export(run_dir, Path(tmp) / "adapter"), "adapter")
 
 
-def finished(cfg: Config) -> dict[str, Any] | None:
-    """The summary of a run that finished at or beyond ``train.steps``, or None. Running such a
-    run again (a notebook cell run twice) returns it instead of starting a worker group that
-    would train nothing and overwrite the summary with an empty one."""
-    rd = run_dir(cfg)
-    path = storage.join(rd, SUMMARY)
-    if not storage.is_file(path):
+def finished(cfg: Config, found: tuple[str, dict] | None) -> dict[str, Any] | None:
+    """The summary of a run that finished at or beyond ``train.steps`` (``found``: its latest
+    verified checkpoint), or None. Running such a run again (a notebook cell run twice)
+    returns it instead of starting a worker group that would train nothing and overwrite the
+    summary with an empty one."""
+    path = storage.join(run_dir(cfg), SUMMARY)
+    if found is None or not storage.is_file(path):
         return None
     summary = json.loads(storage.read_text(path))
-    found = checkpoint.latest_verified(rd, warn=lambda m: None)
-    if (summary.get("status") != "finished" or found is None
-            or found[1]["state"]["step"] < cfg.train.steps
+    if (summary.get("status") != "finished" or found[1]["state"]["step"] < cfg.train.steps
             or summary.get("final_step") != found[1]["state"]["step"]):
         return None
     return summary
 
 
-def check_resumable(cfg: Config, *, vocab_size: int, eos_id: int, log
-                    ) -> dict[str, Any] | None:
+def check_resumable(cfg: Config, found: tuple[str, dict] | None, *, vocab_size: int,
+                    eos_id: int, log) -> dict[str, Any] | None:
     """A checkpoint the workers would resume from must be for this model: refused here, in one
     line, rather than on every worker. (The workers' restored train state, not this look,
     decides where the run continues.) Returns how the current settings move the learning-rate
-    schedule of the run, if they do, having said so."""
-    found = checkpoint.latest_verified(run_dir(cfg), warn=lambda m: log(f"warning: {m}"))
+    schedule of the run, if they do, having said so. ``found``: the run's latest verified
+    checkpoint."""
     if found is None:
         return None
     model_cfg = build_config(preset=cfg.model.preset, path=cfg.model.path,

@@ -288,7 +288,7 @@ def prepared_dataset(manifest: dict[str, Any], prepared: str):
             return counts
 
         def to_dict(self) -> dict[str, str]:
-            return {**super().to_dict(), "profile": json.dumps(counts)}
+            return {**super().to_dict(), "profile": json.dumps(self.profile)}
 
     source = (resolve_dataset_source(prepared) if storage.is_uri(prepared)
               else LocalArtifactDatasetSource(str(Path(prepared).resolve())))
