@@ -380,6 +380,13 @@ class TrackingConfig:
     gpu_hour_price: float | None = None
     """Price of one GPU-hour, in any currency: the run then reports ``cost`` = GPU-hours x
     this (unset: no cost figure)."""
+    log_model: bool = True
+    """Log the final model to MLflow when the run finishes (a LoggedModel: the Hugging Face
+    export in MLflow's transformers flavor, or a LoRA run's peft adapter). A sweep's trials
+    log none."""
+    register_as: str | None = None
+    """Register the final model in MLflow's model registry under this name (a new version
+    each time a run finishes training)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -564,6 +571,12 @@ def validate(cfg: Config) -> Config:
     sources = [d.source] if isinstance(d.source, str) else d.source
     _check(bool(sources) and all(sources), "data.source", d.source, "a non-empty source or list")
     _check(d.seq_len >= 8, "data.seq_len", d.seq_len, "an integer >= 8")
+    _check(cfg.tracking.register_as is None
+           or (bool(cfg.tracking.register_as.strip()) and cfg.tracking.enabled
+               and cfg.tracking.log_model),
+           "tracking.register_as", cfg.tracking.register_as,
+           "unset, or a model name with tracking.enabled=true and tracking.log_model=true "
+           "(the registry holds the logged model)")
     _check(cfg.tracking.gpu_hour_price is None or cfg.tracking.gpu_hour_price >= 0,
            "tracking.gpu_hour_price", cfg.tracking.gpu_hour_price, "unset or a price >= 0")
     _check(d.min_chars >= 0, "data.min_chars", d.min_chars, "an integer >= 0")

@@ -206,12 +206,15 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     if moved is not None:
         record.note("schedule_moved", **moved)
     t0 = time.time()
-    error = None
+    error, model = None, None
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
                       resources=resources, callbacks=callbacks).fit()
-        if tracker and cfg.lora.rank:
-            log_adapter(rd, tracker)
+        lost = invocation_summary(cfg, record).get("tracking_lost")
+        if lost:  # the controller's tracker failed and said so: this copy stops quietly
+            tracker.lose(lost["error"])
+        if tracker and cfg.tracking.log_model and tracking_parent is None:
+            model = log_final_model(cfg, tracker, log=log)
     except Exception as e:  # Ray Train raises once max_failures is used up
         error = e
     finally:
@@ -219,7 +222,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
             feed.close()
     try:
         summary = finish_summary(cfg, record, layout=layout, failed=error is not None,
-                                 wall_s=time.time() - t0)
+                                 wall_s=time.time() - t0, model=model)
         tracker.log_run_files(rd, (SUMMARY, RUN_INFO))
     finally:
         tracker.finish(failed=error is not None)
@@ -232,22 +235,38 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     log(f"raylm: done: step {summary['final_step']}, val loss {summary['val_loss']}, "
         f"{summary['restarts']} restarts, {summary['resizes']} resizes, checkpoint "
         f"{summary['checkpoint_path']}, summary {summary_path}")
-    if tracker:
+    if summary.get("tracking_lost"):
+        log(f"raylm: MLflow run {tracker.run_id} ({tracker.uri}) holds the run up to step "
+            f"{summary['tracking_lost']['step']}, where tracking was lost; the run's own record "
+            f"in {rd} has all of it")
+    elif tracker:
         log(f"raylm: MLflow run {tracker.run_id} ({tracker.uri}); browse with: mlflow ui "
             f"--backend-store-uri {tracker.uri}")
     return summary
 
 
-def log_adapter(run_dir: str, tracker: tracking.Tracker) -> None:
-    """A LoRA run's final adapter, exported as peft writes it, as the MLflow artifact
-    ``adapter/`` (megabytes: the adapters, not the base model)."""
+def log_final_model(cfg: Config, tracker: tracking.Tracker, *, log) -> dict[str, Any] | None:
+    """The run's final checkpoint, exported (a LoRA run's adapter, or the full model), logged
+    to MLflow as the run's model and, with ``tracking.register_as``, registered."""
     import tempfile
     from pathlib import Path
 
     from raylm.exporter import export
 
-    with tempfile.TemporaryDirectory(prefix="raylm-adapter-") as tmp:
-        tracker.log_model_dir(export(run_dir, Path(tmp) / "adapter"), "adapter")
+    rd = run_dir(cfg)
+    with tempfile.TemporaryDirectory(prefix="raylm-final-model-") as tmp:
+        exported = export(rd, Path(tmp) / "model", log=log)
+        step = json.loads((exported / "raylm_export.json").read_text())["step"]
+        model = tracker.log_model(
+            exported, adapter=bool(cfg.lora.rank), step=step,
+            name="adapter" if cfg.lora.rank else "model",
+            description=f"raylm run {cfg.run.name!r} ({rd}) at step {step}",
+            register_as=cfg.tracking.register_as)
+    if model is not None:
+        registered = (f", registered as {model['registered_model']} version "
+                      f"{model['registered_version']}" if "registered_model" in model else "")
+        log(f"raylm: final model logged to MLflow as {model['mlflow_model_uri']}{registered}")
+    return model
 
 
 def finished(cfg: Config, found: tuple[str, dict] | None) -> dict[str, Any] | None:
@@ -296,24 +315,30 @@ def check_resumable(cfg: Config, found: tuple[str, dict] | None, *, vocab_size: 
 
 
 def finish_summary(cfg: Config, record: RunRecord, *, layout: dict[str, Any], failed: bool,
-                   wall_s: float) -> dict[str, Any]:
+                   wall_s: float, model: dict[str, Any] | None = None) -> dict[str, Any]:
     """summary.json as the record wrote it, with what only the end knows: the status, the wall
-    time, and the accounting of the final checkpoint's sample ledger."""
-    rd = run_dir(cfg)
-    path = storage.join(rd, SUMMARY)
-    written = json.loads(storage.read_text(path)) if storage.is_file(path) else {}
-    if written.get("invocation") != record.invocation:
-        # The record wrote nothing in this invocation (no worker group reported a checkpoint
-        # or failed): its empty state says so.
-        written = record.summary()
+    time, the accounting of the final checkpoint's sample ledger, and where MLflow holds the
+    final ``model``."""
+    written = invocation_summary(cfg, record)
     written.pop("invocation")
     summary = {**written, "status": "failed" if failed else "finished",
-               "wall_s": round(wall_s, 2), "samples": None}
+               "wall_s": round(wall_s, 2), "samples": None, **(model or {})}
     rows = (checkpoint.load_samples(summary["checkpoint_path"])
             if summary["checkpoint_path"] else None)
     if rows is not None:
         summary["samples"] = ledger.account(
             rows, group_sizes=layout["splits"]["train"]["row_group_sizes"],
             seed=cfg.train.seed, window=cfg.data.shuffle_window)
-    storage.write_text(path, json.dumps(summary, indent=2))
+    storage.write_text(storage.join(run_dir(cfg), SUMMARY), json.dumps(summary, indent=2))
     return summary
+
+
+def invocation_summary(cfg: Config, record: RunRecord) -> dict[str, Any]:
+    """summary.json as this invocation's record (in the Train controller) last wrote it."""
+    path = storage.join(run_dir(cfg), SUMMARY)
+    written = json.loads(storage.read_text(path)) if storage.is_file(path) else {}
+    if written.get("invocation") != record.invocation:
+        # The record wrote nothing in this invocation (no worker group reported a checkpoint
+        # or failed): its empty state says so.
+        written = record.summary()
+    return written

@@ -206,6 +206,7 @@ class RunRecord(UserCallback):
         self.latest: dict[str, Any] = {}
         self.val_loss: float | None = None
         self.checkpoint_path: str | None = None
+        self.tracking_lost: dict[str, Any] | None = None  # step and cause, once MLflow failed
         self.announced = 0  # interruptions printed and logged so far
         self.counts_logged = False  # restarts/resizes/failures logged to MLflow yet?
         self.earlier: list[dict[str, Any]] | None = None  # earlier invocations' records
@@ -256,6 +257,7 @@ class RunRecord(UserCallback):
         if checkpoint_name is not None:
             path = self.checkpoint_path = storage.join(self.run_dir, checkpoint_name)
         self.tracker.log_report(m, path)
+        self._note_tracking(step)
         self._progress(m, step_time=step_time, checkpoint=path)
         if path is not None:
             self.flush()
@@ -305,6 +307,7 @@ class RunRecord(UserCallback):
             "checkpoint_path": self.checkpoint_path,
             "mlflow_run_id": self.tracker.run_id,
             "mlflow_tracking_uri": self.tracker.uri,
+            "tracking_lost": self.tracking_lost,
             "resumed_from_step": self.resumed_from_step,
             "workers": m.get("workers"),
             "trainable_params": m.get("trainable_params"),
@@ -336,6 +339,14 @@ class RunRecord(UserCallback):
             self._log_events(step)
             self.counts_logged = True
         self.announced = len(found)
+
+    def _note_tracking(self, step: int) -> None:
+        """Once the tracker has failed (it said so, once): the step and the cause, in the
+        record and the summary, so the run's record shows where MLflow's ends."""
+        if self.tracker.lost and self.tracking_lost is None:
+            self.tracking_lost = {"step": step, "error": self.tracker.lost}
+            self._add("tracking_lost", **self.tracking_lost)
+            self.flush()
 
     def _log_events(self, step: int) -> None:
         # MLflow's run spans every invocation of the raylm run: the earlier ones' records are

@@ -56,6 +56,14 @@ def resolve_uri(cfg: Config) -> str:
     return f"sqlite:///{os.path.join(storage_root(cfg), 'mlflow.db')}"
 
 
+def _fail_fast() -> None:
+    """In this process: a dead server costs seconds, not MLflow's default minutes of retries
+    for every call. Each process a tracker travels to (the Train controller, the workers)
+    sets it again: Ray's processes do not see the driver's later environment changes."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
 def _param_value(v: Any) -> str:
     return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
 
@@ -70,9 +78,13 @@ class Tracker:
 
     run_id: str | None = None
     uri: str | None = None
+    lost: str | None = None  # why tracking stopped, once it has
 
     def __bool__(self) -> bool:
         return False
+
+    def lose(self, reason: str) -> None:
+        """Stop tracking without a word: another process's copy of this tracker said it."""
 
     def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
         pass
@@ -89,11 +101,12 @@ class Tracker:
     def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
         pass
 
-    def log_model_dir(self, directory: Path, artifact_path: str) -> None:
-        pass
-
     def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None:
         pass
+
+    def log_model(self, directory: Path, *, adapter: bool, step: int, name: str,
+                  description: str, register_as: str | None) -> dict[str, Any] | None:
+        return None
 
     def log_run_files(self, run_dir: str, names: tuple[str, ...]) -> None:
         pass
@@ -127,13 +140,17 @@ class MLflowTracker(Tracker):
             if self._client is None:
                 from mlflow import MlflowClient
 
+                _fail_fast()
                 self._client = MlflowClient(tracking_uri=self.uri)
             return fn(self._client, *args)
         except Exception as e:  # MLflow raises many types for an unreachable or broken store
-            self.broken = True
+            self.lose(f"could not {what}: {_first_line(e)}")
             print(f"warning: MLflow could not {what}; the run continues untracked: "
                   f"{_first_line(e)}", flush=True)
             return None
+
+    def lose(self, reason: str) -> None:
+        self.broken, self.lost = True, reason
 
     def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
         """A report's numeric values as metrics at its step; the descriptive ones as params
@@ -176,8 +193,13 @@ class MLflowTracker(Tracker):
         Started in a thread: importing mlflow took 3.4 s in a worker here, which training
         need not wait for."""
         def start(client) -> None:
+            import logging
+
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+            # The monitor warns when the store fails, from every node, and stops; the
+            # controller's record says that once for the whole run.
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
             self._monitor = SystemMetricsMonitor(
                 self.run_id, sampling_interval=5, samples_before_logging=1,
                 resume_logging=True, node_id=node, tracking_uri=self.uri)
@@ -229,10 +251,54 @@ class MLflowTracker(Tracker):
             client.set_tag(child, "raylm.best", "true")
             client.set_tag(self.run_id, "raylm.best_run_id", child)
 
-    def log_model_dir(self, directory: Path, artifact_path: str) -> None:
-        """An exported directory (a LoRA run's adapter) as artifacts of the run."""
-        self._guard(f"record the {artifact_path}", lambda client: client.log_artifacts(
-            self.run_id, str(directory), artifact_path))
+    def log_model(self, directory: Path, *, adapter: bool, step: int, name: str,
+                  description: str, register_as: str | None) -> dict[str, Any] | None:
+        """The final model as an MLflow LoggedModel, an output of the run at ``step`` (the
+        Models tab of MLflow's UI lists it), and with ``register_as`` a new version of that
+        registered model. ``directory`` is raylm's export: a Hugging Face model directory,
+        logged in MLflow's transformers flavor (``mlflow.transformers.load_model(uri)`` gives a
+        text-generation pipeline), or with ``adapter`` a peft adapter directory, logged as it
+        is (``PeftModel.from_pretrained(base, mlflow.artifacts.download_artifacts(uri))``):
+        the flavor would store the whole base model beside every adapter. Returns
+        ``mlflow_model_uri`` and, when registered, ``registered_model`` and its ``version``."""
+        return self._guard("record the final model", self._log_model, directory, adapter,
+                           step, name, description, register_as)
+
+    def _log_model(self, client, directory: Path, adapter: bool, step: int, name: str,
+                   description: str, register_as: str | None) -> dict[str, Any]:
+        import tempfile
+
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+
+        experiment = client.get_run(self.run_id).info.experiment_id
+        with tempfile.TemporaryDirectory(prefix="raylm-mlflow-model-") as tmp:
+            artifacts = directory if adapter else _transformers_flavor(
+                directory, Path(tmp) / "model", description)
+            model = client.create_logged_model(
+                experiment, name=name, source_run_id=self.run_id,
+                model_type="peft-adapter" if adapter else "transformers",
+                params={"step": str(step)}, tags={"raylm.run_id": self.run_id})
+            client.log_model_artifacts(model.model_id, str(artifacts))
+        client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step)])
+        logged: dict[str, Any] = {"mlflow_model_uri": model.model_uri}
+        if register_as:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                client.create_registered_model(register_as)
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+            # The artifact location, not the models:/ URI: MLflow's SQL registry store
+            # resolves that URI through the process-wide tracking URI, not this client's.
+            # Used directly, that store keeps no model id: the tag names the logged model.
+            version = client.create_model_version(
+                register_as, source=model.artifact_location, run_id=self.run_id,
+                model_id=model.model_id, tags={"raylm.model_id": model.model_id},
+                description=description)
+            logged.update(registered_model=register_as, registered_version=int(version.version))
+        return logged
 
     def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None:
         """The prepared data as the run's MLflow dataset input (context ``training``): where
@@ -266,10 +332,32 @@ def _last_sample(monitor) -> None:
     """Stop MLflow's system-metrics monitor and publish one last sample. The monitor publishes
     once per sampling interval (5 s) and drops what it collected since, so a worker group that
     lives less than that would leave no system metrics at all."""
+    failed = monitor._process is None or not monitor._process.is_alive()
     monitor.finish()
+    if failed:  # its thread ends at the first failure to publish: the store is gone
+        return
     monitor.collect_metrics()
     monitor.publish_metrics(monitor.aggregate_metrics())
     monitor.mlflow_logger.flush()
+
+
+def _transformers_flavor(directory: Path, output: Path, description: str) -> Path:
+    """A Hugging Face model directory saved as MLflow's transformers flavor (a text-generation
+    pipeline, also loadable as pyfunc). The model card is given, so MLflow does not look for
+    one on the Hugging Face Hub under the directory's name."""
+    import huggingface_hub
+    import mlflow.transformers
+    import torch
+    import transformers
+
+    pipeline = transformers.pipeline("text-generation", model=str(directory.resolve()),
+                                     device="cpu")
+    mlflow.transformers.save_model(
+        pipeline, str(output),
+        model_card=huggingface_hub.ModelCard(f"---\ntags: [raylm]\n---\n{description}\n"),
+        pip_requirements=[f"torch>={torch.__version__.split('+')[0]}",
+                          f"transformers>={transformers.__version__}"])
+    return output
 
 
 def prepared_dataset(manifest: dict[str, Any], prepared: str):
@@ -327,9 +415,7 @@ def start(cfg: Config, *, log=print, parent: Tracker | None = None) -> Tracker:
     if not cfg.tracking.enabled:
         return Tracker()
     uri = parent.uri if parent else resolve_uri(cfg)
-    # A dead server must cost seconds, not MLflow's default minutes of retries.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    _fail_fast()
     try:
         run_id = _find_or_create_run(cfg, uri, parent.run_id if parent else None)
     except Exception as e:  # MLflow raises many types for an unreachable or broken store

@@ -92,11 +92,13 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> Path:
 def tiny_run(root: Path, tokenizer_dir: Path, *, docs: int = 400) -> list[str]:
     """Overrides shared by the Ray integration tests: a corpus of ``docs`` documents written
     under ``root``, the test tokenizer, 32-token blocks, cache and runs under ``root``, the
-    tiny model in fp32."""
+    tiny model in fp32, and no final model logged to MLflow (the tests that read it back
+    turn it on)."""
     write_jsonl(root / "corpus.jsonl", make_docs(docs))
     return [f"--data.source={root / 'corpus.jsonl'}", f"--tokenizer.path={tokenizer_dir}",
             "--data.seq_len=32", "--data.val_fraction=0.1", f"--run.cache_dir={root}/cache",
-            f"--run.storage_path={root}/runs", "--model.preset=tiny", "--train.precision=fp32"]
+            f"--run.storage_path={root}/runs", "--model.preset=tiny", "--train.precision=fp32",
+            "--tracking.log_model=false"]
 
 
 @pytest.fixture(scope="session")

@@ -152,14 +152,23 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
             "--train.log_every=10", "--train.eval_every=10", "--checkpoint.every=10"]
     store = f"sqlite:///{tmp_path}/mlflow.db"
     full = train(load_config(None, [*args, "--run.name=whole", "--train.steps=20",
-                                    "--tracking.enabled=true", f"--tracking.uri={store}"]),
+                                    "--tracking.enabled=true", f"--tracking.uri={store}",
+                                    "--tracking.register_as=reverse-words"]),
                  log=print)
-    # MLflow holds the run's final adapter as peft writes it.
+    # MLflow holds the run's final adapter as peft writes it: the run's output model at its
+    # last step, registered as version 1.
     from mlflow import MlflowClient
 
-    logged = {a.path for a in MlflowClient(store).list_artifacts(full["mlflow_run_id"],
-                                                                 "adapter")}
-    assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= logged
+    client = MlflowClient(store)
+    (output,) = client.get_run(full["mlflow_run_id"]).outputs.model_outputs
+    logged = client.get_logged_model(output.model_id)
+    assert (logged.model_type, output.step) == ("peft-adapter", 20)
+    assert full["mlflow_model_uri"] == logged.model_uri
+    assert full["registered_version"] == 1
+    version = client.get_model_version("reverse-words", "1")
+    assert (version.source, version.run_id) == (logged.artifact_location, full["mlflow_run_id"])
+    assert version.tags["raylm.model_id"] == logged.model_id
+    logged_adapter = logged.artifact_location  # a local directory in a SQLite store
     # Stopped at step 10, resumed to 20 with a worker SIGKILLed after the step-15 checkpoint:
     # the group restarts from a checkpoint of the adapters.
     train(load_config(None, [*args, "--run.name=split", "--train.steps=10"]), log=print)
@@ -208,9 +217,15 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
                                         str(tmp_path / "adapter")).eval()
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     ids = torch.randint(1, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    # The adapter MLflow holds (of the uninterrupted run, which reached the same loss) loads
+    # the same way.
+    from_mlflow = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(pretrained)), logged_adapter).eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits,
                                    atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(from_mlflow(input_ids=ids).logits,
+                                   merged(input_ids=ids).logits, atol=1e-3, rtol=1e-3)
         base = AutoModelForCausalLM.from_pretrained(str(pretrained)).eval()
         assert not torch.allclose(base(input_ids=ids).logits, merged(input_ids=ids).logits)
 

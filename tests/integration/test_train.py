@@ -57,7 +57,7 @@ def trained(base):
         full = raylm.train(None, overrides=full_overrides(base)).summary
     trained_bar.append(bar.getvalue())
     split = [f"--run.storage_path={bucket(base)}", "--run.name=split", "--checkpoint.every=10",
-             f"--tracking.uri={full['mlflow_tracking_uri']}"]
+             f"--tracking.uri={full['mlflow_tracking_uri']}", "--tracking.log_model=true"]
     first = train_run(base, *split, "--train.steps=20")
     resumed = train_run(base, *split, "--train.steps=30")
     return full, first, resumed
@@ -84,7 +84,7 @@ def test_train_resume_equals_uninterrupted(base, trained):
     assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
     summary = json.loads(storage.read_text(f"{uri}/split/summary.json"))
     assert summary == resumed
-    _, tokenizer_dir, step = load_run_model(f"{uri}/split")
+    run_model, tokenizer_dir, step = load_run_model(f"{uri}/split")
     assert step == 30 and (tokenizer_dir / "tokenizer.json").is_file()
 
     # One MLflow run per raylm run, reused on resume; the default store is under storage_path.
@@ -123,11 +123,27 @@ def test_train_resume_equals_uninterrupted(base, trained):
                         .read_text())
     assert logged == resumed
     assert "run.json" in {a.path for a in client.list_artifacts(mrun.info.run_id)}
+    # Each invocation's final model, in MLflow's transformers flavor: the pipeline it loads
+    # holds the run's final weights.
+    import mlflow.transformers
+    import torch
+
+    outputs = sorted((o.step, o.model_id) for o in mrun.outputs.model_outputs)
+    assert [s for s, _ in outputs] == [20, 30]
+    assert resumed["mlflow_model_uri"] == f"models:/{outputs[-1][1]}"
+    logged_model = client.get_logged_model(outputs[-1][1])
+    assert logged_model.model_type == "transformers"
+    pipe = mlflow.transformers.load_model(logged_model.artifact_location)
+    ids = torch.arange(1, 33).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.model(input_ids=ids).logits,
+                                   run_model(input_ids=ids).logits, atol=0, rtol=0)
     assert set(summary) == {
         "status", "final_step", "train_loss", "val_loss", "tokens_per_s", "mfu",
         "data_wait_fraction", "wall_s", "checkpoint_path", "mlflow_run_id",
-        "mlflow_tracking_uri", "resumed_from_step", "workers", "restarts", "resizes",
-        "failures", "interruptions", "samples", "attention_backend", "precision",
+        "mlflow_tracking_uri", "mlflow_model_uri", "tracking_lost", "resumed_from_step",
+        "workers", "restarts", "resizes", "failures", "interruptions", "samples",
+        "attention_backend", "precision",
         "trainable_params", "peak_memory_gb", "joules_per_token", "watts_per_gpu",
         "energy_kwh", "gpu_hours", "cost"}
     # Nothing measures energy on a CPU: no figure, rather than a zero.
