@@ -63,6 +63,14 @@ def test_bad_overrides_name_key_value_and_fix(override, message):
     assert message in str(e.value)
 
 
+def test_registering_a_model_needs_it_logged():
+    for off in ("--tracking.log_model=false", "--tracking.enabled=false"):
+        with pytest.raises(ConfigError, match="'tracking.register_as': 'lm'. Allowed: unset, or "
+                                              "a model name with tracking.enabled=true"):
+            load_config(None, ["--tracking.register_as=lm", off])
+    assert load_config(None, ["--tracking.register_as=lm"]).tracking.register_as == "lm"
+
+
 def test_yaml_errors(tmp_path):
     with pytest.raises(ConfigError, match="Config file not found"):
         load_config(tmp_path / "missing.yaml")
