@@ -168,12 +168,15 @@ def _connect(cfg: Config) -> None:
 
 
 def prepare(config: ConfigLike = None, *, overrides: Overrides = None,
-            output: str | os.PathLike) -> dict[str, Any]:
-    """Tokenize and pack ``data.source`` into ``output`` (Parquet blocks and
-    ``manifest.json``); returns the manifest."""
+            output: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Tokenize and pack ``data.source`` into ``output`` (Parquet blocks, ``layout.json`` and
+    ``manifest.json``), or, without ``output``, into the cache that ``train`` with the same
+    config reads (reused when it is there already). Returns the manifest, with ``directory``
+    added: where the prepared data lies."""
     from raylm.console import quiet_libraries
-    from raylm.corpus import resolve_sources
+    from raylm.corpus import PREPARED_MANIFEST, resolve_sources
     from raylm.data import prepare as run_prepare
+    from raylm.data import prepared_dir
 
     cfg = resolve(config, overrides)
     d = cfg.data
@@ -181,7 +184,13 @@ def prepare(config: ConfigLike = None, *, overrides: Overrides = None,
     resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
     _connect(cfg)
     quiet_libraries(cfg.run.verbose)
-    return run_prepare(cfg, output, log=_say)
+    if output is None:
+        directory = prepared_dir(cfg, log=_say)
+        manifest = json.loads((directory / PREPARED_MANIFEST).read_text())
+    else:
+        directory = Path(output).expanduser().resolve()
+        manifest = run_prepare(cfg, directory, log=_say)
+    return {**manifest, "directory": str(directory)}
 
 
 def train(config: ConfigLike = None, *, overrides: Overrides = None) -> Run:
@@ -226,19 +235,25 @@ def export(run: Run | str | os.PathLike, output: str | os.PathLike, *, merge: bo
            quantize: str | None = None) -> Path:
     """Write the run's newest checkpoint as a Hugging Face model directory (a peft adapter
     directory for LoRA runs unless ``merge``; int8 weight-only with ``quantize="int8"``)."""
+    from raylm.console import quiet_model_io
     from raylm.exporter import export as run_export
 
-    return run_export(_source(run), output, merge=merge, quantize=quantize, log=_say)
+    with quiet_model_io():
+        return run_export(_source(run), output, merge=merge, quantize=quantize, log=_say)
 
 
 def generate(source: Run | str | os.PathLike, prompt: str = "", *, chat: str | None = None,
-             max_new_tokens: int = 64, temperature: float = 0.8, seed: int = 0) -> str:
+             system: str | None = None, max_new_tokens: int = 64, temperature: float = 0.8,
+             seed: int = 0) -> str:
     """Sample a continuation of ``prompt`` (or, with ``chat``, the answer to that user
-    message) from a run or an exported model directory."""
+    message, after the ``system`` message if given) from a run or an exported model
+    directory."""
+    from raylm.console import quiet_model_io
     from raylm.exporter import generate as run_generate
 
-    return run_generate(_source(source), prompt, chat=chat, max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=seed)
+    with quiet_model_io():
+        return run_generate(_source(source), prompt, chat=chat, system=system,
+                            max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
 
 
 def shutdown() -> None:

@@ -9,8 +9,8 @@
                  [--no-code] [--no-wait]
     raylm jobs list|status ID|logs ID [--follow]|stop ID [--address http://HEAD:8265]
     raylm export RUN_DIR --output DIR [--merge | --quantize int8]
-    raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT | --chat MESSAGE] [--max-new-tokens N]
-                   [--temperature T]
+    raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT | --chat MESSAGE [--system TEXT]]
+                   [--max-new-tokens N] [--temperature T]
 
 Every command that runs something takes ``--config PATH`` and any ``--section.key=value``
 override of :mod:`raylm.config`; the other flags say where and how (cluster address, job
@@ -94,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", default="", help="text to continue")
     gen.add_argument("--chat", help="a user message to answer, rendered with the chat template "
                                     "fine-tuning used")
+    gen.add_argument("--system", help="with --chat: a system message before it")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     gen.add_argument("--seed", type=int, default=0)
@@ -221,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "generate":
             from raylm import api
 
-            text = api.generate(args.source, args.prompt, chat=args.chat,
+            if args.system is not None and args.chat is None:
+                raise ValueError("--system goes with --chat (a conversation to answer).")
+            text = api.generate(args.source, args.prompt, chat=args.chat, system=args.system,
                                 max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, seed=args.seed)
             print(text if args.chat is not None else args.prompt + text)

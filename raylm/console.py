@@ -15,8 +15,11 @@ authentication notice of ``ray.init``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import warnings
+from collections.abc import Iterator
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -57,6 +60,28 @@ def quiet_torchao() -> None:
     model, none about the run. Its errors still print."""
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def quiet_model_io() -> Iterator[None]:
+    """Around raylm's own loads and saves of a whole model on one process (export, sampling,
+    the model logged to MLflow): transformers' progress bars for each shard read and written,
+    torch's notice that a checkpoint is read without a process group (the point of it here),
+    and a deprecation between peft and transformers are left out; the user's settings are
+    restored after."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            # peft asks transformers through a name transformers deprecates.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprec")
+            yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def train_log_level(verbose: bool) -> str:

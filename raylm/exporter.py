@@ -287,13 +287,15 @@ class Generator:
 
 
 def generate(source: str | Path, prompt: str = "", *, chat: str | None = None,
-             max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 50,
-             seed: int = 0) -> str:
+             system: str | None = None, max_new_tokens: int = 64, temperature: float = 0.8,
+             top_k: int = 50, seed: int = 0) -> str:
     """Sample a continuation of ``prompt`` from a run directory or an exported model; or, with
-    ``chat``, the answer to that user message (see :class:`Generator`)."""
+    ``chat``, the answer to that user message, after the ``system`` message if given (see
+    :class:`Generator`)."""
     g = Generator(source)
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                     seed=seed)
     if chat is not None:
-        return g.answer([{"role": "user", "content": chat}], **sampling)
+        system_turn = [] if system is None else [{"role": "system", "content": system}]
+        return g.answer([*system_turn, {"role": "user", "content": chat}], **sampling)
     return g.complete(prompt, **sampling)

@@ -251,10 +251,12 @@ def log_final_model(cfg: Config, tracker: tracking.Tracker, *, log) -> dict[str,
     import tempfile
     from pathlib import Path
 
+    from raylm.console import quiet_model_io
     from raylm.exporter import export
 
     rd = run_dir(cfg)
-    with tempfile.TemporaryDirectory(prefix="raylm-final-model-") as tmp:
+    with (tempfile.TemporaryDirectory(prefix="raylm-final-model-") as tmp,
+          quiet_model_io()):
         exported = export(rd, Path(tmp) / "model", log=log)
         step = json.loads((exported / "raylm_export.json").read_text())["step"]
         model = tracker.log_model(

@@ -263,12 +263,12 @@ def table(summary: dict[str, Any]) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path, *, total_steps: int) -> None:
-    import matplotlib
+    # A Figure of its own, outside pyplot: a file needs no backend, and switching the
+    # process's backend would stop a notebook's own plots from showing.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     best = summary["best"]["trial_id"] if summary["best"] else None
     for t in summary["trials"]:
         if not t["history"]:
@@ -285,4 +285,3 @@ def plot(summary: dict[str, Any], path: Path, *, total_steps: int) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
