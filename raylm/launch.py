@@ -257,7 +257,12 @@ def log_final_model(cfg: Config, tracker: tracking.Tracker, *, log) -> dict[str,
     rd = run_dir(cfg)
     with (tempfile.TemporaryDirectory(prefix="raylm-final-model-") as tmp,
           quiet_model_io()):
-        exported = export(rd, Path(tmp) / "model", log=log)
+        try:
+            exported = export(rd, Path(tmp) / "model", log=log)
+        except Exception as e:  # the run trained; only its copy for MLflow is missing
+            log(f"raylm: warning: the final model was not logged to MLflow: it could not be "
+                f"exported ({type(e).__name__}: {e}); `raylm export {rd}` says why")
+            return None
         step = json.loads((exported / "raylm_export.json").read_text())["step"]
         model = tracker.log_model(
             exported, adapter=bool(cfg.lora.rank), step=step,
