@@ -73,7 +73,8 @@ def server(tmp_path):
     log.close()
 
 
-def test_a_run_on_an_mlflow_server_reads_back_through_the_client(base, server, tmp_path):
+def test_a_run_on_an_mlflow_server_reads_back_through_the_client(base, server, tmp_path,
+                                                                  monkeypatch):
     from mlflow import MlflowClient
 
     uri, _ = server
@@ -110,15 +111,12 @@ def test_a_run_on_an_mlflow_server_reads_back_through_the_client(base, server, t
     assert version.tags["raylm.model_id"] == output.model_id
     assert out["registered_model"] == "tiny-served" and out["registered_version"] == 1
 
-    import mlflow
     import mlflow.transformers
 
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    try:
-        pipe = mlflow.transformers.load_model("models:/tiny-served/1")
-    finally:
-        mlflow.set_tracking_uri(previous)
+    # As a user points MLflow at the server (mlflow.set_tracking_uri would also set this
+    # variable, for the rest of the test session).
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    pipe = mlflow.transformers.load_model("models:/tiny-served/1")
     assert pipe("The river", max_new_tokens=4, do_sample=False)[0]["generated_text"]
 
 
