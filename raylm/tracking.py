@@ -8,6 +8,8 @@ controller, where the run's record (:mod:`raylm.record`) logs every report's met
 checkpoint locations and restart/resize events through it, and to one worker per node, where
 it starts MLflow's own ``SystemMetricsMonitor`` (CPU, memory, and through NVML GPU utilisation
 and memory, as ``system/<node>/...``). A sweep's trials nest their runs under the sweep's tracker.
+When training ends the driver logs the final model through it (a LoggedModel, optionally
+registered).
 
 Ray 2.60's ``UserCallback`` has ``after_report`` and ``after_exception`` but no hooks before or
 after the run, so the driver starts the MLflow run and finishes it when ``fit`` returns.
@@ -343,8 +345,10 @@ def _last_sample(monitor) -> None:
 
 def _transformers_flavor(directory: Path, output: Path, description: str) -> Path:
     """A Hugging Face model directory saved as MLflow's transformers flavor (a text-generation
-    pipeline, also loadable as pyfunc). The model card is given, so MLflow does not look for
-    one on the Hugging Face Hub under the directory's name."""
+    pipeline, also loadable as pyfunc). Saved from a pipeline object: MLflow 3.17's path for a
+    local checkpoint directory fails with transformers 5 (it reads a task's pipeline class
+    where transformers now keeps its name). The model card is given, so MLflow does not look
+    for one on the Hugging Face Hub under the directory's name."""
     import huggingface_hub
     import mlflow.transformers
     import torch
