@@ -20,7 +20,7 @@ FOLDER = Path(__file__).parents[2] / "notebooks"
 NOTEBOOKS = sorted(FOLDER.glob("*.ipynb"))
 QUICK = {
     "02_train_and_resume.ipynb": "steps = 20\nmore_steps = 30",
-    "03_sweep.ipynb": "steps = 9\nlr_points = 2",
+    "03_sweep.ipynb": "steps = 9\nlr_points = 1",
     "04_lora_fine_tune.ipynb": "base_steps = 30\nlora_steps = 20",
 }
 
