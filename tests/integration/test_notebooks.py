@@ -3,9 +3,9 @@ order, in one folder (later ones read the runs earlier ones made), joined to the
 cluster through ``RAY_ADDRESS`` as a user joins theirs. Each must run without an error and
 draw the figures its committed copy shows.
 
-Fewer steps than a reader runs: a cell tagged ``parameters`` holds a notebook's step counts,
-and a cell injected after it sets these (papermill's convention), so the code that runs is
-the code a reader runs."""
+Fewer steps than a reader runs: a cell tagged ``parameters`` holds a notebook's sizes (steps,
+grid points), and a cell injected after it sets these (papermill's convention), so the code
+that runs is the code a reader runs."""
 
 from __future__ import annotations
 
