@@ -164,7 +164,7 @@ class Sweep:
 def _connect(cfg: Config) -> None:
     from raylm.cluster import connect
 
-    connect(cfg.run.ray_address, log=_say)
+    connect(cfg.run.ray_address, log=_say, timeout_s=cfg.run.connect_timeout_s)
 
 
 def prepare(config: ConfigLike = None, *, overrides: Overrides = None,

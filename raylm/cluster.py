@@ -7,7 +7,7 @@ machine (``ray_current_cluster`` in Ray's temp directory). When that head died w
 to connect to GCS" for minutes, saying nothing a user can act on. So raylm looks first:
 
 1. ``run.ray_address``, then ``RAY_ADDRESS`` (which jobs on a cluster have): joined if they
-   answer within :data:`CONNECT_TIMEOUT_S`, else a one-line error naming the address and where
+   answer within ``run.connect_timeout_s`` (:data:`CONNECT_TIMEOUT_S` by default), else a one-line error naming the address and where
    it came from. ``auto`` means the recorded head, which must answer; ``local`` starts a new
    local cluster.
 2. Otherwise the head ``ray start`` recorded on this machine, if it answers.
@@ -99,7 +99,8 @@ def choose(address: str | None, *, env: dict[str, str] | None = None,
                        f"answer, stopped without `ray stop`?")
 
 
-def connect(address: str | None, *, log: Callable[[str], None]) -> None:
+def connect(address: str | None, *, log: Callable[[str], None],
+            timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     """``ray.init`` on the chosen cluster, unless this process already joined one."""
     import logging
 
@@ -107,7 +108,7 @@ def connect(address: str | None, *, log: Callable[[str], None]) -> None:
 
     if ray.is_initialized():
         return
-    choice = choose(address)
+    choice = choose(address, timeout_s=timeout_s)
     # Warnings and up from Ray itself; raylm prints its own progress.
     if choice.address is None:
         ray.init(address="local", logging_level=logging.WARNING, log_to_driver=True)

@@ -126,7 +126,11 @@ class RunConfig:
     """Ray cluster to join: 'HOST:PORT' (its GCS), 'ray://HOST:10001', 'auto' (the head `ray
     start` recorded on this machine) or 'local' (a new local cluster). Unset: RAY_ADDRESS if
     set, else the head `ray start` runs on this machine if it answers, else a new local
-    cluster. An address that does not answer in 10 s is an error (see raylm.cluster)."""
+    cluster. An address that does not answer in run.connect_timeout_s is an error (see
+    raylm.cluster)."""
+    connect_timeout_s: float = 10.0
+    """How long a cluster given by run.ray_address or RAY_ADDRESS may take to answer (a head
+    that is still starting refuses for a moment) before the run stops with an error."""
     cache_dir: str = "~/.cache/raylm"
     """Tokenizers, the extracted builtin corpus and prepared data, keyed by fingerprint."""
     verbose: bool = False
@@ -569,6 +573,8 @@ def validate(cfg: Config) -> Config:
     _check(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name", cfg.run.name,
            "a non-empty name without '/'")
     sources = [d.source] if isinstance(d.source, str) else d.source
+    _check(cfg.run.connect_timeout_s > 0, "run.connect_timeout_s", cfg.run.connect_timeout_s,
+           "a number of seconds > 0")
     _check(bool(sources) and all(sources), "data.source", d.source, "a non-empty source or list")
     _check(d.seq_len >= 8, "data.seq_len", d.seq_len, "an integer >= 8")
     _check(cfg.tracking.register_as is None
