@@ -1,5 +1,19 @@
-"""Apply parallelism to a model that knows nothing of it: activation checkpointing, then
-torch.compile, then FSDP2 ``fully_shard`` per decoder block and at the root.
+"""Apply parallelism to a model that knows nothing of it: tensor (with sequence) parallelism,
+then activation checkpointing, then torch.compile, then FSDP2 ``fully_shard`` per decoder block
+and at the root (torchtitan's order: FSDP2 shards what TP has already split).
+
+The ranks form one named mesh ``(pp, dp, tp)`` (:func:`build_mesh`); FSDP2 shards over ``dp``,
+tensor parallelism splits over ``tp``. Ranks of one ``tp`` group are neighbours (the last mesh
+dimension varies fastest), so on GPUs a TP group stays inside a node, on its fast links.
+
+Tensor parallelism (``parallel.tensor``) follows the model's own plan for its projections
+(transformers' ``base_model_tp_plan``: q/k/v/gate/up column-wise, o/down row-wise), and adds
+what that plan leaves out because transformers only uses it for inference: sequence
+parallelism (the norms and the residual stream hold 1/tp of the tokens, so activation memory
+outside attention and MLP shrinks with tp as well), a vocabulary-split embedding, and an output
+head whose logits stay split over the vocabulary for the loss (:func:`loss_context`: loss
+parallel, no rank ever holds the full vocabulary's logits). Per micro-batch and block that is
+two all-gathers and two reduce-scatters of the activations, forward, and as many backward.
 
 Sharding happens on the meta device, before any weight exists, so no process ever holds the full
 model; :func:`raylm.model.init_weights` then fills each rank's shards. Per-block sharding lets
@@ -30,17 +44,46 @@ from torch import nn
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelPlan:
-    """How :func:`parallelize` lays a model out, beyond data-parallel sharding (which follows
-    from the world size). Tensor and pipeline degrees belong here when they come."""
+    """How :func:`parallelize` lays a model out; the data-parallel degree is what the world
+    size leaves (``world / (tensor x pipeline)``)."""
 
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward."""
     compile: bool = False
     """torch.compile each decoder block."""
+    tensor: int = 1
+    """Tensor-parallel degree: ranks that split every block's weights and activations."""
+    pipeline: int = 1
+    """Pipeline-parallel degree: ranks that each hold a contiguous run of blocks."""
 
 
 DATA_PARALLEL = ParallelPlan()
 """FSDP2 over every rank and nothing else."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits on the ``(pp, dp, tp)`` mesh: data is split by ``dp_rank`` over
+    ``dp_size``; ranks with the same ``dp_rank`` see the same samples."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+
+def layout_of(rank: int, world_size: int, plan: ParallelPlan = DATA_PARALLEL) -> Layout:
+    """The position of ``rank`` on the mesh :func:`build_mesh` builds (row-major over
+    ``(pp, dp, tp)``), computed without torch.distributed."""
+    tp, pp = plan.tensor, plan.pipeline
+    if world_size % (tp * pp):
+        raise ValueError(f"{world_size} ranks do not split into parallel.tensor={tp} x "
+                         f"parallel.pipeline={pp} groups")
+    dp = world_size // (tp * pp)
+    return Layout(dp_rank=rank // tp % dp, dp_size=dp, tp_rank=rank % tp, tp_size=tp,
+                  pp_rank=rank // (tp * dp), pp_size=pp)
 
 
 def resolve_precision(precision: str, device_type: str) -> str:
@@ -72,21 +115,34 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def build_mesh(device_type: str):
+def build_mesh(device_type: str, plan: ParallelPlan = DATA_PARALLEL):
+    """The ``(pp, dp, tp)`` mesh over every rank (dimensions of size 1 included, so code
+    can always name them)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    lay = layout_of(dist.get_rank(), dist.get_world_size(), plan)
+    return init_device_mesh(device_type, (lay.pp_size, lay.dp_size, lay.tp_size),
+                            mesh_dim_names=("pp", "dp", "tp"))
 
 
 def parallelize(model: nn.Module, *, device_type: str, precision: str,
                 plan: ParallelPlan = DATA_PARALLEL) -> nn.Module:
-    """Checkpoint, compile and shard ``model`` in place as ``plan`` says (sharding only when
-    torch.distributed is initialized with more than one rank); returns it."""
+    """Split, checkpoint, compile and shard ``model`` in place as ``plan`` says (sharding only
+    when torch.distributed is initialized with more than one data-parallel rank); returns
+    it."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     # An NF4 base arrives in bf16 already, and ``.to(dtype)`` would dequantize it.
     if precision == "bf16-true" and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
+    mesh = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        mesh = build_mesh(device_type, plan)
+    elif plan.tensor > 1 or plan.pipeline > 1:
+        raise ValueError(f"parallel.tensor={plan.tensor} x parallel.pipeline={plan.pipeline} "
+                         f"needs that many ranks; this process runs alone")
+    if plan.tensor > 1:
+        tensor_parallel(model, mesh["tp"])
     blocks = decoder_blocks(model)
     for i, block in enumerate(blocks):
         if plan.activation_checkpointing:
@@ -94,12 +150,77 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
         if plan.compile:
             block.compile()
         blocks[i] = block
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        # One worker has nothing to shard with; FSDP's gather/scatter copies would cost ~5% of
-        # a step for nothing (measured on the tiny preset, CPU). DCP checkpoints of the plain
-        # model still reshard onto any later world size.
+    if mesh is None or mesh["dp"].size() == 1:
+        # One data-parallel rank has nothing to shard with; FSDP's gather/scatter copies would
+        # cost ~5% of a step for nothing (measured on the tiny preset, CPU). DCP checkpoints of
+        # the unsharded model still reshard onto any later layout.
         return model
-    return shard(model, mesh=build_mesh(device_type), precision=precision)
+    return shard(model, mesh=mesh["dp"], precision=precision)
+
+
+def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
+    """Split a Llama-style causal LM over ``tp_mesh`` (see the module docstring); in place."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    config = model.config
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ValueError(f"parallel.tensor: {type(model).__name__} ships no tensor-parallel "
+                         f"plan (base_model_tp_plan); raylm splits Llama-style models with one")
+    blocks: dict[str, object] = {
+        "input_layernorm": SequenceParallel(),
+        "post_attention_layernorm": SequenceParallel(),
+        # The norms hand on 1/tp of the tokens; attention and the MLP need all of them.
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    }
+    for pattern, style in plan.items():
+        if not pattern.startswith("layers.*."):
+            raise ValueError(f"parallel.tensor: this model's TP plan entry {pattern!r} is "
+                             f"outside its decoder layers; raylm cannot apply it")
+        name = pattern.removeprefix("layers.*.")
+        if style == "colwise":
+            blocks[name] = ColwiseParallel()
+        elif style == "rowwise":
+            # Reduce-scattered back to token shards: the residual stream stays split.
+            blocks[name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        else:
+            raise ValueError(f"parallel.tensor: this model's TP plan asks {style!r} for "
+                             f"{pattern}; raylm applies 'colwise' and 'rowwise' only")
+    inner = model.model
+    for block in decoder_blocks(model):
+        parallelize_module(block, tp_mesh, blocks)
+    parallelize_module(inner, tp_mesh, {
+        # Vocabulary rows split; the output reduce-scattered to token shards.
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                        use_local_output=False),
+        "norm": SequenceParallel(use_local_output=True),
+    })
+    parallelize_module(model, tp_mesh, {
+        # Logits stay split over the vocabulary for the loss (loss_context).
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                   use_local_output=False),
+    })
+    if getattr(config, "tie_word_embeddings", False):
+        # Both halves split the same [vocab, hidden] matrix by rows: one parameter again.
+        model.lm_head.weight = inner.embed_tokens.weight
+    return model
+
+
+def loss_context(plan: ParallelPlan):
+    """Where the loss and its backward must run: under tensor parallelism the logits are split
+    over the vocabulary, and loss parallel computes cross-entropy from per-rank partial sums."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if plan.tensor > 1 else contextlib.nullcontext()
 
 
 def shard(model: nn.Module, *, mesh, precision: str) -> nn.Module:

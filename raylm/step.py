@@ -31,6 +31,7 @@ from raylm.parallelize import (
     DATA_PARALLEL,
     ParallelPlan,
     autocast,
+    loss_context,
     parallelize,
     resolve_precision,
 )
@@ -93,6 +94,7 @@ class Built:
     precision: str
     device: torch.device
     config: object
+    plan: ParallelPlan = DATA_PARALLEL
 
 
 def build_training_model(*, preset: str | None, path: str | None, vocab_size: int, eos_id: int,
@@ -132,14 +134,15 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     if adapters:
         init_adapters(model, seed=seed)
     model.train()
-    return Built(model, choice, precision, device, config)
+    return Built(model, choice, precision, device, config, plan)
 
 
 def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: bool
                ) -> torch.Tensor:
     """Next-token cross-entropy of a batch of packed blocks (fp32 loss): the mean over every
     target, or, for blocks with a ``loss_mask``, the sum over the trained targets (the caller
-    divides by the trained targets of the whole global batch)."""
+    divides by the trained targets of the whole global batch). Under tensor parallelism it is
+    a replicated DTensor, and it and its backward must run in ``loss_context(built.plan)``."""
     tokens = batch["input_ids"].to(built.device, non_blocking=True)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     kwargs = {}
@@ -168,6 +171,11 @@ def trained_targets(batches: Iterable[dict[str, torch.Tensor]], device: torch.de
     return n
 
 
+def plain(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under tensor parallelism) as the tensor it holds."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm over all shards (clipped when ``max_norm`` > 0)."""
     params = [p for p in model.parameters() if p.grad is not None]
@@ -191,7 +199,8 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
     not per micro-batch: micro-batches hold different numbers of trained targets, and a mean of
     per-micro-batch means would weigh a target by how crowded its micro-batch is, so the update
     would change with the accumulation and the worker count. FSDP2 averages gradients over the
-    ranks, hence the factor of the world size."""
+    data-parallel ranks, hence the factor of the world size: the ranks of a tensor-parallel
+    group count the same targets, so world / count is dp / (the dp ranks' targets)."""
     micro_batches = list(micro_batches)
     if len(micro_batches) != accumulation:
         raise RuntimeError(f"expected {accumulation} micro-batches, got {len(micro_batches)}")
@@ -200,19 +209,21 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
         world = dist.get_world_size() if dist.is_initialized() else 1
         count = trained_targets(micro_batches, built.device).float()
         for batch in micro_batches:
-            loss_sum = batch_loss(built, batch, cross_document=cross_document)
-            with built.attention.context():  # activation checkpointing recomputes in here
-                (loss_sum * world / count).backward()
-            total += loss_sum.detach()
+            with loss_context(built.plan):
+                loss_sum = batch_loss(built, batch, cross_document=cross_document)
+                with built.attention.context():  # activation checkpointing recomputes here
+                    (loss_sum * world / count).backward()
+            total += plain(loss_sum.detach())
         if dist.is_initialized():
             dist.all_reduce(total)
         mean = total / count
     else:
         for batch in micro_batches:
-            loss = batch_loss(built, batch, cross_document=cross_document)
-            with built.attention.context():
-                (loss / accumulation).backward()
-            total += loss.detach()
+            with loss_context(built.plan):
+                loss = batch_loss(built, batch, cross_document=cross_document)
+                with built.attention.context():
+                    (loss / accumulation).backward()
+            total += plain(loss.detach())
         mean = total / accumulation
         if dist.is_initialized():
             dist.all_reduce(mean, op=dist.ReduceOp.AVG)
@@ -231,7 +242,8 @@ def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
     total = torch.zeros((), device=built.device)
     n = torch.zeros((), device=built.device)
     for batch in batches:
-        total += batch_loss(built, batch, cross_document=cross_document)
+        with loss_context(built.plan):
+            total += plain(batch_loss(built, batch, cross_document=cross_document))
         n += int(batch["loss_mask"][:, 1:].sum()) if "loss_mask" in batch else 1
     built.model.train()
     if dist.is_initialized():
