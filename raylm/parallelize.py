@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,19 +183,20 @@ def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
                                         desired_input_kwarg_layouts={"hidden_states": Replicate()}),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     }
+    styles = {"colwise": colwise_styles, "rowwise": rowwise_styles}
+    first = decoder_blocks(model)[0]
     for pattern, style in plan.items():
         if not pattern.startswith("layers.*."):
             raise ValueError(f"parallel.tensor: this model's TP plan entry {pattern!r} is "
                              f"outside its decoder layers; raylm cannot apply it")
-        name = pattern.removeprefix("layers.*.")
-        if style == "colwise":
-            blocks[name] = ColwiseParallel()
-        elif style == "rowwise":
-            # Reduce-scattered back to token shards: the residual stream stays split.
-            blocks[name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-        else:
+        if style not in styles:
             raise ValueError(f"parallel.tensor: this model's TP plan asks {style!r} for "
                              f"{pattern}; raylm applies 'colwise' and 'rowwise' only")
+        name = pattern.removeprefix("layers.*.")
+        blocks.update(styles[style](name, adapted=hasattr(first.get_submodule(name),
+                                                          "base_layer")))
+    # torch's styles make new parameters, all trainable: frozen ones (a LoRA base) must stay so.
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     inner = model.model
     for block in decoder_blocks(model):
         parallelize_module(block, tp_mesh, blocks)
@@ -212,7 +214,69 @@ def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     if getattr(config, "tie_word_embeddings", False):
         # Both halves split the same [vocab, hidden] matrix by rows: one parameter again.
         model.lm_head.weight = inner.embed_tokens.weight
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
     return model
+
+
+def colwise_styles(name: str, *, adapted: bool) -> dict[str, object]:
+    """A column-wise projection (output features split); with a LoRA adapter, its B splits the
+    same way and its A (rank x in) is replicated: B's column-wise input all-reduces A's
+    gradient, as it does the base layer's."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    if not adapted:
+        return {name: ColwiseParallel()}
+    return {f"{name}.base_layer": ColwiseParallel(),
+            f"{name}.lora_A.default": Replicated(),
+            f"{name}.lora_B.default": ColwiseParallel()}
+
+
+def rowwise_styles(name: str, *, adapted: bool) -> dict[str, object]:
+    """A row-wise projection (input features split, partial sums reduce-scattered back to token
+    shards: the residual stream stays split); with a LoRA adapter, its A splits the same way
+    (A's partial sums reduce-scattered likewise) and its B is replicated, on token shards."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    def rowwise():
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+
+    if not adapted:
+        return {name: rowwise()}
+    return {f"{name}.base_layer": rowwise(), f"{name}.lora_A.default": rowwise(),
+            f"{name}.lora_B.default": Replicated(output_layout=Shard(1))}
+
+
+class Replicated(ParallelStyle):
+    """A module whose parameters every rank of the mesh holds whole (a LoRA factor next to a
+    split projection); torch's parallel styles all split something.
+
+    Its input is gathered whole and its output's gradient made whole (all-reduced where it
+    arrives as partial sums) before its backward, so the parameters' gradients are complete on
+    every rank: a gradient left as per-rank partial sums would be taken for the whole one by
+    FSDP2 and the optimizer. The output is handed on as ``output_layout`` (its token shard
+    where the residual stream is split). On LoRA's rank-r activations that is a few KB."""
+
+    def __init__(self, *, output_layout=None) -> None:
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+        whole = (Replicate(),)
+
+        def gather_input(mod, inputs, mesh):
+            return tuple(x.redistribute(mesh, whole) if isinstance(x, DTensor) else x
+                         for x in inputs)
+
+        def hand_on(mod, out, mesh):
+            out.register_hook(lambda grad: grad.redistribute(mesh, whole))
+            if self.output_layout is not None:
+                out = out.redistribute(mesh, (self.output_layout,))
+            return out
+
+        return distribute_module(module, device_mesh, input_fn=gather_input, output_fn=hand_on)
 
 
 def loss_context(plan: ParallelPlan):
