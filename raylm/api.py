@@ -195,14 +195,13 @@ def prepare(config: ConfigLike = None, *, overrides: Overrides = None,
 
 def train(config: ConfigLike = None, *, overrides: Overrides = None) -> Run:
     """Train (or resume) the run ``run.name``; returns it once it has finished."""
-    from raylm.launch import run_dir
+    from raylm.launch import check_request, run_dir
     from raylm.launch import train as run_train
-    from raylm.model import check_seq_len
     from raylm.progress import use_bar
     from raylm.tracking import resolve_uri
 
     cfg = resolve(config, overrides)
-    check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
+    check_request(cfg)
     if cfg.tracking.enabled:
         resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
     _connect(cfg)
@@ -212,13 +211,12 @@ def train(config: ConfigLike = None, *, overrides: Overrides = None) -> Run:
 
 def tune(config: ConfigLike = None, *, overrides: Overrides = None) -> Sweep:
     """Sweep (or resume the sweep) ``run.name``; returns it once every trial has ended."""
-    from raylm.launch import run_dir
-    from raylm.model import check_seq_len
+    from raylm.launch import check_request, run_dir
     from raylm.sweep import check_sweep, sweep
     from raylm.tracking import resolve_uri
 
     cfg = resolve(config, overrides)
-    check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
+    check_request(cfg)
     check_sweep(cfg)
     if cfg.tracking.enabled:
         resolve_uri(cfg)

@@ -374,6 +374,16 @@ class ScalingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel degree: each decoder block's projections, and the activations between
+    them, are split over this many workers (with sequence parallelism for the norms and the
+    residual stream). The data-parallel degree is scaling.num_workers / tensor; FSDP2 shards
+    over it. Use it when one worker cannot hold a block's activations or gathered weights;
+    keep a tensor-parallel group inside one node (it talks at every block)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrackingConfig:
     enabled: bool = True
     """Record the run in MLflow."""
@@ -432,6 +442,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
 
@@ -551,19 +562,42 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"Invalid value for '{key}': {_short(value)}. Allowed: {allowed}.")
 
 
-def _check_batch_shares(global_batch: int, num_workers: Any, worker_range: tuple[int, int]
-                        ) -> None:
-    """Every worker count the run may have must share each global batch equally (ranks take
-    equal slices of it; see raylm.packing), so an elastic range must divide it throughout."""
+def _check_layout(cfg: Config) -> None:
+    """The workers must split into whole tensor-parallel groups at every count the run may
+    have. Ray Train's elastic scaling may start any count in a range, so with groups of more
+    than one worker only a fixed count (or [n, n]) guarantees that."""
+    group, sc = cfg.parallel.tensor, cfg.scaling
+    _check(group >= 1, "parallel.tensor", group, "an integer >= 1")
+    lo, hi = sc.worker_range
+    odd = [n for n in range(lo, hi + 1) if n % group]
+    if odd:
+        n = odd[0]
+        raise ConfigError(
+            f"scaling.num_workers={sc.num_workers} allows {n} workers, which do not split "
+            f"into tensor-parallel groups of parallel.tensor={group} ({n} = {n // group} x "
+            f"{group} + {n % group}); give a worker count that is a multiple of {group}"
+            + (" (an elastic range may start any count in between, so a range needs "
+               "min = max)" if lo != hi else "") + ".")
+
+
+def _check_batch_shares(global_batch: int, num_workers: Any, worker_range: tuple[int, int],
+                        *, group: int = 1) -> None:
+    """Every data-parallel degree the run may have (workers / ``group``, the workers of one
+    tensor-parallel group seeing the same samples) must share each global batch equally
+    (ranks take equal slices of it; see raylm.packing), so an elastic range must divide it
+    throughout."""
     counts = range(worker_range[0], worker_range[1] + 1)
-    bad = [n for n in counts if global_batch % n]
+    bad = [n for n in counts if global_batch % (n // group)]
     if bad:
-        fits = math.lcm(*counts)
+        fits = math.lcm(*(n // group for n in counts))
+        shares = ("workers" if group == 1 else
+                  f"data-parallel ranks (workers / parallel.tensor={group})")
         raise ConfigError(
             f"train.global_batch_size={global_batch} cannot be split equally over "
-            f"{', '.join(map(str, bad))} workers, which scaling.num_workers={num_workers} "
-            f"allows; every worker count in the range must divide the global batch (for "
-            f"example train.global_batch_size={fits * max(1, round(global_batch / fits))}), "
+            f"{', '.join(str(n // group) for n in bad)} {shares}, which "
+            f"scaling.num_workers={num_workers} allows; every count in the range must divide "
+            f"the global batch (for example "
+            f"train.global_batch_size={fits * max(1, round(global_batch / fits))}), "
             f"or narrow the range.")
 
 
@@ -654,7 +688,9 @@ def validate(cfg: Config) -> Config:
         _check(all(v > 0 and k not in ("CPU", "GPU") for k, v in res.items()),
                f"scaling.{key}", res, "custom resource names (not CPU/GPU: use "
                "scaling.cpus_per_worker and scaling.use_gpu) with amounts > 0")
-    _check_batch_shares(tr.global_batch_size, sc.num_workers, sc.worker_range)
+    _check_layout(cfg)
+    _check_batch_shares(tr.global_batch_size, sc.num_workers, sc.worker_range,
+                        group=cfg.parallel.tensor)
     _check(sc.resize_interval_s >= 0, "scaling.resize_interval_s", sc.resize_interval_s,
            ">= 0")
     _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],

@@ -26,9 +26,11 @@ class Ledger:
     """One rank's part of the ledger: the rows of the steps since the last checkpoint, and on
     rank 0 the whole history (what the checkpoint it continues from held)."""
 
-    def __init__(self, *, enabled: bool, history: np.ndarray | None) -> None:
+    def __init__(self, *, enabled: bool, history: np.ndarray | None,
+                 data_ranks: list[int] | None = None) -> None:
         self.enabled = enabled
         self.history = history
+        self.data_ranks = data_ranks
         self.pending: list[np.ndarray] = []
 
     def add(self, rows: np.ndarray) -> None:
@@ -39,16 +41,19 @@ class Ledger:
         """At a checkpoint (every rank calls it): the ledger to save, on rank 0; else None."""
         if not self.enabled:
             return None
-        new_rows = gather(self.pending, device)
+        new_rows = gather(self.pending, device, data_ranks=self.data_ranks)
         self.pending = []
         if new_rows is not None:
             self.history = np.concatenate([self.history, new_rows])
         return self.history
 
 
-def gather(rows: list[np.ndarray], device: torch.device) -> np.ndarray | None:
+def gather(rows: list[np.ndarray], device: torch.device, *, data_ranks: list[int] | None = None
+           ) -> np.ndarray | None:
     """Rank 0: the global rows of the steps in ``rows`` (each rank's slice per step, all
-    ranks the same number of steps) as ``(steps, global batch)``; other ranks: None."""
+    ranks the same number of steps) as ``(steps, global batch)``; other ranks: None.
+    ``data_ranks``: the ranks whose slices make up a global batch, in order (one per
+    tensor-parallel group, whose ranks hold the same slice); default every rank."""
     mine = torch.as_tensor(np.stack(rows) if rows else np.zeros((0, 0)), dtype=torch.int64)
     if not dist.is_initialized():
         return mine.numpy().astype(np.int32)
@@ -57,7 +62,9 @@ def gather(rows: list[np.ndarray], device: torch.device) -> np.ndarray | None:
     dist.all_gather(parts, mine)
     if dist.get_rank() != 0:
         return None
-    # Rank r holds slice r of every global batch: concatenating along the batch dimension
+    if data_ranks is not None:
+        parts = [parts[r] for r in data_ranks]
+    # Data rank r holds slice r of every global batch: concatenating along the batch dimension
     # puts each step's samples in position order.
     return torch.cat(parts, dim=1).cpu().numpy().astype(np.int32)
 

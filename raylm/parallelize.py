@@ -74,6 +74,11 @@ class Layout:
     pp_rank: int = 0
     pp_size: int = 1
 
+    def data_ranks(self) -> list[int]:
+        """One global rank per data-parallel rank, in ``dp_rank`` order (the first of each
+        tensor-parallel group): whose batches make up a global batch."""
+        return [d * self.tp_size for d in range(self.dp_size)]
+
 
 def layout_of(rank: int, world_size: int, plan: ParallelPlan = DATA_PARALLEL) -> Layout:
     """The position of ``rank`` on the mesh :func:`build_mesh` builds (row-major over
@@ -114,6 +119,24 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
         raise ValueError(f"{type(model).__name__} has no model.layers; raylm shards Llama-style "
                          f"decoder stacks (Llama, Mistral, Qwen2, ...).")
     return layers
+
+
+def check_tensor_parallel(config, *, tensor: int, seq_len: int) -> None:
+    """Refuse a tensor-parallel degree the model or the sequence does not split into (before
+    any worker starts): whole attention and key/value heads per rank, and whole token shards
+    for sequence parallelism."""
+    if tensor == 1:
+        return
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for what, n in (("attention heads", heads), ("key/value heads", kv_heads),
+                    ("tokens per sequence (data.seq_len)", seq_len)):
+        if n % tensor:
+            raise ValueError(
+                f"parallel.tensor={tensor} does not divide the model's {n} {what} "
+                f"({n} = {n // tensor} x {tensor} + {n % tensor}); choose a degree that "
+                f"divides {heads} attention heads, {kv_heads} key/value heads and "
+                f"data.seq_len={seq_len}.")
 
 
 def build_mesh(device_type: str, plan: ParallelPlan = DATA_PARALLEL):

@@ -47,7 +47,7 @@ from raylm.lora import settings as lora_settings
 from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
 from raylm.optim import build_optimizer, lr_at, set_lr
 from raylm.packing import batch_plan, check_positions
-from raylm.parallelize import ParallelPlan
+from raylm.parallelize import Layout, ParallelPlan, layout_of
 from raylm.record import GROUP_START
 from raylm.step import Built, TrainState, build_training_model, evaluate, train_step
 from raylm.tracking import Tracker
@@ -60,6 +60,7 @@ class Setup:
     cfg: Config
     rank: int
     world_size: int
+    layout: Layout
     built: Built
     optimizer: torch.optim.Optimizer
     state: TrainState
@@ -100,8 +101,8 @@ def train(run: Setup) -> None:
         meter.step_begins()
         micro = meter.fetch(run.batches, run.accumulation)
         check_positions(torch.cat([b["sample_position"] for b in micro]).numpy(),
-                        step=state.step, global_batch=t.global_batch_size, rank=run.rank,
-                        world_size=run.world_size)
+                        step=state.step, global_batch=t.global_batch_size,
+                        rank=run.layout.dp_rank, world_size=run.layout.dp_size)
         lr = lr_at(state.step, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
                    total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
                    cycle_steps=o.cycle_steps)
@@ -275,26 +276,33 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     energy = EnergyCounter(device)
     energy_since = (time.perf_counter(), energy.read())
     d, t, o = cfg.data, cfg.train, cfg.optim
+    plan = ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
+                        compile=cfg.model.compile, tensor=cfg.parallel.tensor)
+    # Data goes by data-parallel rank: the workers of a tensor-parallel group train on the
+    # same samples.
+    lay = layout_of(rank, world, plan)
     built = build_training_model(
         preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
         eos_id=loop_config["eos_id"], device=device, precision=t.precision,
         attention=cfg.model.attention, cross_document=d.across_documents,
-        plan=ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
-                          compile=cfg.model.compile),
+        plan=plan,
         seed=t.seed, lora=adapter_args(cfg.lora),
         base_quantization=cfg.lora.base_quantization)
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=(o.beta1, o.beta2), device_type=device.type)
-    state, ledger = restore(run_dir, cfg, built=built, optimizer=optimizer, rank=rank)
+    state, ledger = restore(run_dir, cfg, built=built, optimizer=optimizer, rank=rank,
+                            layout=lay)
     if rank == 0 and state.step:
         print(f"raylm: {world} workers resuming from step {state.step}", flush=True)
-    micro_batch, accumulation = batch_plan(t.global_batch_size, t.micro_batch_size, world)
+    micro_batch, accumulation = batch_plan(t.global_batch_size, t.micro_batch_size,
+                                           lay.dp_size)
 
     tracker: Tracker = loop_config["tracker"]
     if ctx.get_local_rank() == 0:
         tracker.start_node_monitor(f"node{ctx.get_node_rank()}")
     train_ds = build_train_stream(
-        loop_config["prepared"], rank=rank, world_size=world, start_step=state.step,
+        loop_config["prepared"], rank=lay.dp_rank, world_size=lay.dp_size,
+        start_step=state.step,
         num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
         global_batch=t.global_batch_size, resources=loop_config["reader_resources"])
     # Batches stay on the host (the positions and rows are checked and logged there; in a
@@ -304,7 +312,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                                                pin_memory=device.type == "cuda",
                                                prefetch_batches=d.prefetch_batches))
     val = {k: torch.from_numpy(v) for k, v in read_val_blocks(
-        loop_config["prepared"], rank=rank, world_size=world,
+        loop_config["prepared"], rank=lay.dp_rank, world_size=lay.dp_size,
         eval_samples=t.eval_batches * t.micro_batch_size).items()}
     val_batches = [{k: v[i:i + t.micro_batch_size] for k, v in val.items()}
                    for i in range(0, len(val["input_ids"]), t.micro_batch_size)]
@@ -334,7 +342,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     meter = StepMeter(flops_per_token=flops_per_token(built.config, d.seq_len),
                       peak_flops=peak, world_size=world, device=device, energy=energy,
                       energy_since=energy_since)
-    return Setup(cfg=cfg, rank=rank, world_size=world, built=built, optimizer=optimizer,
+    return Setup(cfg=cfg, rank=rank, world_size=world, layout=lay, built=built,
+                 optimizer=optimizer,
                  state=state, ledger=ledger, micro_batch=micro_batch,
                  accumulation=accumulation, batches=batches, val_batches=val_batches,
                  tracker=tracker, meter=meter, vote=preemption.Vote(device),
@@ -394,7 +403,7 @@ def reader_wait(reader: dict[str, float], *, rank: int) -> str:
 
 
 def restore(run_dir: str, cfg: Config, *, built: Built, optimizer: torch.optim.Optimizer,
-            rank: int) -> tuple[TrainState, Ledger]:
+            rank: int, layout: Layout) -> tuple[TrainState, Ledger]:
     """The train state of the latest verified checkpoint (loaded into model and optimizer),
     and the sample ledger continuing its own; a fresh state when there is none."""
     state = TrainState()
@@ -412,4 +421,5 @@ def restore(run_dir: str, cfg: Config, *, built: Built, optimizer: torch.optim.O
     history = ckpt.load_samples(found[0]) if found is not None else np.zeros(
         (0, cfg.train.global_batch_size), np.int32)
     enabled = cfg.train.sample_ledger and history is not None
-    return state, Ledger(enabled=enabled, history=history if rank == 0 else None)
+    return state, Ledger(enabled=enabled, history=history if rank == 0 else None,
+                         data_ranks=layout.data_ranks())
