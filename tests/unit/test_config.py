@@ -257,3 +257,45 @@ def test_python_overrides_are_a_mapping_checked_like_the_command_lines():
         load_config(None, {"train.stepz": 3})
     with pytest.raises(ConfigError, match="'train.steps': 'x'"):
         load_config(None, {"train.steps": "x"})
+
+
+def test_tensor_parallel_layouts_that_cannot_split_are_refused_before_ray_starts(
+        capsys, monkeypatch):
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    tp2 = ["--parallel.tensor=2", "--tracking.enabled=false"]
+    with pytest.raises(ConfigError, match=r"allows 3 workers, which do not split into "
+                                          r"tensor-parallel groups of parallel.tensor=2 "
+                                          r"\(3 = 1 x 2 \+ 1\)"):
+        load_config(None, [*tp2, "--scaling.num_workers=3"])
+    # An elastic range may start any count in between.
+    with pytest.raises(ConfigError, match="allows 3 workers.*a range needs min = max"):
+        load_config(None, [*tp2, "--scaling.num_workers=[2, 4]"])
+    assert load_config(None, [*tp2, "--scaling.num_workers=[4, 4]"]).parallel.tensor == 2
+    # The global batch is split over data-parallel ranks: 6 workers at tp 2 are 3 of them.
+    with pytest.raises(ConfigError, match=r"cannot be split equally over 3 data-parallel "
+                                          r"ranks \(workers / parallel.tensor=2\)"):
+        load_config(None, [*tp2, "--scaling.num_workers=6", "--train.global_batch_size=16"])
+    with pytest.raises(ConfigError, match="'parallel.tensor': 0"):
+        load_config(None, ["--parallel.tensor=0"])
+    # The model's heads and the sequence: the tiny preset has 4 heads, 4 KV heads.
+    assert main(["train", "--model.preset=tiny", "--parallel.tensor=8",
+                 "--scaling.num_workers=8", "--train.global_batch_size=8", "--data.seq_len=64",
+                 "--tracking.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raylm: error: parallel.tensor=8 does not divide the model's 4 "
+                          "attention heads (4 = 0 x 8 + 4)") and err.count("\n") == 1
+    assert main(["train", "--model.preset=tiny", "--parallel.tensor=4", "--data.seq_len=34",
+                 "--scaling.num_workers=4", "--tracking.enabled=false"]) == 2
+    assert "does not divide the model's 34 tokens per sequence (data.seq_len)" in \
+        capsys.readouterr().err
+    # The 1b preset: 32 attention heads, 8 key/value heads.
+    assert main(["train", "--model.preset=1b", "--parallel.tensor=16",
+                 "--scaling.num_workers=16", "--train.global_batch_size=16",
+                 "--tracking.enabled=false"]) == 2
+    assert "does not divide the model's 8 key/value heads (8 = 0 x 16 + 8)" in \
+        capsys.readouterr().err
