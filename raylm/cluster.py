@@ -8,8 +8,8 @@ to connect to GCS" for minutes, saying nothing a user can act on. So raylm looks
 
 1. ``run.ray_address``, then ``RAY_ADDRESS`` (which jobs on a cluster have): joined if they
    answer within ``run.connect_timeout_s`` (:data:`CONNECT_TIMEOUT_S` by default), else a
-   one-line error naming the address and where it came from. ``auto`` means the recorded head, which must answer; ``local`` starts a new
-   local cluster.
+   one-line error naming the address and where it came from. ``auto`` means the recorded
+   head, which must answer; ``local`` starts a new local cluster.
 2. Otherwise the head ``ray start`` recorded on this machine, if it answers.
 3. Otherwise a new local cluster, stopped when the command ends (a recorded head that did not
    answer is named in the same line).
