@@ -126,7 +126,9 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
                           for b, o in ((adapted, opt), (fresh, fresh_opt))]
 
 
-def worker(rank: int, world: int, port: int, path: str, pretrained: str) -> None:
+def worker(rank: int, world: int, port: int, path: str, pretrained: str, body=None) -> None:
+    """One gloo rank running ``body(world, rank, out, pretrained)`` (default :func:`run`);
+    rank 0 saves ``out`` to ``path``."""
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -134,7 +136,7 @@ def worker(rank: int, world: int, port: int, path: str, pretrained: str) -> None
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out: dict = {}
-        run(world, rank, out, pretrained)
+        (body or run)(world, rank, out, pretrained)
         if rank == 0:
             torch.save(out, path)
         # Leave together: the store lives in rank 0 and must outlive every rank's last call.

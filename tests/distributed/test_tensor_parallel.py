@@ -4,8 +4,6 @@ masked fine-tuning steps, and LoRA adapters on a pretrained base kept frozen."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -16,10 +14,10 @@ from tests.distributed.test_fsdp_parity import (
     LORA,
     VOCAB,
     data,
-    exit_now,
     free_port,
     masked_data,
     save_pretrained,
+    worker,
 )
 
 STEPS = 3
@@ -76,22 +74,8 @@ def run(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str) -
                           for _ in range(STEPS)]
 
 
-def worker(rank: int, world: int, port: int, path: str, pretrained: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        out: dict = {}
-        run(world, rank, TP2, out, pretrained)
-        if rank == 0:
-            torch.save(out, path)
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_now()
+def run_tp2(world: int, rank: int, out: dict, pretrained: str) -> None:
+    run(world, rank, TP2, out, pretrained)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +83,7 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     path, pretrained = str(root / "rank0.pt"), str(root / "pretrained")
     save_pretrained(pretrained)
-    mp.spawn(worker, args=(4, free_port(), path, pretrained), nprocs=4, join=True)
+    mp.spawn(worker, args=(4, free_port(), path, pretrained, run_tp2), nprocs=4, join=True)
     reference: dict = {}
     torch.set_num_threads(1)
     run(1, 0, DATA_PARALLEL, reference, pretrained)
