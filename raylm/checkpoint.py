@@ -195,33 +195,35 @@ def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning) -> tuple[st
     return None
 
 
-def load_pretrained_weights(model: nn.Module, path: str | os.PathLike) -> None:
+def load_pretrained_weights(model: nn.Module, path: str | os.PathLike, *,
+                            own_stage: bool = False) -> None:
     """Read a Hugging Face model directory's weights on rank 0 only and scatter them into the
-    (possibly sharded) ``model``: one read from storage, not one per worker."""
+    (possibly sharded) ``model``: one read from storage, not one per worker. With
+    ``own_stage`` (a pipeline stage, holding part of the model) every rank reads the weights
+    of its own stage instead, so no rank reads or receives another stage's."""
+    from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    reader = not dist.is_initialized() or dist.get_rank() == 0 or own_stage
     full: dict[str, torch.Tensor] = {}
-    if rank0:
-        from safetensors.torch import load_file
-
+    if reader:
         files = sorted(Path(path).glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"model.path: {path} holds no .safetensors weights.")
+        wanted = {n.replace(".base_layer.", "."): n for n, _ in model.named_parameters()}
         for f in files:
-            full.update(load_file(str(f)))
+            with safe_open(str(f), "pt", device="cpu") as handle:
+                # A LoRA layer holds the pretrained weight as `base_layer`.
+                full.update({wanted.get(k, k): handle.get_tensor(k) for k in handle.keys()
+                             if k in wanted or not own_stage})
         if getattr(model.config, "tie_word_embeddings", False):
             full.pop("lm_head.weight", None)
-        # A LoRA layer holds the pretrained weight as `base_layer`.
-        for name, _ in model.named_parameters():
-            plain = name.replace(".base_layer.", ".")
-            if plain != name and plain in full:
-                full[name] = full.pop(plain)
     # Adapters are not in the file (raylm.lora fills them); every other weight must be.
     adapters = any(".lora_" in n for n, _ in model.named_parameters())
     set_model_state_dict(model, full, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=not adapters))
-    if adapters and rank0:
+        full_state_dict=True, broadcast_from_rank0=dist.is_initialized() and not own_stage,
+        strict=not adapters))
+    if adapters and reader:
         missing = [n for n, _ in model.named_parameters() if ".lora_" not in n and n not in full
                    and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
         if missing:

@@ -133,12 +133,14 @@ def check_nf4_shapes(model: nn.Module, target_modules: list[str], world_size: in
 
 
 @torch.no_grad()
-def load_quantized_base(model: nn.Module, path: str, device: torch.device) -> int:
+def load_quantized_base(model: nn.Module, path: str, device: torch.device, *,
+                        own_stage: bool = False) -> int:
     """Materialize the meta ``model`` (with adapters injected) on ``device`` from the pretrained
     weights in ``path``: the base weight of every adapted layer as a frozen NF4 tensor, every
     other pretrained weight as it is, adapters empty (for :func:`init_adapters`), non-persistent
-    buffers recomputed. Rank 0 reads each tensor and broadcasts it; returns how many weights
-    were quantized."""
+    buffers recomputed. Rank 0 reads each tensor and broadcasts it (with ``own_stage``, a
+    pipeline stage, every rank reads its own stage's); returns how many weights were
+    quantized."""
     import torch.distributed as dist
     from safetensors import safe_open
 
@@ -148,7 +150,7 @@ def load_quantized_base(model: nn.Module, path: str, device: torch.device) -> in
     from raylm.checkpoint import CheckpointError
     from raylm.model import reset_buffers
 
-    distributed = dist.is_initialized()
+    distributed = dist.is_initialized() and not own_stage
     rank0 = not distributed or dist.get_rank() == 0
     where: dict[str, object] = {}
     if rank0:

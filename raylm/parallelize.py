@@ -1,10 +1,14 @@
 """Apply parallelism to a model that knows nothing of it: tensor (with sequence) parallelism,
 then activation checkpointing, then torch.compile, then FSDP2 ``fully_shard`` per decoder block
-and at the root (torchtitan's order: FSDP2 shards what TP has already split).
+and at the root (torchtitan's order: FSDP2 shards what TP has already split). Under pipeline
+parallelism the model arrives already cut to this rank's stage (:mod:`raylm.pipeline`), and all
+of this applies to the stage.
 
 The ranks form one named mesh ``(pp, dp, tp)`` (:func:`build_mesh`); FSDP2 shards over ``dp``,
-tensor parallelism splits over ``tp``. Ranks of one ``tp`` group are neighbours (the last mesh
-dimension varies fastest), so on GPUs a TP group stays inside a node, on its fast links.
+tensor parallelism splits over ``tp``, pipeline stages follow one another over ``pp``. Ranks of
+one ``tp`` group are neighbours (the last mesh dimension varies fastest), so on GPUs a TP group
+stays inside a node, on its fast links; ``pp`` varies slowest, so with several nodes the stages
+sit on different nodes and only the activations at the stage boundaries cross between them.
 
 Tensor parallelism (``parallel.tensor``) follows the model's own plan for its projections
 (transformers' ``base_model_tp_plan``: q/k/v/gate/up column-wise, o/down row-wise), and adds
@@ -42,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from raylm.pipeline import Stage, owned_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,13 +172,15 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
     elif plan.tensor > 1 or plan.pipeline > 1:
         raise ValueError(f"parallel.tensor={plan.tensor} x parallel.pipeline={plan.pipeline} "
                          f"needs that many ranks; this process runs alone")
+    if isinstance(model, Stage):
+        model.pp_group = mesh["pp"].get_group()
     if plan.tensor > 1:
         tensor_parallel(model, mesh["tp"])
         # DTensor warns, at every step, that the gradient norm over (dp, tp) takes two small
         # all-reduces instead of one: a scalar per step, not worth a flattened mesh.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     blocks = decoder_blocks(model)
-    for i, block in enumerate(blocks):
+    for i, block in owned_blocks(model):
         if plan.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if plan.compile:
@@ -183,7 +191,11 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
         # cost ~5% of a step for nothing (measured on the tiny preset, CPU). DCP checkpoints of
         # the unsharded model still reshard onto any later layout.
         return model
-    return shard(model, mesh=mesh["dp"], precision=precision)
+    return shard(model, mesh=mesh["dp"], precision=precision,
+                 # A stage runs each block once per micro-batch, forward and backward: gathering
+                 # its weights anew each time would repeat the all-gathers m times per step. It
+                 # holds 1/pp of the blocks, so keeping them gathered is what it can afford.
+                 reshard_after_forward=plan.pipeline == 1)
 
 
 def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
@@ -211,7 +223,7 @@ def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     }
     styles = {"colwise": colwise_styles, "rowwise": rowwise_styles}
-    first = decoder_blocks(model)[0]
+    first = owned_blocks(model)[0][1]
     for pattern, style in plan.items():
         if not pattern.startswith("layers.*."):
             raise ValueError(f"parallel.tensor: this model's TP plan entry {pattern!r} is "
@@ -225,19 +237,28 @@ def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     # torch's styles make new parameters, all trainable: frozen ones (a LoRA base) must stay so.
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     inner = model.model
-    for block in decoder_blocks(model):
+    for _, block in owned_blocks(model):
         parallelize_module(block, tp_mesh, blocks)
-    parallelize_module(inner, tp_mesh, {
+    ends = {
         # Vocabulary rows split; the output reduce-scattered to token shards.
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
                                         use_local_output=False),
         "norm": SequenceParallel(use_local_output=True),
-    })
-    parallelize_module(model, tp_mesh, {
-        # Logits stay split over the vocabulary for the loss (loss_context).
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                   use_local_output=False),
-    })
+    }
+    # A pipeline stage holds the embedding only first, the final norm and head only last.
+    held = {name: style for name, style in ends.items()
+            if getattr(inner, name) is not None
+            and not isinstance(getattr(inner, name), nn.Identity)}
+    if held:
+        parallelize_module(inner, tp_mesh, held)
+    if model.lm_head is not None:
+        parallelize_module(model, tp_mesh, {
+            # Logits stay split over the vocabulary for the loss (loss_context).
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                       use_local_output=False),
+        })
+    if isinstance(model, Stage):
+        model.tp_mesh = tp_mesh
     if getattr(config, "tie_word_embeddings", False):
         # Both halves split the same [vocab, hidden] matrix by rows: one parameter again.
         model.lm_head.weight = inner.embed_tokens.weight
@@ -314,7 +335,8 @@ def loss_context(plan: ParallelPlan):
     return loss_parallel() if plan.tensor > 1 else contextlib.nullcontext()
 
 
-def shard(model: nn.Module, *, mesh, precision: str) -> nn.Module:
+def shard(model: nn.Module, *, mesh, precision: str, reshard_after_forward: bool = True
+          ) -> nn.Module:
     """FSDP2 ``fully_shard`` per decoder block and at the root over ``mesh``, with the mixed
     precision policy of ``precision``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -323,10 +345,10 @@ def shard(model: nn.Module, *, mesh, precision: str) -> nn.Module:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
-    blocks = decoder_blocks(model)
-    n = len(blocks)
-    for i, block in enumerate(blocks):
+    blocks = owned_blocks(model)
+    for i, block in blocks:
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard_after_forward and i < blocks[-1][0])
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model

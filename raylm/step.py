@@ -31,10 +31,12 @@ from raylm.parallelize import (
     DATA_PARALLEL,
     ParallelPlan,
     autocast,
+    layout_of,
     loss_context,
     parallelize,
     resolve_precision,
 )
+from raylm.pipeline import Pipeline, Stage
 
 
 @dataclass
@@ -95,17 +97,21 @@ class Built:
     device: torch.device
     config: object
     plan: ParallelPlan = DATA_PARALLEL
+    pipeline: Pipeline | None = None
+    """The schedules driving this rank's stage, under pipeline parallelism."""
 
 
 def build_training_model(*, preset: str | None, path: str | None, vocab_size: int, eos_id: int,
                          device: torch.device, precision: str = "auto", attention: str = "auto",
                          cross_document: bool = True, plan: ParallelPlan = DATA_PARALLEL,
                          seed: int = 0, lora: dict[str, Any] | None = None,
-                         base_quantization: str = "none") -> Built:
+                         base_quantization: str = "none", pipeline_schedule: str = "1f1b"
+                         ) -> Built:
     """Build on meta (with LoRA adapters when ``lora`` gives a rank: see :mod:`raylm.lora`),
-    parallelize, materialize on ``device``, initialize (or load pretrained weights, read once
-    on rank 0 and scattered). With ``base_quantization="nf4"`` (QLoRA) the adapted layers'
-    base weights are NF4-quantized as they are loaded, before sharding."""
+    cut to this rank's pipeline stage, parallelize, materialize on ``device``, initialize (or
+    load pretrained weights, read once on rank 0 and scattered; under pipeline parallelism
+    each rank reads its own stage's). With ``base_quantization="nf4"`` (QLoRA) the adapted
+    layers' base weights are NF4-quantized as they are loaded, before sharding."""
     precision = resolve_precision(precision, device.type)
     choice = choose_attention(device.type, requested=attention, cross_document=cross_document,
                               precision=precision)
@@ -115,6 +121,12 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     adapters = bool(lora and lora.get("rank"))
     if adapters:
         model = add_adapters(model, **lora)
+    if plan.pipeline > 1:
+        if not dist.is_initialized():
+            raise ValueError(f"parallel.pipeline={plan.pipeline} needs that many ranks; this "
+                             f"process runs alone")
+        index = layout_of(dist.get_rank(), dist.get_world_size(), plan).pp_rank
+        model = Stage(model, index=index, num_stages=plan.pipeline)
     if base_quantization == "nf4":
         if not (adapters and path):
             raise ValueError("an NF4 base needs LoRA adapters and a pretrained model.path")
@@ -122,19 +134,22 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
                          dist.get_world_size() if dist.is_initialized() else 1)
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # quantized from bf16, as it would be parallelized
-        load_quantized_base(model, path, device)
+        load_quantized_base(model, path, device, own_stage=isinstance(model, Stage))
         parallelize(model, device_type=device.type, precision=precision, plan=plan)
     else:
         parallelize(model, device_type=device.type, precision=precision, plan=plan)
         model.to_empty(device=device)
         if path:
-            load_pretrained_weights(model, path)
+            load_pretrained_weights(model, path, own_stage=isinstance(model, Stage))
         else:
             init_weights(model, seed=seed, num_layers=config.num_hidden_layers)
     if adapters:
         init_adapters(model, seed=seed)
     model.train()
-    return Built(model, choice, precision, device, config, plan)
+    pipe = None
+    if isinstance(model, Stage):
+        pipe = Pipeline(model, group=model.pp_group, device=device, schedule=pipeline_schedule)
+    return Built(model, choice, precision, device, config, plan, pipe)
 
 
 def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: bool
@@ -176,12 +191,22 @@ def plain(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Global gradient norm over all shards (clipped when ``max_norm`` > 0)."""
+def clip_grad_norm(model: nn.Module, max_norm: float, *, pp_group=None) -> torch.Tensor:
+    """Global gradient norm over all shards (clipped when ``max_norm`` > 0); with ``pp_group``,
+    over every pipeline stage's parameters."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    # Under FSDP the norm is a DTensor reduced over every shard; make it a plain tensor.
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    limit = max_norm if max_norm > 0 else float("inf")
+    if pp_group is None:
+        norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        # Under FSDP the norm is a DTensor reduced over every shard; make it a plain tensor.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    # Each stage holds other parameters: the squared norms add up over the pipeline.
+    norm = plain(torch.nn.utils.get_total_norm([p.grad for p in params]))
+    squared = norm.double() ** 2
+    dist.all_reduce(squared, group=pp_group)
+    norm = squared.sqrt().to(norm.dtype)
+    torch.nn.utils.clip_grads_with_norm_(params, limit, norm)
+    return norm
 
 
 def train_step(built: Built, optimizer: torch.optim.Optimizer,
@@ -204,6 +229,9 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
     micro_batches = list(micro_batches)
     if len(micro_batches) != accumulation:
         raise RuntimeError(f"expected {accumulation} micro-batches, got {len(micro_batches)}")
+    if built.pipeline is not None:
+        return pipeline_step(built, optimizer, micro_batches, grad_clip=grad_clip,
+                             cross_document=cross_document)
     total = torch.zeros((), device=built.device)
     if "loss_mask" in micro_batches[0]:
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -233,6 +261,75 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
     return mean.detach(), norm.detach()
 
 
+def pipeline_step(built: Built, optimizer: torch.optim.Optimizer,
+                  micro_batches: list[dict[str, torch.Tensor]], *, grad_clip: float,
+                  cross_document: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`train_step` under pipeline parallelism: the micro-batches go through the schedule
+    in one call, the last stage computes each one's loss scaled as :func:`train_step` scales
+    it, and the loss is then shared with every stage (ranks report alike)."""
+    masked = "loss_mask" in micro_batches[0]
+    count = trained_targets(micro_batches, built.device).float() if masked else None
+    world = dist.get_world_size()
+    n = len(micro_batches)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = token_loss(logits, targets, summed=masked)
+        return loss * world / count if masked else loss / n
+
+    scaled = run_pipeline(built, micro_batches, loss_fn=loss_fn, train=True,
+                          cross_document=cross_document)
+    # Summed over the micro-batches the scaled losses are this rank's share of the global
+    # mean, times world / dp: what shared_loss divides by a count of world.
+    mean = shared_loss(built, scaled, torch.tensor(float(world)))
+    norm = clip_grad_norm(built.model, grad_clip, pp_group=built.model.pp_group)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return mean.detach(), norm.detach()
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, *, summed: bool) -> torch.Tensor:
+    """fp32 cross-entropy of ``logits`` against ``targets`` (``IGNORE`` where untrained): the
+    sum over trained targets with ``summed``, else the mean over all."""
+    logits = logits.float().reshape(-1, logits.size(-1))
+    if summed:
+        return F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE,
+                               reduction="sum")
+    return F.cross_entropy(logits, targets.reshape(-1))
+
+
+def run_pipeline(built: Built, batches: list[dict[str, torch.Tensor]], *, loss_fn,
+                 train: bool, cross_document: bool) -> list[torch.Tensor]:
+    """``batches`` through the pipeline's schedule as its micro-batches; the losses
+    ``loss_fn`` gave on the last stage (none elsewhere)."""
+    tokens = torch.cat([b["input_ids"] for b in batches]).to(built.device, non_blocking=True)
+    targets = tokens[:, 1:]
+    if "loss_mask" in batches[0]:
+        trained = torch.cat([b["loss_mask"][:, 1:] for b in batches]).to(built.device).bool()
+        targets = targets.masked_fill(~trained, IGNORE)
+    positions = None
+    if not cross_document:
+        positions = torch.cat([b["position_ids"][:, :-1] for b in batches]).to(built.device)
+    with (loss_context(built.plan), built.attention.context(),
+          autocast(built.precision, built.device.type)):
+        losses = built.pipeline.run(tokens[:, :-1], targets, microbatches=len(batches),
+                                    loss_fn=loss_fn, train=train, position_ids=positions)
+    return [plain(x.detach()) for x in losses]
+
+
+def shared_loss(built: Built, raw: list[torch.Tensor], denominator: torch.Tensor
+                ) -> torch.Tensor:
+    """The global mean of the losses ``raw`` the last stage computed, on every rank.
+
+    ``denominator`` counts over every rank: the trained targets (``raw`` holds sums), ranks x
+    micro-batches (``raw`` holds means), or ranks (``raw`` holds the step's scaled losses).
+    Only the last stage's ranks add their losses to the sum (the others add zero) while every
+    stage counts, hence the factor pp; the ranks of a tensor-parallel group add and count
+    alike."""
+    total = torch.stack(raw).sum() if raw else torch.zeros((), device=built.device)
+    dist.all_reduce(total)
+    return total * built.plan.pipeline / denominator.to(total.device, total.dtype)
+
+
 @torch.no_grad()
 def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
              cross_document: bool = True) -> float:
@@ -241,6 +338,8 @@ def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
     built.model.eval()
     total = torch.zeros((), device=built.device)
     n = torch.zeros((), device=built.device)
+    if built.pipeline is not None:
+        return pipeline_evaluate(built, list(batches), cross_document=cross_document)
     for batch in batches:
         with loss_context(built.plan):
             total += plain(batch_loss(built, batch, cross_document=cross_document))
@@ -250,3 +349,23 @@ def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
         dist.all_reduce(total)
         dist.all_reduce(n)
     return float(total / n) if n > 0 else float("nan")
+
+
+def pipeline_evaluate(built: Built, batches: list[dict[str, torch.Tensor]], *,
+                      cross_document: bool) -> float:
+    """:func:`evaluate` under pipeline parallelism: the batches are the schedule's
+    micro-batches."""
+    if not batches:  # every rank alike: the validation split is shared out equally
+        built.model.train()
+        return float("nan")
+    masked = "loss_mask" in batches[0]
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss(logits, targets, summed=masked)
+
+    raw = run_pipeline(built, batches, loss_fn=loss_fn, train=False,
+                       cross_document=cross_document)
+    built.model.train()
+    n = (trained_targets(batches, built.device).float() if masked else
+         torch.tensor(float(dist.get_world_size() * len(batches))))
+    return float(shared_loss(built, raw, n))
