@@ -319,7 +319,8 @@ class Replicated(ParallelStyle):
                          for x in inputs)
 
         def hand_on(mod, out, mesh):
-            out.register_hook(lambda grad: grad.redistribute(mesh, whole))
+            if out.requires_grad:  # not under no_grad (evaluation)
+                out.register_hook(lambda grad: grad.redistribute(mesh, whole))
             if self.output_layout is not None:
                 out = out.redistribute(mesh, (self.output_layout,))
             return out

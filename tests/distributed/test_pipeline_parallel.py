@@ -75,6 +75,34 @@ def run(world: int, rank: int, plan: ParallelPlan, schedule: str, out: dict,
     out["lora_losses"] = [step(adapted, opt, masked_data(), 1.0)[0] for _ in range(STEPS)]
 
 
+def run_composed(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str
+                 ) -> None:
+    """Pipeline stages that are themselves split (tensor parallelism) or sharded (FSDP2 over
+    data-parallel ranks): losses and gradient norms of AdamW steps, masked steps and
+    evaluation, for the tiny model and for LoRA on a pretrained base."""
+    from raylm.optim import build_optimizer
+    from raylm.step import build_training_model, evaluate, train_step
+
+    lay = layout_of(rank, world, plan)
+    per = BATCH // lay.dp_size
+
+    def mine(batch):
+        rows = {k: v[lay.dp_rank * per:(lay.dp_rank + 1) * per] for k, v in batch.items()}
+        half = per // 2
+        return [{k: v[i:i + half] for k, v in rows.items()} for i in (0, half)]
+
+    for name, kw in (("full", dict(preset="tiny", path=None)),
+                     ("lora", dict(preset=None, path=pretrained, lora=LORA))):
+        built = build_training_model(vocab_size=VOCAB, eos_id=0, device=torch.device("cpu"),
+                                     precision="fp32", seed=0, plan=plan, **kw)
+        opt = build_optimizer(built.model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
+                              device_type="cpu")
+        out[name] = [float(x) for batch in (data(0), data(1), masked_data())
+                     for x in train_step(built, opt, mine(batch), accumulation=2,
+                                         grad_clip=1.0)]
+        out[name].append(evaluate(built, mine(masked_data())))
+
+
 def gather(out: dict) -> dict:
     """Every stage's figures in one dict: the stages' parameters side by side, the rest as
     rank 0 has it (the losses are shared with every stage)."""

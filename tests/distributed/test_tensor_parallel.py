@@ -1,6 +1,8 @@
-"""Tensor (with sequence) parallelism composed with FSDP2: 4 gloo processes at (dp 2, tp 2)
-match a single-process reference (fp32, CPU), no Ray: gradients of one backward, AdamW steps,
-masked fine-tuning steps, and LoRA adapters on a pretrained base kept frozen."""
+"""Tensor (with sequence) parallelism composed with FSDP2 and with pipeline stages: 4 gloo
+processes at (dp 2, tp 2) match a single-process reference (fp32, CPU), no Ray: gradients of
+one backward, AdamW steps, masked fine-tuning steps, and LoRA adapters on a pretrained base
+kept frozen; the same processes at (pp 2, tp 2) and at (pp 2, dp 2) match it in losses,
+gradient norms and evaluation."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tests.distributed.test_fsdp_parity import (
     save_pretrained,
     worker,
 )
+from tests.distributed.test_pipeline_parallel import run_composed
 
 STEPS = 3
 TP2 = ParallelPlan(tensor=2)
@@ -74,8 +77,14 @@ def run(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str) -
                           for _ in range(STEPS)]
 
 
+COMPOSED = {"pp2_tp2": ParallelPlan(pipeline=2, tensor=2), "pp2_dp2": ParallelPlan(pipeline=2)}
+
+
 def run_tp2(world: int, rank: int, out: dict, pretrained: str) -> None:
     run(world, rank, TP2, out, pretrained)
+    for name, plan in COMPOSED.items():
+        out[name] = {}
+        run_composed(world, rank, plan, out[name], pretrained)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +96,8 @@ def results(tmp_path_factory):
     reference: dict = {}
     torch.set_num_threads(1)
     run(1, 0, DATA_PARALLEL, reference, pretrained)
+    reference["composed"] = {}
+    run_composed(1, 0, DATA_PARALLEL, reference["composed"], pretrained)
     return torch.load(path), reference
 
 
@@ -119,3 +130,10 @@ def test_lora_under_tensor_parallelism_matches_and_keeps_the_base_frozen(results
         torch.testing.assert_close(tp["lora_grads"][name], g, atol=1e-5, rtol=1e-5, msg=name)
     assert tp["lora_losses"] == pytest.approx(ref["lora_losses"], abs=1e-5)
     assert tp["lora_losses"][-1] < tp["lora_losses"][0]
+
+
+@pytest.mark.parametrize("layout", COMPOSED)
+def test_pipeline_stages_split_or_sharded_match_single_process(results, layout):
+    got, ref = results
+    for model in ("full", "lora"):
+        assert got[layout][model] == pytest.approx(ref["composed"][model], abs=1e-5), model
