@@ -28,6 +28,8 @@ Schedule = Literal["cosine", "linear", "constant", "wsd", "cyclical"]
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
 Attention = Literal["auto", "sdpa", "flex_attention", "flash_attention_2"]
 ATTENTIONS: tuple[str, ...] = typing.get_args(Attention)
+PipelineSchedule = Literal["gpipe", "1f1b"]
+PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
 class ConfigError(ValueError):
@@ -378,9 +380,28 @@ class ParallelConfig:
     tensor: int = 1
     """Tensor-parallel degree: each decoder block's projections, and the activations between
     them, are split over this many workers (with sequence parallelism for the norms and the
-    residual stream). The data-parallel degree is scaling.num_workers / tensor; FSDP2 shards
-    over it. Use it when one worker cannot hold a block's activations or gathered weights;
-    keep a tensor-parallel group inside one node (it talks at every block)."""
+    residual stream). The data-parallel degree is scaling.num_workers / (tensor x
+    pipeline); FSDP2 shards over it. Use it when one worker cannot hold a block's activations
+    or gathered weights; keep a tensor-parallel group inside one node (it talks at every
+    block)."""
+    pipeline: int = 1
+    """Pipeline-parallel degree: the decoder layers are cut into this many stages of
+    consecutive layers (the embedding on the first, the final norm and head on the last), one
+    per worker of a pipeline. Use it when the model's weights and optimizer state do not fit
+    the workers of one node even sharded, or to go across nodes with slow links: only the
+    activations at stage boundaries travel, once per micro-batch. Needs untied embeddings
+    and at least one layer per stage; layers that do not divide are split as evenly as they
+    can be (the split is printed at start)."""
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """Order of the micro-batches' forward and backward passes: gpipe (all forwards, then all
+    backwards: every micro-batch's activations held at once) or 1f1b (backward starts as
+    soon as it can: at most parallel.pipeline micro-batches' activations held). The idle
+    share is the same: (pipeline - 1) / (micro-batches + pipeline - 1)."""
+    pipeline_microbatches: int = 0
+    """Micro-batches a pipeline step splits each data-parallel rank's share of
+    train.global_batch_size into (at least parallel.pipeline; more of them shrink the idle
+    share but make each smaller). 0: the share split into micro-batches of
+    train.micro_batch_size sequences, as gradient accumulation would split it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -562,19 +583,33 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"Invalid value for '{key}': {_short(value)}. Allowed: {allowed}.")
 
 
+def model_parallel_group(cfg: Config) -> tuple[int, str]:
+    """Workers that share one data-parallel rank (a tensor-parallel group times the pipeline
+    stages), and how a message names them."""
+    p = cfg.parallel
+    parts = [f"parallel.{k}={v}" for k, v in (("tensor", p.tensor), ("pipeline", p.pipeline))
+             if v > 1]
+    return p.tensor * p.pipeline, " x ".join(parts) or "parallel.tensor=1"
+
+
 def _check_layout(cfg: Config) -> None:
-    """The workers must split into whole tensor-parallel groups at every count the run may
-    have. Ray Train's elastic scaling may start any count in a range, so with groups of more
-    than one worker only a fixed count (or [n, n]) guarantees that."""
-    group, sc = cfg.parallel.tensor, cfg.scaling
-    _check(group >= 1, "parallel.tensor", group, "an integer >= 1")
+    """The workers must split into whole model-parallel groups (tensor x pipeline) at every
+    count the run may have. Ray Train's elastic scaling may start any count in a range, so
+    with groups of more than one worker only a fixed count (or [n, n]) guarantees that. A
+    pipeline must have at least one micro-batch per stage."""
+    p, sc = cfg.parallel, cfg.scaling
+    _check(p.tensor >= 1, "parallel.tensor", p.tensor, "an integer >= 1")
+    _check(p.pipeline >= 1, "parallel.pipeline", p.pipeline, "an integer >= 1")
+    _check(p.pipeline_microbatches >= 0, "parallel.pipeline_microbatches",
+           p.pipeline_microbatches, "an integer >= 0 (0: one per train.micro_batch_size)")
+    group, named = model_parallel_group(cfg)
     lo, hi = sc.worker_range
     odd = [n for n in range(lo, hi + 1) if n % group]
     if odd:
         n = odd[0]
         raise ConfigError(
             f"scaling.num_workers={sc.num_workers} allows {n} workers, which do not split "
-            f"into tensor-parallel groups of parallel.tensor={group} ({n} = {n // group} x "
+            f"into groups of {named} = {group} workers ({n} = {n // group} x "
             f"{group} + {n % group}); give a worker count that is a multiple of {group}"
             + (" (an elastic range may start any count in between, so a range needs "
                "min = max)" if lo != hi else "") + ".")
@@ -583,7 +618,7 @@ def _check_layout(cfg: Config) -> None:
 def _check_batch_shares(global_batch: int, num_workers: Any, worker_range: tuple[int, int],
                         *, group: int = 1) -> None:
     """Every data-parallel degree the run may have (workers / ``group``, the workers of one
-    tensor-parallel group seeing the same samples) must share each global batch equally
+    model-parallel group seeing the same samples) must share each global batch equally
     (ranks take equal slices of it; see raylm.packing), so an elastic range must divide it
     throughout."""
     counts = range(worker_range[0], worker_range[1] + 1)
@@ -591,7 +626,8 @@ def _check_batch_shares(global_batch: int, num_workers: Any, worker_range: tuple
     if bad:
         fits = math.lcm(*(n // group for n in counts))
         shares = ("workers" if group == 1 else
-                  f"data-parallel ranks (workers / parallel.tensor={group})")
+                  f"data-parallel ranks (workers / {group}, the workers of a tensor x "
+                  f"pipeline group)")
         raise ConfigError(
             f"train.global_batch_size={global_batch} cannot be split equally over "
             f"{', '.join(str(n // group) for n in bad)} {shares}, which "
@@ -599,6 +635,35 @@ def _check_batch_shares(global_batch: int, num_workers: Any, worker_range: tuple
             f"the global batch (for example "
             f"train.global_batch_size={fits * max(1, round(global_batch / fits))}), "
             f"or narrow the range.")
+
+
+def _check_pipeline_batches(cfg: Config) -> None:
+    """A pipeline step splits a data-parallel rank's share of the global batch into at least
+    one micro-batch per stage, all of one size."""
+    from raylm.packing import batch_plan
+
+    p, tr = cfg.parallel, cfg.train
+    if p.pipeline == 1:
+        return
+    workers = cfg.scaling.worker_range[0]  # a fixed count: _check_layout saw to it
+    dp = workers // model_parallel_group(cfg)[0]
+    share = tr.global_batch_size // dp
+    if p.pipeline_microbatches and share % p.pipeline_microbatches:
+        raise ConfigError(
+            f"parallel.pipeline_microbatches={p.pipeline_microbatches} does not divide each "
+            f"data-parallel rank's {share} sequences (train.global_batch_size="
+            f"{tr.global_batch_size} over {dp} data-parallel ranks); choose a divisor of "
+            f"{share}.")
+    _, microbatches = batch_plan(tr.global_batch_size, tr.micro_batch_size, dp,
+                                 splits=p.pipeline_microbatches)
+    if microbatches < p.pipeline:
+        raise ConfigError(
+            f"parallel.pipeline={p.pipeline} stages over {microbatches} micro-batch"
+            f"{'es' if microbatches > 1 else ''} per step would leave stages idle: each "
+            f"data-parallel rank's {share} sequences (train.global_batch_size="
+            f"{tr.global_batch_size} over {dp} ranks) must split into at least "
+            f"{p.pipeline} micro-batches; set parallel.pipeline_microbatches={p.pipeline} "
+            f"(or more), lower train.micro_batch_size, or raise train.global_batch_size.")
 
 
 def validate(cfg: Config) -> Config:
@@ -690,7 +755,8 @@ def validate(cfg: Config) -> Config:
                "scaling.cpus_per_worker and scaling.use_gpu) with amounts > 0")
     _check_layout(cfg)
     _check_batch_shares(tr.global_batch_size, sc.num_workers, sc.worker_range,
-                        group=cfg.parallel.tensor)
+                        group=model_parallel_group(cfg)[0])
+    _check_pipeline_batches(cfg)
     _check(sc.resize_interval_s >= 0, "scaling.resize_interval_s", sc.resize_interval_s,
            ">= 0")
     _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],

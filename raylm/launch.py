@@ -29,6 +29,7 @@ from raylm.exporter import RUN_INFO, write_run_info
 from raylm.model import build_config, build_meta_model, check_seq_len
 from raylm.optim import EXTEND_CLEANLY, schedule_change
 from raylm.parallelize import check_tensor_parallel
+from raylm.pipeline import check_pipeline
 from raylm.progress import Feed
 from raylm.record import SUMMARY, RunRecord
 from raylm.tokenizer import load_backend
@@ -41,15 +42,15 @@ def cluster_capacity() -> dict[str, float]:
 
 def check_request(cfg: Config) -> None:
     """What can be refused without the cluster: the sequence length against the model, a
-    tensor-parallel degree the model's heads or the sequence do not split into, and an NF4
-    base whose layers do not shard into whole quantization blocks at every worker count the
-    run may have."""
+    tensor-parallel degree the model's heads or the sequence do not split into, a pipeline
+    the model's layers or tied embeddings cannot be cut into, and an NF4 base whose layers
+    do not shard into whole quantization blocks at every worker count the run may have."""
     check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
-    if cfg.parallel.tensor > 1:
-        check_tensor_parallel(
-            build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1, eos_id=0,
-                         attn_implementation="sdpa"),
-            tensor=cfg.parallel.tensor, seq_len=cfg.data.seq_len)
+    if cfg.parallel.tensor > 1 or cfg.parallel.pipeline > 1:
+        config = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
+                              eos_id=0, attn_implementation="sdpa")
+        check_tensor_parallel(config, tensor=cfg.parallel.tensor, seq_len=cfg.data.seq_len)
+        check_pipeline(config, pipeline=cfg.parallel.pipeline)
     if cfg.lora.base_quantization == "nf4":
         config = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
                               eos_id=0, attn_implementation="sdpa")

@@ -73,3 +73,24 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t``: its local shard of a DTensor, the packed data of a
+    quantized tensor subclass (NF4)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def state_memory_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                       ) -> tuple[int, int]:
+    """(parameter bytes, optimizer-state bytes) this rank holds: what sharding, tensor and
+    pipeline parallelism divide. Optimizer state exists once a step has been taken."""
+    params = sum(tensor_bytes(p) for p in model.parameters())
+    state = sum(tensor_bytes(v) for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    return params, state

@@ -228,14 +228,19 @@ def check_positions(positions: np.ndarray, *, step: int, global_batch: int, rank
             f"where the run is.")
 
 
-def batch_plan(global_batch: int, micro_batch: int, world_size: int) -> tuple[int, int]:
+def batch_plan(global_batch: int, micro_batch: int, world_size: int, *, splits: int = 0
+               ) -> tuple[int, int]:
     """(micro-batch, accumulation steps) so that micro x accumulation x workers = global.
 
     The global batch is fixed by the config; when the worker count changes (an elastic resize,
     a restart on fewer nodes) each rank's share changes, and it is split into equal
     micro-batches no larger than ``micro_batch`` (16 sequences on 2 workers: 8 each, 1 x 8;
-    on 1 worker: 2 x 8).
+    on 1 worker: 2 x 8), or into ``splits`` equal micro-batches when that is given (a
+    pipeline's micro-batch count).
     """
     per_rank = rank_share(global_batch, world_size)
+    if splits:
+        assert per_rank % splits == 0, (per_rank, splits)
+        return per_rank // splits, splits
     micro = max(m for m in range(1, min(micro_batch, per_rank) + 1) if per_rank % m == 0)
     return micro, per_rank // micro

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SCHEDULES = ("gpipe", "1f1b")
+from raylm.config import PIPELINE_SCHEDULES
 
 
 def stage_layers(num_layers: int, pipeline: int) -> list[range]:
@@ -59,9 +59,9 @@ def describe_split(num_layers: int, pipeline: int) -> str:
                                   for r in stage_layers(num_layers, pipeline))
 
 
-def check_pipeline(config, *, pipeline: int, microbatches: int) -> None:
-    """Refuse a pipeline the model cannot be cut into or the batch cannot fill (before any
-    worker starts)."""
+def check_pipeline(config, *, pipeline: int) -> None:
+    """Refuse a pipeline the model cannot be cut into (before any worker starts); the batch
+    side is checked with the config (``raylm.config``)."""
     if pipeline == 1:
         return
     stage_layers(config.num_hidden_layers, pipeline)
@@ -70,12 +70,6 @@ def check_pipeline(config, *, pipeline: int, microbatches: int) -> None:
             f"parallel.pipeline={pipeline}: this model ties its output head to its input "
             f"embedding, which would then live on two stages (the first and the last); "
             f"pipeline a model with untied embeddings, or use parallel.tensor instead")
-    if microbatches < pipeline:
-        raise ValueError(
-            f"parallel.pipeline={pipeline} over {microbatches} micro-batches per step leaves "
-            f"stages idle; each data-parallel rank's share of train.global_batch_size must "
-            f"split into at least {pipeline} micro-batches (set parallel.pipeline_microbatches, "
-            f"or lower train.micro_batch_size)")
 
 
 class Skipped(nn.Module):
@@ -153,9 +147,9 @@ class Pipeline:
     the first micro-batch it runs)."""
 
     def __init__(self, stage: Stage, *, group, device: torch.device, schedule: str) -> None:
-        if schedule not in SCHEDULES:
+        if schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"parallel.pipeline_schedule={schedule!r}; allowed: "
-                             f"{', '.join(SCHEDULES)}")
+                             f"{', '.join(PIPELINE_SCHEDULES)}")
         self.stage, self.group, self.device, self.kind = stage, group, device, schedule
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None

@@ -312,6 +312,9 @@ class RunRecord(UserCallback):
             "workers": m.get("workers"),
             "trainable_params": m.get("trainable_params"),
             "peak_memory_gb": m.get("peak_memory_gb"),
+            "param_memory_gb": m.get("param_memory_gb"),
+            "optimizer_memory_gb": m.get("optimizer_memory_gb"),
+            **{k: m.get(k) for k in ("data_parallel", "tensor_parallel", "pipeline_parallel")},
             # GPU energy and time (None on CPUs): see raylm.energy.
             **{k: m.get(k) for k in ("joules_per_token", "watts_per_gpu", "energy_kwh",
                                      "gpu_hours", "cost")},

@@ -311,9 +311,19 @@ def run_pipeline(built: Built, batches: list[dict[str, torch.Tensor]], *, loss_f
         positions = torch.cat([b["position_ids"][:, :-1] for b in batches]).to(built.device)
     with (loss_context(built.plan), built.attention.context(),
           autocast(built.precision, built.device.type)):
-        losses = built.pipeline.run(tokens[:, :-1], targets, microbatches=len(batches),
+        losses = built.pipeline.run(tokens[:, :-1], targets,
+                                    microbatches=equal_microbatches(batches),
                                     loss_fn=loss_fn, train=train, position_ids=positions)
     return [plain(x.detach()) for x in losses]
+
+
+def equal_microbatches(batches: list[dict[str, torch.Tensor]]) -> int:
+    """How many equal micro-batches a schedule splits ``batches`` into: one per batch, or
+    fewer where validation batches end with a short one (training batches are equal)."""
+    rows, n = sum(len(b["input_ids"]) for b in batches), len(batches)
+    while rows % n:
+        n -= 1
+    return n
 
 
 def shared_loss(built: Built, raw: list[torch.Tensor], denominator: torch.Tensor
@@ -367,5 +377,5 @@ def pipeline_evaluate(built: Built, batches: list[dict[str, torch.Tensor]], *,
                        cross_document=cross_document)
     built.model.train()
     n = (trained_targets(batches, built.device).float() if masked else
-         torch.tensor(float(dist.get_world_size() * len(batches))))
+         torch.tensor(float(dist.get_world_size() * equal_microbatches(batches))))
     return float(shared_loss(built, raw, n))

@@ -44,10 +44,17 @@ from raylm.energy import EnergyCounter, run_figures, window_figures
 from raylm.ledger import Ledger
 from raylm.lora import adapter_args
 from raylm.lora import settings as lora_settings
-from raylm.metrics import flops_per_token, mfu, peak_flops, peak_memory_bytes
+from raylm.metrics import (
+    flops_per_token,
+    mfu,
+    peak_flops,
+    peak_memory_bytes,
+    state_memory_bytes,
+)
 from raylm.optim import build_optimizer, lr_at, set_lr
 from raylm.packing import batch_plan, check_positions
 from raylm.parallelize import Layout, ParallelPlan, layout_of
+from raylm.pipeline import describe_split
 from raylm.record import GROUP_START
 from raylm.step import Built, TrainState, build_training_model, evaluate, train_step
 from raylm.tracking import Tracker
@@ -74,6 +81,8 @@ class Setup:
     vote: preemption.Vote
     constant_metrics: dict[str, Any]
     """Reported with every step: the layout, the kernels that ran, where the group resumed."""
+    state_memory: dict[str, float] | None = None
+    """Parameter and optimizer-state memory of the rank holding most, once measured."""
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -127,6 +136,9 @@ def train(run: Setup) -> None:
                    **run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
                                  gpu_hour_price=run.cfg.tracking.gpu_hour_price),
                    **run.constant_metrics}
+        if run.state_memory is None:  # after a step: the optimizer's state exists
+            run.state_memory = state_memory(run)
+        metrics.update(run.state_memory)
         if todo.evaluate:
             metrics.update(validate(run))
         save_and_report(run, metrics, save=todo.save)
@@ -243,6 +255,18 @@ class StepMeter:
                                  gpus=self.world_size)}
 
 
+def state_memory(run: Setup) -> dict[str, float]:
+    """GiB of parameters and of optimizer state on the rank that holds most of each (every
+    rank calls it): what FSDP2, tensor and pipeline parallelism divide, unlike the peak,
+    which activations dominate."""
+    held = torch.tensor(state_memory_bytes(run.built.model, run.optimizer), dtype=torch.float64,
+                        device=run.built.device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(held, op=torch.distributed.ReduceOp.MAX)
+    params, optim = (float(x) / 2**30 for x in held.tolist())
+    return {"param_memory_gb": params, "optimizer_memory_gb": optim}
+
+
 def validate(run: Setup) -> dict[str, float]:
     val = evaluate(run.built, run.val_batches,
                    cross_document=run.cfg.data.across_documents)
@@ -276,16 +300,17 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     energy = EnergyCounter(device)
     energy_since = (time.perf_counter(), energy.read())
     d, t, o = cfg.data, cfg.train, cfg.optim
+    par = cfg.parallel
     plan = ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
-                        compile=cfg.model.compile, tensor=cfg.parallel.tensor)
-    # Data goes by data-parallel rank: the workers of a tensor-parallel group train on the
-    # same samples.
+                        compile=cfg.model.compile, tensor=par.tensor, pipeline=par.pipeline)
+    # Data goes by data-parallel rank: the workers of a tensor-parallel group, and the stages
+    # of a pipeline, train on the same samples.
     lay = layout_of(rank, world, plan)
     built = build_training_model(
         preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
         eos_id=loop_config["eos_id"], device=device, precision=t.precision,
         attention=cfg.model.attention, cross_document=d.across_documents,
-        plan=plan,
+        plan=plan, pipeline_schedule=par.pipeline_schedule,
         seed=t.seed, lora=adapter_args(cfg.lora),
         base_quantization=cfg.lora.base_quantization)
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
@@ -294,8 +319,14 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                             layout=lay)
     if rank == 0 and state.step:
         print(f"raylm: {world} workers resuming from step {state.step}", flush=True)
-    micro_batch, accumulation = batch_plan(t.global_batch_size, t.micro_batch_size,
-                                           lay.dp_size)
+    # Under pipeline parallelism the accumulation steps are the schedule's micro-batches.
+    micro_batch, accumulation = batch_plan(
+        t.global_batch_size, t.micro_batch_size, lay.dp_size,
+        splits=par.pipeline_microbatches if par.pipeline > 1 else 0)
+    if rank == 0 and par.pipeline > 1:
+        print(f"raylm: {par.pipeline} pipeline stages ({par.pipeline_schedule}, "
+              f"{accumulation} micro-batches of {micro_batch} per step): "
+              f"{describe_split(built.config.num_hidden_layers, par.pipeline)}", flush=True)
 
     tracker: Tracker = loop_config["tracker"]
     if ctx.get_local_rank() == 0:
@@ -328,8 +359,10 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     data_startup_s = time.perf_counter() - t0
     constant = {
         "workers": world, "accumulation": accumulation, "micro_batch": micro_batch,
-        # DTensor shards count at their full size: the model's figure, not this rank's.
-        "trainable_params": sum(p.numel() for p in built.model.parameters() if p.requires_grad),
+        # The layout as numbers: metrics that may change at a resize, unlike MLflow params.
+        "data_parallel": lay.dp_size, "tensor_parallel": lay.tp_size,
+        "pipeline_parallel": lay.pp_size,
+        "trainable_params": trainable_params(built),
         "attention_backend": built.attention.backend, "precision": built.precision,
         "resumed_from_step": state.step if state.step else None,
         "group_started": group_started, "data_startup_s": data_startup_s,
@@ -348,6 +381,17 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  accumulation=accumulation, batches=batches, val_batches=val_batches,
                  tracker=tracker, meter=meter, vote=preemption.Vote(device),
                  constant_metrics=constant)
+
+
+def trainable_params(built: Built) -> int:
+    """Trainable parameters of the whole model (every rank calls it): DTensor shards count at
+    their full size, and pipeline stages add theirs up."""
+    n = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
+    if built.pipeline is None:
+        return n
+    total = torch.tensor(n, dtype=torch.int64, device=built.device)
+    torch.distributed.all_reduce(total, group=built.model.pp_group)
+    return int(total)
 
 
 class DataStall(RuntimeError):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from raylm.config import PIPELINE_SCHEDULES
 from raylm.parallelize import DATA_PARALLEL, ParallelPlan, layout_of
 from raylm.pipeline import describe_split, stage_layers
 from tests.distributed.test_fsdp_parity import (
@@ -23,7 +24,7 @@ from tests.distributed.test_fsdp_parity import (
 )
 
 STEPS = 3
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = PIPELINE_SCHEDULES
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:

@@ -269,7 +269,7 @@ def test_tensor_parallel_layouts_that_cannot_split_are_refused_before_ray_starts
     monkeypatch.setattr(ray, "init", no_ray)
     tp2 = ["--parallel.tensor=2", "--tracking.enabled=false"]
     with pytest.raises(ConfigError, match=r"allows 3 workers, which do not split into "
-                                          r"tensor-parallel groups of parallel.tensor=2 "
+                                          r"groups of parallel.tensor=2 = 2 workers "
                                           r"\(3 = 1 x 2 \+ 1\)"):
         load_config(None, [*tp2, "--scaling.num_workers=3"])
     # An elastic range may start any count in between.
@@ -278,7 +278,8 @@ def test_tensor_parallel_layouts_that_cannot_split_are_refused_before_ray_starts
     assert load_config(None, [*tp2, "--scaling.num_workers=[4, 4]"]).parallel.tensor == 2
     # The global batch is split over data-parallel ranks: 6 workers at tp 2 are 3 of them.
     with pytest.raises(ConfigError, match=r"cannot be split equally over 3 data-parallel "
-                                          r"ranks \(workers / parallel.tensor=2\)"):
+                                          r"ranks \(workers / 2, the workers of a tensor x "
+                                          r"pipeline group\)"):
         load_config(None, [*tp2, "--scaling.num_workers=6", "--train.global_batch_size=16"])
     with pytest.raises(ConfigError, match="'parallel.tensor': 0"):
         load_config(None, ["--parallel.tensor=0"])
@@ -299,3 +300,46 @@ def test_tensor_parallel_layouts_that_cannot_split_are_refused_before_ray_starts
                  "--tracking.enabled=false"]) == 2
     assert "does not divide the model's 8 key/value heads (8 = 0 x 16 + 8)" in \
         capsys.readouterr().err
+
+
+def test_pipelines_that_cannot_be_cut_or_filled_are_refused_before_ray_starts(
+        capsys, monkeypatch):
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    pp2 = ["--parallel.pipeline=2", "--tracking.enabled=false"]
+    with pytest.raises(ConfigError, match=r"allows 6 workers, which do not split into groups "
+                                          r"of parallel.tensor=2 x parallel.pipeline=2 = 4 "
+                                          r"workers \(6 = 1 x 4 \+ 2\)"):
+        load_config(None, [*pp2, "--parallel.tensor=2", "--scaling.num_workers=6"])
+    with pytest.raises(ConfigError, match="'parallel.pipeline': 0"):
+        load_config(None, ["--parallel.pipeline=0"])
+    with pytest.raises(ConfigError, match="parallel.pipeline_schedule"):
+        load_config(None, [*pp2, "--parallel.pipeline_schedule=zero-bubble"])
+    # 8 sequences over 2 data-parallel ranks are 4 each: one micro-batch of 8 would not fill
+    # 2 stages.
+    filled = [*pp2, "--scaling.num_workers=4", "--train.global_batch_size=8",
+              "--train.micro_batch_size=8"]
+    with pytest.raises(ConfigError, match=r"parallel.pipeline=2 stages over 1 micro-batch per "
+                                          r"step would leave stages idle: each data-parallel "
+                                          r"rank's 4 sequences .* set "
+                                          r"parallel.pipeline_microbatches=2"):
+        load_config(None, filled)
+    assert load_config(None, [*filled, "--parallel.pipeline_microbatches=2"])
+    assert load_config(None, [*filled, "--train.micro_batch_size=2"])
+    with pytest.raises(ConfigError, match="pipeline_microbatches=3 does not divide each "
+                                          "data-parallel rank's 4 sequences"):
+        load_config(None, [*filled, "--parallel.pipeline_microbatches=3"])
+    # The model: the tiny preset has 2 layers; the 1b preset ties its embeddings.
+    assert main(["train", "--model.preset=tiny", "--parallel.pipeline=4",
+                 "--scaling.num_workers=4", "--train.global_batch_size=8",
+                 "--train.micro_batch_size=1", "--tracking.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raylm: error: parallel.pipeline=4 needs at least one decoder layer "
+                          "per stage; the model has 2") and err.count("\n") == 1
+    assert main(["train", "--model.preset=1b", *pp2, "--scaling.num_workers=2",
+                 "--train.global_batch_size=8", "--train.micro_batch_size=2"]) == 2
+    assert "ties its output head to its input embedding" in capsys.readouterr().err
