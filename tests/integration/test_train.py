@@ -317,21 +317,28 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_from_it(base, trained)
     assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
 
 
-def test_tensor_parallel_run_resumes_on_a_data_parallel_layout(base, trained):
-    """4 workers at (dp 2, tp 2), half a CPU each, train 10 steps; the run goes on at (dp 2)
-    on 2 workers from that checkpoint and ends with the uninterrupted dp-only run's losses:
-    the same samples per step, and DCP reshards the TP-split state."""
-    run = ["--run.name=tensor", "--checkpoint.every=10"]
-    split = train_run(base, *run, "--train.steps=10", "--scaling.num_workers=4",
-                      "--scaling.cpus_per_worker=0.5", "--parallel.tensor=2")
-    assert split["final_step"] == 10 and split["workers"] == 4
+def test_model_parallel_run_resumes_on_another_layout(base, trained):
+    """4 workers, half a CPU each, train 10 steps at (dp 2, tp 2); the run goes on from that
+    checkpoint at (dp 2, pp 2) to step 30 and ends with the uninterrupted dp-only run's
+    losses: the same samples per step, and DCP reshards the TP-split state onto pipeline
+    stages."""
+    run = ["--run.name=model-parallel", "--checkpoint.every=10", "--scaling.num_workers=4",
+           "--scaling.cpus_per_worker=0.5"]
+    split = train_run(base, *run, "--train.steps=10", "--parallel.tensor=2")
+    assert split["final_step"] == 10 and split["tensor_parallel"] == 2
+    assert split["data_parallel"] == 2 and split["pipeline_parallel"] == 1
     assert_exact_samples(split, 10)
-    plain = train_run(base, *run, "--train.steps=30")
-    assert plain["resumed_from_step"] == 10 and plain["workers"] == 2
-    assert_exact_samples(plain, 30)
+    staged = train_run(base, *run, "--train.steps=30", "--parallel.pipeline=2")
+    assert staged["resumed_from_step"] == 10 and staged["pipeline_parallel"] == 2
+    assert staged["data_parallel"] == 2 and staged["tensor_parallel"] == 1
+    assert_exact_samples(staged, 30)
     full = trained[0]
-    assert plain["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
-    assert plain["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
+    assert staged["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
+    assert staged["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
+    # Each rank holds half of what FSDP2 alone leaves it, weights and Adam state alike.
+    for held in ("param_memory_gb", "optimizer_memory_gb"):
+        assert 0.4 < staged[held] / full[held] < 0.6, held
+        assert 0.4 < split[held] / full[held] < 0.6, held
 
 
 def test_resume_on_fewer_and_more_workers_with_a_truncated_checkpoint(base, trained):
