@@ -166,12 +166,11 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
                                                                    non_blocking=True)
     with built.attention.context(), autocast(built.precision, built.device.type):
         logits = built.model(input_ids=inputs, **kwargs).logits
-    logits = logits.float().reshape(-1, logits.size(-1))
-    if "loss_mask" not in batch:
-        return F.cross_entropy(logits, targets.reshape(-1))
-    trained = batch["loss_mask"][:, 1:].to(built.device, non_blocking=True).bool()
-    targets = targets.masked_fill(~trained, IGNORE)
-    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE, reduction="sum")
+    masked = "loss_mask" in batch
+    if masked:
+        trained = batch["loss_mask"][:, 1:].to(built.device, non_blocking=True).bool()
+        targets = targets.masked_fill(~trained, IGNORE)
+    return token_loss(logits, targets, summed=masked)
 
 
 def trained_targets(batches: Iterable[dict[str, torch.Tensor]], device: torch.device
@@ -278,8 +277,8 @@ def pipeline_step(built: Built, optimizer: torch.optim.Optimizer,
 
     scaled = run_pipeline(built, micro_batches, loss_fn=loss_fn, train=True,
                           cross_document=cross_document)
-    # Summed over the micro-batches the scaled losses are this rank's share of the global
-    # mean, times world / dp: what shared_loss divides by a count of world.
+    # Scaled so, the last stage's losses add up (over micro-batches and data-parallel ranks,
+    # tp times over a tensor-parallel group) to world / pp times the global mean.
     mean = shared_loss(built, scaled, torch.tensor(float(world)))
     norm = clip_grad_norm(built.model, grad_clip, pp_group=built.model.pp_group)
     optimizer.step()
@@ -346,10 +345,10 @@ def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
     """Mean loss over ``batches`` (equal counts on every rank), averaged over ranks; over the
     trained targets for blocks with a loss mask."""
     built.model.eval()
-    total = torch.zeros((), device=built.device)
-    n = torch.zeros((), device=built.device)
     if built.pipeline is not None:
         return pipeline_evaluate(built, list(batches), cross_document=cross_document)
+    total = torch.zeros((), device=built.device)
+    n = torch.zeros((), device=built.device)
     for batch in batches:
         with loss_context(built.plan):
             total += plain(batch_loss(built, batch, cross_document=cross_document))

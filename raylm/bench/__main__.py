@@ -4,6 +4,7 @@
     overhead  raylm single-worker training vs a bare PyTorch loop
     lora      LoRA vs full fine-tuning of one model: parameters, checkpoint, memory, speed
     mfu       one GPU: tokens/s, MFU, memory, J/token of raylm's step vs a bare loop
+    layouts   per-rank memory and step time under FSDP2, tensor and pipeline layouts
 """
 
 from __future__ import annotations
@@ -58,6 +59,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="preset to time per-document attention kernels on")
     mf.add_argument("--synced", action="store_true",
                     help="also time raylm's step reading loss and grad norm back every step")
+    la = sub.add_parser("layouts", help="per-rank parameter, optimizer and peak memory and "
+                                        "step time of one model under each parallel layout "
+                                        "(torch + transformers only)")
+    la.add_argument("--output", required=True)
+    la.add_argument("--preset", default="125m")
+    la.add_argument("--layouts", default="dp2,tp2,pp2,dp4,dp2xtp2,dp2xpp2,tp2xpp2",
+                    help="comma-separated; degrees dpN, tpN, ppN joined by x")
+    la.add_argument("--seq-len", type=int, default=128)
+    la.add_argument("--global-batch", type=int, default=8, help="sequences per step")
+    la.add_argument("--micro-batch", type=int, default=2)
+    la.add_argument("--steps", type=int, default=3)
+    la.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
 
     # Each benchmark imports only what it runs: the GPU machines that run some of them have no
@@ -86,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
                      micro_batch=args.micro_batch, warmup=args.warmup, steps=args.steps,
                      log_every=args.log_every, profile_preset=args.profile,
                      per_document_preset=args.per_document, synced=args.synced)
+    elif args.name == "layouts":
+        from raylm.bench.layouts import run
+
+        result = run(preset=args.preset, layouts=args.layouts.split(","), seq_len=args.seq_len,
+                     global_batch=args.global_batch, micro_batch=args.micro_batch,
+                     steps=args.steps, workdir=args.workdir)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -104,6 +104,30 @@ def run_composed(world: int, rank: int, plan: ParallelPlan, out: dict, pretraine
         out[name].append(evaluate(built, mine(masked_data())))
 
 
+def reload(world: int, rank: int, plan: ParallelPlan, directory: str
+           ) -> dict[str, torch.Tensor]:
+    """The parameters of a tiny model laid out by ``plan`` once ``directory`` is loaded into
+    it (with its optimizer state), whole: every stage's, gathered to full tensors."""
+    import torch.distributed as dist
+
+    from raylm import checkpoint
+    from raylm.optim import build_optimizer
+    from raylm.step import build_training_model
+
+    built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
+                                 device=torch.device("cpu"), precision="fp32", seed=5,
+                                 plan=plan)
+    opt = build_optimizer(built.model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
+                          device_type="cpu")
+    checkpoint.load(directory, model=built.model, optimizer=opt, config=built.config)
+    mine = {n: whole(p) for n, p in built.model.named_parameters()}
+    if plan.pipeline == 1:
+        return mine
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {n: t for part in parts for n, t in part.items()}
+
+
 def gather(out: dict) -> dict:
     """Every stage's figures in one dict: the stages' parameters side by side, the rest as
     rank 0 has it (the losses are shared with every stage)."""
@@ -126,6 +150,8 @@ def run_pp2(world: int, rank: int, out: dict, pretrained: str) -> None:
         run(world, rank, ParallelPlan(pipeline=2), schedule, mine, pretrained,
             checkpoint_dir=f"{pretrained}-pp2-{schedule}")
         out[schedule] = gather(mine)
+    # The stages' checkpoint on a tensor-parallel layout of the same two processes.
+    out["tp2_reload"] = reload(world, rank, ParallelPlan(tensor=2), f"{pretrained}-pp2-1f1b")
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +228,7 @@ def test_a_checkpoint_saved_by_two_stages_loads_into_the_whole_model(results):
     for name, p in model.model.named_parameters():
         torch.testing.assert_close(p.detach(), pp["1f1b"]["trained"][name], msg=name)
     assert all(opt.state[p]["step"] == STEPS + 1 for p in model.model.parameters())
+    # And into (tp 2) on the two processes that wrote it.
+    assert pp["tp2_reload"].keys() == pp["1f1b"]["trained"].keys()
+    for name, p in pp["tp2_reload"].items():
+        torch.testing.assert_close(p, pp["1f1b"]["trained"][name], msg=name)

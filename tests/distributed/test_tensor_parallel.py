@@ -21,7 +21,7 @@ from tests.distributed.test_fsdp_parity import (
     save_pretrained,
     worker,
 )
-from tests.distributed.test_pipeline_parallel import run_composed
+from tests.distributed.test_pipeline_parallel import reload, run_composed
 
 STEPS = 3
 TP2 = ParallelPlan(tensor=2)
@@ -60,6 +60,16 @@ def run(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str) -
                                       grad_clip=1.0)[0]) for s in range(STEPS)]
     out["masked"] = [float(x) for x in train_step(built, opt, [mine(masked_data())],
                                                   accumulation=1, grad_clip=1.0)]
+    if world > 1:
+        # The (dp 2, tp 2) checkpoint loads at (dp 4) and at (pp 2, tp 2).
+        from raylm import checkpoint
+
+        directory = f"{pretrained}-dp2-tp2"
+        checkpoint.save(directory, model=built.model, optimizer=opt, state={"step": 1},
+                        config=built.config)
+        out["saved"] = {n: whole(p) for n, p in built.model.named_parameters()}
+        out["reloaded"] = {name: reload(world, rank, layout, directory) for name, layout in
+                           (("dp4", DATA_PARALLEL), ("pp2_tp2", COMPOSED["pp2_tp2"]))}
 
     adapted = build(preset=None, path=pretrained, lora=LORA)
     out["trainable"] = sorted(n for n, p in adapted.model.named_parameters() if p.requires_grad)
@@ -130,6 +140,15 @@ def test_lora_under_tensor_parallelism_matches_and_keeps_the_base_frozen(results
         torch.testing.assert_close(tp["lora_grads"][name], g, atol=1e-5, rtol=1e-5, msg=name)
     assert tp["lora_losses"] == pytest.approx(ref["lora_losses"], abs=1e-5)
     assert tp["lora_losses"][-1] < tp["lora_losses"][0]
+
+
+@pytest.mark.parametrize("layout", ["dp4", "pp2_tp2"])
+def test_a_checkpoint_saved_at_dp2_tp2_loads_on_other_layouts(results, layout):
+    got, _ = results
+    reloaded = got["reloaded"][layout]
+    assert reloaded.keys() == got["saved"].keys()
+    for name, p in got["saved"].items():
+        torch.testing.assert_close(reloaded[name], p, msg=name)
 
 
 @pytest.mark.parametrize("layout", COMPOSED)

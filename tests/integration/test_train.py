@@ -144,7 +144,9 @@ def test_train_resume_equals_uninterrupted(base, trained):
         "mlflow_tracking_uri", "mlflow_model_uri", "tracking_lost", "resumed_from_step",
         "workers", "restarts", "resizes", "failures", "interruptions", "samples",
         "attention_backend", "precision",
-        "trainable_params", "peak_memory_gb", "joules_per_token", "watts_per_gpu",
+        "trainable_params", "peak_memory_gb", "param_memory_gb", "optimizer_memory_gb",
+        "data_parallel", "tensor_parallel", "pipeline_parallel",
+        "joules_per_token", "watts_per_gpu",
         "energy_kwh", "gpu_hours", "cost"}
     # Nothing measures energy on a CPU: no figure, rather than a zero.
     assert [summary[k] for k in ("joules_per_token", "energy_kwh", "gpu_hours", "cost")] == [
