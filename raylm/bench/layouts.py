@@ -113,10 +113,9 @@ def measure(name: str, spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
         return {"skipped": f"needs {world} GPUs, the machine has {torch.cuda.device_count()}"}
     out = workdir / f"{name}.json"
     args = (world, _free_port(), {**spec, **degrees}, str(out))
-    if world == 1:
-        _rank(0, *args)
-    else:
-        mp.spawn(_rank, args=args, nprocs=world, join=True)
+    # A process of its own even alone: Linux keeps a parent's peak RSS in its children's
+    # figures (ru_maxrss survives fork and exec), so the parent must build no model.
+    mp.spawn(_rank, args=args, nprocs=world, join=True)
     return json.loads(out.read_text())
 
 
