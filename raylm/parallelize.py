@@ -351,5 +351,7 @@ def shard(model: nn.Module, *, mesh, precision: str, reshard_after_forward: bool
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward and i < blocks[-1][0])
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # None: FSDP2's default, which keeps the root's parameters gathered after forward.
+    fully_shard(model, mesh=mesh, mp_policy=mp,
+                reshard_after_forward=None if reshard_after_forward else False)
     return model
