@@ -185,15 +185,20 @@ def test_help_says_every_key_is_an_override(command, capsys):
     assert "raylm config show" in out and "raylm/config.py" in out
 
 
-@pytest.mark.parametrize("command", ["train", "tune"])
-def test_seq_len_beyond_the_models_positions_fails_before_ray_starts(command, capsys,
-                                                                      monkeypatch):
+@pytest.fixture
+def ray_never_starts(monkeypatch):
+    """Fail any test that starts Ray: these refusals must come first."""
     import ray
 
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started")
 
     monkeypatch.setattr(ray, "init", no_ray)
+
+
+@pytest.mark.parametrize("command", ["train", "tune"])
+def test_seq_len_beyond_the_models_positions_fails_before_ray_starts(command, capsys,
+                                                                      ray_never_starts):
     assert main([command, "--data.seq_len=2048", "--tracking.enabled=false"]) == 2
     assert capsys.readouterr().err == (
         "raylm: error: data.seq_len=2048 is above the 1024 positions of model.preset=tiny; "
@@ -218,13 +223,7 @@ def test_a_pretrained_models_own_tokenizer_is_the_default(tmp_path, tokenizer_di
         tokenizer_dir.resolve()
 
 
-def test_an_nf4_base_is_refused_on_cpu_workers_before_ray_starts(capsys, monkeypatch):
-    import ray
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(ray, "init", no_ray)
+def test_an_nf4_base_is_refused_on_cpu_workers_before_ray_starts(capsys, ray_never_starts):
     qlora = ["--model.path=/models/base", "--lora.rank=16", "--lora.base_quantization=nf4"]
     assert main(["train", *qlora, "--tracking.enabled=false"]) == 2
     err = capsys.readouterr().err
@@ -260,13 +259,7 @@ def test_python_overrides_are_a_mapping_checked_like_the_command_lines():
 
 
 def test_tensor_parallel_layouts_that_cannot_split_are_refused_before_ray_starts(
-        capsys, monkeypatch):
-    import ray
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(ray, "init", no_ray)
+        capsys, ray_never_starts):
     tp2 = ["--parallel.tensor=2", "--tracking.enabled=false"]
     with pytest.raises(ConfigError, match=r"allows 3 workers, which do not split into "
                                           r"groups of parallel.tensor=2 = 2 workers "
@@ -303,13 +296,7 @@ def test_tensor_parallel_layouts_that_cannot_split_are_refused_before_ray_starts
 
 
 def test_pipelines_that_cannot_be_cut_or_filled_are_refused_before_ray_starts(
-        capsys, monkeypatch):
-    import ray
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(ray, "init", no_ray)
+        capsys, ray_never_starts):
     pp2 = ["--parallel.pipeline=2", "--tracking.enabled=false"]
     with pytest.raises(ConfigError, match=r"allows 6 workers, which do not split into groups "
                                           r"of parallel.tensor=2 x parallel.pipeline=2 = 4 "
