@@ -279,7 +279,7 @@ def pipeline_step(built: Built, optimizer: torch.optim.Optimizer,
                           cross_document=cross_document)
     # Scaled so, the last stage's losses add up (over micro-batches and data-parallel ranks,
     # tp times over a tensor-parallel group) to world / pp times the global mean.
-    mean = shared_loss(built, scaled, torch.tensor(float(world)))
+    mean = shared_loss(built, scaled, float(world))
     norm = clip_grad_norm(built.model, grad_clip, pp_group=built.model.pp_group)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -325,7 +325,7 @@ def equal_microbatches(batches: list[dict[str, torch.Tensor]]) -> int:
     return n
 
 
-def shared_loss(built: Built, raw: list[torch.Tensor], denominator: torch.Tensor
+def shared_loss(built: Built, raw: list[torch.Tensor], denominator: torch.Tensor | float
                 ) -> torch.Tensor:
     """The global mean of the losses ``raw`` the last stage computed, on every rank.
 
@@ -336,7 +336,9 @@ def shared_loss(built: Built, raw: list[torch.Tensor], denominator: torch.Tensor
     alike."""
     total = torch.stack(raw).sum() if raw else torch.zeros((), device=built.device)
     dist.all_reduce(total)
-    return total * built.plan.pipeline / denominator.to(total.device, total.dtype)
+    # A count known on the host stays a Python number: a host tensor copied to the GPU at
+    # every step could wait for its queue to drain.
+    return total * built.plan.pipeline / denominator
 
 
 @torch.no_grad()
@@ -376,5 +378,5 @@ def pipeline_evaluate(built: Built, batches: list[dict[str, torch.Tensor]], *,
                        cross_document=cross_document)
     built.model.train()
     n = (trained_targets(batches, built.device).float() if masked else
-         torch.tensor(float(dist.get_world_size() * equal_microbatches(batches))))
+         float(dist.get_world_size() * equal_microbatches(batches)))
     return float(shared_loss(built, raw, n))
