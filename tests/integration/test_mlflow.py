@@ -132,7 +132,7 @@ def test_training_outlives_its_mlflow_server(base, server, capsys):
         lambda: train(load_config(None, [*base, "--run.name=orphaned", "--train.steps=60",
                                           f"--tracking.uri={uri}", "--tracking.log_model=true"]),
                       log=lines.append),
-        run_dir / "orphaned", when_step=4, act=kill)
+        run_dir / "orphaned", acts=[(4, kill)])
     assert out["status"] == "finished" and out["final_step"] == 60
     assert out["samples"]["trained"] == 60 * 4 and out["samples"]["in_order"]
     lost = [e for e in record.read(str(run_dir / "orphaned")) if e["event"] == "tracking_lost"]

@@ -263,10 +263,10 @@ def test_bad_requests_fail_before_workers_start(base):
 # --------------------------------------------------------------------------------------------
 
 
-def run_and_interfere(base, args, *, when_step: int, act):
+def run_and_interfere(base, args, *, acts):
     name = next(a for a in args if a.startswith("--run.name=")).split("=")[1]
     return faults.run_and_interfere(lambda: train_run(base, *args), base_dir(base) / name,
-                                    when_step=when_step, act=act)
+                                    acts=acts)
 
 
 def assert_exact_samples(summary, steps):
@@ -275,36 +275,28 @@ def assert_exact_samples(summary, steps):
                                   "skipped": 0, "in_order": True}
 
 
-def test_worker_killed_with_sigkill_restarts_and_ends_like_uninterrupted(base, trained):
-    killed = []
-    out = run_and_interfere(
-        base, ["--run.name=sigkill", "--train.steps=30", "--checkpoint.every=5"],
-        when_step=5, act=lambda: killed.append(faults.kill_a_worker()))
-    assert killed and out["status"] == "finished"
-    assert out["final_step"] == 30 and out["restarts"] == 1 and out["failures"] >= 1
-    (restart,) = out["interruptions"]
-    assert restart["event"] == "restart" and restart["from_workers"] == restart["to_workers"] == 2
-    assert restart["resumed_from_step"] >= 5 and restart["resumed_from_step"] % 5 == 0
-    assert restart["failures"] >= 1 and restart["cause"]
-    assert_exact_samples(out, 30)
-    full = trained[0]
-    assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
-    assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
-
-
-def test_sigterm_checkpoints_at_the_next_step_and_resumes_from_it(base, trained):
+def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(base, trained):
+    """A worker SIGKILLed after the step-5 checkpoint (a lost process), then a worker of the
+    group that replaced it sent SIGTERM (a preemption): the first restart goes back to the
+    newest checkpoint; the preempted group saves at the step it has reached, so nothing is
+    trained twice; the run ends with the uninterrupted run's losses."""
     import signal
 
+    killed = []
     out = run_and_interfere(
-        base, ["--run.name=sigterm", "--train.steps=30", "--checkpoint.every=5"],
-        when_step=5, act=lambda: faults.train_workers()[-1].send_signal(signal.SIGTERM))
-    assert out["final_step"] == 30 and out["restarts"] == 1
-    (restart,) = out["interruptions"]
-    # The preempted group saved at the step it had reached, so nothing is trained twice.
-    assert "Preempted" in restart["cause"] and restart["steps_redone"] == 0
-    assert restart["resumed_from_step"] == restart["at_step"] > 5
+        base, ["--run.name=faults", "--train.steps=30", "--checkpoint.every=5"],
+        acts=[(5, lambda: killed.append(faults.kill_a_worker())),
+              (5, lambda: faults.train_workers()[-1].send_signal(signal.SIGTERM))])
+    assert killed and out["status"] == "finished"
+    assert out["final_step"] == 30 and out["restarts"] == 2 and out["failures"] >= 1
+    lost, preempted = out["interruptions"]
+    assert lost["event"] == "restart" and lost["from_workers"] == lost["to_workers"] == 2
+    assert lost["resumed_from_step"] >= 5 and lost["resumed_from_step"] % 5 == 0
+    assert lost["failures"] >= 1 and lost["cause"] and "Preempted" not in lost["cause"]
+    assert "Preempted" in preempted["cause"] and preempted["steps_redone"] == 0
+    assert preempted["resumed_from_step"] == preempted["at_step"] > lost["resumed_from_step"]
     assert_exact_samples(out, 30)
-    # MLflow has the restart too: the event list and the count at the step that saw it.
+    # MLflow has the restarts too: the event list, and the count at the steps that saw them.
     from mlflow import MlflowClient
 
     client = MlflowClient(out["mlflow_tracking_uri"])
@@ -312,60 +304,54 @@ def test_sigterm_checkpoints_at_the_next_step_and_resumes_from_it(base, trained)
                                                        "events.json")).read())
     assert logged["interruptions"] == out["interruptions"]
     restarts = client.get_metric_history(out["mlflow_run_id"], "restarts")
-    # Zero from the first step on, then one at the step that saw the restart.
-    assert [m.value for m in restarts] == [0.0, 1.0] and restarts[1].step > restart["at_step"]
+    assert [m.value for m in restarts] == [0.0, 1.0, 2.0]
+    assert restarts[2].step > preempted["at_step"]
     full = trained[0]
     assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
     assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
 
 
-def test_model_parallel_run_resumes_on_another_layout(base, trained):
-    """4 workers, half a CPU each, train 10 steps at (dp 2, tp 2); the run goes on from that
-    checkpoint at (dp 2, pp 2) to step 30 and ends with the uninterrupted dp-only run's
-    losses: the same samples per step, and DCP reshards the TP-split state onto pipeline
-    stages."""
-    run = ["--run.name=model-parallel", "--checkpoint.every=10", "--scaling.num_workers=4",
-           "--scaling.cpus_per_worker=0.5"]
-    split = train_run(base, *run, "--train.steps=10", "--parallel.tensor=2")
+def test_resume_on_other_layouts_and_worker_counts_past_a_truncated_checkpoint(base, trained):
+    """One run over three invocations: 10 steps on 4 half-CPU workers at (dp 2, tp 2), on to
+    20 on one worker; its newest checkpoint is then cut short, as a save killed half-way
+    leaves it; on to 30 on 4 workers at (dp 2, pp 2), from the step-15 checkpoint. The same
+    samples per step throughout, so the run ends with the uninterrupted dp-only run's losses:
+    DCP reshards the TP-split state onto one worker and that onto pipeline stages."""
+    from raylm import checkpoint
+
+    run = ["--run.name=layouts", "--checkpoint.every=5", "--checkpoint.keep=5"]
+    four = ["--scaling.num_workers=4", "--scaling.cpus_per_worker=0.5"]
+    split = train_run(base, *run, *four, "--train.steps=10", "--parallel.tensor=2")
     assert split["final_step"] == 10 and split["tensor_parallel"] == 2
     assert split["data_parallel"] == 2 and split["pipeline_parallel"] == 1
     assert_exact_samples(split, 10)
-    staged = train_run(base, *run, "--train.steps=30", "--parallel.pipeline=2")
-    assert staged["resumed_from_step"] == 10 and staged["pipeline_parallel"] == 2
-    assert staged["data_parallel"] == 2 and staged["tensor_parallel"] == 1
-    assert_exact_samples(staged, 30)
-    full = trained[0]
-    assert staged["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
-    assert staged["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
-    # Each rank holds half of what FSDP2 alone leaves it, weights and Adam state alike.
-    for held in ("param_memory_gb", "optimizer_memory_gb"):
-        assert 0.4 < staged[held] / full[held] < 0.6, held
-        assert 0.4 < split[held] / full[held] < 0.6, held
-
-
-def test_resume_on_fewer_and_more_workers_with_a_truncated_checkpoint(base, trained):
-    from raylm import checkpoint
-
-    run = ["--run.name=resize", "--checkpoint.every=5", "--checkpoint.keep=5"]
-    two = train_run(base, *run, "--train.steps=10")
     one = train_run(base, *run, "--train.steps=20", "--scaling.num_workers=1")
-    assert two["workers"] == 2 and one["workers"] == 1 and one["resumed_from_step"] == 10
-    # Cut the newest checkpoint short, as a save killed half-way would leave it.
-    newest, marker = checkpoint.latest_verified(base_dir(base) / "resize")
+    assert one["workers"] == 1 and one["resumed_from_step"] == 10
+    assert one["data_parallel"] == 1 and one["tensor_parallel"] == 1
+    # Cut the newest checkpoint short.
+    newest, marker = checkpoint.latest_verified(base_dir(base) / "layouts")
     assert marker["state"]["step"] == 20 and marker["world_size"] == 1
     shard = max((p for p in Path(newest).iterdir() if p.suffix == ".distcp"),
                 key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     logs = []
-    again = train(load_config(None, [*base, *run, "--train.steps=30"]), log=logs.append)
+    staged = train(load_config(None, [*base, *run, *four, "--train.steps=30",
+                                      "--parallel.pipeline=2"]), log=logs.append)
     assert any("skipping incomplete checkpoint" in m and "truncated" in m for m in logs), logs
-    assert again["resumed_from_step"] == 15 and again["workers"] == 2
+    assert staged["resumed_from_step"] == 15 and staged["pipeline_parallel"] == 2
+    assert staged["data_parallel"] == 2 and staged["tensor_parallel"] == 1
     # Steps 16-20 were trained twice (the second time counts): nothing duplicated or skipped.
-    assert_exact_samples(again, 30)
+    assert_exact_samples(staged, 30)
     # The same 8 sequences in every step; only the order in which fp32 gradients are summed
-    # differs (1 worker: 4 micro-batches in turn; 2 workers: 2 each, then averaged), which
-    # Adam can turn into parameter changes of ~1e-5 (tests/distributed). Measured here: equal
-    # to the last digit; the bound leaves room for that rounding.
+    # differs between layouts (1 worker: 4 micro-batches in turn; 2 data-parallel ranks: 2
+    # each, then averaged), which Adam can turn into parameter changes of ~1e-5
+    # (tests/distributed). The bound leaves room for that rounding.
     full = trained[0]
-    assert again["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
-    assert again["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
+    assert staged["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
+    assert staged["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
+    # Each rank of a (dp 2, tp 2) or (dp 2, pp 2) layout holds half of what FSDP2 alone over
+    # 2 ranks leaves it, weights and Adam state alike; one worker holds all of it.
+    for held in ("param_memory_gb", "optimizer_memory_gb"):
+        assert 0.4 < staged[held] / full[held] < 0.6, held
+        assert 0.4 < split[held] / full[held] < 0.6, held
+        assert 1.8 < one[held] / full[held] < 2.2, held
