@@ -315,47 +315,42 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
     assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
 
 
-def test_resume_on_other_layouts_and_worker_counts_past_a_truncated_checkpoint(base, trained):
-    """One run over three invocations: 10 steps on 4 half-CPU workers at (dp 2, tp 2), on to
-    20 on one worker; its newest checkpoint is then cut short, as a save killed half-way
-    leaves it; on to 30 on 4 workers at (dp 2, pp 2), from the step-15 checkpoint. The same
-    samples per step throughout, so the run ends with the uninterrupted dp-only run's losses:
-    DCP reshards the TP-split state onto one worker and that onto pipeline stages."""
+def test_resume_on_another_layout_past_a_truncated_checkpoint(base, trained):
+    """10 steps on 4 half-CPU workers at (dp 2, tp 2); the newest checkpoint is then cut short,
+    as a save killed half-way leaves it; the run goes on to 30 at (dp 2, pp 2) from the step-5
+    checkpoint. The same samples per step throughout, so it ends with the uninterrupted dp-only
+    run's losses: DCP reshards the TP-split state onto pipeline stages. (Resuming on fewer
+    ranks: tests/distributed/test_checkpoint.py and the elastic test.)"""
     from raylm import checkpoint
 
-    run = ["--run.name=layouts", "--checkpoint.every=5", "--checkpoint.keep=5"]
-    four = ["--scaling.num_workers=4", "--scaling.cpus_per_worker=0.5"]
-    split = train_run(base, *run, *four, "--train.steps=10", "--parallel.tensor=2")
+    run = ["--run.name=layouts", "--checkpoint.every=5", "--scaling.num_workers=4",
+           "--scaling.cpus_per_worker=0.5"]
+    split = train_run(base, *run, "--train.steps=10", "--parallel.tensor=2")
     assert split["final_step"] == 10 and split["tensor_parallel"] == 2
     assert split["data_parallel"] == 2 and split["pipeline_parallel"] == 1
     assert_exact_samples(split, 10)
-    one = train_run(base, *run, "--train.steps=20", "--scaling.num_workers=1")
-    assert one["workers"] == 1 and one["resumed_from_step"] == 10
-    assert one["data_parallel"] == 1 and one["tensor_parallel"] == 1
     # Cut the newest checkpoint short.
     newest, marker = checkpoint.latest_verified(base_dir(base) / "layouts")
-    assert marker["state"]["step"] == 20 and marker["world_size"] == 1
+    assert marker["state"]["step"] == 10 and marker["world_size"] == 4
     shard = max((p for p in Path(newest).iterdir() if p.suffix == ".distcp"),
                 key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     logs = []
-    staged = train(load_config(None, [*base, *run, *four, "--train.steps=30",
+    staged = train(load_config(None, [*base, *run, "--train.steps=30",
                                       "--parallel.pipeline=2"]), log=logs.append)
     assert any("skipping incomplete checkpoint" in m and "truncated" in m for m in logs), logs
-    assert staged["resumed_from_step"] == 15 and staged["pipeline_parallel"] == 2
+    assert staged["resumed_from_step"] == 5 and staged["pipeline_parallel"] == 2
     assert staged["data_parallel"] == 2 and staged["tensor_parallel"] == 1
-    # Steps 16-20 were trained twice (the second time counts): nothing duplicated or skipped.
+    # Steps 6-10 were trained twice (the second time counts): nothing duplicated or skipped.
     assert_exact_samples(staged, 30)
     # The same 8 sequences in every step; only the order in which fp32 gradients are summed
-    # differs between layouts (1 worker: 4 micro-batches in turn; 2 data-parallel ranks: 2
-    # each, then averaged), which Adam can turn into parameter changes of ~1e-5
+    # differs between layouts, which Adam can turn into parameter changes of ~1e-5
     # (tests/distributed). The bound leaves room for that rounding.
     full = trained[0]
     assert staged["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
     assert staged["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
     # Each rank of a (dp 2, tp 2) or (dp 2, pp 2) layout holds half of what FSDP2 alone over
-    # 2 ranks leaves it, weights and Adam state alike; one worker holds all of it.
+    # 2 ranks leaves it, weights and Adam state alike.
     for held in ("param_memory_gb", "optimizer_memory_gb"):
         assert 0.4 < staged[held] / full[held] < 0.6, held
         assert 0.4 < split[held] / full[held] < 0.6, held
-        assert 1.8 < one[held] / full[held] < 2.2, held
