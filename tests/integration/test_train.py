@@ -48,43 +48,62 @@ def full_overrides(base) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(base):
-    """An uninterrupted 30-step run, and one stopped at 20 then resumed to 30 with its run
-    directory in object storage (MLflow in the first run's default store beside it)."""
-    # The uninterrupted run goes through the Python API, overrides as a mapping, with the
-    # progress bar a notebook or a terminal gets.
+    """An uninterrupted 30-step run, through the Python API (overrides as a mapping) with the
+    progress bar a notebook or a terminal gets."""
     bar = io.StringIO()
     with contextlib.redirect_stderr(bar):
         full = raylm.train(None, overrides=full_overrides(base)).summary
     trained_bar.append(bar.getvalue())
-    split = [f"--run.storage_path={bucket(base)}", "--run.name=split", "--checkpoint.every=10",
-             f"--tracking.uri={full['mlflow_tracking_uri']}"]
-    first = train_run(base, *split, "--train.steps=20")
-    resumed = train_run(base, *split, "--train.steps=30", "--tracking.log_model=true")
-    return full, first, resumed
+    return full
 
 
-def test_train_resume_equals_uninterrupted(base, trained):
+@pytest.fixture(scope="module")
+def relaid(base, trained):
+    """The same 30 steps in two invocations on two layouts, its run directory in object
+    storage and its MLflow run in the first run's default store: 10 steps on 4 half-CPU
+    workers at (dp 2, tp 2); the newest checkpoint then cut short, as a save killed half-way
+    leaves it; on to 30 at (dp 2, pp 2), which goes back to the step-5 checkpoint and logs the
+    final model. Returns both summaries and what the second invocation said."""
+    from raylm import checkpoint, storage
+
+    run = [f"--run.storage_path={bucket(base)}", "--run.name=layouts", "--checkpoint.every=5",
+           "--scaling.num_workers=4", "--scaling.cpus_per_worker=0.5",
+           f"--tracking.uri={trained['mlflow_tracking_uri']}"]
+    first = train_run(base, *run, "--train.steps=10", "--parallel.tensor=2")
+    newest, marker = checkpoint.latest_verified(f"{bucket(base)}/layouts")
+    assert marker["state"]["step"] == 10 and marker["world_size"] == 4
+    shard = max((storage.join(newest, f) for f in storage.list_files(newest)
+                 if f.endswith(".distcp")), key=storage.size)
+    storage.write_bytes(shard, storage.read_bytes(shard)[: storage.size(shard) // 2])
+    logs: list[str] = []
+    resumed = train(load_config(None, [*base, *run, "--train.steps=30", "--parallel.pipeline=2",
+                                       "--tracking.log_model=true"]), log=logs.append)
+    return first, resumed, logs
+
+
+def test_a_run_in_two_invocations_keeps_one_record(base, trained, relaid):
+    """What a run stopped and started again keeps, in object storage and in MLflow: one
+    summary, one MLflow run, one history, the final model."""
     from mlflow import MlflowClient
 
     from raylm import storage
     from raylm.exporter import load_run_model
 
-    full, first, resumed = trained
+    full = trained
+    first, resumed, _ = relaid
     assert full["final_step"] == 30 and full["resumed_from_step"] is None
     assert full["restarts"] == 0 and full["attention_backend"] == "sdpa-flash-cpu"
     assert full["precision"] == "fp32" and full["mfu"] is None  # no known peak on a CPU
     assert full["checkpoint_path"] and full["val_loss"] < 5.6  # from ln(320) = 5.77
 
     uri = bucket(base)
-    assert first["final_step"] == 20
-    assert first["checkpoint_path"].startswith(f"{uri}/split/checkpoint_")
-    assert resumed["resumed_from_step"] == 20 and resumed["final_step"] == 30
-    # fp32 on CPU: the resumed run ends where the uninterrupted one does.
-    assert resumed["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
-    assert resumed["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
-    summary = json.loads(storage.read_text(f"{uri}/split/summary.json"))
+    assert first["final_step"] == 10
+    assert first["checkpoint_path"].startswith(f"{uri}/layouts/checkpoint_")
+    assert resumed["resumed_from_step"] == 5 and resumed["final_step"] == 30
+    summary = json.loads(storage.read_text(f"{uri}/layouts/summary.json"))
     assert summary == resumed
-    run_model, tokenizer_dir, step = load_run_model(f"{uri}/split")
+    # The pipeline stages' checkpoint loads into one whole model.
+    run_model, tokenizer_dir, step = load_run_model(f"{uri}/layouts")
     assert step == 30 and (tokenizer_dir / "tokenizer.json").is_file()
 
     # One MLflow run per raylm run, reused on resume; the default store is under storage_path.
@@ -92,30 +111,33 @@ def test_train_resume_equals_uninterrupted(base, trained):
     assert resumed["mlflow_run_id"] == first["mlflow_run_id"] != full["mlflow_run_id"]
     client = MlflowClient(resumed["mlflow_tracking_uri"])
     mrun = client.get_run(resumed["mlflow_run_id"])
-    assert mrun.info.status == "FINISHED" and mrun.info.run_name == "split"
+    assert mrun.info.status == "FINISHED" and mrun.info.run_name == "layouts"
     assert mrun.data.params["model.preset"] == "tiny"
     assert mrun.data.params["attention_backend"] == "sdpa-flash-cpu"
+    # Step 10 was trained in both invocations (the second went back to step 5): MLflow keeps
+    # both reports of it, the run's history the last.
     losses = client.get_metric_history(mrun.info.run_id, "loss")
-    assert [m.step for m in losses] == [5, 10, 15, 20, 25, 30]
+    assert [m.step for m in losses] == [5, 10, 10, 15, 20, 25, 30]
     assert losses[-1].value == pytest.approx(resumed["train_loss"])
     assert [m.step for m in client.get_metric_history(mrun.info.run_id, "val_loss")] == [
-        10, 20, 30]
+        10, 10, 20, 30]
     assert mrun.data.tags["raylm.checkpoint_latest"] == resumed["checkpoint_path"]
     listed = client.download_artifacts(mrun.info.run_id, "checkpoints.json")
-    assert [c["step"] for c in json.loads(open(listed).read())["checkpoints"]] == [30]
+    assert json.loads(open(listed).read())["checkpoints"][-1] == {
+        "step": 30, "path": resumed["checkpoint_path"]}
     system = [k for k in mrun.data.metrics if k.startswith("system/")]
     assert any("cpu_utilization" in k for k in system), system
     runs = client.search_runs([mrun.info.experiment_id])
-    assert sorted(r.info.run_name for r in runs) == ["full", "split"]
+    assert sorted(r.info.run_name for r in runs) == ["full", "layouts"]
     # What a notebook filters and compares runs by: tags, the dataset input, the run's files.
     assert {k: mrun.data.tags[k] for k in ("raylm.model", "raylm.training", "raylm.workers",
                                            "raylm.data_format")} == {
-        "raylm.model": "preset:tiny", "raylm.training": "pretrain-full", "raylm.workers": "2",
+        "raylm.model": "preset:tiny", "raylm.training": "pretrain-full", "raylm.workers": "4",
         "raylm.data_format": "text"}
     assert [r.info.run_name for r in client.search_runs(
         [mrun.info.experiment_id], "tags.`raylm.training` = 'pretrain-full'")] != []
     (dataset,) = [d.dataset for d in mrun.inputs.dataset_inputs]
-    info = json.loads(storage.read_text(f"{uri}/split/run.json"))
+    info = json.loads(storage.read_text(f"{uri}/layouts/run.json"))
     manifest = json.loads((Path(info["prepared"]) / "manifest.json").read_text())
     assert dataset.digest == manifest["fingerprint"][:36]
     assert json.loads(dataset.profile)["blocks"] == manifest["blocks"]
@@ -151,13 +173,13 @@ def test_train_resume_equals_uninterrupted(base, trained):
     # Nothing measures energy on a CPU: no figure, rather than a zero.
     assert [summary[k] for k in ("joules_per_token", "energy_kwh", "gpu_hours", "cost")] == [
         None] * 4
-    # 30 steps x 8 sequences, in the seed's order, over two invocations.
-    assert summary["samples"] == {"steps": 30, "trained": 240, "duplicated": 0,
-                                  "skipped": 0, "in_order": True}
+    # 30 steps x 8 sequences, in the seed's order, over two invocations (steps 6-10 were
+    # trained twice; the second time counts).
+    assert_exact_samples(summary, 30)
 
 
-def test_the_python_api_reads_the_run_back(base, trained):
-    full, first, resumed = trained
+def test_the_python_api_reads_the_run_back(base, trained, relaid):
+    full = trained
     run = raylm.Run(base_dir(base) / "full")
     assert run.summary == full and run.checkpoint == full["checkpoint_path"]
     assert run.mlflow_run_id == full["mlflow_run_id"] and run.config.train.steps == 30
@@ -170,11 +192,12 @@ def test_the_python_api_reads_the_run_back(base, trained):
     # Its progress went to the driver's bar (the last report: step 30, with a validation
     # loss), not to the controller's lines.
     assert "30/30" in trained_bar[0] and f"val={full['val_loss']:.4f}" in trained_bar[0]
-    # The run stopped at 20 and resumed, in object storage: one history over both
-    # invocations, step for step the uninterrupted run's.
-    split = raylm.Run(f"{bucket(base)}/split").history
+    # The run stopped and resumed on another layout, in object storage: one history over
+    # both invocations, step for step the uninterrupted run's (within the rounding the
+    # layouts' different summation orders leave; see the layout test).
+    split = raylm.Run(f"{bucket(base)}/layouts").history
     assert list(split["step"]) == list(history["step"])
-    assert list(split["loss"]) == pytest.approx(list(history["loss"]), abs=1e-5)
+    assert list(split["loss"]) == pytest.approx(list(history["loss"]), abs=1e-4)
     # Running the finished run again (a notebook cell run twice) trains nothing and keeps
     # its record.
     again = raylm.train(None, overrides=full_overrides(base))
@@ -224,7 +247,7 @@ def test_continue_from_exported_model_without_cross_document_attention_or_mlflow
 
     hf = tmp_path / "hf"
     assert main(["export", str(base_dir(base) / "full"), "--output", str(hf)]) == 0
-    full = trained[0]
+    full = trained
     # The pretrained weights are read on rank 0 and scattered to the 2 FSDP workers; the run
     # starts where the exported one ended, not from a random model (ln 320 = 5.77).
     # Its MLflow server is down (nothing listens on port 9): said once, training goes on.
@@ -310,34 +333,21 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
     values = [v for _, v in restarts]
     assert values == sorted(values) and values[-1] == 2.0, restarts
     assert min(s for s, v in restarts if v == 2.0) > preempted["at_step"]
-    full = trained[0]
+    full = trained
     assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
     assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
 
 
-def test_resume_on_another_layout_past_a_truncated_checkpoint(base, trained):
-    """10 steps on 4 half-CPU workers at (dp 2, tp 2); the newest checkpoint is then cut short,
-    as a save killed half-way leaves it; the run goes on to 30 at (dp 2, pp 2) from the step-5
-    checkpoint. The same samples per step throughout, so it ends with the uninterrupted dp-only
-    run's losses: DCP reshards the TP-split state onto pipeline stages. (Resuming on fewer
-    ranks: tests/distributed/test_checkpoint.py and the elastic test.)"""
-    from raylm import checkpoint
-
-    run = ["--run.name=layouts", "--checkpoint.every=5", "--scaling.num_workers=4",
-           "--scaling.cpus_per_worker=0.5"]
-    split = train_run(base, *run, "--train.steps=10", "--parallel.tensor=2")
+def test_resume_on_another_layout_past_a_truncated_checkpoint(trained, relaid):
+    """The run of ``relaid``: 10 steps at (dp 2, tp 2), the newest checkpoint cut short, on to
+    30 at (dp 2, pp 2) from the step-5 checkpoint. The same samples per step throughout, so it
+    ends with the uninterrupted dp-only run's losses: DCP reshards the TP-split state onto
+    pipeline stages. (Resuming on fewer ranks: tests/distributed/test_checkpoint.py and the
+    elastic test.)"""
+    split, staged, logs = relaid
     assert split["final_step"] == 10 and split["tensor_parallel"] == 2
     assert split["data_parallel"] == 2 and split["pipeline_parallel"] == 1
     assert_exact_samples(split, 10)
-    # Cut the newest checkpoint short.
-    newest, marker = checkpoint.latest_verified(base_dir(base) / "layouts")
-    assert marker["state"]["step"] == 10 and marker["world_size"] == 4
-    shard = max((p for p in Path(newest).iterdir() if p.suffix == ".distcp"),
-                key=lambda p: p.stat().st_size)
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    logs = []
-    staged = train(load_config(None, [*base, *run, "--train.steps=30",
-                                      "--parallel.pipeline=2"]), log=logs.append)
     assert any("skipping incomplete checkpoint" in m and "truncated" in m for m in logs), logs
     assert staged["resumed_from_step"] == 5 and staged["pipeline_parallel"] == 2
     assert staged["data_parallel"] == 2 and staged["tensor_parallel"] == 1
@@ -346,7 +356,7 @@ def test_resume_on_another_layout_past_a_truncated_checkpoint(base, trained):
     # The same 8 sequences in every step; only the order in which fp32 gradients are summed
     # differs between layouts, which Adam can turn into parameter changes of ~1e-5
     # (tests/distributed). The bound leaves room for that rounding.
-    full = trained[0]
+    full = trained
     assert staged["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
     assert staged["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
     # Each rank of a (dp 2, tp 2) or (dp 2, pp 2) layout holds half of what FSDP2 alone over
