@@ -34,11 +34,13 @@ def base(tmp_path_factory, tokenizer_dir):
             "--optim.warmup_steps=2"]
 
 
-@pytest.fixture
-def server(tmp_path):
-    """`mlflow server` on a free loopback port: its URI, and a function that kills it (the
-    CLI and the web server processes it starts, one process group). Its log is shown should
-    it fail to start."""
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`mlflow server` on a free loopback port, one for the module (it takes 10-15 s to start
+    here; the test that kills it runs last): its URI, and a function that kills it (the CLI
+    and the web server processes it starts, one process group). Its log is shown should it
+    fail to start."""
+    tmp_path = tmp_path_factory.mktemp("mlflow-server")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
