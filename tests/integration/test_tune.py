@@ -113,61 +113,67 @@ def pretrained(tmp_path_factory, tokenizer_dir):
                            vocab_size=tokenizer_vocab(tokenizer_dir))
 
 
-def test_an_interrupted_lora_sweep_resumes(base, pretrained, tmp_path):
-    """`raylm tune` over LoRA ranks, stopped with Ctrl-C once its first trial is done; the same
-    sweep run again finishes it without training that trial a second time, and each
-    trial's checkpoint holds adapters of its own rank."""
+def test_an_interrupted_lora_sweep_resumes_its_trial_from_its_checkpoint(base, pretrained):
+    """`raylm tune` of a LoRA trial, stopped with Ctrl-C once the trial has a checkpoint; the
+    same sweep run again goes on with that trial from its newest checkpoint rather than from
+    the start. The trial's adapters have the rank the sweep gave it (2), not the config's (4):
+    the trial's settings reached its workers."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
+    import ray
     import torch.distributed.checkpoint as dcp
+
+    from raylm import checkpoint
+    from raylm.sweep import sweep
 
     root = Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
     args = [sys.executable, "-m", "raylm", "tune", *base, "--run.name=resumed",
             f"--model.path={pretrained}", "--lora.rank=4", "--tune.lr_points=1",
-            "--tune.lora_ranks=[2, 8]", "--tune.max_concurrent=1", "--train.steps=10"]
-    import ray
-
+            "--tune.lora_ranks=[2]", "--tune.max_concurrent=1"]
     # The interrupted driver joins the suite's cluster (a local one would take ~10 s to start);
-    # what its trials hold goes with it.
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    # what its trial holds goes with it. Ray Train's default poll (2 s, one report each) paces
+    # the trial at a 5-step report per 2 s, so it is still training when the interrupt comes.
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
     trials = root / "resumed" / "trials"
+
+    def newest_step() -> int:
+        found = [checkpoint.latest_verified(d, warn=lambda m: None)
+                 for d in trials.glob("*") if d.is_dir()]
+        return max((f[1]["state"]["step"] for f in found if f), default=0)
+
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
-    # Interrupt once the second trial has begun (it writes run.json first): only then has
-    # Tune recorded the first one as finished. A trial stopped between writing its summary
-    # and Tune hearing that it returned is, rightly, resumed (and trained 0 more steps).
     deadline = time.time() + 300
-    while time.time() < deadline and len(list(trials.glob("*/run.json"))) < 2:
-        time.sleep(0.5)
-    assert len(list(trials.glob("*/run.json"))) == 2, "the second trial did not start"
+    while time.time() < deadline and newest_step() < 5 and first.poll() is None:
+        time.sleep(0.2)
+    assert newest_step() >= 5, "the trial made no checkpoint"
     first.send_signal(signal.SIGINT)
     out, _ = first.communicate(timeout=120)
-    # A trial's summary is kept current while it runs; the finished one says so.
-    done = [p.parent.name for p in trials.glob("*/summary.json")
-            if json.loads(p.read_text())["status"] == "finished"]
-    assert len(done) == 1, out[-3000:]
+    (trial_dir,) = [d for d in trials.glob("*") if d.is_dir()]
+    interrupted_at = newest_step()
+    assert 5 <= interrupted_at < 30, out[-3000:]
 
     # The same sweep again, from this process (a second interpreter would start and import
-    # everything once more): it resumes.
-    from raylm.sweep import sweep
-
+    # everything once more): it resumes, and the trial goes on from its checkpoint.
     said: list[str] = []
     sweep(load_config(None, args[4:]), log=said.append)
     assert any("resuming the sweep" in line for line in said), said
     summary = json.loads((root / "resumed" / "tune_summary.json").read_text())
-    assert len(summary["trials"]) == 2
-    assert {t["trial_id"] for t in summary["trials"]} >= set(done)
-    # The trial finished before the interruption trained once: one invocation in its log.
-    records = [json.loads(line) for line in (trials / done[0] / "events.jsonl").read_text()
+    (trial,) = summary["trials"]
+    assert trial["trial_id"] == trial_dir.name and trial["config"]["lora.rank"] == 2
+    assert trial["steps"] == 30 and not trial["stopped_early"]
+    ran = json.loads((trial_dir / "summary.json").read_text())
+    assert ran["status"] == "finished" and ran["resumed_from_step"] == interrupted_at
+    records = [json.loads(line) for line in (trial_dir / "events.jsonl").read_text()
                .splitlines()]
-    assert len({r["invocation"] for r in records}) == 1
-    for trial in summary["trials"]:
-        meta = dcp.FileSystemReader(trial["checkpoint_path"]).read_metadata()
-        ranks = {v.size[0] for k, v in meta.state_dict_metadata.items()
-                 if k.startswith("model.") and k.endswith("lora_A.default.weight")}
-        assert ranks == {trial["config"]["lora.rank"]}
-    assert sorted(t["config"]["lora.rank"] for t in summary["trials"]) == [2, 8]
+    assert len({r["invocation"] for r in records}) == 2
+    assert ran["samples"]["duplicated"] == 0 and ran["samples"]["skipped"] == 0
+    meta = dcp.FileSystemReader(trial["checkpoint_path"]).read_metadata()
+    ranks = {v.size[0] for k, v in meta.state_dict_metadata.items()
+             if k.startswith("model.") and k.endswith("lora_A.default.weight")}
+    assert ranks == {2}
