@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import tiny_run
 from tests.distributed.test_fsdp_parity import free_port
 
 pytestmark = pytest.mark.integration
@@ -26,7 +27,7 @@ TINY = "jobs/configs/cpu_tiny.yaml"
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
+def head(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("jobs")
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
            "PATH": f"{BIN}:{os.environ['PATH']}"}
@@ -37,11 +38,12 @@ def head(tmp_path_factory):
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
          "--disable-usage-stats"],
         env=env, check=True, capture_output=True)
-    # The job settings every run here shares: the tiny config, in this test's own directories,
-    # a few steps. Prepared data is cached in cache_dir, so only the first job prepares.
-    overrides = [f"--run.storage_path={root}/runs", f"--run.cache_dir={root}/cache",
-                 "--train.steps=10", "--train.log_every=5", "--train.eval_every=10",
-                 "--checkpoint.every=10"]
+    # The job settings every run here shares: the tiny config with the tests' small corpus and
+    # tokenizer (the builtin corpus and a BPE trained on it take ~15 s to prepare here;
+    # notebook 01 prepares those), in this test's own directories, a few steps. Prepared data
+    # is cached in cache_dir, so only the first job prepares.
+    overrides = [*tiny_run(root, tokenizer_dir), "--train.steps=10", "--train.log_every=5",
+                 "--train.eval_every=10", "--checkpoint.every=10"]
     yield {"address": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{gcs}", "env": env,
            "root": root, "overrides": overrides}
     subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
