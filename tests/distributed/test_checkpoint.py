@@ -1,4 +1,6 @@
-"""Sharded checkpoints: saved by 2 gloo ranks, resumed on 1 (resharded), verified first."""
+"""Sharded checkpoints: saved by 2 gloo ranks, resumed on 1 (resharded) and on 2, from a
+directory and from object storage (a file:// URI, read through pyarrow as S3 or GCS would be),
+verified first."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from tests.distributed.test_fsdp_parity import VOCAB, data, exit_now, free_port
 STEPS = 4
 
 
-def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "tiny") -> list:
+def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "tiny",
+            fetched: dict | None = None) -> list:
     from raylm import checkpoint
     from raylm.optim import build_optimizer
     from raylm.step import build_training_model, train_step
@@ -27,7 +30,7 @@ def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "ti
     start = 0
     if resume:
         start = checkpoint.load(ckpt, model=built.model, optimizer=opt,
-                                config=built.config)["step"]
+                                config=built.config, fetched=fetched)["step"]
     losses = []
     for step in range(start, STEPS):
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in data(step % 2).items()}
@@ -45,10 +48,13 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, resume: bool =
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        losses = session(world, rank, ckpt, resume=resume)
+        fetched: dict = {}
+        losses = session(world, rank, ckpt, resume=resume, fetched=fetched)
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(losses, f)
+        with open(f"{out}.fetched.{rank}", "w") as f:
+            json.dump(fetched, f)
         # Leave together: the store lives in rank 0 and must outlive every rank's last call.
         dist.barrier()
     except BaseException:
@@ -78,14 +84,47 @@ def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
     assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)
 
 
-def test_one_rank_checkpoint_resumes_on_two_ranks_exactly(tmp_path):
-    torch.set_num_threads(1)
-    ckpt, out = str(tmp_path / "checkpoint_1"), str(tmp_path / "losses.json")
-    uninterrupted = session(1, 0, ckpt, resume=False)  # saves plain tensors at step 2
+def resume_on_two_ranks(ckpt: str, out: str) -> tuple[list, list[int]]:
+    """Rank 0's losses and each rank's fetched bytes, resuming ``ckpt`` on 2 ranks."""
     mp.spawn(worker, args=(2, free_port(), ckpt, out, True), nprocs=2, join=True)
     with open(out) as f:
-        resumed = json.load(f)
+        losses = json.load(f)
+    fetched = []
+    for rank in range(2):
+        with open(f"{out}.fetched.{rank}") as f:
+            fetched.append(json.load(f).get("bytes"))
+    return losses, fetched
+
+
+def size_of(ckpt) -> int:
+    from raylm import checkpoint
+
+    return sum(checkpoint.verify(ckpt)["files"].values())
+
+
+def test_one_rank_checkpoint_resumes_on_two_ranks_from_object_storage_exactly(tmp_path):
+    """Saved by one rank, resumed by two from a URI: each rank reads the chunks its shards
+    overlap, here the whole of each stored tensor (one rank stored each whole)."""
+    torch.set_num_threads(1)
+    ckpt, out = tmp_path / "run" / "checkpoint_1", str(tmp_path / "losses.json")
+    uninterrupted = session(1, 0, str(ckpt), resume=False)  # saves plain tensors at step 2
+    resumed, fetched = resume_on_two_ranks(f"file://{ckpt}", out)
     assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)
+    assert all(0.8 * size_of(ckpt) < f <= size_of(ckpt) for f in fetched), fetched
+
+
+def test_two_ranks_resuming_from_object_storage_fetch_their_own_shards(saved, tmp_path):
+    """The 2-rank checkpoint resumed by 2 ranks from a URI: each rank fetches its own shards
+    and the metadata, about half the checkpoint, and the run goes on exactly."""
+    import shutil
+
+    ckpt, uninterrupted = saved
+    shutil.copytree(ckpt, tmp_path / "run" / "checkpoint_000")
+    resumed, fetched = resume_on_two_ranks(f"file://{tmp_path}/run/checkpoint_000",
+                                           str(tmp_path / "losses.json"))
+    assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)
+    whole = size_of(ckpt)
+    assert all(0.3 * whole < f <= (0.5 + 0.05) * whole for f in fetched), (fetched, whole)
 
 
 def test_truncated_checkpoint_is_refused_and_skipped(saved, tmp_path):
@@ -137,5 +176,8 @@ def test_checkpoint_in_object_storage_is_found_verified_and_resumed(saved, tmp_p
     path, marker = checkpoint.latest_verified(run_uri)
     assert path == f"{run_uri}/checkpoint_000" and marker["state"]["step"] == 2
     torch.set_num_threads(1)
-    resumed = session(1, 0, path, resume=True)
+    fetched: dict = {}
+    resumed = session(1, 0, path, resume=True, fetched=fetched)
     assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)
+    # One rank loads everything: it reads every stored chunk once, nothing twice.
+    assert 0.8 * size_of(ckpt) < fetched["bytes"] <= size_of(ckpt)
