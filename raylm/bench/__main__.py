@@ -5,6 +5,7 @@
     lora      LoRA vs full fine-tuning of one model: parameters, checkpoint, memory, speed
     mfu       one GPU: tokens/s, MFU, memory, J/token of raylm's step vs a bare loop
     layouts   per-rank memory and step time under FSDP2, tensor and pipeline layouts
+    scale     bytes of an object-storage checkpoint each resuming rank fetches
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     la.add_argument("--micro-batch", type=int, default=2)
     la.add_argument("--steps", type=int, default=3)
     la.add_argument("--workdir", default=None)
+    sc = sub.add_parser("scale", help="what grows with the cluster: bytes of a checkpoint in "
+                                      "object storage each resuming rank fetches")
+    sc.add_argument("--output", required=True)
+    sc.add_argument("--preset", default="125m")
+    sc.add_argument("--ranks", default="2,4", help="rank counts that save and resume")
+    sc.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
 
     # Each benchmark imports only what it runs: the GPU machines that run some of them have no
@@ -105,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run(preset=args.preset, layouts=args.layouts.split(","), seq_len=args.seq_len,
                      global_batch=args.global_batch, micro_batch=args.micro_batch,
                      steps=args.steps, workdir=args.workdir)
+    elif args.name == "scale":
+        from raylm.bench.scale import run
+
+        result = run(preset=args.preset, ranks=[int(n) for n in args.ranks.split(",")],
+                     workdir=args.workdir)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
