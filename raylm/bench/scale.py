@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,13 +26,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-VOCAB = 32768
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from raylm.bench.layouts import VOCAB, _free_port
 
 
 def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
