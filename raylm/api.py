@@ -175,8 +175,8 @@ def prepare(config: ConfigLike = None, *, overrides: Overrides = None,
     added: where the prepared data lies."""
     from raylm.console import quiet_libraries
     from raylm.corpus import PREPARED_MANIFEST, resolve_sources
-    from raylm.data import prepare as run_prepare
-    from raylm.data import prepared_dir
+    from raylm.preparation import prepare as run_prepare
+    from raylm.preparation import prepared_dir
 
     cfg = resolve(config, overrides)
     d = cfg.data

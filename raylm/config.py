@@ -201,9 +201,15 @@ class DataConfig:
     max_bad_records_listed: int = 100
     """How many bad records manifest.json lists by file and line (all are counted)."""
     tokenize_batch_size: int = 512
-    """Documents per tokenizer call in the Ray Data map_batches stage."""
+    """Documents per tokenizer call in the preparation's packing tasks."""
     tokenize_concurrency: int = 0
-    """Concurrent read-and-tokenize tasks; 0 runs one per free CPU of the cluster."""
+    """Packing tasks (read, tokenize, pack and write one piece each) running at once; 0: as
+    many as the cluster has CPUs for."""
+    piece_mb: float = 16.0
+    """Source megabytes per preparation piece: consecutive files of about this size are read,
+    deduplicated against the whole corpus, tokenized and packed by one task (a file is never
+    split). Pieces depend on the files only, so the packed data is the same on any cluster;
+    each piece ends with its own dropped tail (under one block per split)."""
     rows_per_row_group: int = 256
     """Packed blocks per Parquet row group; also the unit of the deterministic shuffle."""
     shuffle_window: int = 16
@@ -342,6 +348,12 @@ class CheckpointConfig:
     """Save a checkpoint every this many steps (and at the end)."""
     keep: int = 3
     """Checkpoints kept; older ones are deleted."""
+    asynchronous: bool = True
+    """Write and upload periodic checkpoints in the background while training goes on (the
+    state is first copied to host memory: one more copy of this worker's shards of weights and
+    optimizer state). The last checkpoint and a preemption's are always written before the
+    run or the group stops. A checkpoint counts once its marker is written, after every rank's
+    files."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -691,6 +703,7 @@ def validate(cfg: Config) -> Config:
     _check(d.tokenize_batch_size >= 1, "data.tokenize_batch_size", d.tokenize_batch_size, ">= 1")
     _check(d.tokenize_concurrency >= 0, "data.tokenize_concurrency", d.tokenize_concurrency,
            "0 (auto) or a positive integer")
+    _check(d.piece_mb > 0, "data.piece_mb", d.piece_mb, "a number of megabytes > 0")
     _check(d.rows_per_row_group >= 1, "data.rows_per_row_group", d.rows_per_row_group, ">= 1")
     _check(d.shuffle_window >= 1, "data.shuffle_window", d.shuffle_window, ">= 1")
     _check(d.prefetch_batches >= 0, "data.prefetch_batches", d.prefetch_batches, ">= 0")

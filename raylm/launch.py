@@ -24,12 +24,13 @@ from ray.train.torch import TorchTrainer
 from raylm import checkpoint, ledger, lora, storage, tracking
 from raylm.config import Config, run_dir, storage_root
 from raylm.console import quiet_libraries, train_log_level
-from raylm.data import LAYOUT, READER_CPUS, prepared_dir
+from raylm.data import LAYOUT, READER_CPUS
 from raylm.exporter import RUN_INFO, write_run_info
 from raylm.model import build_config, build_meta_model, check_seq_len
 from raylm.optim import EXTEND_CLEANLY, schedule_change
 from raylm.parallelize import check_tensor_parallel
 from raylm.pipeline import check_pipeline
+from raylm.preparation import prepared_dir
 from raylm.progress import Feed
 from raylm.record import SUMMARY, RunRecord
 from raylm.tokenizer import load_backend

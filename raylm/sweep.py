@@ -32,8 +32,8 @@ from ray.tune.schedulers import ASHAScheduler
 from raylm import checkpoint, storage, tracking
 from raylm.config import Config, config_from_dict, run_dir, storage_root
 from raylm.console import quiet_libraries, tune_verbosity
-from raylm.data import prepared_dir
 from raylm.launch import ResourcePlan, check_request, cluster_capacity, plan_resources, train
+from raylm.preparation import prepared_dir
 from raylm.record import GROUP_START
 from raylm.tracking import Tracker
 

@@ -109,3 +109,21 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     tok = train_bpe(iter(make_docs(200) * 3), vocab_size=400, min_frequency=2)
     save_hf_tokenizer(tok, out)
     return out
+
+
+# data.piece_mb that makes every file of `write_pieces_corpus` a preparation piece of its own.
+PIECE_MB = 0.004
+
+
+def write_pieces_corpus(root: Path) -> dict[str, int]:
+    """Six JSONL files of ~6.5 KB with duplicates planted within a file, across files, and a
+    whole file (c) of copies of earlier ones; returns the counts a preparation must find."""
+    docs = make_docs(100)
+    root.mkdir(parents=True, exist_ok=True)
+    write_jsonl(root / "a.jsonl", docs[0:20])
+    write_jsonl(root / "b.jsonl", docs[20:40] + [docs[5], docs[25]])
+    write_jsonl(root / "c.jsonl", docs[0:10] + docs[20:30])
+    write_jsonl(root / "d.jsonl", docs[40:60] + [docs[45]])
+    write_jsonl(root / "e.jsonl", docs[60:80])
+    write_jsonl(root / "f.jsonl", [docs[99]] + docs[80:100] + [docs[65]])
+    return {"read": 20 + 22 + 20 + 21 + 20 + 22, "kept": 100, "duplicate": 2 + 20 + 1 + 2}

@@ -1,10 +1,10 @@
-"""Packed tokens/s of raylm's Ray Data pipeline against ``datasets.Dataset.map``.
+"""Packed tokens/s of raylm's preparation (Ray tasks) against ``datasets.Dataset.map``.
 
 Both sides start from the same JSONL shards and the same tokenizer, and end with fixed-length
 blocks of ``seq_len + 1`` tokens:
 
-- raylm: ``raylm.data.prepare`` (read, normalize, filter, dedup, tokenize, EOS, pack, write
-  Parquet), timed from call to manifest, on a local Ray cluster started (and timed) once.
+- raylm: ``raylm.preparation.prepare`` (read, normalize, filter, dedup, tokenize, EOS, pack,
+  write Parquet), timed from call to manifest, on a local Ray cluster started (and timed) once.
 - baseline: the Hugging Face ``run_clm`` recipe: ``load_dataset("json")``, ``map(tokenize,
   batched=True, num_proc=N)``, ``map(group_texts, batched=True, num_proc=N)``, with a fresh
   cache each time so nothing is reused, timed from ``load_dataset`` to the last block.
@@ -36,7 +36,7 @@ from raylm.corpus import (
     read_records,
     resolve_sources,
 )
-from raylm.data import prepare
+from raylm.preparation import prepare
 from raylm.tokenizer import build_tokenizer
 
 

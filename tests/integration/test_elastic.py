@@ -17,7 +17,8 @@ import pytest
 from raylm import record
 from raylm.config import load_config
 from raylm.launch import train
-from tests.conftest import tiny_run
+from raylm.preparation import prepare
+from tests.conftest import PIECE_MB, tiny_run, write_pieces_corpus
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +47,36 @@ def wait_for(predicate, what: str, timeout: float = 180.0):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_preparation_on_three_nodes_equals_one_cpu_byte_for_byte(cluster, tmp_path,
+                                                                 tokenizer_dir):
+    """The same corpus, in six preparation pieces, prepared on a 1-CPU cluster (a subprocess)
+    and on this cluster's three nodes: the same files, byte for byte."""
+    write_pieces_corpus(tmp_path / "corpus")
+    args = [f"--data.source={tmp_path / 'corpus'}", f"--tokenizer.path={tokenizer_dir}",
+            "--data.seq_len=31", "--data.rows_per_row_group=16", "--data.val_fraction=0.1",
+            f"--data.piece_mb={PIECE_MB}", f"--run.cache_dir={tmp_path}/cache"]
+    script = ("import sys, ray\n"
+              "from raylm.config import load_config\n"
+              "from raylm.preparation import prepare\n"
+              'ray.init(address="local", num_cpus=1, include_dashboard=False,\n'
+              "         log_to_driver=False)\n"
+              "prepare(load_config(None, sys.argv[2:]), sys.argv[1])\n")
+    one = subprocess.run([sys.executable, "-c", script, str(tmp_path / "one"), *args],
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    assert "6 pieces packed on 1 node\n" in one.stdout
+    said = []
+    prepare(load_config(None, args), tmp_path / "three", log=said.append)
+    assert said[-1].endswith("6 pieces packed on 3 nodes")
+
+    def files(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes()
+                for p in sorted(root.rglob("*")) if p.is_file()}
+
+    one_files, three_files = files(tmp_path / "one"), files(tmp_path / "three")
+    assert len(one_files) > 6 and one_files == three_files
 
 
 def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, monkeypatch):

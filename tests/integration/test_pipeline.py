@@ -1,4 +1,5 @@
-"""The Ray Data pipeline end to end on a local Ray cluster (one per module)."""
+"""Data preparation and the training streams end to end on a local Ray cluster (one per
+module)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 from raylm.cli import main
 from raylm.config import load_config
 from raylm.corpus import DROP_REASONS
-from raylm.data import PackedSplit, build_train_stream, prepare, read_val_blocks
-from tests.conftest import make_docs, write_jsonl
+from raylm.data import PackedSplit, build_train_stream, read_val_blocks
+from raylm.preparation import prepare
+from tests.conftest import PIECE_MB, make_docs, write_jsonl, write_pieces_corpus
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
@@ -45,8 +47,9 @@ def test_prepare_counts_add_up_and_blocks_are_the_token_stream(corpus, tokenizer
     cfg = config(corpus, tokenizer_dir, tmp_path)
     m = prepare(cfg, tmp_path / "out", log=lambda s: None)
     assert set(m) == {"documents_read", "documents_kept", "dropped", "bad_records", "tokens",
-                      "block_length", "blocks", "tail_tokens_dropped", "tokenizer_path",
-                      "fingerprint"}
+                      "block_length", "blocks", "tail_tokens_dropped", "pieces",
+                      "tokenizer_path", "fingerprint"}
+    assert m["pieces"] == 1
     assert set(m["dropped"]) == set(DROP_REASONS)
     # 41 + 3 JSONL lines, 30 paragraphs, 32 Parquet rows, 20 paragraphs, 1 empty file.
     assert m["documents_read"] == 44 + 30 + 32 + 20 + 1
@@ -82,6 +85,37 @@ def test_prepare_is_deterministic(corpus, tokenizer_dir, tmp_path):
     b = prepare(cfg, tmp_path / "b", log=lambda s: None)
     assert a == b
     assert pq.read_table(tmp_path / "a" / "train").equals(pq.read_table(tmp_path / "b" / "train"))
+
+
+def test_pieces_deduplicate_against_the_whole_corpus_and_pack_on_their_own(
+        tokenizer_dir, tmp_path):
+    """Six files, each a preparation piece: a duplicate is dropped wherever its first
+    occurrence is (same file, an earlier piece), the first occurrence is the one kept (the
+    piece of copies writes nothing), and each piece packs its own documents, ending with its
+    own counted tail."""
+    want = write_pieces_corpus(tmp_path / "corpus")
+    one = prepare(config(tmp_path / "corpus", tokenizer_dir, tmp_path), tmp_path / "one",
+                  log=lambda s: None)
+    many = prepare(config(tmp_path / "corpus", tokenizer_dir, tmp_path,
+                          f"--data.piece_mb={PIECE_MB}"), tmp_path / "many",
+                   log=lambda s: None)
+    assert (one["pieces"], many["pieces"]) == (1, 6)
+    for m in (one, many):
+        assert m["documents_read"] == want["read"] and m["documents_kept"] == want["kept"]
+        assert m["dropped"]["duplicate"] == want["duplicate"]
+        assert m["documents_read"] == m["documents_kept"] + sum(m["dropped"].values())
+        assert m["tokens"] == m["blocks"] * m["block_length"] + m["tail_tokens_dropped"]
+    assert many["tokens"] == one["tokens"]  # the same documents, packed in six pieces
+    assert many["tail_tokens_dropped"] <= 2 * 6 * (many["block_length"] - 1)
+    layout = json.loads((tmp_path / "many" / "layout.json").read_text())
+    files = layout["splits"]["train"]["files"] + layout["splits"]["val"]["files"]
+    assert {f[:10] for f in files} == {f"part-{p:05d}" for p in (0, 1, 3, 4, 5)}
+    sizes = layout["splits"]["train"]["row_group_sizes"]
+    assert sum(sizes) == layout["splits"]["train"]["blocks"]
+    assert sizes == [pq.ParquetFile(tmp_path / "many" / "train" / f).metadata.row_group(g)
+                     .num_rows for f in layout["splits"]["train"]["files"]
+                     for g in range(pq.ParquetFile(tmp_path / "many" / "train" / f)
+                                    .num_row_groups)]
 
 
 def test_on_bad_record_error_names_file_and_line(corpus, tokenizer_dir, tmp_path, capsys):
@@ -155,7 +189,7 @@ def test_two_ranks_read_disjoint_shards_covering_the_packed_set(corpus, tokenize
 
 
 def test_training_reads_a_prepared_directory_or_caches_one(corpus, tokenizer_dir, tmp_path):
-    from raylm.data import prepared_dir
+    from raylm.preparation import prepared_dir
 
     cfg = config(corpus, tokenizer_dir, tmp_path)
     cached = prepared_dir(cfg, log=lambda s: None)  # raw source: prepared into the cache once

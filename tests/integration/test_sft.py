@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raylm.config import load_config
-from raylm.data import prepare
+from raylm.preparation import prepare
 from tests.conftest import save_tiny_llama, tokenizer_vocab
 from tests.integration import faults
 
