@@ -85,15 +85,47 @@ def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.opt
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))
-    if samples is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+    _write_marker(path, state=state, config=config, samples=samples, adapters=adapters)
+
+
+class AsyncSave:
+    """A save whose shards are written in the background. Made by every rank at the same step:
+    the state is copied (staged) before the constructor returns, so training may go on and
+    change it; DCP's planning and writing then run in a thread of its own over ``group`` (a
+    gloo group used by nothing else, so their collectives never interleave with training's).
+    :meth:`finish`, also on every rank and over the same group, waits for the write and then
+    writes the marker, so a checkpoint cut short by a crash never has one."""
+
+    def __init__(self, directory: str | os.PathLike, *, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, state: dict[str, Any], config,
+                 samples: np.ndarray | None, adapters: dict[str, Any] | None,
+                 group: dist.ProcessGroup | None) -> None:
+        self.path = Path(directory)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.group = group
+        self._marker = dict(state=state, config=config, samples=samples, adapters=adapters)
+        self._write = dcp.async_save(_state_dicts(model, optimizer),
+                                     checkpoint_id=str(self.path), process_group=group)
+
+    def finish(self) -> None:
+        self._write.result()
+        _write_marker(self.path, group=self.group, **self._marker)
+
+
+def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndarray | None,
+                  adapters: dict[str, Any] | None, group: dist.ProcessGroup | None = None
+                  ) -> None:
+    """Rank 0 writes the ledger and then the marker naming every rank's files and sizes."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if samples is not None and rank0:
         np.save(path / SAMPLES, samples)
     mine = {p.name: p.stat().st_size for p in path.iterdir()
             if p.is_file() and p.name != MARKER}
     everyone = [mine]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+        dist.all_gather_object(everyone, mine, group=group)
+    if rank0:
         files: dict[str, int] = {}
         for f in everyone:
             files.update(f)

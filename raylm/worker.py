@@ -10,7 +10,8 @@ apart as torchtitan keeps it:
   over the run.
 - :func:`at_boundary`: a pure function of the step saying whether to report, evaluate, save or
   stop for a preemption.
-- :func:`save_and_report`: the checkpoint (with the sample ledger) and ``ray.train.report``.
+- :func:`save_and_report`: the checkpoint (with the sample ledger) and ``ray.train.report``;
+  :class:`Checkpointer` makes periodic checkpoints asynchronous.
 
 Every worker reports at the same steps (Ray Train needs all of them); metrics are global
 figures, identical on every rank. A worker group's first report, made as soon as it is set up
@@ -21,13 +22,17 @@ the controller's record (:mod:`raylm.record`) learns of restarts and resizes.
 
 from __future__ import annotations
 
+import copy
 import itertools
+import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,6 +64,8 @@ from raylm.record import GROUP_START
 from raylm.step import Built, TrainState, build_training_model, evaluate, train_step
 from raylm.tracking import Tracker
 
+ASYNC = ray.train.CheckpointUploadMode.ASYNC
+
 
 @dataclass
 class Setup:
@@ -81,6 +88,7 @@ class Setup:
     vote: preemption.Vote
     constant_metrics: dict[str, Any]
     """Reported with every step: the layout, the kernels that ran, where the group resumed."""
+    checkpointer: "Checkpointer"
     state_memory: dict[str, float] | None = None
     """Parameter and optimizer-state memory of the rank holding most, once measured."""
 
@@ -141,7 +149,10 @@ def train(run: Setup) -> None:
         metrics.update(run.state_memory)
         if todo.evaluate:
             metrics.update(validate(run))
-        save_and_report(run, metrics, save=todo.save)
+        # The last checkpoint and a preemption's are written before the loop goes on (to its
+        # end, or to stopping the group); the others in the background.
+        save_and_report(run, metrics, save=todo.save,
+                        wait=todo.preempted or state.step >= t.steps)
         if todo.preempted:
             notice = preemption.drain_notice()
             raise preemption.Preempted(
@@ -273,16 +284,96 @@ def validate(run: Setup) -> dict[str, float]:
     return {"val_loss": val, "val_perplexity": float(np.exp(val))}
 
 
-def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool) -> None:
-    if not save:
-        ray.train.report(metrics)
-        return
-    samples = run.ledger.collect(run.built.device)
-    with tempfile.TemporaryDirectory(prefix="raylm-ckpt-") as tmp:
-        ckpt.save(tmp, model=run.built.model, optimizer=run.optimizer,
-                  state=run.state.state_dict(), config=run.built.config, samples=samples,
-                  adapters=lora_settings(run.cfg.lora))
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+class Checkpointer:
+    """Checkpoints of one worker, synchronous or (``checkpoint.asynchronous``) in the
+    background: the state is staged at the step (a copy, so training goes on), DCP writes it
+    from a thread of its own over a gloo group only checkpoints use, and Ray Train's upload
+    thread (one per worker, reports in order) waits for the write, writes the marker and copies
+    the directory to storage. One checkpoint is in flight at most: the next waits for the one
+    before, so the group's collectives never interleave. Reports made meanwhile go through the
+    same thread, so the loop does not wait for the upload either."""
+
+    def __init__(self, asynchronous: bool) -> None:
+        import torch.distributed as dist
+
+        self.asynchronous = asynchronous
+        remove_stale_staging()
+        # Made by every rank in the same order, as new_group needs.
+        self.group = (dist.new_group(backend="gloo")
+                      if asynchronous and dist.is_initialized() else None)
+        self._uploaded: threading.Event | None = None
+
+    def wait(self) -> None:
+        """Until the checkpoint in flight (if any) is written, marked and uploaded."""
+        if self._uploaded is not None:
+            self._uploaded.wait()
+            self._uploaded = None
+
+    def report(self, metrics: dict[str, Any]) -> None:
+        if self._uploaded is None or self._uploaded.is_set():
+            ray.train.report(metrics)
+        else:
+            ray.train.report(metrics, checkpoint_upload_mode=ASYNC)
+
+    def save(self, run: Setup, metrics: dict[str, Any], *, wait: bool) -> None:
+        self.wait()
+        samples = run.ledger.collect(run.built.device)
+        saving = dict(model=run.built.model, optimizer=run.optimizer,
+                      state=copy.deepcopy(run.state.state_dict()), config=run.built.config,
+                      samples=samples, adapters=lora_settings(run.cfg.lora))
+        prefix = staging_prefix(run.state.step)
+        if wait or not self.asynchronous:
+            with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+                ckpt.save(tmp, **saving)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+            return
+        # Ray Train deletes the directory once it is uploaded.
+        pending = ckpt.AsyncSave(tempfile.mkdtemp(prefix=prefix), group=self.group, **saving)
+        uploaded = threading.Event()
+
+        def finish_and_upload(checkpoint: ray.train.Checkpoint, name: str):
+            try:
+                pending.finish()
+                return ray.train.get_context().get_storage().persist_current_checkpoint(
+                    checkpoint, name)
+            finally:
+                uploaded.set()
+
+        self._uploaded = uploaded
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(pending.path),
+                         checkpoint_upload_mode=ASYNC, checkpoint_upload_fn=finish_and_upload,
+                         delete_local_checkpoint_after_upload=True)
+
+
+STAGING = "raylm-ckpt-"
+
+
+def staging_prefix(step: int) -> str:
+    """Where a checkpoint is written before Ray Train uploads it: the local temporary directory,
+    named by process and step (``raylm-ckpt-<pid>-step<step>-...``)."""
+    return f"{STAGING}{os.getpid()}-step{step}-"
+
+
+def remove_stale_staging() -> None:
+    """Delete the staging directories of processes that are gone: a worker killed during a save
+    leaves its directory behind, and the workers of the next group on the node clean up."""
+    for path in Path(tempfile.gettempdir()).glob(f"{STAGING}*-step*"):
+        pid = int(path.name[len(STAGING):].split("-", 1)[0])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bool) -> None:
+    """Report ``metrics``, with a checkpoint if ``save``: written before this returns if
+    ``wait``, else (when asynchronous) in the background."""
+    if save:
+        run.checkpointer.save(run, metrics, wait=wait)
+    else:
+        run.checkpointer.report(metrics)
 
 
 def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
@@ -380,7 +471,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  state=state, ledger=ledger, micro_batch=micro_batch,
                  accumulation=accumulation, batches=batches, val_batches=val_batches,
                  tracker=tracker, meter=meter, vote=preemption.Vote(device),
-                 constant_metrics=constant)
+                 constant_metrics=constant,
+                 checkpointer=Checkpointer(cfg.checkpoint.asynchronous))
 
 
 def trainable_params(built: Built) -> int:

@@ -1,11 +1,12 @@
 """python -m raylm.bench NAME --output FILE.json [options]
 
-    data      Ray Data tokenize+pack vs datasets.Dataset.map(num_proc=2)
+    data      raylm's preparation (tokenize+pack) vs datasets.Dataset.map(num_proc=2)
     overhead  raylm single-worker training vs a bare PyTorch loop
     lora      LoRA vs full fine-tuning of one model: parameters, checkpoint, memory, speed
     mfu       one GPU: tokens/s, MFU, memory, J/token of raylm's step vs a bare loop
     layouts   per-rank memory and step time under FSDP2, tensor and pipeline layouts
-    scale     bytes of an object-storage checkpoint each resuming rank fetches
+    scale     preparation driver at 1x and 8x; checkpoint bytes each resuming rank fetches;
+              training time lost to a synchronous and an asynchronous checkpoint
 """
 
 from __future__ import annotations
@@ -72,9 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     la.add_argument("--micro-batch", type=int, default=2)
     la.add_argument("--steps", type=int, default=3)
     la.add_argument("--workdir", default=None)
-    sc = sub.add_parser("scale", help="what grows with the cluster: bytes of a checkpoint in "
-                                      "object storage each resuming rank fetches")
+    sc = sub.add_parser("scale", help="what grows with the corpus and the cluster: the "
+                                      "preparation driver's RSS and CPU at 1x and 8x, bytes "
+                                      "of a checkpoint each resuming rank fetches")
     sc.add_argument("--output", required=True)
+    sc.add_argument("--parts", default="prepare,checkpoint_fetch,async_checkpoint")
+    sc.add_argument("--packages", default="transformers,torch,ray,datasets,mlflow,peft",
+                    help="installed packages whose docstrings form the prepare corpus")
     sc.add_argument("--preset", default="125m")
     sc.add_argument("--ranks", default="2,4", help="rank counts that save and resume")
     sc.add_argument("--workdir", default=None)
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         from raylm.bench.scale import run
 
         result = run(preset=args.preset, ranks=[int(n) for n in args.ranks.split(",")],
+                     parts=args.parts.split(","), packages=args.packages.split(","),
                      workdir=args.workdir)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

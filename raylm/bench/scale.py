@@ -1,5 +1,14 @@
-"""What grows with the cluster: how much of a checkpoint in object storage each resuming rank
-fetches.
+"""What grows with the corpus and the cluster: the preparation driver's share of the work, and
+how much of a checkpoint in object storage each resuming rank fetches.
+
+``prepare``: the builtin corpus (every docstring, duplicates included) written as JSONL shards,
+prepared at 1x and at 8x (eight variants of every shard whose documents differ by a prefix, so
+deduplication keeps them all) on a Ray cluster started beforehand with ``ray start --head``,
+each by a driver of its own (a subprocess that joins the cluster), so the driver's peak RSS and
+CPU time are its own and not those of Ray's processes. The tokenizer is trained once beforehand
+and given, so the driver's work is the preparation's: planning the pieces, collecting their
+counts, writing the layout and manifest. Goals: the driver's RSS and CPU time at 8x within 1.2x
+and 1.5x of 1x. A 1x preparation runs first untimed (it starts Ray's worker processes).
 
 ``checkpoint_fetch``: for each rank count N, N gloo processes build the model through raylm's
 step core (FSDP2 over N ranks), take one AdamW step (so the optimizer state exists) and save a
@@ -10,7 +19,17 @@ bytes over the checkpoint's size; the goal is ``1/N + 0.05`` (its own shards plu
 metadata). The baseline, measured in the same run, is a download of the checkpoint directory
 (:func:`raylm.storage.download`), which is what every rank fetched before ranged reads.
 
-Needs torch and transformers only (no Ray).
+``async_checkpoint``: 2 gloo ranks train a preset with FSDP2 and AdamW, and checkpoint once
+the steady state is reached, either synchronously (:func:`raylm.checkpoint.save`, then a copy
+to a ``file://`` URI, as Ray Train's upload does) or as training checkpoints by default
+(:class:`raylm.checkpoint.AsyncSave`: staged, written by DCP's thread; a second thread then
+writes the marker and copies, as Ray Train's upload thread does in a worker). The stall is the
+training time lost to one checkpoint: the wall time of the checkpointing step and the steps
+after it (until the background write is done, and any wait for it at the end) minus the same
+number of steps at the median step time measured before. ``ratio`` = async / sync; the goal is
+<= 0.25.
+
+``checkpoint_fetch`` and ``async_checkpoint`` need torch and transformers only (no Ray).
 """
 
 from __future__ import annotations
@@ -19,7 +38,10 @@ import json
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +80,8 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> N
     dist.destroy_process_group()
 
 
-def _spawn(world: int, spec: dict[str, Any], out: Path) -> list[dict[str, int]]:
-    mp.spawn(_rank, args=(world, _free_port(), spec, str(out)), nprocs=world, join=True)
+def _spawn(world: int, spec: dict[str, Any], out: Path, fn=None) -> list[dict[str, Any]]:
+    mp.spawn(fn or _rank, args=(world, _free_port(), spec, str(out)), nprocs=world, join=True)
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 
@@ -88,10 +110,198 @@ def checkpoint_fetch(*, preset: str, ranks: list[int], root: Path) -> dict[str, 
     return results
 
 
-def run(*, preset: str, ranks: list[int], workdir: str | None) -> dict[str, Any]:
+def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
+    import statistics
+    import threading
+
+    import torch.distributed as dist
+
+    from raylm import checkpoint, storage
+    from raylm.optim import build_optimizer
+    from raylm.step import build_training_model, train_step
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(backend="gloo")
+    built = build_training_model(preset=spec["preset"], path=None, vocab_size=VOCAB, eos_id=0,
+                                 device=torch.device("cpu"), precision="fp32", seed=0)
+    opt = build_optimizer(built.model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95),
+                          device_type="cpu")
+    gen = torch.Generator().manual_seed(rank)
+
+    def step() -> float:
+        batch = {"input_ids": torch.randint(1, VOCAB, (spec["micro_batch"], spec["seq_len"] + 1),
+                                            generator=gen)}
+        dist.barrier()
+        t0 = time.perf_counter()
+        train_step(built, opt, [batch], accumulation=1, grad_clip=1.0)
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        step()  # warm-up: the optimizer state exists from here
+    base = statistics.median(step() for _ in range(spec["baseline_steps"]))
+    local = Path(spec["root"]) / f"local-{spec['mode']}" / f"rank{rank}"
+    uri = f"file://{spec['root']}/bucket-{spec['mode']}/checkpoint_000"
+    saving = dict(model=built.model, optimizer=opt, state={"step": 3}, config=built.config,
+                  samples=None, adapters=None)
+    dist.barrier()
+    t0 = time.perf_counter()
+    steps = 0
+    if spec["mode"] == "sync":
+        checkpoint.save(local, **saving)
+        storage.upload(local, uri)
+    else:
+        pending = checkpoint.AsyncSave(local, group=group, **saving)
+        done = threading.Event()
+
+        def finish_and_upload() -> None:
+            pending.finish()
+            storage.upload(local, uri)
+            done.set()
+
+        threading.Thread(target=finish_and_upload, daemon=True).start()
+        while steps < spec["max_steps_after"]:
+            busy = torch.tensor([0 if done.is_set() else 1])
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX)  # the ranks step together
+            if not busy.item():
+                break
+            step()
+            steps += 1
+        done.wait()
+    dist.barrier()
+    wall = time.perf_counter() - t0
+    Path(f"{out}.{rank}").write_text(json.dumps({
+        "median_step_s": base, "steps_after": steps, "wall_s": wall,
+        "stall_s": wall - steps * base}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def async_checkpoint(*, preset: str, root: Path, ranks: int = 2) -> dict[str, Any]:
+    from raylm import checkpoint
+
+    results: dict[str, Any] = {}
+    for mode in ("sync", "async"):
+        spec = {"preset": preset, "mode": mode, "root": str(root), "seq_len": 128,
+                "micro_batch": 2, "baseline_steps": 4, "max_steps_after": 50}
+        per_rank = _spawn(ranks, spec, root / f"stall-{mode}", fn=_stall_rank)
+        worst = max(per_rank, key=lambda r: r["stall_s"])
+        results[f"{mode}_stall_s"] = round(worst["stall_s"], 3)
+        results[f"{mode}_detail"] = per_rank
+        where = str(root / f"bucket-{mode}" / "checkpoint_000")
+        results["checkpoint_bytes"] = sum(checkpoint.verify(where)["files"].values())
+        shutil.rmtree(root / f"bucket-{mode}")
+        shutil.rmtree(root / f"local-{mode}")
+    ratio = results["async_stall_s"] / results["sync_stall_s"]
+    return {"preset": preset, "ranks": ranks, **results, "ratio": round(ratio, 3),
+            "goal": 0.25, "met": ratio <= 0.25}
+
+
+def write_builtin_shards(packages: list[str], root: Path, *, shards: int, variants: int
+                         ) -> dict[str, Any]:
+    """The builtin corpus's documents, duplicates included, as ``shards`` JSONL files per
+    variant; variant k > 0 prefixes every document with ``k:``."""
+    from raylm.corpus import builtin_files, read_records
+
+    docs = [r.text for f in builtin_files(packages) for r in read_records(f) if r.text]
+    root.mkdir(parents=True, exist_ok=True)
+    for k in range(variants):
+        prefix = f"{k}: " if k else ""
+        for i in range(shards):
+            with open(root / f"v{k}-{i:03d}.jsonl", "w") as out:
+                for d in docs[i * len(docs) // shards:(i + 1) * len(docs) // shards]:
+                    out.write(json.dumps({"text": prefix + d}) + "\n")
+    return {"documents": len(docs) * variants,
+            "bytes": sum(p.stat().st_size for p in root.iterdir())}
+
+
+_DRIVER = """
+import json, os, resource, sys, time
+import ray
+from raylm.config import load_config
+from raylm.preparation import prepare
+ray.init(address=sys.argv[1], log_to_driver=False)
+cfg = load_config(None, sys.argv[3:])
+cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
+m = prepare(cfg, sys.argv[2], log=lambda s: None)
+print(json.dumps({"seconds": time.perf_counter() - t0,
+                  "driver_cpu_s": sum(os.times()[:2]) - cpu0,
+                  "driver_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "documents_read": m["documents_read"], "tokens": m["tokens"],
+                  "pieces": m["pieces"]}))
+"""
+
+
+def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
+    from raylm.tokenizer import build_tokenizer
+
+    corpora = {"1x": write_builtin_shards(packages, root / "1x", shards=8, variants=1),
+               "8x": write_builtin_shards(packages, root / "8x", shards=8, variants=8)}
+    from raylm.corpus import resolve_sources
+
+    files = resolve_sources(str(root / "1x"), builtin_packages=[])
+    tokenizer = build_tokenizer(files, corpus_fingerprint="bench-scale",
+                                cache_dir=root / "cache", vocab_size=8192, min_frequency=2,
+                                train_chars=20_000_000, text_field="text",
+                                text_unit="paragraph", examples=None, log=lambda s: None)
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    head = subprocess.Popen(["ray", "start", "--head", f"--port={port}", "--block",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while subprocess.run(["ray", "health-check", "--address", address],
+                             capture_output=True).returncode != 0:
+            if time.monotonic() > deadline or head.poll() is not None:
+                raise RuntimeError(f"the Ray head on {address} did not start")
+            time.sleep(1)
+
+        def once(size: str) -> dict[str, Any]:
+            out = root / f"out-{size}"
+            shutil.rmtree(out, ignore_errors=True)
+            proc = subprocess.run(
+                [sys.executable, "-c", _DRIVER, address, str(out),
+                 f"--data.source={root / size}", f"--tokenizer.path={tokenizer}",
+                 f"--run.cache_dir={root / 'cache'}"],
+                capture_output=True, text=True, check=False)
+            if proc.returncode:
+                raise RuntimeError(f"preparing {size} failed:\n{proc.stderr[-3000:]}")
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+
+        once("1x")  # starts the cluster's worker processes
+        runs = {size: once(size) for size in ("1x", "8x")}
+    finally:
+        head.terminate()
+        head.wait(timeout=60)
+    a, b = runs["1x"], runs["8x"]
+    rss, cpu = b["driver_rss_mb"] / a["driver_rss_mb"], b["driver_cpu_s"] / a["driver_cpu_s"]
+    return {
+        "corpus": corpora,
+        **{f"{k}_{size}": round(runs[size][k], 3) for size in runs
+           for k in ("seconds", "driver_rss_mb", "driver_cpu_s")},
+        **{f"{k}_{size}": runs[size][k] for size in runs
+           for k in ("documents_read", "tokens", "pieces")},
+        "rss_ratio": round(rss, 3), "cpu_ratio": round(cpu, 3),
+        "goals": {"rss_ratio": 1.2, "cpu_ratio": 1.5},
+        "met": rss <= 1.2 and cpu <= 1.5,
+    }
+
+
+def run(*, preset: str, ranks: list[int], parts: list[str], packages: list[str],
+        workdir: str | None) -> dict[str, Any]:
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raylm-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    return {"benchmark": "scale", "preset": preset, "vocab_size": VOCAB,
-            "cpu": platform.processor() or "cpu", "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "checkpoint_fetch": checkpoint_fetch(preset=preset, ranks=ranks, root=root)}
+    result: dict[str, Any] = {"benchmark": "scale", "cpu": platform.processor() or "cpu",
+                              "cpus": os.cpu_count(), "torch": torch.__version__}
+    if "prepare" in parts:
+        result["prepare"] = prepare_scale(packages=packages, root=root / "prepare")
+    if "async_checkpoint" in parts:
+        result["async_checkpoint"] = async_checkpoint(preset=preset, root=root)
+    if "checkpoint_fetch" in parts:
+        result["checkpoint_fetch"] = {
+            "preset": preset, "vocab_size": VOCAB,
+            **checkpoint_fetch(preset=preset, ranks=ranks, root=root)}
+    return result

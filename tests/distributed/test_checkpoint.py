@@ -1,6 +1,7 @@
 """Sharded checkpoints: saved by 2 gloo ranks, resumed on 1 (resharded) and on 2, from a
 directory and from object storage (a file:// URI, read through pyarrow as S3 or GCS would be),
-verified first."""
+verified first. The checkpoints are saved asynchronously, as training saves them: the ranks
+train two more steps while the write is in flight, and the checkpoint still holds step 2."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ STEPS = 4
 
 def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "tiny",
             fetched: dict | None = None) -> list:
+    import torch.distributed as dist
+
     from raylm import checkpoint
     from raylm.optim import build_optimizer
     from raylm.step import build_training_model, train_step
@@ -32,12 +35,20 @@ def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "ti
         start = checkpoint.load(ckpt, model=built.model, optimizer=opt,
                                 config=built.config, fetched=fetched)["step"]
     losses = []
+    pending = None
     for step in range(start, STEPS):
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in data(step % 2).items()}
         losses.append(float(train_step(built, opt, [batch], accumulation=1, grad_clip=1.0)[0]))
         if step + 1 == 2 and not resume:
-            checkpoint.save(ckpt, model=built.model, optimizer=opt, config=built.config,
-                            state={"step": 2, "tokens_seen": 2 * 4 * 32, "data_position": 8})
+            group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            pending = checkpoint.AsyncSave(
+                ckpt, model=built.model, optimizer=opt, config=built.config, samples=None,
+                adapters=None, group=group,
+                state={"step": 2, "tokens_seen": 2 * 4 * 32, "data_position": 8})
+    if pending is not None:
+        with pytest.raises(checkpoint.CheckpointError, match="save did not finish"):
+            checkpoint.verify(ckpt)  # not a checkpoint until every rank's write is done
+        pending.finish()
     return losses
 
 

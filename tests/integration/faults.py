@@ -53,3 +53,57 @@ def kill_a_worker() -> int:
     victim = train_workers()[0]
     victim.send_signal(signal.SIGKILL)
     return victim.pid
+
+
+def kill_a_worker_during_an_async_save(*, before_step: int, timeout: float = 120.0
+                                       ) -> tuple[int, int]:
+    """SIGKILL a training worker while a checkpoint is being written in the background, before
+    its step ``before_step``; returns (pid, the step of the save cut short).
+
+    A save is in flight while every worker has its staging directory for that step and none
+    holds the marker (rank 0 writes it there once every rank's shards are written, before the
+    upload). Every worker is stopped (SIGSTOP) to look at that without a race; if it holds,
+    one is killed and the others go on and find their peer gone, else they go on and the next
+    save is awaited."""
+    import signal
+    import tempfile
+
+    from raylm.checkpoint import MARKER
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        workers = train_workers()
+        if not workers or not _save_in_flight(workers, before_step):
+            time.sleep(0.002)
+            continue
+        for p in workers:
+            p.send_signal(signal.SIGSTOP)
+        step = _save_in_flight(workers, before_step)
+        if step:
+            workers[0].send_signal(signal.SIGKILL)
+        for p in workers[1:] if step else workers:
+            p.send_signal(signal.SIGCONT)
+        if step:
+            return workers[0].pid, step
+    raise AssertionError(f"no asynchronous save in flight within {timeout}s "
+                         f"(staging directories under {tempfile.gettempdir()}, {MARKER})")
+
+
+def _save_in_flight(workers, before_step: int) -> int | None:
+    """The step of a save every worker is staging and none has marked yet, if any."""
+    import tempfile
+
+    from raylm.checkpoint import MARKER
+
+    by_pid: dict[int, list[Path]] = {}
+    for d in Path(tempfile.gettempdir()).glob("raylm-ckpt-*-step*"):
+        pid, step = d.name[len("raylm-ckpt-"):].split("-")[:2]
+        by_pid.setdefault(int(pid), []).append(d)
+    dirs = [by_pid.get(p.pid, []) for p in workers]
+    if not all(len(d) == 1 for d in dirs):
+        return None
+    steps = {int(d[0].name.split("-step")[1].split("-")[0]) for d in dirs}
+    if len(steps) != 1 or any((d[0] / MARKER).exists() for d in dirs):
+        return None
+    step = steps.pop()
+    return step if step < before_step else None

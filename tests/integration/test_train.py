@@ -299,22 +299,28 @@ def assert_exact_samples(summary, steps):
 
 
 def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(base, trained):
-    """A worker SIGKILLed after the step-5 checkpoint (a lost process), then a worker of the
-    group that replaced it sent SIGTERM (a preemption): the first restart goes back to the
-    newest checkpoint; the preempted group saves at the step it has reached, so nothing is
-    trained twice; the run ends with the uninterrupted run's losses."""
+    """Checkpoints every step, asynchronous. A worker SIGKILLed while a checkpoint is being
+    written in the background (a lost process): the restart goes back to the newest verified
+    checkpoint, the one before the save cut short, and the staging directory the killed
+    worker left is removed. Then a worker of the group that replaced it is sent SIGTERM (a
+    preemption): the preempted group saves at the step it has reached, so nothing is trained
+    twice; the run ends with the uninterrupted run's losses."""
     import signal
+    import tempfile
 
     killed = []
     out = run_and_interfere(
-        base, ["--run.name=faults", "--train.steps=30", "--checkpoint.every=5"],
-        acts=[(5, lambda: killed.append(faults.kill_a_worker())),
+        base, ["--run.name=faults", "--train.steps=30", "--checkpoint.every=1"],
+        acts=[(5, lambda: killed.append(faults.kill_a_worker_during_an_async_save(
+                  before_step=30))),
               (5, lambda: faults.train_workers()[-1].send_signal(signal.SIGTERM))])
     assert killed and out["status"] == "finished"
     assert out["final_step"] == 30 and out["restarts"] == 2 and out["failures"] >= 1
+    (pid, cut_short), = killed
     lost, preempted = out["interruptions"]
     assert lost["event"] == "restart" and lost["from_workers"] == lost["to_workers"] == 2
-    assert lost["resumed_from_step"] >= 5 and lost["resumed_from_step"] % 5 == 0
+    assert lost["resumed_from_step"] == cut_short - 1
+    assert not list(Path(tempfile.gettempdir()).glob(f"raylm-ckpt-{pid}-*"))
     assert lost["failures"] >= 1 and lost["cause"] and "Preempted" not in lost["cause"]
     assert "Preempted" in preempted["cause"] and preempted["steps_redone"] == 0
     assert preempted["resumed_from_step"] == preempted["at_step"] > lost["resumed_from_step"]
