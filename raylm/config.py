@@ -368,8 +368,8 @@ class ScalingConfig:
     """Extra Ray resources each training worker asks for, e.g. ``{trainer: 1}`` to place
     workers only on the nodes (or the autoscaling node group) that advertise that resource."""
     data_resources: dict[str, float] = field(default_factory=dict)
-    """Extra Ray resources every Ray Data task and actor asks for (tokenizing in prepare, each
-    worker's reader), e.g. ``{data_node: 0.001}`` where a CPU node group advertises
+    """Extra Ray resources every data task and actor asks for (the preparation's tasks, each
+    worker's Ray Data reader), e.g. ``{data_node: 0.001}`` where a CPU node group advertises
     ``data_node: 1000``: the autoscaler then grows that group for data work, and data work never
     lands on training nodes that lack the resource."""
     wait_for_nodes: bool = False

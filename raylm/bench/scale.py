@@ -248,12 +248,13 @@ def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
                                 text_unit="paragraph", examples=None, log=lambda s: None)
     port = _free_port()
     address = f"127.0.0.1:{port}"
-    head = subprocess.Popen(["ray", "start", "--head", f"--port={port}", "--block",
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen([ray_cli, "start", "--head", f"--port={port}", "--block",
                              "--include-dashboard=false", "--disable-usage-stats"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while subprocess.run(["ray", "health-check", "--address", address],
+        while subprocess.run([ray_cli, "health-check", "--address", address],
                              capture_output=True).returncode != 0:
             if time.monotonic() > deadline or head.poll() is not None:
                 raise RuntimeError(f"the Ray head on {address} did not start")

@@ -1,8 +1,8 @@
 """Autoscaling on one machine: Ray's AutoscalingCluster runs the real autoscaler with fake
 node types that mirror cluster/aws.yaml's groups. A job (`raylm submit`) that needs 2 training
-workers starts with only the head; the autoscaler adds the data node for Ray Data work and two
-training nodes for the workers, and the run completes with every piece where its group
-says."""
+workers starts with only the head; the autoscaler adds the data node for the data work
+(preparation, readers) and two training nodes for the workers, and the run completes with
+every piece where its group says."""
 
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ print(json.dumps({
     "workers": [a.node_id for a in list_actors(
         filters=[("class_name", "=", "RayTrainWorker")], limit=100)],
     "readers": [a.node_id for a in list_actors(limit=1000) if "_ReadBlocks" in a.class_name],
-    "tokenize": [t.node_id for t in list_tasks(limit=10000)
-                 if "_read_and_tokenize" in t.name],
+    "preparation": [t.node_id for t in list_tasks(limit=10000)
+                    if t.name in ("hash_piece", "find_duplicates", "pack_piece")],
 }))
 """
 
@@ -144,6 +144,6 @@ def test_training_group_scales_up_from_zero_and_the_run_completes(autoscaling, t
     data_nodes = {n["id"] for n in seen["nodes"] if "data_node" in n["resources"]}
     assert len(train_nodes) == 2 and len(data_nodes) == 1  # both groups grew from zero
     assert seen["workers"] and set(seen["workers"]) == train_nodes
-    # Ray Data's work (tokenizing in prepare, each worker's reader) ran on the data node only.
+    # The data work (the preparation's tasks, each worker's reader) ran on the data node only.
     assert seen["readers"] and set(seen["readers"]) <= data_nodes
-    assert seen["tokenize"] and set(seen["tokenize"]) <= data_nodes
+    assert seen["preparation"] and set(seen["preparation"]) <= data_nodes
