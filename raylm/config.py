@@ -205,11 +205,11 @@ class DataConfig:
     tokenize_concurrency: int = 0
     """Packing tasks (read, tokenize, pack and write one piece each) running at once; 0: as
     many as the cluster has CPUs for."""
-    piece_mb: float = 16.0
+    piece_mb: float | None = None
     """Source megabytes per preparation piece: consecutive files of about this size are read,
     deduplicated against the whole corpus, tokenized and packed by one task (a file is never
-    split). Pieces depend on the files only, so the packed data is the same on any cluster;
-    each piece ends with its own dropped tail (under one block per split)."""
+    split). Unset: 1/4096 of the corpus, at least 4 MB. Pieces depend on the files only, so the
+    packed data is the same on any cluster."""
     rows_per_row_group: int = 256
     """Packed blocks per Parquet row group; also the unit of the deterministic shuffle."""
     shuffle_window: int = 16
@@ -703,7 +703,8 @@ def validate(cfg: Config) -> Config:
     _check(d.tokenize_batch_size >= 1, "data.tokenize_batch_size", d.tokenize_batch_size, ">= 1")
     _check(d.tokenize_concurrency >= 0, "data.tokenize_concurrency", d.tokenize_concurrency,
            "0 (auto) or a positive integer")
-    _check(d.piece_mb > 0, "data.piece_mb", d.piece_mb, "a number of megabytes > 0")
+    _check(d.piece_mb is None or d.piece_mb > 0, "data.piece_mb", d.piece_mb,
+           "unset (automatic) or a number of megabytes > 0")
     _check(d.rows_per_row_group >= 1, "data.rows_per_row_group", d.rows_per_row_group, ">= 1")
     _check(d.shuffle_window >= 1, "data.shuffle_window", d.shuffle_window, ">= 1")
     _check(d.prefetch_batches >= 0, "data.prefetch_batches", d.prefetch_batches, ">= 0")

@@ -39,13 +39,19 @@ class Packer:
     def add(self, docs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Append ``docs``; return the blocks completed, shape (n, block_length), and for each
         block the offsets inside it where a document starts."""
-        L = self.block_length
         lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-        self.tokens_in += int(lengths.sum())
-        stream = np.concatenate([self._rest, *[np.asarray(d, dtype=np.int32) for d in docs]])
-        starts = np.concatenate(
-            [self._rest_starts, len(self._rest) + np.cumsum(lengths) - lengths]
-        )
+        tokens = np.concatenate([np.zeros(0, np.int32),
+                                 *[np.asarray(d, dtype=np.int32) for d in docs]])
+        return self.add_stream(tokens, np.cumsum(lengths) - lengths)
+
+    def add_stream(self, tokens: np.ndarray, starts: np.ndarray
+                   ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Append a run of ``tokens`` in which documents start at ``starts``; as :meth:`add`."""
+        L = self.block_length
+        self.tokens_in += len(tokens)
+        stream = np.concatenate([self._rest, np.asarray(tokens, dtype=np.int32)])
+        starts = np.concatenate([self._rest_starts,
+                                 len(self._rest) + np.asarray(starts, dtype=np.int64)])
         n = len(stream) // L
         blocks = stream[: n * L].reshape(n, L)
         cut = np.searchsorted(starts, np.arange(n + 1) * L)
@@ -59,6 +65,15 @@ class Packer:
     def tail_tokens(self) -> int:
         """Tokens that did not fill a block (dropped when the stream ends)."""
         return len(self._rest)
+
+    def tail(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens that did not fill a block, and where documents start among them; its
+        first token counts as a start (it may continue a document whose beginning is in the
+        last block: on its own, it is the start of what is left of it)."""
+        starts = self._rest_starts
+        if len(self._rest) and (not len(starts) or starts[0] != 0):
+            starts = np.concatenate([[0], starts])
+        return self._rest.copy(), starts.astype(np.int64)
 
 
 class ExamplePacker:

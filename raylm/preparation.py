@@ -2,7 +2,8 @@
 cluster that ran them.
 
 The files of a corpus are cut into *pieces*: runs of consecutive files of about
-``data.piece_mb`` of source each, decided by the files alone. Then::
+``data.piece_mb`` of source each (by default 1/4096 of the corpus, at least 4 MB), decided by
+the files alone. Then::
 
     A. hash  (a task per piece)      read, normalize, filter; the hash and (file, record) key of
                                      every kept document, split by hash into P partitions
@@ -11,8 +12,9 @@ The files of a corpus are cut into *pieces*: runs of consecutive files of about
                                      duplicates, sent back to the pieces that hold them
     C. pack  (a task per piece)      read again, drop the piece's duplicates, tokenize, split
                                      train/val by hash, pack each split and write its Parquet
-    driver                           plans the pieces, collects each piece's counts, writes
-                                     layout.json and then manifest.json
+    driver                           plans the pieces, collects each piece's counts and its
+                                     tail (what did not fill a block), packs the tails into a
+                                     last piece, writes layout.json and then manifest.json
 
 Exact deduplication keeps the first occurrence in (file, record) order, as one sequential pass
 would, without any process holding every hash: a partition task holds 1/P of them (16 bytes per
@@ -20,9 +22,9 @@ document), a piece task one piece's duplicates, the driver one entry per piece a
 What a piece writes is a function of its files, its duplicates and the settings, and the
 duplicates are a function of all the hashes, so the packed files and the manifest are the same
 byte for byte on one CPU or on many nodes, whatever the scheduling (P depends on the number of
-pieces only, and does not change the result anyway). A piece packs its own documents, so each
-piece ends its packing with its own tail (at most one block per split per piece, dropped and
-counted, as before for the whole corpus).
+pieces only, and does not change the result anyway). A piece packs its own documents; what
+does not fill its last block goes to the driver, which packs those tails on in piece order, so
+under one block per split is dropped for the whole corpus, as one sequential pass would drop.
 
 Ray Core tasks rather than Ray Data: deduplication is an exchange in both directions (each
 piece's hashes out to the partitions, each partition's verdicts back to the pieces), which the
@@ -328,6 +330,17 @@ def plan_pieces(files: list[SourceFile], piece_bytes: int) -> list[int]:
     return starts
 
 
+def piece_bytes(files: list[SourceFile], piece_mb: float | None) -> int:
+    """``data.piece_mb``, or by default 1/4096 of the corpus and at least 4 MB: small corpora
+    still get pieces enough to keep a cluster busy, large ones no more than ~4096 (the dedup
+    exchange holds pieces x partitions object refs on the driver). A property of the files
+    alone, as the output must be."""
+    if piece_mb is not None:
+        return int(piece_mb * 2**20)
+    total = sum(os.path.getsize(f.path) for f in files)
+    return max(4 * 2**20, total // 4096)
+
+
 def _piece_files(files: list[SourceFile], starts: list[int], piece: int
                  ) -> list[tuple[SourceFile, int]]:
     end = starts[piece + 1] if piece + 1 < len(starts) else len(files)
@@ -459,9 +472,11 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
         p = packers[s]
         res.splits[s] = {
             "files": writers[s].files, "row_group_sizes": writers[s].group_sizes,
-            "blocks": p.blocks_out, "tokens": p.tokens_in, "tail_tokens": p.tail_tokens,
+            "blocks": p.blocks_out, "tokens": p.tokens_in,
             "padding_tokens": getattr(p, "padding_tokens", 0),
-            "trained_tokens": getattr(p, "trained_tokens", 0)}
+            "trained_tokens": getattr(p, "trained_tokens", 0),
+            # What did not fill a block: packed on by the driver with the other pieces'.
+            "tail": None if renderer else p.tail()}
     return res
 
 
@@ -574,7 +589,7 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
         elif target.exists():
             target.unlink()
     L = d.seq_len + 1
-    starts = plan_pieces(files, int(d.piece_mb * 2**20))
+    starts = plan_pieces(files, piece_bytes(files, d.piece_mb))
     n = len(starts)
     log(f"prepare: {len(files)} files in {n} pieces, tokenizer {tok_path}, blocks of {L} "
         f"tokens")
@@ -636,11 +651,32 @@ def _run_pieces(submit: Callable[[int], Any], n: int, *, limit: int,
     return [_get(r) for r in refs]
 
 
+def _pack_tails(out: Path, results: list[PieceResult], *, block_length: int,
+                group_rows: int) -> dict[str, dict[str, Any]]:
+    """Pack the pieces' tails (each under a block per split), in piece order, into the blocks
+    of one last piece: the whole corpus then drops under one block per split, as one
+    sequential packing would. Their size is bounded by the number of pieces."""
+    packed = {}
+    for s in SPLITS:
+        writer = BlockWriter(out / s, block_length=block_length, group_rows=group_rows,
+                             prefix=f"part-{len(results):05d}")
+        packer = Packer(block_length)
+        for r in results:
+            writer.add(*packer.add_stream(*r.splits[s]["tail"]))
+        writer.close()
+        packed[s] = {"files": writer.files, "row_group_sizes": writer.group_sizes,
+                     "blocks": packer.blocks_out, "tail_tokens": packer.tail_tokens}
+    return packed
+
+
 def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok_path: Path,
             fp: str, log: Callable[[str], None], t0: float) -> dict[str, Any]:
-    """Sum the pieces' counts, check the invariants, write layout.json and manifest.json."""
+    """Sum the pieces' counts, pack their tails, check the invariants, write layout.json and
+    manifest.json."""
     d = cfg.data
     L = d.seq_len + 1
+    tails = (None if d.examples else
+             _pack_tails(out, results, block_length=L, group_rows=d.rows_per_row_group))
     dropped = dict.fromkeys(DROP_REASONS + (EXAMPLE_DROP_REASONS if d.examples else ()), 0)
     bad_records: list[dict[str, Any]] = []
     for r in results:
@@ -651,7 +687,17 @@ def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok
     kept = sum(r.kept for r in results)
 
     def total(split: str | None, key: str) -> int:
-        return sum(r.splits[s][key] for r in results for s in SPLITS if split in (None, s))
+        splits = [s for s in SPLITS if split in (None, s)]
+        if key == "tail_tokens":  # only the last piece's are dropped
+            return sum(tails[s][key] for s in splits) if tails is not None else 0
+        n = sum(r.splits[s][key] for r in results for s in splits)
+        if tails is not None and key == "blocks":
+            n += sum(tails[s][key] for s in splits)
+        return n
+
+    def listed(split: str, key: str) -> list:
+        last = tails[split][key] if tails is not None else []
+        return [x for r in results for x in r.splits[split][key]] + last
 
     tokens, blocks = total(None, "tokens"), total(None, "blocks")
     tail, padding = total(None, "tail_tokens"), total(None, "padding_tokens")
@@ -685,9 +731,8 @@ def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok
         "loss_mask": d.examples,
         "splits": {s: {"blocks": total(s, "blocks"),
                        "tail_tokens_dropped": total(s, "tail_tokens"),
-                       "files": [f for r in results for f in r.splits[s]["files"]],
-                       "row_group_sizes": [g for r in results
-                                           for g in r.splits[s]["row_group_sizes"]]}
+                       "files": listed(s, "files"),
+                       "row_group_sizes": listed(s, "row_group_sizes")}
                    for s in SPLITS},
     }
     (out / LAYOUT).write_text(json.dumps(layout))

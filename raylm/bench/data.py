@@ -125,7 +125,8 @@ def run(*, packages: list[str], num_files: int, seq_len: int, num_proc: int, rep
                           train_chars=8_000_000, text_field="text", text_unit="paragraph",
                           log=lambda s: None)
     t = time.perf_counter()
-    ray.init(include_dashboard=False, log_to_driver=False)
+    # address="local": a new cluster, timed, never a head another process recorded.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     init_s = time.perf_counter() - t
 
     def ours():

@@ -1,5 +1,6 @@
-"""What grows with the corpus and the cluster: the preparation driver's share of the work, and
-how much of a checkpoint in object storage each resuming rank fetches.
+"""What grows with the corpus and the cluster: the preparation driver's share of the work, how
+much of a checkpoint in object storage each resuming rank fetches, and the training time a
+checkpoint costs.
 
 ``prepare``: the builtin corpus (every docstring, duplicates included) written as JSONL shards,
 prepared at 1x and at 8x (eight variants of every shard whose documents differ by a prefix, so
@@ -19,12 +20,14 @@ bytes over the checkpoint's size; the goal is ``1/N + 0.05`` (its own shards plu
 metadata). The baseline, measured in the same run, is a download of the checkpoint directory
 (:func:`raylm.storage.download`), which is what every rank fetched before ranged reads.
 
-``async_checkpoint``: 2 gloo ranks train a preset with FSDP2 and AdamW, and checkpoint once
-the steady state is reached, either synchronously (:func:`raylm.checkpoint.save`, then a copy
-to a ``file://`` URI, as Ray Train's upload does) or as training checkpoints by default
-(:class:`raylm.checkpoint.AsyncSave`: staged, written by DCP's thread; a second thread then
-writes the marker and copies, as Ray Train's upload thread does in a worker). The stall is the
-training time lost to one checkpoint: the wall time of the checkpointing step and the steps
+``async_checkpoint``: a gloo rank trains a preset with AdamW on every core but one (the core a
+GPU's host leaves free; where training takes every core, as 2 CPU ranks do on 2 cores, the
+background write competes with the step for the CPU and hides nothing: measured 0.93) and
+checkpoints once in its steady state, either synchronously (:func:`raylm.checkpoint.save`,
+then a copy to a ``file://`` URI, as Ray Train's upload does) or as training checkpoints by
+default (:class:`raylm.checkpoint.AsyncSave`: staged, written by DCP's thread; a second thread
+then writes the marker and copies, as Ray Train's upload thread does in a worker). The stall is
+the training time lost to one checkpoint: the wall time of the checkpointing step and the steps
 after it (until the background write is done, and any wait for it at the end) minus the same
 number of steps at the median step time measured before. ``ratio`` = async / sync; the goal is
 <= 0.25.
@@ -120,7 +123,9 @@ def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str
     from raylm.optim import build_optimizer
     from raylm.step import build_training_model, train_step
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # Training leaves a core to the writer, as a GPU leaves its host's CPUs (on a CPU-only
+    # machine training on every core, the write competes with the step and stalls it anyway).
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world - 1))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
@@ -179,7 +184,7 @@ def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str
     dist.destroy_process_group()
 
 
-def async_checkpoint(*, preset: str, root: Path, ranks: int = 2) -> dict[str, Any]:
+def async_checkpoint(*, preset: str, root: Path, ranks: int = 1) -> dict[str, Any]:
     from raylm import checkpoint
 
     results: dict[str, Any] = {}
@@ -249,12 +254,17 @@ def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
     port = _free_port()
     address = f"127.0.0.1:{port}"
     ray_cli = str(Path(sys.executable).parent / "ray")
+    # `ray start` turns token authentication on; the drivers then need the token too.
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    if not Path("~/.ray/auth_token").expanduser().is_file():
+        subprocess.run([ray_cli, "get-auth-token", "--generate"], check=True,
+                       capture_output=True)
     head = subprocess.Popen([ray_cli, "start", "--head", f"--port={port}", "--block",
                              "--include-dashboard=false", "--disable-usage-stats"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while subprocess.run([ray_cli, "health-check", "--address", address],
+        while subprocess.run([ray_cli, "health-check", "--address", address], env=env,
                              capture_output=True).returncode != 0:
             if time.monotonic() > deadline or head.poll() is not None:
                 raise RuntimeError(f"the Ray head on {address} did not start")
@@ -267,7 +277,7 @@ def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
                 [sys.executable, "-c", _DRIVER, address, str(out),
                  f"--data.source={root / size}", f"--tokenizer.path={tokenizer}",
                  f"--run.cache_dir={root / 'cache'}"],
-                capture_output=True, text=True, check=False)
+                env=env, capture_output=True, text=True, check=False)
             if proc.returncode:
                 raise RuntimeError(f"preparing {size} failed:\n{proc.stderr[-3000:]}")
             return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -277,6 +287,11 @@ def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
     finally:
         head.terminate()
         head.wait(timeout=60)
+        # `ray start` recorded this head as the machine's cluster; a later ray.init() with no
+        # address would try to join it.
+        from ray._common.utils import reset_ray_address
+
+        reset_ray_address()
     a, b = runs["1x"], runs["8x"]
     rss, cpu = b["driver_rss_mb"] / a["driver_rss_mb"], b["driver_cpu_s"] / a["driver_cpu_s"]
     return {
