@@ -29,8 +29,8 @@ default (:class:`raylm.checkpoint.AsyncSave`: staged, written by DCP's thread; a
 then writes the marker and copies, as Ray Train's upload thread does in a worker). The stall is
 the training time lost to one checkpoint: the wall time of the checkpointing step and the steps
 after it (until the background write is done, and any wait for it at the end) minus the same
-number of steps at the median step time measured before. ``ratio`` = async / sync; the goal is
-<= 0.25.
+number of steps at the median time of the steps measured before and after. ``ratio`` = async
+/ sync; the goal is <= 0.25.
 
 ``checkpoint_fetch`` and ``async_checkpoint`` need torch and transformers only (no Ray).
 """
@@ -146,7 +146,7 @@ def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str
 
     for _ in range(2):
         step()  # warm-up: the optimizer state exists from here
-    base = statistics.median(step() for _ in range(spec["baseline_steps"]))
+    before = [step() for _ in range(spec["baseline_steps"])]
     local = Path(spec["root"]) / f"local-{spec['mode']}" / f"rank{rank}"
     uri = f"file://{spec['root']}/bucket-{spec['mode']}/checkpoint_000"
     saving = dict(model=built.model, optimizer=opt, state={"step": 3}, config=built.config,
@@ -177,9 +177,12 @@ def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str
         done.wait()
     dist.barrier()
     wall = time.perf_counter() - t0
+    # The step time without checkpoints: steps before and after (the machine's speed drifts).
+    after = [step() for _ in range(spec["baseline_steps"])]
+    base = statistics.median(before + after)
     Path(f"{out}.{rank}").write_text(json.dumps({
-        "median_step_s": base, "steps_after": steps, "wall_s": wall,
-        "stall_s": wall - steps * base}))
+        "median_step_s": base, "steps_before_s": before, "steps_after_s": after,
+        "steps_during": steps, "wall_s": wall, "stall_s": wall - steps * base}))
     dist.barrier()
     dist.destroy_process_group()
 
