@@ -382,7 +382,8 @@ def find_duplicates(piece_starts: list[int], *parts: np.ndarray):
 
 @dataclass
 class PieceResult:
-    """What a piece task reports: its counts and, per split, the files and row groups it wrote."""
+    """What a piece task reports: its counts and, per split, the files and row groups it wrote
+    and its tail (the tokens that did not fill a block, with their document starts)."""
 
     read: int = 0
     kept: int = 0
