@@ -49,27 +49,28 @@ def wait_for(predicate, what: str, timeout: float = 180.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_preparation_on_three_nodes_equals_one_cpu_byte_for_byte(cluster, tmp_path,
+def test_preparation_on_three_nodes_equals_one_cpu_byte_for_byte(request, tmp_path,
                                                                  tokenizer_dir):
-    """The same corpus, in six preparation pieces, prepared on a 1-CPU cluster (a subprocess)
-    and on this cluster's three nodes: the same files, byte for byte."""
+    """The same corpus, in six preparation pieces, prepared on a 1-CPU cluster (started here,
+    before this module's cluster) and on this module's three nodes: the same files, byte for
+    byte."""
+    import ray
+
     write_pieces_corpus(tmp_path / "corpus")
-    args = [f"--data.source={tmp_path / 'corpus'}", f"--tokenizer.path={tokenizer_dir}",
-            "--data.seq_len=31", "--data.rows_per_row_group=16", "--data.val_fraction=0.1",
-            f"--data.piece_mb={PIECE_MB}", f"--run.cache_dir={tmp_path}/cache"]
-    script = ("import sys, ray\n"
-              "from raylm.config import load_config\n"
-              "from raylm.preparation import prepare\n"
-              'ray.init(address="local", num_cpus=1, include_dashboard=False,\n'
-              "         log_to_driver=False)\n"
-              "prepare(load_config(None, sys.argv[2:]), sys.argv[1])\n")
-    one = subprocess.run([sys.executable, "-c", script, str(tmp_path / "one"), *args],
-                         capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr
-    assert "6 pieces packed on 1 node\n" in one.stdout
-    said = []
-    prepare(load_config(None, args), tmp_path / "three", log=said.append)
-    assert said[-1].endswith("6 pieces packed on 3 nodes")
+    cfg = load_config(None, [
+        f"--data.source={tmp_path / 'corpus'}", f"--tokenizer.path={tokenizer_dir}",
+        "--data.seq_len=31", "--data.rows_per_row_group=16", "--data.val_fraction=0.1",
+        f"--data.piece_mb={PIECE_MB}", f"--run.cache_dir={tmp_path}/cache"])
+    said: dict[str, list[str]] = {"one": [], "three": []}
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        prepare(cfg, tmp_path / "one", log=said["one"].append)
+    finally:
+        ray.shutdown()
+    request.getfixturevalue("cluster")
+    prepare(cfg, tmp_path / "three", log=said["three"].append)
+    assert said["one"][-1].endswith("6 pieces packed on 1 node")
+    assert said["three"][-1].endswith("6 pieces packed on 3 nodes")
 
     def files(root: Path) -> dict[str, bytes]:
         return {str(p.relative_to(root)): p.read_bytes()
