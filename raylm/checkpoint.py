@@ -99,13 +99,19 @@ class AsyncSave:
     def __init__(self, directory: str | os.PathLike, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, state: dict[str, Any], config,
                  samples: np.ndarray | None, adapters: dict[str, Any] | None,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None, writer: str = "thread") -> None:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
         self.path = Path(directory)
         self.path.mkdir(parents=True, exist_ok=True)
         self.group = group
         self._marker = dict(state=state, config=config, samples=samples, adapters=adapters)
-        self._write = dcp.async_save(_state_dicts(model, optimizer),
-                                     checkpoint_id=str(self.path), process_group=group)
+        # "process": DCP's writer runs in a daemon process of its own (its own interpreter
+        # lock); tried in the bench only so far (raylm.bench.scale).
+        self._write = dcp.async_save(
+            _state_dicts(model, optimizer), checkpoint_id=str(self.path), process_group=group,
+            async_checkpointer_type=(AsyncCheckpointerType.PROCESS if writer == "process"
+                                     else AsyncCheckpointerType.THREAD))
 
     def finish(self) -> None:
         self._write.result()

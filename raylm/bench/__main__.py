@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                                       "of a checkpoint each resuming rank fetches")
     sc.add_argument("--output", required=True)
     sc.add_argument("--parts", default="prepare,checkpoint_fetch,async_checkpoint")
+    sc.add_argument("--async-writer", default="thread", choices=["thread", "process"],
+                    help="where DCP writes an asynchronous checkpoint from")
     sc.add_argument("--packages", default="transformers,torch,ray,datasets,mlflow,peft",
                     help="installed packages whose docstrings form the prepare corpus")
     sc.add_argument("--preset", default="125m")
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run(preset=args.preset, ranks=[int(n) for n in args.ranks.split(",")],
                      parts=args.parts.split(","), packages=args.packages.split(","),
-                     workdir=args.workdir)
+                     workdir=args.workdir, writer=args.async_writer)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

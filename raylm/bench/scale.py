@@ -26,7 +26,8 @@ background write competes with the step for the CPU and hides nothing: measured 
 checkpoints once in its steady state, either synchronously (:func:`raylm.checkpoint.save`,
 then a copy to a ``file://`` URI, as Ray Train's upload does) or as training checkpoints by
 default (:class:`raylm.checkpoint.AsyncSave`: staged, written by DCP's thread; a second thread
-then writes the marker and copies, as Ray Train's upload thread does in a worker). The stall is
+then writes the marker and copies, as Ray Train's upload thread does in a worker; with
+``--async-writer process`` DCP writes from a daemon process instead of a thread). The stall is
 the training time lost to one checkpoint: the wall time of the checkpointing step and the steps
 after it (until the background write is done, and any wait for it at the end) minus the same
 number of steps at the median time of the steps measured before and after. ``ratio`` = async
@@ -158,7 +159,7 @@ def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str
         checkpoint.save(local, **saving)
         storage.upload(local, uri)
     else:
-        pending = checkpoint.AsyncSave(local, group=group, **saving)
+        pending = checkpoint.AsyncSave(local, group=group, writer=spec["writer"], **saving)
         done = threading.Event()
 
         def finish_and_upload() -> None:
@@ -187,13 +188,15 @@ def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str
     dist.destroy_process_group()
 
 
-def async_checkpoint(*, preset: str, root: Path, ranks: int = 1) -> dict[str, Any]:
+def async_checkpoint(*, preset: str, root: Path, ranks: int = 1, writer: str = "thread"
+                     ) -> dict[str, Any]:
     from raylm import checkpoint
 
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"writer": writer}
     for mode in ("sync", "async"):
         spec = {"preset": preset, "mode": mode, "root": str(root), "seq_len": 128,
-                "micro_batch": 2, "baseline_steps": 4, "max_steps_after": 50}
+                "micro_batch": 2, "baseline_steps": 4, "max_steps_after": 50,
+                "writer": writer}
         per_rank = _spawn(ranks, spec, root / f"stall-{mode}", fn=_stall_rank)
         worst = max(per_rank, key=lambda r: r["stall_s"])
         results[f"{mode}_stall_s"] = round(worst["stall_s"], 3)
@@ -310,7 +313,7 @@ def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
 
 
 def run(*, preset: str, ranks: list[int], parts: list[str], packages: list[str],
-        workdir: str | None) -> dict[str, Any]:
+        workdir: str | None, writer: str = "thread") -> dict[str, Any]:
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raylm-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"benchmark": "scale", "cpu": platform.processor() or "cpu",
@@ -318,7 +321,7 @@ def run(*, preset: str, ranks: list[int], parts: list[str], packages: list[str],
     if "prepare" in parts:
         result["prepare"] = prepare_scale(packages=packages, root=root / "prepare")
     if "async_checkpoint" in parts:
-        result["async_checkpoint"] = async_checkpoint(preset=preset, root=root)
+        result["async_checkpoint"] = async_checkpoint(preset=preset, root=root, writer=writer)
     if "checkpoint_fetch" in parts:
         result["checkpoint_fetch"] = {
             "preset": preset, "vocab_size": VOCAB,
