@@ -318,27 +318,27 @@ class Reading:
                         examples=self.examples)
 
 
-def plan_pieces(files: list[SourceFile], piece_bytes: int) -> list[int]:
-    """The index of the first file of each piece: a piece takes consecutive files until it holds
-    at least ``piece_bytes`` of source (a file is never split)."""
+def plan_pieces(sizes: list[int], piece_bytes: int) -> list[int]:
+    """The index of the first file of each piece, for files of ``sizes`` bytes in corpus order:
+    a piece takes consecutive files until it holds at least ``piece_bytes`` of source (a file is
+    never split)."""
     starts, size = [0], 0
-    for i, f in enumerate(files):
+    for i, n in enumerate(sizes):
         if size >= piece_bytes:
             starts.append(i)
             size = 0
-        size += os.path.getsize(f.path)
+        size += n
     return starts
 
 
-def piece_bytes(files: list[SourceFile], piece_mb: float | None) -> int:
+def piece_bytes(sizes: list[int], piece_mb: float | None) -> int:
     """``data.piece_mb``, or by default 1/4096 of the corpus and at least 4 MB: small corpora
     still get pieces enough to keep a cluster busy, large ones no more than ~4096 (the dedup
     exchange holds pieces x partitions object refs on the driver). A property of the files
     alone, as the output must be."""
     if piece_mb is not None:
         return int(piece_mb * 2**20)
-    total = sum(os.path.getsize(f.path) for f in files)
-    return max(4 * 2**20, total // 4096)
+    return max(4 * 2**20, sum(sizes) // 4096)
 
 
 def _piece_files(files: list[SourceFile], starts: list[int], piece: int
@@ -590,7 +590,8 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
         elif target.exists():
             target.unlink()
     L = d.seq_len + 1
-    starts = plan_pieces(files, piece_bytes(files, d.piece_mb))
+    sizes = [os.path.getsize(f.path) for f in files]
+    starts = plan_pieces(sizes, piece_bytes(sizes, d.piece_mb))
     n = len(starts)
     log(f"prepare: {len(files)} files in {n} pieces, tokenizer {tok_path}, blocks of {L} "
         f"tokens")

@@ -95,15 +95,16 @@ def _save_in_flight(workers, before_step: int) -> int | None:
 
     from raylm.checkpoint import MARKER
 
-    by_pid: dict[int, list[Path]] = {}
+    # raylm-ckpt-<pid>-step<step>-<random>: (step, directory) of each process's saves.
+    by_pid: dict[int, list[tuple[int, Path]]] = {}
     for d in Path(tempfile.gettempdir()).glob("raylm-ckpt-*-step*"):
         pid, step = d.name[len("raylm-ckpt-"):].split("-")[:2]
-        by_pid.setdefault(int(pid), []).append(d)
-    dirs = [by_pid.get(p.pid, []) for p in workers]
-    if not all(len(d) == 1 for d in dirs):
+        by_pid.setdefault(int(pid), []).append((int(step[len("step"):]), d))
+    saves = [by_pid.get(p.pid, []) for p in workers]
+    if not all(len(s) == 1 for s in saves):
         return None
-    steps = {int(d[0].name.split("-step")[1].split("-")[0]) for d in dirs}
-    if len(steps) != 1 or any((d[0] / MARKER).exists() for d in dirs):
+    steps = {s[0][0] for s in saves}
+    if len(steps) != 1 or any((s[0][1] / MARKER).exists() for s in saves):
         return None
     step = steps.pop()
     return step if step < before_step else None

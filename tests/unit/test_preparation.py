@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from raylm.corpus import SourceFile
-from raylm.preparation import find_duplicates, plan_pieces, record_key
+from raylm.preparation import find_duplicates, piece_bytes, plan_pieces, record_key
 
 
-def test_pieces_are_runs_of_files_of_at_least_the_piece_size(tmp_path):
+def test_pieces_are_runs_of_files_of_at_least_the_piece_size():
     sizes = [300, 500, 100, 900, 50, 50, 1000]
-    files = []
-    for i, n in enumerate(sizes):
-        (tmp_path / f"{i}.txt").write_bytes(b"x" * n)
-        files.append(SourceFile(str(tmp_path / f"{i}.txt"), "text"))
-    assert plan_pieces(files, 800) == [0, 2, 4]  # 800, 1000, 1100 bytes
-    assert plan_pieces(files, 1) == list(range(7))  # a file is never split
-    assert plan_pieces(files, 10**9) == [0]
+    assert plan_pieces(sizes, 800) == [0, 2, 4]  # 800, 1000, 1100 bytes
+    assert plan_pieces(sizes, 1) == list(range(7))  # a file is never split
+    assert plan_pieces(sizes, 10**9) == [0]
+    assert piece_bytes(sizes, None) == 4 * 2**20  # a small corpus: the 4 MB floor
+    assert piece_bytes([2**30] * 16, None) == 4 * 2**20  # 16 GB / 4096 = 4 MB
+    assert piece_bytes([2**30] * 64, None) == 16 * 2**20  # 64 GB / 4096
+    assert piece_bytes(sizes, 0.5) == 2**19
 
 
 def test_duplicates_keep_the_first_occurrence_whatever_the_partition_and_input_order():
