@@ -9,13 +9,15 @@ whichever worker asks first, so two runs see different orders (measured: two run
 each worker builds its own Ray Data stream of exactly the positions it owns in the global order
 (:mod:`raylm.packing`), read from the packed Parquet, starting at the step its restored
 checkpoint holds. No Ray Train ``DataConfig`` is involved: it runs before the workers load the
-checkpoint, so it would have to guess the resume point. Every rank reads the row groups of the
-current shuffle window and keeps its own rows, so storage reads scale with the worker count (for
-token data that is ~4 bytes per token per worker per epoch, small next to a training step).
+checkpoint, so it would have to guess the resume point. The order deals each window's rows out
+so that a rank's rows are a contiguous run of the window (see :mod:`raylm.packing`): a rank
+reads only the row groups that hold its rows, about its own share of the data per epoch
+whatever the worker count, and counts the bytes it reads (``_ReadBlocks.bytes_read``).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections import OrderedDict
@@ -30,6 +32,8 @@ from raylm.packing import SampleOrder, position_ids, rank_positions, rank_share
 
 LAYOUT = "layout.json"
 SPLITS = ("train", "val")
+# Files whose footer metadata a reader keeps (a few KiB each).
+METADATA_CACHE_FILES = 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -44,6 +48,8 @@ class PackedSplit:
     directory: str
     files: list[str]
     row_group_sizes: list[int]
+    file_groups: list[int]
+    """How many of the row groups each file holds."""
     block_length: int
     loss_mask: bool = False
     """Blocks of fine-tuning examples carry a loss mask (1: a trained target)."""
@@ -57,7 +63,7 @@ class PackedSplit:
             raise ValueError(f"The prepared data in {root} has no {split} blocks; use a larger "
                              f"corpus, a smaller data.seq_len, or a larger data.val_fraction.")
         return cls(str(root / split), info["files"], info["row_group_sizes"],
-                   layout["block_length"], layout.get("loss_mask", False))
+                   info["file_groups"], layout["block_length"], layout.get("loss_mask", False))
 
     @property
     def num_blocks(self) -> int:
@@ -65,32 +71,77 @@ class PackedSplit:
 
     def group_locations(self) -> list[tuple[str, int]]:
         """(file path, row group index in file) for every row group, in storage order."""
-        out = []
-        for name in self.files:
-            n = pq.ParquetFile(os.path.join(self.directory, name)).num_row_groups
-            out.extend((os.path.join(self.directory, name), g) for g in range(n))
+        out = [(os.path.join(self.directory, name), g)
+               for name, n in zip(self.files, self.file_groups, strict=True) for g in range(n)]
         assert len(out) == len(self.row_group_sizes)
         return out
 
 
+class _CountedFile(io.RawIOBase):
+    """A local file whose reads are counted: the bytes a reader took from storage."""
+
+    def __init__(self, path: str) -> None:
+        self._f = open(path, "rb")  # noqa: SIM115 (closed with this object)
+        self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readinto(self, buffer) -> int:
+        n = self._f.readinto(buffer)
+        self.bytes_read += n
+        return n
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
 class _ReadBlocks:
     """A rank's local sample indices in, its blocks out (in order): the map function of each
-    training stream's Ray Data actor, and called directly for the validation blocks."""
+    training stream's Ray Data actor, and called directly for the validation blocks.
+
+    Row groups are read whole, on first use, and kept for the rest of the window. Each file's
+    footer is read once and its metadata kept (a Parquet reader otherwise reads the last 64 KiB
+    of the file again for every row group). ``bytes_read`` counts every byte read."""
 
     def __init__(self, split: PackedSplit, *, mode: str, seed: int, window: int, rank: int,
                  world_size: int, start_step: int = 0, global_batch: int = 1) -> None:
         self.split = split
         self.mode, self.rank, self.world = mode, rank, world_size
         self.start_step, self.global_batch = start_step, global_batch
-        self.order = SampleOrder(split.row_group_sizes, seed=seed, window=window)
+        self.order = SampleOrder(split.row_group_sizes, seed=seed, window=window,
+                                 global_batch=global_batch)
         self.locations = split.group_locations()
         self.cache: OrderedDict[int, tuple[np.ndarray, list, np.ndarray | None]] = OrderedDict()
         self.cache_size = window + 1
+        self.metadata: OrderedDict[str, pq.FileMetaData] = OrderedDict()
+        self.bytes_read = 0
+
+    def _read(self, path: str, idx: int) -> pa.Table:
+        with _CountedFile(path) as f:
+            pf = pq.ParquetFile(f, metadata=self.metadata.get(path))
+            table = pf.read_row_group(idx)
+            self.metadata[path] = pf.metadata
+        self.metadata.move_to_end(path)
+        while len(self.metadata) > METADATA_CACHE_FILES:
+            self.metadata.popitem(last=False)
+        self.bytes_read += f.bytes_read
+        return table
 
     def _group(self, g: int) -> tuple[np.ndarray, list, np.ndarray | None]:
         if g not in self.cache:
             path, idx = self.locations[g]
-            t = pq.ParquetFile(path).read_row_group(idx)
+            t = self._read(path, idx)
             L = self.split.block_length
             tokens = t.column("input_ids").combine_chunks().values.to_numpy().reshape(-1, L)
             masks = None

@@ -76,7 +76,7 @@ def account(rows: np.ndarray, *, group_sizes: list[int], seed: int, window: int
     ``duplicated``: samples trained more often than the order asks; ``skipped``: less often;
     ``in_order``: the exact sequence, sample by sample.
     """
-    order = SampleOrder(group_sizes, seed=seed, window=window)
+    order = SampleOrder(group_sizes, seed=seed, window=window, global_batch=rows.shape[1])
     trained = rows.reshape(-1).astype(np.int64)
     expected = order.rows(np.arange(len(trained)))
     want = np.bincount(expected, minlength=order.num_rows)

@@ -9,14 +9,25 @@ whole instead (:class:`ExamplePacker`), with padding and a loss mask
 (``tokens + padding_tokens == blocks * block_length``).
 
 :class:`SampleOrder` defines the training stream: global position ``p`` of epoch ``p // N`` maps
-to one stored block, through a permutation that depends only on the seed and the data. Global
-step ``s`` consumes positions ``[s*B, (s+1)*B)`` and rank ``r`` of ``w`` takes the slice
-``[r*B/w, (r+1)*B/w)`` of it, so a checkpoint that stores the next position resumes exactly, on
-any number of workers. The permutation is two-level so readers stay sequential: row groups are
-permuted, then the rows of ``window`` consecutive row groups are permuted together. With 256-block
-row groups and a window of 16, every 4,096 consecutive positions come from 16 random row groups
-spread over the corpus, and a reader holds just those 16 row groups (16 MB at seq_len 2048) in
-memory. Memory for the order itself is one int per row group, not per block.
+to one stored block, through a permutation that depends only on the seed, the data and the
+global batch. Global step ``s`` consumes positions ``[s*B, (s+1)*B)`` and rank ``r`` of ``w``
+takes the slice ``[r*B/w, (r+1)*B/w)`` of it, so a checkpoint that stores the next position
+resumes exactly, on any number of workers.
+
+The permutation keeps reads sequential and lets each rank read about its own share. Row groups
+are permuted, and ``window`` consecutive row groups form a window: every 4,096 consecutive
+positions (16 row groups of 256 blocks) come from 16 random row groups spread over the corpus.
+Inside a window, a position's *column* ``p mod B`` is its place in the global batch, and the
+window's rows (its row groups one after the other, the rows of each shuffled) are dealt out
+column by column: column 0's positions in the window take the first rows, column 1's the next,
+and so on. A rank's slice is a run of consecutive columns whatever the worker count, so the
+rows it trains on in a window are one contiguous run of that sequence: it reads only the row
+groups of its run, which hold its share plus the rest of the two row groups the run starts and
+ends in (nothing more when the window's row groups are full, the worker count divides their
+number and ``B`` divides their rows). Every global batch still draws from across its window:
+each column's rows come from one or two row groups, so a batch takes rows from ``min(B,
+window)`` row groups or more. A reader holds at most the window's row groups in memory; the
+order itself costs one int per row group and one per row of the windows in use.
 """
 
 from __future__ import annotations
@@ -157,18 +168,20 @@ def position_ids(doc_starts: np.ndarray, block_length: int) -> np.ndarray:
 
 
 class SampleOrder:
-    """Global position -> stored row, for rows stored in row groups of ``group_sizes``."""
+    """Global position -> stored row, for rows stored in row groups of ``group_sizes`` and read
+    ``global_batch`` positions per step."""
 
-    def __init__(self, group_sizes: list[int], *, seed: int, window: int) -> None:
+    def __init__(self, group_sizes: list[int], *, seed: int, window: int,
+                 global_batch: int) -> None:
         if not group_sizes or min(group_sizes) < 1:
             raise ValueError("SampleOrder needs at least one non-empty row group")
         self.group_sizes = np.asarray(group_sizes, dtype=np.int64)
         self.group_offsets = np.concatenate([[0], np.cumsum(self.group_sizes)])
         self.num_rows = int(self.group_offsets[-1])
-        self.seed = seed
-        self.window = window
+        self.seed, self.window, self.global_batch = seed, window, global_batch
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._windows: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray,
+                                                          np.ndarray]] = OrderedDict()
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(row-group permutation, start position of each window) for ``epoch``."""
@@ -181,16 +194,22 @@ class SampleOrder:
                 self._epochs.popitem(last=False)
         return self._epochs[epoch]
 
-    def _window_rows(self, epoch: int, w: int) -> np.ndarray:
+    def _window(self, epoch: int, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Window ``w`` of ``epoch``: its rows in dealing order, and for each column the first
+        position of the window in that column and how many rows precede that column's."""
         key = (epoch, w)
         if key not in self._windows:
-            perm, _ = self._epoch(epoch)
-            groups = perm[w * self.window : (w + 1) * self.window]
-            rows = np.concatenate(
-                [np.arange(self.group_offsets[g], self.group_offsets[g + 1]) for g in groups]
-            )
-            shuffle = np.random.default_rng([self.seed, epoch, w]).permutation(len(rows))
-            self._windows[key] = rows[shuffle]
+            perm, starts = self._epoch(epoch)
+            rng = np.random.default_rng([self.seed, epoch, w])
+            rows = np.concatenate([rng.permutation(np.arange(self.group_offsets[g],
+                                                             self.group_offsets[g + 1]))
+                                   for g in perm[w * self.window : (w + 1) * self.window]])
+            a = epoch * self.num_rows + int(starts[w])  # the window's first global position
+            columns = np.arange(self.global_batch)
+            first = a + (columns - a) % self.global_batch
+            count = np.maximum(0, -(-(a + len(rows) - first) // self.global_batch))
+            before = np.concatenate([[0], np.cumsum(count)[:-1]])
+            self._windows[key] = (rows, first, before)
             while len(self._windows) > 4:
                 self._windows.popitem(last=False)
         return self._windows[key]
@@ -199,16 +218,20 @@ class SampleOrder:
         """Stored row index for each global position (any epoch)."""
         positions = np.asarray(positions, dtype=np.int64)
         out = np.empty_like(positions)
-        epochs, within = np.divmod(positions, self.num_rows)
+        epochs = positions // self.num_rows
         for epoch in np.unique(epochs):
-            sel = epochs == epoch
+            in_epoch = epochs == epoch
             _, window_starts = self._epoch(int(epoch))
-            w_idx = np.searchsorted(window_starts, within[sel], side="right") - 1
-            res = np.empty(int(sel.sum()), dtype=np.int64)
+            within = positions[in_epoch] - epoch * self.num_rows
+            w_idx = np.searchsorted(window_starts, within, side="right") - 1
+            res = np.empty(len(within), dtype=np.int64)
             for w in np.unique(w_idx):
                 m = w_idx == w
-                res[m] = self._window_rows(int(epoch), int(w))[within[sel][m] - window_starts[w]]
-            out[sel] = res
+                rows, first, before = self._window(int(epoch), int(w))
+                p = positions[in_epoch][m]
+                col = p % self.global_batch
+                res[m] = rows[before[col] + (p - first[col]) // self.global_batch]
+            out[in_epoch] = res
         return out
 
 

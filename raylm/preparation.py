@@ -239,6 +239,9 @@ class BlockWriter:
         self._groups_in_file = 0
         self.files: list[str] = []
         self.group_sizes: list[int] = []
+        self.file_groups: list[int] = []
+        """Row groups of each file in :attr:`files`, so readers find a row group without
+        opening every file's footer."""
 
     def add(self, blocks: np.ndarray, doc_starts: list[np.ndarray],
             masks: np.ndarray | None = None) -> None:
@@ -289,6 +292,7 @@ class BlockWriter:
     def _finish_file(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self.file_groups.append(self._groups_in_file)
             os.replace(self.dir / f".{self.files[-1]}.tmp", self.dir / self.files[-1])
             self._writer = None
 
@@ -473,7 +477,7 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
         p = packers[s]
         res.splits[s] = {
             "files": writers[s].files, "row_group_sizes": writers[s].group_sizes,
-            "blocks": p.blocks_out, "tokens": p.tokens_in,
+            "file_groups": writers[s].file_groups, "blocks": p.blocks_out, "tokens": p.tokens_in,
             "padding_tokens": getattr(p, "padding_tokens", 0),
             "trained_tokens": getattr(p, "trained_tokens", 0),
             # What did not fill a block: packed on by the driver with the other pieces'.
@@ -519,7 +523,7 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
         corpus_fp, tokenizer=tokenizer_id, seq_len=d.seq_len, min_chars=d.min_chars,
         dedup=d.dedup, val_fraction=d.val_fraction, text_field=d.text_field,
         text_unit=d.text_unit, rows_per_row_group=d.rows_per_row_group,
-        piece_mb=d.piece_mb, format=2, **examples,
+        piece_mb=d.piece_mb, format=3, **examples,
     )
 
 
@@ -667,6 +671,7 @@ def _pack_tails(out: Path, results: list[PieceResult], *, block_length: int,
             writer.add(*packer.add_stream(*r.splits[s]["tail"]))
         writer.close()
         packed[s] = {"files": writer.files, "row_group_sizes": writer.group_sizes,
+                     "file_groups": writer.file_groups,
                      "blocks": packer.blocks_out, "tail_tokens": packer.tail_tokens}
     return packed
 
@@ -734,7 +739,8 @@ def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok
         "splits": {s: {"blocks": total(s, "blocks"),
                        "tail_tokens_dropped": total(s, "tail_tokens"),
                        "files": listed(s, "files"),
-                       "row_group_sizes": listed(s, "row_group_sizes")}
+                       "row_group_sizes": listed(s, "row_group_sizes"),
+                       "file_groups": listed(s, "file_groups")}
                    for s in SPLITS},
     }
     (out / LAYOUT).write_text(json.dumps(layout))
@@ -766,6 +772,10 @@ def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
     if is_prepared_dir(d.source):
         path = Path(str(d.source)).expanduser().resolve()
         layout = json.loads((path / LAYOUT).read_text())
+        if any("file_groups" not in info for info in layout["splits"].values()):
+            raise ValueError(f"the prepared directory {path} was written by an earlier raylm "
+                             f"(its {LAYOUT} does not say which row groups each file holds); "
+                             f"prepare it again with `raylm prepare`.")
         if layout["seq_len"] != d.seq_len:
             raise ValueError(f"data.seq_len={d.seq_len} but the prepared directory {path} "
                              f"holds blocks for seq_len={layout['seq_len']}; set data.seq_len="

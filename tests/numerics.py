@@ -53,7 +53,7 @@ def run(rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
 
     torch.set_num_threads(1)
     blocks, sizes = packed_blocks()
-    order = SampleOrder(sizes, seed=SEED, window=WINDOW)
+    order = SampleOrder(sizes, seed=SEED, window=WINDOW, global_batch=GLOBAL_BATCH)
     built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=EOS,
                                  device=torch.device("cpu"), precision="fp32", seed=SEED)
     optimizer = build_optimizer(built.model, lr=OPTIM["peak"], weight_decay=0.1,

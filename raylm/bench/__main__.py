@@ -5,8 +5,9 @@
     lora      LoRA vs full fine-tuning of one model: parameters, checkpoint, memory, speed
     mfu       one GPU: tokens/s, MFU, memory, J/token of raylm's step vs a bare loop
     layouts   per-rank memory and step time under FSDP2, tensor and pipeline layouts
-    scale     preparation driver at 1x and 8x; checkpoint bytes each resuming rank fetches;
-              training time lost to a synchronous and an asynchronous checkpoint
+    scale     preparation driver at 1x and 8x; bytes each rank reads per epoch; checkpoint
+              bytes each resuming rank fetches; training time lost to a synchronous and an
+              asynchronous checkpoint
 """
 
 from __future__ import annotations
@@ -75,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     la.add_argument("--workdir", default=None)
     sc = sub.add_parser("scale", help="what grows with the corpus and the cluster: the "
                                       "preparation driver's RSS and CPU at 1x and 8x, bytes "
-                                      "of a checkpoint each resuming rank fetches")
+                                      "each rank reads per epoch, bytes of a checkpoint each "
+                                      "resuming rank fetches, time a checkpoint costs")
     sc.add_argument("--output", required=True)
-    sc.add_argument("--parts", default="prepare,checkpoint_fetch,async_checkpoint")
+    sc.add_argument("--parts", default="prepare,reads,checkpoint_fetch,async_checkpoint")
     sc.add_argument("--async-writer", default="thread", choices=["thread", "process"],
                     help="where DCP writes an asynchronous checkpoint from")
     sc.add_argument("--packages", default="transformers,torch,ray,datasets,mlflow,peft",

@@ -1,6 +1,6 @@
 """What grows with the corpus and the cluster: the preparation driver's share of the work, how
-much of a checkpoint in object storage each resuming rank fetches, and the training time a
-checkpoint costs.
+much of the training data each rank reads, how much of a checkpoint in object storage each
+resuming rank fetches, and the training time a checkpoint costs.
 
 ``prepare``: the builtin corpus (every docstring, duplicates included) written as JSONL shards,
 prepared at 1x and at 8x (eight variants of every shard whose documents differ by a prefix, so
@@ -10,6 +10,15 @@ CPU time are its own and not those of Ray's processes. The tokenizer is trained 
 and given, so the driver's work is the preparation's: planning the pieces, collecting their
 counts, writing the layout and manifest. Goals: the driver's RSS and CPU time at 8x within 1.2x
 and 1.5x of 1x. A 1x preparation runs first untimed (it starts Ray's worker processes).
+
+``reads``: the 1x corpus prepared with the default row groups (256 blocks) at seq_len 256 (so
+it spans several shuffle windows of 16 row groups), then each rank of 1, 2 and 4 reads one
+epoch of its training samples through the training reader (in this process: what a rank reads
+does not depend on where its reader runs) with the default global batch of 16.
+``read_over_share`` is the worst rank's bytes read (counted at the file, footers included) over
+the bytes of its own samples (each sample costs its row group's bytes over the group's rows);
+goal <= 1.5. ``epoch_reads_over_split``: all ranks' bytes over the split's, where reading the
+whole shuffle window on every rank, as raylm did before, gives the worker count.
 
 ``checkpoint_fetch``: for each rank count N, N gloo processes build the model through raylm's
 step core (FSDP2 over N ranks), take one AdamW step (so the optimizer state exists) and save a
@@ -312,6 +321,75 @@ def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
     }
 
 
+def rank_reads(train, *, rank: int, world: int, steps: int, seed: int = 0,
+               window: int = 16, global_batch: int = 16) -> dict[str, int]:
+    """What rank ``rank`` of ``world`` reads of ``train`` (a :class:`raylm.data.PackedSplit`)
+    in ``steps`` steps from the start: bytes read, and the bytes of its own samples."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from raylm.data import _ReadBlocks
+
+    group_bytes = np.array([
+        sum(md.row_group(g).column(c).total_compressed_size for c in range(md.num_columns))
+        for name in train.files
+        for md in [pq.ParquetFile(Path(train.directory) / name).metadata]
+        for g in range(md.num_row_groups)], dtype=np.float64)
+    reader = _ReadBlocks(train, mode="train", seed=seed, window=window, rank=rank,
+                         world_size=world, global_batch=global_batch)
+    samples = steps * global_batch // world
+    own = 0.0
+    for start in range(0, samples, 256):
+        rows = reader({"id": np.arange(start, min(start + 256, samples))})["row"]
+        g = np.searchsorted(reader.order.group_offsets, rows, side="right") - 1
+        own += float((group_bytes[g] / reader.order.group_sizes[g]).sum())
+    return {"bytes_read": reader.bytes_read, "own_bytes": round(own),
+            "split_bytes": int(group_bytes.sum())}
+
+
+def reads(*, packages: list[str], root: Path, workers: tuple[int, ...] = (1, 2, 4),
+          seq_len: int = 256) -> dict[str, Any]:
+    import ray
+
+    from raylm.config import load_config
+    from raylm.preparation import prepare
+
+    corpus = write_builtin_shards(packages, root / "corpus", shards=8, variants=1)
+    cfg = load_config(None, [f"--data.source={root / 'corpus'}", f"--data.seq_len={seq_len}",
+                             f"--run.cache_dir={root / 'cache'}"])
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        manifest = prepare(cfg, root / "prepared", log=lambda s: None)
+    finally:
+        ray.shutdown()
+    blocks = json.loads((root / "prepared" / "layout.json").read_text())["splits"]["train"]
+    d, t = cfg.data, cfg.train
+    steps = blocks["blocks"] // t.global_batch_size  # one epoch
+    out: dict[str, Any] = {
+        "corpus": corpus, "seq_len": seq_len, "pieces": manifest["pieces"],
+        "train_blocks": blocks["blocks"], "row_groups": len(blocks["row_group_sizes"]),
+        "rows_per_row_group": d.rows_per_row_group, "shuffle_window": d.shuffle_window,
+        "global_batch": t.global_batch_size, "steps": steps}
+    from raylm.data import PackedSplit
+
+    train = PackedSplit.load(root / "prepared", "train")
+    worst = 0.0
+    for w in workers:
+        per_rank = [rank_reads(train, rank=r, world=w, steps=steps,
+                               window=d.shuffle_window, global_batch=t.global_batch_size)
+                    for r in range(w)]
+        ratio = max(x["bytes_read"] / x["own_bytes"] for x in per_rank)
+        worst = max(worst, ratio)
+        out[f"workers_{w}"] = {
+            "read_over_share": round(ratio, 3),
+            "epoch_reads_over_split": round(sum(x["bytes_read"] for x in per_rank)
+                                            / per_rank[0]["split_bytes"], 3),
+            "bytes_read": [x["bytes_read"] for x in per_rank],
+            "own_bytes": [x["own_bytes"] for x in per_rank]}
+    out.update(read_over_share=round(worst, 3), goal=1.5, met=worst <= 1.5)
+    return out
+
+
 def run(*, preset: str, ranks: list[int], parts: list[str], packages: list[str],
         workdir: str | None, writer: str = "thread") -> dict[str, Any]:
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raylm-bench-"))
@@ -320,6 +398,8 @@ def run(*, preset: str, ranks: list[int], parts: list[str], packages: list[str],
                               "cpus": os.cpu_count(), "torch": torch.__version__}
     if "prepare" in parts:
         result["prepare"] = prepare_scale(packages=packages, root=root / "prepare")
+    if "reads" in parts:
+        result["reads"] = reads(packages=packages, root=root / "reads")
     if "async_checkpoint" in parts:
         result["async_checkpoint"] = async_checkpoint(preset=preset, root=root, writer=writer)
     if "checkpoint_fetch" in parts:

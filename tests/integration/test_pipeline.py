@@ -112,12 +112,12 @@ def test_pieces_deduplicate_against_the_whole_corpus_and_pack_on_their_own(
     files = layout["splits"]["train"]["files"] + layout["splits"]["val"]["files"]
     assert {f[:10] for f in files} == {f"part-{p:05d}" for p in (0, 1, 3, 4, 5, 6)}
     assert layout["splits"]["train"]["files"][-1].startswith("part-00006")  # the tails
-    sizes = layout["splits"]["train"]["row_group_sizes"]
-    assert sum(sizes) == layout["splits"]["train"]["blocks"]
-    assert sizes == [pq.ParquetFile(tmp_path / "many" / "train" / f).metadata.row_group(g)
-                     .num_rows for f in layout["splits"]["train"]["files"]
-                     for g in range(pq.ParquetFile(tmp_path / "many" / "train" / f)
-                                    .num_row_groups)]
+    train = layout["splits"]["train"]
+    assert sum(train["row_group_sizes"]) == train["blocks"]
+    stored = [pq.ParquetFile(tmp_path / "many" / "train" / f).metadata for f in train["files"]]
+    assert train["file_groups"] == [m.num_row_groups for m in stored]
+    assert train["row_group_sizes"] == [m.row_group(g).num_rows for m in stored
+                                        for g in range(m.num_row_groups)]
 
 
 def test_on_bad_record_error_names_file_and_line(corpus, tokenizer_dir, tmp_path, capsys):

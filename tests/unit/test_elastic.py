@@ -74,7 +74,8 @@ def test_interruptions_tell_restarts_from_resizes_with_steps_and_time_lost():
 
 def test_ledger_accounting_counts_duplicates_and_gaps():
     sizes, seed, window, batch = [4, 4, 4, 4, 4], 3, 2, 4  # 5 steps = one epoch
-    rows = SampleOrder(sizes, seed=seed, window=window).rows(np.arange(5 * batch))
+    order = SampleOrder(sizes, seed=seed, window=window, global_batch=batch)
+    rows = order.rows(np.arange(5 * batch))
     ledger = rows.reshape(5, batch).astype(np.int32)
     got = account(ledger, group_sizes=sizes, seed=seed, window=window)
     assert got == {"steps": 5, "trained": 20, "duplicated": 0, "skipped": 0, "in_order": True}

@@ -50,26 +50,74 @@ def test_position_ids_restart_per_document():
     assert position_ids(np.array([], dtype=np.int64), 3).tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("sizes, window", [([4, 4, 4, 2], 2), ([256] * 10 + [7], 3), ([5], 1)])
-def test_sample_order_is_a_permutation_per_epoch(sizes, window):
-    order = SampleOrder(sizes, seed=3, window=window)
+@pytest.mark.parametrize("sizes, window, batch",
+                         [([4, 4, 4, 2], 2, 4), ([256] * 10 + [7], 3, 16), ([5], 1, 8),
+                          ([16] * 6, 4, 6)])
+def test_sample_order_is_a_permutation_per_epoch(sizes, window, batch):
+    order = SampleOrder(sizes, seed=3, window=window, global_batch=batch)
     n = sum(sizes)
     for epoch in range(3):
         rows = order.rows(np.arange(epoch * n, (epoch + 1) * n))
         assert sorted(rows.tolist()) == list(range(n))
-    again = SampleOrder(sizes, seed=3, window=window)
+    again = SampleOrder(sizes, seed=3, window=window, global_batch=batch)
     assert (again.rows(np.arange(2 * n)) == order.rows(np.arange(2 * n))).all()
     # Random access agrees with sequential access (resume reads positions out of order).
     probe = np.array([n + 1, 0, 2 * n - 1, 3]) % (3 * n)
-    assert (order.rows(probe) == SampleOrder(sizes, seed=3, window=window).rows(probe)).all()
+    fresh = SampleOrder(sizes, seed=3, window=window, global_batch=batch)
+    assert (order.rows(probe) == fresh.rows(probe)).all()
 
 
 def test_sample_order_depends_on_seed_and_epoch():
     sizes = [64] * 8
-    a = SampleOrder(sizes, seed=0, window=2).rows(np.arange(1024))
-    b = SampleOrder(sizes, seed=1, window=2).rows(np.arange(1024))
+    a = SampleOrder(sizes, seed=0, window=2, global_batch=8).rows(np.arange(1024))
+    b = SampleOrder(sizes, seed=1, window=2, global_batch=8).rows(np.arange(1024))
     assert (a != b).any()
     assert (a[:512] != a[512:]).any()  # epochs are shuffled differently
+
+
+def _groups_read(order: SampleOrder, *, rank: int, world: int, steps: int) -> set[int]:
+    b = order.global_batch
+    positions = rank_positions(np.arange(steps * b // world), start_step=0, global_batch=b,
+                               rank=rank, world_size=world)
+    rows = order.rows(positions)
+    return set((np.searchsorted(order.group_offsets, rows, side="right") - 1).tolist())
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_each_rank_reads_its_own_row_groups(world):
+    # Full row groups, a batch dividing the window and worker counts dividing the window's
+    # groups: every row group is read by exactly one rank per epoch.
+    sizes, window, batch = [32] * 64, 8, 16
+    order = SampleOrder(sizes, seed=5, window=window, global_batch=batch)
+    steps = sum(sizes) // batch  # one epoch
+    read = [_groups_read(order, rank=r, world=world, steps=steps) for r in range(world)]
+    assert sum(len(g) for g in read) == len(sizes)
+    assert set().union(*read) == set(range(len(sizes)))
+
+
+def test_uneven_row_groups_cost_at_most_two_extra_row_groups_per_window():
+    # Short row groups (each preparation piece ends in one), a batch that does not divide the
+    # window, and a rank count that does not divide it either.
+    rng = np.random.default_rng(0)
+    sizes = [int(x) for x in rng.choice([64, 64, 64, 17], size=90)]
+    window, batch, world = 6, 12, 4
+    order = SampleOrder(sizes, seed=1, window=window, global_batch=batch)
+    n = sum(sizes)
+    steps = n // batch
+    windows = -(-len(sizes) // window)
+    for r in range(world):
+        rows_read = sum(sizes[g] for g in _groups_read(order, rank=r, world=world, steps=steps))
+        share = steps * batch // world
+        assert rows_read <= share + windows * 2 * max(sizes)
+
+
+def test_every_global_batch_mixes_its_window():
+    sizes, window, batch = [32] * 16, 8, 16
+    order = SampleOrder(sizes, seed=2, window=window, global_batch=batch)
+    rows = order.rows(np.arange(sum(sizes))).reshape(-1, batch)
+    groups = np.searchsorted(order.group_offsets, rows, side="right") - 1
+    # Each step takes two rows from each of the window's 8 row groups.
+    assert all(len(set(step.tolist())) == window for step in groups)
 
 
 def test_rank_positions_partition_every_global_batch():
