@@ -82,6 +82,7 @@ class _CountedFile(io.RawIOBase):
 
     def __init__(self, path: str) -> None:
         self._f = open(path, "rb")  # noqa: SIM115 (closed with this object)
+        self.name = path
         self.bytes_read = 0
 
     def readable(self) -> bool:
@@ -106,13 +107,25 @@ class _CountedFile(io.RawIOBase):
         super().close()
 
 
+def _footer(f: io.RawIOBase) -> pq.FileMetaData:
+    """A Parquet file's metadata, reading its footer and nothing else (a Parquet reader
+    opening the file reads its last 64 KiB, most of a row group of packed tokens)."""
+    f.seek(-8, os.SEEK_END)
+    tail = f.read(8)
+    if tail[4:] != b"PAR1":
+        raise ValueError(f"{getattr(f, 'name', f)} is not a Parquet file (no footer)")
+    size = int.from_bytes(tail[:4], "little")
+    f.seek(-8 - size, os.SEEK_END)
+    # The footer alone, framed as a file of its own; its offsets still point into the file.
+    return pq.read_metadata(pa.BufferReader(b"PAR1" + f.read(size) + tail))
+
+
 class _ReadBlocks:
     """A rank's local sample indices in, its blocks out (in order): the map function of each
     training stream's Ray Data actor, and called directly for the validation blocks.
 
     Row groups are read whole, on first use, and kept for the rest of the window. Each file's
-    footer is read once and its metadata kept (a Parquet reader otherwise reads the last 64 KiB
-    of the file again for every row group). ``bytes_read`` counts every byte read."""
+    footer is read once and its metadata kept. ``bytes_read`` counts every byte read."""
 
     def __init__(self, split: PackedSplit, *, mode: str, seed: int, window: int, rank: int,
                  world_size: int, start_step: int = 0, global_batch: int = 1) -> None:
@@ -129,9 +142,9 @@ class _ReadBlocks:
 
     def _read(self, path: str, idx: int) -> pa.Table:
         with _CountedFile(path) as f:
-            pf = pq.ParquetFile(f, metadata=self.metadata.get(path))
-            table = pf.read_row_group(idx)
-            self.metadata[path] = pf.metadata
+            if path not in self.metadata:
+                self.metadata[path] = _footer(f)
+            table = pq.ParquetFile(f, metadata=self.metadata[path]).read_row_group(idx)
         self.metadata.move_to_end(path)
         while len(self.metadata) > METADATA_CACHE_FILES:
             self.metadata.popitem(last=False)
