@@ -377,7 +377,8 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
 
 
 def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
-    """Build, restore, then open the streams where the restored state says."""
+    """Open the training stream at the step of the run's latest checkpoint, build the model
+    and restore that checkpoint while its reader starts, then wait for its first batch."""
     cfg = config_from_dict(loop_config["config"])
     quiet_libraries(cfg.run.verbose)
     run_dir = loop_config["run_dir"]
@@ -397,6 +398,26 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     # Data goes by data-parallel rank: the workers of a tensor-parallel group, and the stages
     # of a pipeline, train on the same samples.
     lay = layout_of(rank, world, plan)
+    # Under pipeline parallelism the accumulation steps are the schedule's micro-batches.
+    micro_batch, accumulation = batch_plan(
+        t.global_batch_size, t.micro_batch_size, lay.dp_size,
+        splits=par.pipeline_microbatches if par.pipeline > 1 else 0)
+    # The stream opens first, at the step of the checkpoint the restore below loads, so that
+    # its reader starts while the model is built and restored.
+    found = ckpt.latest_verified(run_dir)
+    start_step = found[1]["state"]["step"] if found is not None else 0
+    train_ds = build_train_stream(
+        loop_config["prepared"], rank=lay.dp_rank, world_size=lay.dp_size,
+        start_step=start_step,
+        num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
+        global_batch=t.global_batch_size, resources=loop_config["reader_resources"])
+    # Batches stay on the host (the positions and rows are checked and logged there; in a
+    # GPU worker Ray's default would move them to the GPU), pinned so that the step's copy
+    # of the tokens to the GPU never waits for its queue.
+    batches = iter(train_ds.iter_torch_batches(batch_size=micro_batch, device="cpu",
+                                               pin_memory=device.type == "cuda",
+                                               prefetch_batches=d.prefetch_batches))
+    fetching = FirstBatch(batches) if start_step < t.steps else None
     built = build_training_model(
         preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
         eos_id=loop_config["eos_id"], device=device, precision=t.precision,
@@ -406,14 +427,11 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         base_quantization=cfg.lora.base_quantization)
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=(o.beta1, o.beta2), device_type=device.type)
-    state, ledger = restore(run_dir, cfg, built=built, optimizer=optimizer, rank=rank,
+    state, ledger = restore(found, cfg, built=built, optimizer=optimizer, rank=rank,
                             layout=lay)
+    assert state.step == start_step, (state.step, start_step)
     if rank == 0 and state.step:
         print(f"raylm: {world} workers resuming from step {state.step}", flush=True)
-    # Under pipeline parallelism the accumulation steps are the schedule's micro-batches.
-    micro_batch, accumulation = batch_plan(
-        t.global_batch_size, t.micro_batch_size, lay.dp_size,
-        splits=par.pipeline_microbatches if par.pipeline > 1 else 0)
     if rank == 0 and par.pipeline > 1:
         print(f"raylm: {par.pipeline} pipeline stages ({par.pipeline_schedule}, "
               f"{accumulation} micro-batches of {micro_batch} per step): "
@@ -422,29 +440,18 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     tracker: Tracker = loop_config["tracker"]
     if ctx.get_local_rank() == 0:
         tracker.start_node_monitor(f"node{ctx.get_node_rank()}")
-    train_ds = build_train_stream(
-        loop_config["prepared"], rank=lay.dp_rank, world_size=lay.dp_size,
-        start_step=state.step,
-        num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
-        global_batch=t.global_batch_size, resources=loop_config["reader_resources"])
-    # Batches stay on the host (the positions and rows are checked and logged there; in a
-    # GPU worker Ray's default would move them to the GPU), pinned so that the step's copy
-    # of the tokens to the GPU never waits for its queue.
-    batches = iter(train_ds.iter_torch_batches(batch_size=micro_batch, device="cpu",
-                                               pin_memory=device.type == "cuda",
-                                               prefetch_batches=d.prefetch_batches))
     val = {k: torch.from_numpy(v) for k, v in read_val_blocks(
         loop_config["prepared"], rank=lay.dp_rank, world_size=lay.dp_size,
         eval_samples=t.eval_batches * t.micro_batch_size).items()}
     val_batches = [{k: v[i:i + t.micro_batch_size] for k, v in val.items()}
                    for i in range(0, len(val["input_ids"]), t.micro_batch_size)]
-    # Starting the stream (actor, first blocks) is a one-off cost, reported on its own rather
-    # than folded into the steady-state data-wait fraction.
+    # What starting the stream (actor, first blocks) still costs once the model is ready is a
+    # one-off, reported on its own rather than folded into the steady-state data-wait fraction.
     t0 = time.perf_counter()
-    if state.step < t.steps:
+    if fetching is not None:
         reader = loop_config["reader_resources"]
-        first = first_batch(
-            batches, timeout_s=d.first_batch_timeout_s, keep_waiting=cfg.scaling.wait_for_nodes,
+        first = fetching.wait(
+            timeout_s=d.first_batch_timeout_s, keep_waiting=cfg.scaling.wait_for_nodes,
             waiting_for=lambda: reader_wait(reader, rank=rank), log=print)
         batches = itertools.chain([first], batches)
     data_startup_s = time.perf_counter() - t0
@@ -490,37 +497,50 @@ class DataStall(RuntimeError):
     """A worker's training stream delivered no first batch in ``data.first_batch_timeout_s``."""
 
 
-def first_batch(batches: Iterator[dict[str, torch.Tensor]], *, timeout_s: float,
-                keep_waiting: bool, waiting_for: Callable[[], str],
-                log: Callable[[str], None]) -> dict[str, torch.Tensor]:
-    """The stream's first batch; a stream that has none after ``timeout_s`` is named with what
-    it waits for (``waiting_for()``) instead of waiting in silence. With ``keep_waiting`` (an
-    autoscaling cluster, which may yet add what is missing) that is said every ``timeout_s``
-    and the wait goes on; otherwise :class:`DataStall` is raised."""
-    box: queue.Queue = queue.Queue(maxsize=1)
+class FirstBatch:
+    """A stream's first batch, fetched by a thread from the moment the stream is opened: a
+    worker opens its stream before it builds and restores the model, so that starting the
+    reader (an actor, its imports, the first row groups) overlaps that work."""
 
-    def fetch() -> None:
-        try:
-            box.put((True, next(batches)))
-        except BaseException as e:  # noqa: BLE001 (handed to the waiting thread)
-            box.put((False, e))
+    def __init__(self, batches: Iterator[dict[str, torch.Tensor]]) -> None:
+        self._box: queue.Queue = queue.Queue(maxsize=1)
+        self._t0 = time.monotonic()
 
-    threading.Thread(target=fetch, name="raylm-first-batch", daemon=True).start()
-    t0 = time.monotonic()
-    while True:
-        try:
-            ok, value = box.get(timeout=timeout_s)
-        except queue.Empty:
-            message = (f"no training batch after {time.monotonic() - t0:.0f} s: "
-                       f"{waiting_for()}")
-            if not keep_waiting:
-                raise DataStall(f"{message}; raise data.first_batch_timeout_s if the stream "
-                                f"is only slow to start") from None
-            log(f"raylm: warning: {message}; waiting on, as scaling.wait_for_nodes asks")
-            continue
-        if not ok:
-            raise value
-        return value
+        def fetch() -> None:
+            try:
+                self._box.put((True, next(batches)))
+            except BaseException as e:  # noqa: BLE001 (handed to the waiting thread)
+                self._box.put((False, e))
+
+        threading.Thread(target=fetch, name="raylm-first-batch", daemon=True).start()
+
+    def wait(self, *, timeout_s: float, keep_waiting: bool, waiting_for: Callable[[], str],
+             log: Callable[[str], None]) -> dict[str, torch.Tensor]:
+        """The batch; a stream that has none ``timeout_s`` after this is called is named with
+        what it waits for (``waiting_for()``) instead of waiting in silence. With
+        ``keep_waiting`` (an autoscaling cluster, which may yet add what is missing) that is
+        said every ``timeout_s`` and the wait goes on; otherwise :class:`DataStall` is
+        raised."""
+        while True:
+            try:
+                ok, value = self._box.get(timeout=timeout_s)
+            except queue.Empty:
+                # Counted from the stream's opening, which is when its reader was asked for.
+                message = (f"no training batch after {time.monotonic() - self._t0:.0f} s: "
+                           f"{waiting_for()}")
+                if not keep_waiting:
+                    raise DataStall(f"{message}; raise data.first_batch_timeout_s if the "
+                                    f"stream is only slow to start") from None
+                log(f"raylm: warning: {message}; waiting on, as scaling.wait_for_nodes asks")
+                continue
+            if not ok:
+                raise value
+            return value
+
+
+def first_batch(batches: Iterator[dict[str, torch.Tensor]], **wait) -> dict[str, torch.Tensor]:
+    """The stream's first batch, waited for at once (:meth:`FirstBatch.wait`)."""
+    return FirstBatch(batches).wait(**wait)
 
 
 def reader_wait(reader: dict[str, float], *, rank: int) -> str:
@@ -538,12 +558,13 @@ def reader_wait(reader: dict[str, float], *, rank: int) -> str:
                "error in the worker logs"))
 
 
-def restore(run_dir: str, cfg: Config, *, built: Built, optimizer: torch.optim.Optimizer,
-            rank: int, layout: Layout) -> tuple[TrainState, Ledger]:
-    """The train state of the latest verified checkpoint (loaded into model and optimizer),
-    and the sample ledger continuing its own; a fresh state when there is none."""
+def restore(found: tuple[str, dict] | None, cfg: Config, *, built: Built,
+            optimizer: torch.optim.Optimizer, rank: int, layout: Layout
+            ) -> tuple[TrainState, Ledger]:
+    """The train state of ``found``, the run's latest verified checkpoint and its marker
+    (loaded into model and optimizer), and the sample ledger continuing its own; a fresh
+    state when there is none."""
     state = TrainState()
-    found = ckpt.latest_verified(run_dir)
     if found is not None:
         state.load_state_dict(ckpt.load(found[0], model=built.model, optimizer=optimizer,
                                         config=built.config,
