@@ -62,8 +62,10 @@ def relaid(base, trained):
     """The same 30 steps in two invocations on two layouts, its run directory in object
     storage and its MLflow run in the first run's default store: 10 steps on 4 half-CPU
     workers at (dp 2, tp 2); the newest checkpoint then cut short, as a save killed half-way
-    leaves it; on to 30 at (dp 2, pp 2), which goes back to the step-5 checkpoint and logs the
-    final model. Returns both summaries and what the second invocation said."""
+    leaves it; on to 30 on 2 workers at (pp 2), which goes back to the step-5 checkpoint and
+    logs the final model. It evaluates twice as many blocks per data-parallel rank there, so
+    that its one rank evaluates the blocks the 2 ranks of the other runs did. Returns both
+    summaries and what the second invocation said."""
     from raylm import checkpoint, storage
 
     run = [f"--run.storage_path={bucket(base)}", "--run.name=layouts", "--checkpoint.every=5",
@@ -77,7 +79,9 @@ def relaid(base, trained):
     storage.write_bytes(shard, storage.read_bytes(shard)[: storage.size(shard) // 2])
     logs: list[str] = []
     resumed = train(load_config(None, [*base, *run, "--train.steps=30", "--parallel.pipeline=2",
-                                       "--tracking.log_model=true"]), log=logs.append)
+                                       "--scaling.num_workers=2", "--scaling.cpus_per_worker=1",
+                                       "--train.eval_batches=4", "--tracking.log_model=true"]),
+                    log=logs.append)
     return first, resumed, logs
 
 
@@ -132,7 +136,7 @@ def test_a_run_in_two_invocations_keeps_one_record(base, trained, relaid):
     # What a notebook filters and compares runs by: tags, the dataset input, the run's files.
     assert {k: mrun.data.tags[k] for k in ("raylm.model", "raylm.training", "raylm.workers",
                                            "raylm.data_format")} == {
-        "raylm.model": "preset:tiny", "raylm.training": "pretrain-full", "raylm.workers": "4",
+        "raylm.model": "preset:tiny", "raylm.training": "pretrain-full", "raylm.workers": "2",
         "raylm.data_format": "text"}
     assert [r.info.run_name for r in client.search_runs(
         [mrun.info.experiment_id], "tags.`raylm.training` = 'pretrain-full'")] != []
@@ -346,17 +350,17 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
 
 def test_resume_on_another_layout_past_a_truncated_checkpoint(trained, relaid):
     """The run of ``relaid``: 10 steps at (dp 2, tp 2), the newest checkpoint cut short, on to
-    30 at (dp 2, pp 2) from the step-5 checkpoint. The same samples per step throughout, so it
-    ends with the uninterrupted dp-only run's losses: DCP reshards the TP-split state onto
-    pipeline stages. (Resuming on fewer ranks: tests/distributed/test_checkpoint.py and the
-    elastic test.)"""
+    30 at (pp 2) on half the ranks from the step-5 checkpoint. The same samples per step
+    throughout, so it ends with the uninterrupted dp-only run's losses: DCP reshards the
+    TP-split state onto pipeline stages. (Resuming on fewer ranks under FSDP2 alone:
+    tests/distributed/test_checkpoint.py and the elastic test.)"""
     split, staged, logs = relaid
     assert split["final_step"] == 10 and split["tensor_parallel"] == 2
     assert split["data_parallel"] == 2 and split["pipeline_parallel"] == 1
     assert_exact_samples(split, 10)
     assert any("skipping incomplete checkpoint" in m and "truncated" in m for m in logs), logs
     assert staged["resumed_from_step"] == 5 and staged["pipeline_parallel"] == 2
-    assert staged["data_parallel"] == 2 and staged["tensor_parallel"] == 1
+    assert staged["data_parallel"] == 1 and staged["tensor_parallel"] == 1
     # Steps 6-10 were trained twice (the second time counts): nothing duplicated or skipped.
     assert_exact_samples(staged, 30)
     # The same 8 sequences in every step; only the order in which fp32 gradients are summed
@@ -365,8 +369,8 @@ def test_resume_on_another_layout_past_a_truncated_checkpoint(trained, relaid):
     full = trained
     assert staged["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
     assert staged["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
-    # Each rank of a (dp 2, tp 2) or (dp 2, pp 2) layout holds half of what FSDP2 alone over
-    # 2 ranks leaves it, weights and Adam state alike.
+    # Each rank of (dp 2, tp 2) holds half of what FSDP2 alone over 2 ranks leaves it; a stage
+    # of (pp 2) holds half the model, as much as FSDP2 over 2 ranks: weights and Adam state.
     for held in ("param_memory_gb", "optimizer_memory_gb"):
-        assert 0.4 < staged[held] / full[held] < 0.6, held
         assert 0.4 < split[held] / full[held] < 0.6, held
+        assert 0.8 < staged[held] / full[held] < 1.25, held
