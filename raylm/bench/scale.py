@@ -352,6 +352,7 @@ def reads(*, packages: list[str], root: Path, workers: tuple[int, ...] = (1, 2, 
     import ray
 
     from raylm.config import load_config
+    from raylm.data import PackedSplit
     from raylm.preparation import prepare
 
     corpus = write_builtin_shards(packages, root / "corpus", shards=8, variants=1)
@@ -370,8 +371,6 @@ def reads(*, packages: list[str], root: Path, workers: tuple[int, ...] = (1, 2, 
         "train_blocks": blocks["blocks"], "row_groups": len(blocks["row_group_sizes"]),
         "rows_per_row_group": d.rows_per_row_group, "shuffle_window": d.shuffle_window,
         "global_batch": t.global_batch_size, "steps": steps}
-    from raylm.data import PackedSplit
-
     train = PackedSplit.load(root / "prepared", "train")
     worst = 0.0
     for w in workers:
