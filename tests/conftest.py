@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,44 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) CPU time of the whole machine so far, in jiffies (Linux), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
+_cpu_busy: dict[str, tuple[float, float]] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """How busy the machine's CPUs were while each test ran (setup and teardown included):
+    the slow tests that leave them idle wait on something (a poll, a timeout), those near 100%
+    pay for processes and imports."""
+    start, t0 = _cpu_jiffies(), time.perf_counter()
+    try:
+        return (yield)
+    finally:
+        end = _cpu_jiffies()
+        if start and end and end[1] > start[1]:
+            _cpu_busy[item.nodeid] = (time.perf_counter() - t0,
+                                      (end[0] - start[0]) / (end[1] - start[1]))
+
+
+def pytest_terminal_summary(terminalreporter):
+    slowest = sorted(_cpu_busy.items(), key=lambda kv: -kv[1][0])[:25]
+    if not slowest:
+        return
+    terminalreporter.section("slowest tests: wall time and how busy the CPUs were")
+    for nodeid, (wall, busy) in slowest:
+        terminalreporter.write_line(f"{wall:8.1f}s  {busy:4.0%} busy  {nodeid}")
 
 
 def save_tiny_llama(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
