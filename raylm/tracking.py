@@ -120,8 +120,10 @@ class Tracker:
 class MLflowTracker(Tracker):
     """One MLflow run. Picklable (its id and URI); the client is made where it is used."""
 
-    def __init__(self, run_id: str, uri: str) -> None:
+    def __init__(self, run_id: str, uri: str, *, keep: int | None = None) -> None:
         self.run_id, self.uri = run_id, uri
+        self.keep = keep
+        """How many checkpoints Ray Train keeps (checkpoint.keep): the newest, by step."""
         self.broken = False
         self.params_logged = False
         self.checkpoints: list[dict[str, Any]] = []
@@ -174,6 +176,10 @@ class MLflowTracker(Tracker):
         client.log_batch(self.run_id, metrics=values, params=params)
         if checkpoint_path is not None:
             self.checkpoints.append({"step": step, "path": checkpoint_path})
+            # Ray Train has deleted the older ones (num_to_keep), so the list names only those
+            # a user can still open.
+            if self.keep:
+                self.checkpoints = self.checkpoints[-self.keep:]
             client.set_tag(self.run_id, "raylm.checkpoint_latest", checkpoint_path)
             client.log_dict(self.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json")
 
@@ -427,7 +433,7 @@ def start(cfg: Config, *, log=print, parent: Tracker | None = None) -> Tracker:
             f"{_first_line(e)}")
         return Tracker()
     log(f"raylm: MLflow run {run_id} at {uri}")
-    return MLflowTracker(run_id, uri)
+    return MLflowTracker(run_id, uri, keep=cfg.checkpoint.keep)
 
 
 def _find_or_create_run(cfg: Config, uri: str, parent_run_id: str | None) -> str:

@@ -127,8 +127,10 @@ def test_a_run_in_two_invocations_keeps_one_record(base, trained, relaid):
         10, 10, 20, 30]
     assert mrun.data.tags["raylm.checkpoint_latest"] == resumed["checkpoint_path"]
     listed = client.download_artifacts(mrun.info.run_id, "checkpoints.json")
-    assert json.loads(open(listed).read())["checkpoints"][-1] == {
-        "step": 30, "path": resumed["checkpoint_path"]}
+    # The checkpoints Ray Train keeps (checkpoint.keep=3, every 5 steps), the newest last.
+    checkpoints = json.loads(open(listed).read())["checkpoints"]
+    assert [c["step"] for c in checkpoints] == [20, 25, 30]
+    assert checkpoints[-1] == {"step": 30, "path": resumed["checkpoint_path"]}
     system = [k for k in mrun.data.metrics if k.startswith("system/")]
     assert any("cpu_utilization" in k for k in system), system
     runs = client.search_runs([mrun.info.experiment_id])
