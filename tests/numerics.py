@@ -94,17 +94,13 @@ def _rank(rank: int, world_size: int, port: int, path: str) -> None:
 
 def run_fsdp(world_size: int = 2) -> dict[str, list[float]]:
     """The same run on ``world_size`` gloo ranks under FSDP2 (rank 0's figures)."""
-    import socket
     import tempfile
 
-    import torch.multiprocessing as mp
+    from tests.ranks import free_port, run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rank0.json")
-        mp.spawn(_rank, args=(world_size, port, path), nprocs=world_size, join=True)
+        run_ranks(_rank, args=(world_size, free_port(), path), world=world_size)
         return json.loads(Path(path).read_text())
 
 

@@ -10,9 +10,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from tests.distributed.test_fsdp_parity import VOCAB, data, exit_now, free_port
+from tests.distributed.test_fsdp_parity import VOCAB, data, exit_now
+from tests.ranks import free_port, run_ranks
 
 STEPS = 4
 
@@ -78,7 +78,7 @@ def worker(rank: int, world: int, port: int, ckpt: str, out: str, resume: bool =
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     ckpt, out = str(root / "checkpoint_000"), str(root / "losses.json")
-    mp.spawn(worker, args=(2, free_port(), ckpt, out), nprocs=2, join=True)
+    run_ranks(worker, args=(2, free_port(), ckpt, out), world=2)
     with open(out) as f:
         return ckpt, json.load(f)
 
@@ -97,7 +97,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
 
 def resume_on_two_ranks(ckpt: str, out: str) -> tuple[list, list[int]]:
     """Rank 0's losses and each rank's fetched bytes, resuming ``ckpt`` on 2 ranks."""
-    mp.spawn(worker, args=(2, free_port(), ckpt, out, True), nprocs=2, join=True)
+    run_ranks(worker, args=(2, free_port(), ckpt, out, True), world=2)
     with open(out) as f:
         losses = json.load(f)
     fetched = []

@@ -4,11 +4,11 @@ training, masked fine-tuning steps, LoRA adapters and LoRA on an NF4-quantized b
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.ranks import free_port, run_ranks
 
 VOCAB, SEQ, BATCH, STEPS = 300, 33, 4, 3
 
@@ -153,7 +153,7 @@ def exit_now() -> None:
     Tearing down gloo's and the store's threads (destroy_process_group, C++ destructors at
     exit) rarely aborts a rank after all its work succeeded ("terminate called without an
     active exception", seen in CI). The OS closes the sockets. Ranks that fail raise before
-    reaching this, so their errors still surface through mp.spawn.
+    reaching this, so their errors still surface through run_ranks.
     """
     import sys
 
@@ -162,18 +162,12 @@ def exit_now() -> None:
     os._exit(0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     path, pretrained = str(root / "rank0.pt"), str(root / "pretrained")
     save_pretrained(pretrained)
-    mp.spawn(worker, args=(2, free_port(), path, pretrained), nprocs=2, join=True)
+    run_ranks(worker, args=(2, free_port(), path, pretrained), world=2)
     reference: dict = {}
     torch.set_num_threads(1)
     run(1, 0, reference, pretrained)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from raylm.config import PIPELINE_SCHEDULES
 from raylm.parallelize import DATA_PARALLEL, ParallelPlan, layout_of
@@ -17,11 +16,11 @@ from tests.distributed.test_fsdp_parity import (
     LORA,
     VOCAB,
     data,
-    free_port,
     masked_data,
     save_pretrained,
     worker,
 )
+from tests.ranks import free_port, run_ranks
 
 STEPS = 3
 SCHEDULES = PIPELINE_SCHEDULES
@@ -159,7 +158,7 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
     path, pretrained = str(root / "rank0.pt"), str(root / "pretrained")
     save_pretrained(pretrained)
-    mp.spawn(worker, args=(2, free_port(), path, pretrained, run_pp2), nprocs=2, join=True)
+    run_ranks(worker, args=(2, free_port(), path, pretrained, run_pp2), world=2)
     reference: dict = {}
     torch.set_num_threads(1)
     run(1, 0, DATA_PARALLEL, "1f1b", reference, pretrained)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from raylm.parallelize import DATA_PARALLEL, ParallelPlan, layout_of
 from tests.distributed.test_fsdp_parity import (
@@ -16,12 +15,12 @@ from tests.distributed.test_fsdp_parity import (
     LORA,
     VOCAB,
     data,
-    free_port,
     masked_data,
     save_pretrained,
     worker,
 )
 from tests.distributed.test_pipeline_parallel import reload, run_composed
+from tests.ranks import free_port, run_ranks
 
 STEPS = 3
 TP2 = ParallelPlan(tensor=2)
@@ -102,7 +101,7 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     path, pretrained = str(root / "rank0.pt"), str(root / "pretrained")
     save_pretrained(pretrained)
-    mp.spawn(worker, args=(4, free_port(), path, pretrained, run_tp2), nprocs=4, join=True)
+    run_ranks(worker, args=(4, free_port(), path, pretrained, run_tp2), world=4)
     reference: dict = {}
     torch.set_num_threads(1)
     run(1, 0, DATA_PARALLEL, reference, pretrained)
