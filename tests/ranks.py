@@ -22,8 +22,16 @@ from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
+from raylm.console import quiet_torchao
+
+# The server imports this module first: torchao's import-time warnings about its installation
+# (it comes in with peft and transformers) are quieted there, as raylm quiets them in every
+# process that builds a model.
+quiet_torchao()
+
 # What every rank imports; a module missing here is imported by the rank itself.
 PRELOAD = [
+    "tests.ranks",
     "torch",
     "torch.distributed.checkpoint",
     "torch.distributed.fsdp",
