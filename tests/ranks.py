@@ -4,9 +4,9 @@ stack once.
 A spawned rank is a fresh interpreter that imports torch, its distributed packages,
 transformers' Llama code, peft and raylm's training modules before doing anything: about 9
 CPU-s per rank on the 2-core CI machine, and the suite starts 16 ranks. multiprocessing's
-forkserver imports them once, in a process that has run no torch operation (so no thread
-pool is forked), and forks every rank from there; a rank then pays only for what its test
-does. Each rank still runs its test's function from the start, so what a rank computes is
+forkserver imports them once, in a process that does nothing else (no tensor math, so no
+thread pool is forked), and forks every rank from there; a rank then pays only for what its
+test does. Each rank still runs its test's function from the start, so what a rank computes is
 what a spawned rank computes: the recorded losses (tests/losses.json) are unchanged.
 
 The server keeps the environment of the moment it starts (the first ``run_ranks`` call):
