@@ -354,6 +354,12 @@ class CheckpointConfig:
     optimizer state). The last checkpoint and a preemption's are always written before the
     run or the group stops. A checkpoint counts once its marker is written, after every rank's
     files."""
+    writer: Literal["auto", "thread", "process"] = "auto"
+    """Where an asynchronous checkpoint is written from: a thread of the worker, or a daemon
+    process of the worker's own (DCP's; started at the first save, then kept), which does not
+    share the training loop's interpreter lock. auto: the process on a GPU worker, whose host
+    cores are free while the step runs on the GPU; the thread on a CPU worker, where the
+    step takes the worker's cores and a process would only add its start."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -286,14 +286,15 @@ def validate(run: Setup) -> dict[str, float]:
 
 class Checkpointer:
     """Checkpoints of one worker, synchronous or (``checkpoint.asynchronous``) in the
-    background: the state is staged at the step (a copy, so training goes on), DCP writes it
-    from a thread of its own over a gloo group only checkpoints use, and Ray Train's upload
-    thread (one per worker, reports in order) waits for the write, writes the marker and copies
-    the directory to storage. One checkpoint is in flight at most: the next waits for the one
+    background: the state is staged at the step (a copy into host buffers kept from one save to
+    the next, so training goes on), DCP writes it (from a thread, or from its daemon process:
+    ``checkpoint.writer``) over a gloo group only checkpoints use, and Ray Train's upload thread
+    (one per worker, reports in order) waits for the write, writes the marker and copies the
+    directory to storage. One checkpoint is in flight at most: the next waits for the one
     before, so the group's collectives never interleave. Reports made meanwhile go through the
     same thread, so the loop does not wait for the upload either."""
 
-    def __init__(self, asynchronous: bool) -> None:
+    def __init__(self, asynchronous: bool, writer: str, built: Built) -> None:
         import torch.distributed as dist
 
         self.asynchronous = asynchronous
@@ -301,6 +302,14 @@ class Checkpointer:
         # Made by every rank in the same order, as new_group needs.
         self.group = (dist.new_group(backend="gloo")
                       if asynchronous and dist.is_initialized() else None)
+        self.writer = self.stager = None
+        if asynchronous:
+            self.writer = ckpt.choose_writer(
+                writer, device=built.device, model=built.model,
+                workers_on_node=ray.train.get_context().get_local_world_size())
+            # Its host buffers are made at the first save and reused: one checkpoint is in
+            # flight at most, so a save never stages into buffers a write still reads.
+            self.stager = ckpt.stager(writer=self.writer, device=built.device)
         self._uploaded: threading.Event | None = None
 
     def wait(self) -> None:
@@ -328,7 +337,8 @@ class Checkpointer:
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
             return
         # Ray Train deletes the directory once it is uploaded.
-        pending = ckpt.AsyncSave(tempfile.mkdtemp(prefix=prefix), group=self.group, **saving)
+        pending = ckpt.AsyncSave(tempfile.mkdtemp(prefix=prefix), group=self.group,
+                                 stager=self.stager, writer=self.writer, **saving)
         uploaded = threading.Event()
 
         def finish_and_upload(checkpoint: ray.train.Checkpoint, name: str):
@@ -479,7 +489,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  accumulation=accumulation, batches=batches, val_batches=val_batches,
                  tracker=tracker, meter=meter, vote=preemption.Vote(device),
                  constant_metrics=constant,
-                 checkpointer=Checkpointer(cfg.checkpoint.asynchronous))
+                 checkpointer=Checkpointer(cfg.checkpoint.asynchronous,
+                                           cfg.checkpoint.writer, built))
 
 
 def trainable_params(built: Built) -> int:

@@ -80,14 +80,18 @@ def main(argv: list[str] | None = None) -> int:
                                       "resuming rank fetches, time a checkpoint costs")
     sc.add_argument("--output", required=True)
     sc.add_argument("--parts", default="prepare,reads,checkpoint_fetch,async_checkpoint")
-    sc.add_argument("--async-writer", default="thread", choices=["thread", "process"],
-                    help="where DCP writes an asynchronous checkpoint from")
+    sc.add_argument("--async-writers", default="thread,process",
+                    help="where DCP writes the asynchronous checkpoints compared from: "
+                         "thread, process or both")
     sc.add_argument("--packages", default="transformers,torch,ray,datasets,mlflow,peft",
                     help="installed packages whose docstrings form the prepare corpus")
     sc.add_argument("--preset", default="125m")
     sc.add_argument("--ranks", default="2,4", help="rank counts that save and resume")
     sc.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
+    if args.name == "scale" and not set(args.async_writers.split(",")) <= {"thread", "process"}:
+        p.error(f"--async-writers={args.async_writers}: a comma-separated list of thread "
+                f"and process")
 
     # Each benchmark imports only what it runs: the GPU machines that run some of them have no
     # Ray, MLflow or datasets.
@@ -126,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run(preset=args.preset, ranks=[int(n) for n in args.ranks.split(",")],
                      parts=args.parts.split(","), packages=args.packages.split(","),
-                     workdir=args.workdir, writer=args.async_writer)
+                     workdir=args.workdir,
+                     writers=tuple(args.async_writers.split(",")))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -1,7 +1,7 @@
 """Sharded checkpoints: saved by 2 gloo ranks, resumed on 1 (resharded) and on 2, from a
 directory and from object storage (a file:// URI, read through pyarrow as S3 or GCS would be),
 verified first. The checkpoints are saved asynchronously, as training saves them: the ranks
-train two more steps while the write is in flight, and the checkpoint still holds step 2."""
+train on while the write is in flight, and the checkpoint still holds its step."""
 
 from __future__ import annotations
 
@@ -35,20 +35,31 @@ def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "ti
         start = checkpoint.load(ckpt, model=built.model, optimizer=opt,
                                 config=built.config, fetched=fetched)["step"]
     losses = []
-    pending = None
+    pending = group = None
+    # Two saves, as a run makes them: the second stages into the buffers the first made. Ranks
+    # write from DCP's daemon process (the writer of a GPU worker), one process alone from a
+    # thread (the writer of a CPU worker; the daemon needs a process group to join).
+    writer = "process" if dist.is_initialized() else "thread"
+    stager = checkpoint.stager(writer=writer, device=torch.device("cpu"))
     for step in range(start, STEPS):
         batch = {k: v[rank * per:(rank + 1) * per] for k, v in data(step % 2).items()}
         losses.append(float(train_step(built, opt, [batch], accumulation=1, grad_clip=1.0)[0]))
-        if step + 1 == 2 and not resume:
-            group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        if step + 1 in (2, 3) and not resume:
+            if pending is not None:
+                pending.finish()
+            if group is None and dist.is_initialized():
+                group = dist.new_group(backend="gloo")
             pending = checkpoint.AsyncSave(
-                ckpt, model=built.model, optimizer=opt, config=built.config, samples=None,
-                adapters=None, group=group,
-                state={"step": 2, "tokens_seen": 2 * 4 * 32, "data_position": 8})
+                ckpt if step + 1 == 2 else f"{ckpt}_step3", model=built.model, optimizer=opt,
+                config=built.config, samples=None, adapters=None, group=group, stager=stager,
+                writer=writer,
+                state={"step": step + 1, "tokens_seen": (step + 1) * 4 * 32,
+                       "data_position": (step + 1) * 4})
     if pending is not None:
         with pytest.raises(checkpoint.CheckpointError, match="save did not finish"):
-            checkpoint.verify(ckpt)  # not a checkpoint until every rank's write is done
+            checkpoint.verify(pending.path)  # not a checkpoint until every rank's write is done
         pending.finish()
+    stager.close()
     return losses
 
 
@@ -93,6 +104,18 @@ def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
     torch.set_num_threads(1)
     resumed = session(1, 0, ckpt, resume=True)
     assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)
+
+
+def test_a_second_save_into_the_same_buffers_holds_its_own_step(saved):
+    """The step-3 checkpoint, staged into the buffers the step-2 one was staged into, resumes
+    at step 3 exactly."""
+    from raylm import checkpoint
+
+    ckpt, uninterrupted = saved
+    assert checkpoint.verify(f"{ckpt}_step3")["state"]["step"] == 3
+    torch.set_num_threads(1)
+    resumed = session(1, 0, f"{ckpt}_step3", resume=True)
+    assert resumed == pytest.approx(uninterrupted[3:], abs=1e-5)
 
 
 def resume_on_two_ranks(ckpt: str, out: str) -> tuple[list, list[int]]:
