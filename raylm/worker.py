@@ -307,6 +307,12 @@ class Checkpointer:
             self.writer = ckpt.choose_writer(
                 writer, device=built.device, model=built.model,
                 workers_on_node=ray.train.get_context().get_local_world_size())
+            if self.group is not None:
+                # Every rank writes the same way: the ranks' writer processes form a process
+                # group of their own, which all of them must join.
+                vote = torch.tensor([int(self.writer == "process")])
+                dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.group)
+                self.writer = "process" if vote.item() else "thread"
             # Its host buffers are made at the first save and reused: one checkpoint is in
             # flight at most, so a save never stages into buffers a write still reads.
             self.stager = ckpt.stager(writer=self.writer, device=built.device)
