@@ -52,6 +52,16 @@ def quiet_libraries(verbose: bool) -> None:
     logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"])
 
 
+def one_copy_of_worker_prints() -> None:
+    """In the process that starts a run (Ray Train passes the setting on to the controller and
+    the workers): a worker's lines once. Ray Train 2.60 sends a worker's ``print`` to Train's
+    logger, whose console handler writes it to stderr, and also, when ``sys.stdout`` is not
+    the interpreter's own, to stdout, for a library that wraps the stream to see it. Ray's
+    worker process always replaces ``sys.stdout``, so every line a worker printed reached the
+    console twice. A value the user set is kept."""
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+
+
 def quiet_torchao() -> None:
     """Call before importing peft or torchao. Installed, torchao is imported by peft and by
     transformers (whenever it builds a model), and warns on import that its CUDA extensions

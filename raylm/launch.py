@@ -23,7 +23,7 @@ from ray.train.torch import TorchTrainer
 
 from raylm import checkpoint, ledger, lora, storage, tracking
 from raylm.config import Config, run_dir, storage_root
-from raylm.console import quiet_libraries, train_log_level
+from raylm.console import one_copy_of_worker_prints, quiet_libraries, train_log_level
 from raylm.data import LAYOUT, READER_CPUS
 from raylm.exporter import RUN_INFO, write_run_info
 from raylm.model import build_config, build_meta_model, check_seq_len
@@ -176,6 +176,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     (:mod:`raylm.progress`) instead of the controller's lines."""
     rd = run_dir(cfg)
     quiet_libraries(cfg.run.verbose)
+    one_copy_of_worker_prints()
     check_request(cfg)
     resources = plan_resources(
         cfg, None if cfg.scaling.wait_for_nodes else cluster_capacity())

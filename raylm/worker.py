@@ -447,7 +447,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                             layout=lay)
     assert state.step == start_step, (state.step, start_step)
     if rank == 0 and state.step:
-        print(f"raylm: {world} workers resuming from step {state.step}", flush=True)
+        print(f"raylm: {world} worker{'s' if world > 1 else ''} resuming from step "
+              f"{state.step}", flush=True)
     if rank == 0 and par.pipeline > 1:
         print(f"raylm: {par.pipeline} pipeline stages ({par.pipeline_schedule}, "
               f"{accumulation} micro-batches of {micro_batch} per step): "
