@@ -130,9 +130,9 @@ def stager(*, writer: str, device: torch.device):
     """Where asynchronous saves copy the state to before training goes on: host buffers made at
     the first save and reused by every later one (DCP's default stager allocates and frees
     them at every save, and copying 1.6 GB into fresh pages took 1.0-2.3 s on a CPU here,
-    into kept ones 0.24 s). Pinned on a GPU host, so the
-    copy from the device runs at full speed; in shared memory for the ``process`` writer, so
-    only handles cross to it. Owned by the caller, who keeps one per worker."""
+    into kept ones 0.24 s). Pinned on a GPU host, so the copy from the device runs at full
+    speed; in shared memory for the ``process`` writer, so only handles cross to it. Owned by
+    the caller, who keeps one per worker."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = device.type == "cuda"
