@@ -269,8 +269,10 @@ class ModelConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward (less memory, ~30% more
     compute)."""
-    compile: bool = False
-    """torch.compile each decoder block."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile each decoder block. auto: on for CUDA workers (1b preset on an H100:
+    47.8% MFU compiled against 33.8% eager, 40 GB peak against 52), off on CPUs, where the
+    compilation (tens of seconds per group) outweighs the short runs and tests."""
 
 
 @dataclass(frozen=True, kw_only=True)

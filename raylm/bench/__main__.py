@@ -8,6 +8,8 @@
     scale     preparation driver at 1x and 8x; bytes each rank reads per epoch; checkpoint
               bytes each resuming rank fetches; training time lost to a synchronous and an
               asynchronous checkpoint
+    fault     a run uninterrupted, then with its workers SIGKILLed after a checkpoint: time
+              lost, steps trained again, final losses
 """
 
 from __future__ import annotations
@@ -88,7 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--preset", default="125m")
     sc.add_argument("--ranks", default="2,4", help="rank counts that save and resume")
     sc.add_argument("--workdir", default=None)
-    args = p.parse_args(argv)
+    fa = sub.add_parser("fault", help="time lost to a SIGKILLed worker, and the final loss "
+                                      "against an uninterrupted run")
+    fa.add_argument("--output", required=True)
+    fa.add_argument("--config", default=None, help="the run's YAML (as raylm train --config)")
+    fa.add_argument("--kill-after", type=int, default=20,
+                    help="kill once a checkpoint at this step or later is verified")
+    fa.add_argument("--delay", type=float, default=2.0,
+                    help="seconds between that checkpoint and the kill")
+    args, extra = p.parse_known_args(argv)
+    if extra and args.name != "fault":
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.name == "scale" and not set(args.async_writers.split(",")) <= {"thread", "process"}:
         p.error(f"--async-writers={args.async_writers}: a comma-separated list of thread "
                 f"and process")
@@ -132,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
                      parts=args.parts.split(","), packages=args.packages.split(","),
                      workdir=args.workdir,
                      writers=tuple(args.async_writers.split(",")))
+    elif args.name == "fault":
+        from raylm.bench.fault import run
+        from raylm.cluster import connect
+        from raylm.config import load_config
+
+        cfg = load_config(args.config, extra)
+        connect(cfg.run.ray_address, log=print, timeout_s=cfg.run.connect_timeout_s)
+        result = run(config=args.config, overrides=extra, kill_after=args.kill_after,
+                     delay_s=args.delay)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -52,6 +52,6 @@ def test_a_train_run_through_ray_trains_on_the_gpu(tmp_path: Path, tokenizer_dir
     assert summary["mfu"] is not None and 0 < summary["mfu"] < 1, summary
     assert summary["joules_per_token"] is not None and summary["joules_per_token"] > 0
     assert 0 < summary["peak_memory_gb"] < torch.cuda.get_device_properties(0).total_memory / 1e9
-    assert math.isfinite(summary["train_loss"]) and summary["train_loss"] < math.log(400)
+    assert math.isfinite(summary["train_loss"]) and math.isfinite(summary["val_loss"])
     _, marker = checkpoint.latest_verified(run_dir(cfg))
     assert marker["state"]["step"] == 4
