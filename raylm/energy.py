@@ -87,7 +87,9 @@ class EnergyCounter:
 def window_figures(*, joules: float | None, steps: int, tokens: int, seconds: float,
                    gpus: int) -> dict[str, float | None]:
     """Per-step, per-GPU and per-token figures of one window drawing ``joules`` (all GPUs)."""
-    if joules is None:
+    if joules is None or joules <= 0:
+        # Zero joules over a window is a window shorter than the counter's update period (a
+        # 2-step window of the tiny model on an H100), not free work.
         return {"joules_per_step": None, "watts_per_gpu": None, "joules_per_token": None}
     return {
         "joules_per_step": joules / max(1, steps),

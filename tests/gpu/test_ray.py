@@ -50,7 +50,10 @@ def test_a_train_run_through_ray_trains_on_the_gpu(tmp_path: Path, tokenizer_dir
     assert summary["precision"] == "bf16-mixed"
     # MFU is computed only against a known GPU's peak, energy only where NVML reads one.
     assert summary["mfu"] is not None and 0 < summary["mfu"] < 1, summary
-    assert summary["joules_per_token"] is not None and summary["joules_per_token"] > 0
+    # The run's energy counts from the group's start; its last 2-step window (milliseconds)
+    # may be shorter than NVML's counter takes to move, and then has no per-token figure.
+    assert summary["energy_kwh"] is not None and summary["energy_kwh"] > 0
+    assert summary["joules_per_token"] is None or summary["joules_per_token"] > 0
     assert 0 < summary["peak_memory_gb"] < torch.cuda.get_device_properties(0).total_memory / 1e9
     assert math.isfinite(summary["train_loss"]) and math.isfinite(summary["val_loss"])
     _, marker = checkpoint.latest_verified(run_dir(cfg))
