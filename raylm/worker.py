@@ -421,7 +421,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     d, t, o = cfg.data, cfg.train, cfg.optim
     par = cfg.parallel
     plan = ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
-                        compile=compile_blocks(cfg.model.compile, device), tensor=par.tensor, pipeline=par.pipeline)
+                        compile=compile_blocks(cfg.model.compile, device), tensor=par.tensor,
+                        pipeline=par.pipeline)
     # Data goes by data-parallel rank: the workers of a tensor-parallel group, and the stages
     # of a pipeline, train on the same samples.
     lay = layout_of(rank, world, plan)

@@ -11,7 +11,7 @@ import torch
 from raylm.config import load_config
 from raylm.energy import run_figures
 from raylm.step import TrainState
-from raylm.worker import Boundary, DataStall, StepMeter, at_boundary, first_batch
+from raylm.worker import Boundary, DataStall, StepMeter, at_boundary, compile_blocks, first_batch
 
 CFG = load_config(None, ["--train.steps=30", "--train.log_every=5", "--train.eval_every=10",
                          "--checkpoint.every=15"])
@@ -119,14 +119,17 @@ def test_energy_windows_follow_each_other_and_totals_survive_a_restart(monkeypat
     clock = [0.0]
     monkeypatch.setattr("raylm.worker.time.perf_counter", lambda: clock[0])
     monkeypatch.setattr("raylm.worker.peak_memory_bytes", lambda device: 0)
+    # The window waits for the GPU to finish its queue; there is none here.
+    monkeypatch.setattr("raylm.worker.torch.cuda.synchronize", lambda device=None: None)
     # One GPU: 1,000 J at setup, 1,300 J after 10 steps (2 s, setup included), 1,700 J after
-    # the next 10 (evaluation and a checkpoint between the windows count too).
+    # the next 10 (evaluation and a checkpoint between the windows count too), then a window
+    # too short for the counter to move.
     meter = StepMeter(flops_per_token=1.0, peak_flops=None, world_size=1,
-                      device=torch.device("cuda"), energy=Counter([1000.0, 1300.0, 1700.0]),
-                      energy_since=None)
+                      device=torch.device("cuda"),
+                      energy=Counter([1000.0, 1300.0, 1700.0, 1700.0]), energy_since=None)
     state = TrainState()
     windows = []
-    for _ in range(2):
+    for _ in range(3):
         for _ in range(10):
             meter.step_begins()
             meter.step_ends(tokens=100)
@@ -139,6 +142,9 @@ def test_energy_windows_follow_each_other_and_totals_survive_a_restart(monkeypat
     assert windows[0]["joules_per_token"] == pytest.approx(0.3)
     assert windows[0]["watts_per_gpu"] == pytest.approx(150.0)
     assert windows[1]["joules_per_step"] == pytest.approx(40.0)
+    # Not measured is not free: no per-step, per-token or power figure.
+    assert [windows[2][k] for k in ("joules_per_step", "joules_per_token",
+                                    "watts_per_gpu")] == [None] * 3
     # The run's totals go into the checkpoint and continue in the next worker group.
     resumed = TrainState()
     resumed.load_state_dict(state.state_dict())
@@ -146,8 +152,8 @@ def test_energy_windows_follow_each_other_and_totals_survive_a_restart(monkeypat
     figures = run_figures(joules=resumed.energy_j, gpu_seconds=resumed.gpu_s,
                           gpu_hour_price=2.5)
     assert figures["energy_kwh"] == pytest.approx(1060.0 / 3.6e6)
-    assert figures["gpu_hours"] == pytest.approx(5.0 / 3600)
-    assert figures["cost"] == pytest.approx(2.5 * 5.0 / 3600)
+    assert figures["gpu_hours"] == pytest.approx(7.0 / 3600)
+    assert figures["cost"] == pytest.approx(2.5 * 7.0 / 3600)
 
 
 def test_cpu_runs_report_no_energy():
@@ -163,3 +169,9 @@ def test_cpu_runs_report_no_energy():
     assert run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
                        gpu_hour_price=2.0) == {"energy_kwh": None, "gpu_hours": None,
                                                "cost": None}
+
+
+@pytest.mark.parametrize("setting, device, want", [
+    ("auto", "cuda", True), ("auto", "cpu", False), (True, "cpu", True), (False, "cuda", False)])
+def test_model_compile_auto_compiles_on_cuda_workers_only(setting, device, want):
+    assert compile_blocks(setting, torch.device(device)) is want
