@@ -5,7 +5,8 @@
 #
 # Installs the set (.whl/, or RAYLM_WHEELS) into /tmp/site (or RAYLM_SITE) without dependency
 # resolution: the image's torch, transformers, peft, pyarrow ... are the ones tested there.
-# Starts one Ray head on this machine's cores and GPUs without the dashboard, runs each command
+# Starts one Ray head on this machine's cores and GPUs without the dashboard, with token
+# authentication (this user's ~/.ray/auth_token, made if missing), runs each command
 # in turn through bash (each one's output in OUT_DIR/NAME.log, NAME its position: 1.log, 2.log
 # ...), and always stops Ray and packs its logs into OUT_DIR/ray-logs.tgz. Exits with the first
 # failing command's status, after running the rest.
@@ -36,6 +37,13 @@ stop_ray() {
     tar czf "$OUT/ray-logs.tgz" -C /tmp/ray/session_latest logs 2> /dev/null
 }
 trap stop_ray EXIT
+# Token authentication on, as Ray ships it: the head and every command here use this user's
+# token. Without RAY_AUTH_MODE=token set on both sides, a head that found ~/.ray/auth_token
+# turned authentication on and its clients, not looking for the token, were refused.
+export RAY_AUTH_MODE=token
+if [ -z "${RAY_AUTH_TOKEN:-}" ] && [ ! -s "$HOME/.ray/auth_token" ]; then
+    ray get-auth-token --generate > /dev/null || exit
+fi
 ray start --head --disable-usage-stats --include-dashboard=false --num-cpus="$(nproc)" \
     > "$OUT/ray-start.log" 2>&1 || { cat "$OUT/ray-start.log"; exit 1; }
 # Every command joins this head (raylm's run.ray_address, unset, reads RAY_ADDRESS).
