@@ -391,8 +391,16 @@ def load_pretrained_weights(model: nn.Module, path: str | os.PathLike, *,
                 # A LoRA layer holds the pretrained weight as `base_layer`.
                 full.update({wanted.get(k, k): handle.get_tensor(k) for k in handle.keys()
                              if k in wanted or not own_stage})
-        if getattr(model.config, "tie_word_embeddings", False):
-            full.pop("lm_head.weight", None)
+        # A tied weight is stored once (as the input embeddings) but has a name in the model
+        # for each module that holds it; every name gets the one tensor.
+        shared: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            shared.setdefault(id(param), []).append(name)
+        for names in shared.values():
+            stored = next((n for n in names if n in full), None)
+            if stored is not None:
+                for n in names:
+                    full.setdefault(n, full[stored])
     # Adapters are not in the file (raylm.lora fills them); every other weight must be.
     adapters = any(".lora_" in n for n, _ in model.named_parameters())
     set_model_state_dict(model, full, options=StateDictOptions(

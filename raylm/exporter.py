@@ -26,7 +26,13 @@ import torch
 from raylm import checkpoint, lora, storage
 from raylm.config import config_from_dict
 from raylm.console import quiet_torchao
-from raylm.model import build_config, build_meta_model, max_positions, reset_buffers
+from raylm.model import (
+    build_config,
+    build_meta_model,
+    materialize,
+    max_positions,
+    reset_buffers,
+)
 
 RUN_INFO = "run.json"
 TOKENIZER_DIR = "tokenizer"
@@ -77,7 +83,7 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True):
     args = lora.adapter_args(cfg.lora)
     if args:
         model = lora.add_adapters(model, **args)
-    model.to_empty(device="cpu")
+    materialize(model, "cpu")
     reset_buffers(model)  # rotary frequencies are not in checkpoints
     if args:
         # A LoRA checkpoint holds the adapters; the frozen base is the pretrained model's.

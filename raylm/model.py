@@ -116,6 +116,24 @@ def build_meta_model(config) -> nn.Module:
     return model
 
 
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model.to_empty(device=device)``, keeping tied weights one tensor.
+
+    Plain ``to_empty`` gives each module a new Parameter, so a weight two modules share (the
+    input embeddings and the output head under ``tie_word_embeddings``) became two, and loading
+    a checkpoint that stores the shared weight once filled only one: a pretrained tied model
+    then predicted every token alike (a loss of ln(vocab)). Swapping the new storage into the
+    existing Parameter objects keeps one tensor where the model has one (FSDP2's DTensor
+    parameters are always swapped so)."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    return model
+
+
 def canonical_name(name: str) -> str:
     """A parameter's name without the wrappers parallelism adds (activation checkpointing,
     torch.compile) or a LoRA layer puts around a base weight (``base_layer``), so

@@ -26,7 +26,7 @@ from torch import nn
 from raylm.attention import AttentionChoice, choose_attention
 from raylm.checkpoint import load_pretrained_weights
 from raylm.lora import add_adapters, check_nf4_shapes, init_adapters, load_quantized_base
-from raylm.model import build_config, build_meta_model, init_weights
+from raylm.model import build_config, build_meta_model, init_weights, materialize
 from raylm.parallelize import (
     DATA_PARALLEL,
     ParallelPlan,
@@ -138,7 +138,7 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
         parallelize(model, device_type=device.type, precision=precision, plan=plan)
     else:
         parallelize(model, device_type=device.type, precision=precision, plan=plan)
-        model.to_empty(device=device)
+        materialize(model, device)
         if path:
             load_pretrained_weights(model, path, own_stage=isinstance(model, Stage))
         else:
