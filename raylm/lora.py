@@ -185,6 +185,9 @@ def load_quantized_base(model: nn.Module, path: str, device: torch.device, *,
     for name, buf in list(model.named_buffers()):
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)
-        module._buffers[leaf] = torch.empty_like(buf, device=device)
+        # build_meta_model computed the buffers on the CPU (Gemma's embedding scale is in no
+        # checkpoint); a meta one is recomputed by reset_buffers below.
+        module._buffers[leaf] = (torch.empty_like(buf, device=device) if buf.is_meta
+                                 else buf.to(device))
     reset_buffers(model)
     return quantized

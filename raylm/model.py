@@ -104,20 +104,29 @@ def check_seq_len(seq_len: int, *, preset: str | None, path: str | None) -> None
 
 
 def build_meta_model(config) -> nn.Module:
-    """The model with every parameter on the meta device: no memory until materialized."""
+    """The model with every parameter on the meta device: no memory until materialized.
+
+    Buffers are built for real, on the CPU, as the model's own constructor computes them:
+    some are not in any checkpoint and not recomputed by anything else (Gemma's embedding
+    scale, the rotary frequencies of each layer type); ``materialize`` carries them over."""
     from raylm.console import quiet_torchao
 
     quiet_torchao()
+    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=
                                                  config._attn_implementation)
+    # The context gives every parameter it registers a new meta tensor, the one the model
+    # ties its output head to as well: tie again outside it (a no-op for untied models).
+    model.tie_weights()
     return model
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """``model.to_empty(device=device)``, keeping tied weights one tensor.
+    """``model.to_empty(device=device)``, keeping tied weights one tensor and the buffers
+    ``build_meta_model`` computed.
 
     Plain ``to_empty`` gives each module a new Parameter, so a weight two modules share (the
     input embeddings and the output head under ``tie_word_embeddings``) became two, and loading
@@ -125,12 +134,17 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     then predicted every token alike (a loss of ln(vocab)). Swapping the new storage into the
     existing Parameter objects keeps one tensor where the model has one (FSDP2's DTensor
     parameters are always swapped so)."""
+    built = {name: buf for name, buf in model.named_buffers() if buf.device.type != "meta"}
     previous = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
         model.to_empty(device=device)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in built:
+                buf.copy_(built[name])
     return model
 
 

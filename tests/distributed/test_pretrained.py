@@ -24,12 +24,15 @@ LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v
 
 def save_family(out: Path, family: str, *, tied: bool) -> Path:
     """A tiny random-weight model of ``family``, saved as a pretrained directory."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                  tie_word_embeddings=tied)
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family](**shape)
+    # Gemma 3 also scales its embeddings by a buffer no checkpoint holds, and keeps rotary
+    # frequencies per layer type.
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config,
+              "gemma3": lambda **kw: Gemma3TextConfig(head_dim=16, **kw)}[family](**shape)
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config)
     # Norm weights start at 1; others at random: a load that skips a tensor shows.
@@ -72,7 +75,7 @@ def tied_parameters(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if "embed_tokens" in n or "lm_head" in n]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
 def test_a_loaded_model_computes_what_transformers_computes(tmp_path, family, tied, lora):

@@ -127,7 +127,10 @@ def test_gradients_and_steps_match_single_process(results):
     for name, g in ref["grads"].items():
         torch.testing.assert_close(tp["grads"][name], g, atol=1e-5, rtol=1e-5, msg=name)
     assert tp["losses"] == pytest.approx(ref["losses"], abs=1e-5)
-    assert tp["masked"] == pytest.approx(ref["masked"], abs=1e-5)
+    # Loss and gradient norm of the masked batch: the norm (2.15) sums its squares in another
+    # order over the shards; 1.4e-5 apart here with torch 2.13, so compared relatively, as
+    # the gradients are.
+    assert tp["masked"] == pytest.approx(ref["masked"], rel=1e-5, abs=1e-5)
 
 
 def test_lora_under_tensor_parallelism_matches_and_keeps_the_base_frozen(results):
