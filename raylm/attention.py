@@ -22,6 +22,11 @@ sequence boundaries for flash-attn. The kernels:
     cuda    blocked         auto without flash-attn         ->  FlexAttention (block-sparse)
     cuda    any             flex_attention                  ->  FlexAttention
     cuda    blocked         sdpa                            ->  SDPA memory-efficient, dense mask
+
+A model whose class does not implement the chosen kernel (Gemma 2 has no SDPA path in
+transformers 5: its attention soft-caps the logits) gets, under ``auto``, FlexAttention on CUDA
+where it has it and eager attention elsewhere (:func:`fit_to_model`); a kernel asked for by name
+that the model lacks is refused.
 """
 
 from __future__ import annotations
@@ -93,3 +98,32 @@ def choose_attention(device_type: str, *, requested: str = "auto",
     if half:
         return AttentionChoice("sdpa", "sdpa-flash-cuda", (SDPBackend.FLASH_ATTENTION,))
     return AttentionChoice("sdpa", "sdpa-efficient-cuda", (SDPBackend.EFFICIENT_ATTENTION,))
+
+
+# transformers' class attributes that say which attention implementations a model has.
+SUPPORTS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+            "flash_attention_2": "_supports_flash_attn"}
+
+
+def fit_to_model(choice: AttentionChoice, config, *, requested: str, device_type: str
+                 ) -> AttentionChoice:
+    """``choice``, if the model ``config`` describes implements it; else, under ``auto``,
+    FlexAttention (CUDA) or eager attention that it does implement."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return choice  # a model class transformers does not list: it says so when built
+    if getattr(cls, SUPPORTS.get(choice.implementation, ""), True):
+        dropout = getattr(config, "attention_dropout", 0) or getattr(config, "attn_pdrop", 0)
+        if choice.backend == "sdpa-flash-cpu" and dropout:
+            # PyTorch's CPU flash kernel takes no dropout (GPT-2 drops 10% of attention).
+            return AttentionChoice("sdpa", "sdpa-math-cpu", (SDPBackend.MATH,))
+        return choice
+    if requested != "auto":
+        raise ValueError(f"model.attention={requested}: {cls.__name__} does not implement "
+                         f"{choice.implementation} attention; use auto.")
+    if device_type == "cuda" and getattr(cls, SUPPORTS["flex_attention"], False):
+        return AttentionChoice("flex_attention", "flex-attention")
+    return AttentionChoice("eager", "eager")

@@ -370,6 +370,48 @@ def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning) -> tuple[st
     return None
 
 
+def stored_weight_names(path: str | os.PathLike) -> set[str]:
+    """The tensor names in a Hugging Face model directory's ``*.safetensors`` files (headers
+    only: nothing is read but the index at each file's start)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"model.path: {path} holds no .safetensors weights.")
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), "pt", device="cpu") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def check_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Refuse a model directory whose weight files do not hold exactly the model's weights
+    (every one its config makes, tied ones once), before any is read. Loading skips what it
+    does not expect and fills what it finds: without this, an incomplete directory or a
+    layout transformers converts on load (Qwen3-MoE stores each expert's projections apart
+    and transformers 5 fuses them) left weights unset and trained on garbage."""
+    from raylm.model import canonical_name
+
+    stored = stored_weight_names(path)
+    needed = {canonical_name(n) for n, _ in model.named_parameters() if ".lora_" not in n}
+    known = {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    missing, unexpected = sorted(needed - stored), sorted(stored - known)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"lacks {len(missing)} weights the model needs ({', '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''})")
+        if unexpected:
+            parts.append(f"holds {len(unexpected)} the model does not have "
+                         f"({', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''})")
+        raise CheckpointError(
+            f"model.path: {path} {' and '.join(parts)}. raylm reads the weights as stored; "
+            f"a family whose checkpoints transformers converts while loading (per-expert "
+            f"mixture-of-experts weights) cannot be trained from them yet, and an incomplete "
+            f"download must be completed.")
+
+
 def load_pretrained_weights(model: nn.Module, path: str | os.PathLike, *,
                             own_stage: bool = False) -> None:
     """Read a Hugging Face model directory's weights on rank 0 only and scatter them into the
@@ -382,9 +424,9 @@ def load_pretrained_weights(model: nn.Module, path: str | os.PathLike, *,
     reader = not dist.is_initialized() or dist.get_rank() == 0 or own_stage
     full: dict[str, torch.Tensor] = {}
     if reader:
+        if not own_stage:
+            check_weights(model, path)
         files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"model.path: {path} holds no .safetensors weights.")
         wanted = {n.replace(".base_layer.", "."): n for n, _ in model.named_parameters()}
         for f in files:
             with safe_open(str(f), "pt", device="cpu") as handle:

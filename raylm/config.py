@@ -284,9 +284,11 @@ class LoraConfig:
     """LoRA scaling numerator: an adapter's update is scaled by alpha / rank."""
     dropout: float = 0.0
     """Dropout on the adapters' input."""
-    target_modules: list[str] = field(default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    """Linear layers that get adapters (default: every linear layer of attention and MLP)."""
+    target_modules: list[str] | Literal["auto"] = "auto"
+    """Linear layers that get adapters, by name (q_proj, ...), or auto: every linear projection
+    inside the decoder layers whatever the family calls it (Llama's q/k/v/o/gate/up/down,
+    Phi-3's fused qkv_proj and gate_up_proj, GPT-2's c_attn/c_proj/c_fc), except a
+    mixture-of-experts router."""
     base_quantization: Literal["none", "nf4"] = "none"
     """QLoRA: ``nf4`` holds the frozen base weights of the adapted layers in 4-bit NormalFloat
     (torchao's NF4 tensor, which FSDP2 shards and all-gathers as 4-bit data), dequantized per
@@ -751,8 +753,10 @@ def validate(cfg: Config) -> Config:
     _check(lo.rank >= 0, "lora.rank", lo.rank, "0 (full fine-tuning) or a rank >= 1")
     _check(lo.alpha > 0, "lora.alpha", lo.alpha, "a number > 0")
     _check(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "0 <= x < 1")
-    _check(bool(lo.target_modules) and all(lo.target_modules), "lora.target_modules",
-           lo.target_modules, "a non-empty list of linear layer names (q_proj, ...)")
+    _check(lo.target_modules == "auto" or (bool(lo.target_modules)
+                                            and all(lo.target_modules)),
+           "lora.target_modules", lo.target_modules,
+           "auto, or a non-empty list of linear layer names (q_proj, ...)")
     _check(not lo.rank or bool(cfg.model.path), "lora.rank", lo.rank,
            "0 unless model.path names the pretrained model the adapters adapt")
     if lo.base_quantization == "nf4":

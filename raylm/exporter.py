@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from raylm import checkpoint, lora, storage
+from raylm.attention import AttentionChoice, fit_to_model
 from raylm.config import config_from_dict
 from raylm.console import quiet_torchao
 from raylm.model import (
@@ -79,6 +80,9 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True):
     config = build_config(preset=cfg.model.preset, path=cfg.model.path,
                           vocab_size=info["vocab_size"], eos_id=info["eos_id"],
                           attn_implementation="sdpa")
+    config._attn_implementation = fit_to_model(
+        AttentionChoice("sdpa", "sdpa"), config, requested="auto",
+        device_type="cpu").implementation
     model = build_meta_model(config)
     args = lora.adapter_args(cfg.lora)
     if args:
@@ -235,7 +239,7 @@ def _save_adapters(model: torch.nn.Module, cfg, out: Path) -> None:
     base = AutoModelForCausalLM.from_pretrained(cfg.model.path)
     peft_model = get_peft_model(base, LoraConfig(
         r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
-        target_modules=list(lo.target_modules), bias="none"))
+        target_modules=lora.resolve_targets(base, lo.target_modules), bias="none"))
     trained = {n: p for n, p in model.state_dict().items() if lora.ADAPTER_MARK in n}
     result = peft_model.base_model.model.load_state_dict(trained, strict=False)
     if result.unexpected_keys or any(lora.ADAPTER_MARK in k for k in result.missing_keys):

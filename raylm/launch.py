@@ -44,21 +44,33 @@ def cluster_capacity() -> dict[str, float]:
 def check_request(cfg: Config) -> None:
     """What can be refused without the cluster: the sequence length against the model, a
     tensor-parallel degree the model's heads or the sequence do not split into, a pipeline
-    the model's layers or tied embeddings cannot be cut into, and an NF4 base whose layers
-    do not shard into whole quantization blocks at every worker count the run may have."""
+    the model's layers or tied embeddings cannot be cut into, a pretrained model's weight
+    files that do not hold its weights, LoRA targets it does not have, and an NF4 base whose
+    layers do not shard into whole quantization blocks at every worker count the run may
+    have."""
     check_seq_len(cfg.data.seq_len, preset=cfg.model.preset, path=cfg.model.path)
     if cfg.parallel.tensor > 1 or cfg.parallel.pipeline > 1:
         config = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
-                              eos_id=0, attn_implementation="sdpa")
+                              eos_id=0, attn_implementation="eager")
         check_tensor_parallel(config, tensor=cfg.parallel.tensor, seq_len=cfg.data.seq_len)
         check_pipeline(config, pipeline=cfg.parallel.pipeline)
+    if cfg.model.path:
+        # The weight files against the model the config makes (on meta, no memory): refused
+        # here, not in every worker after Ray started.
+        config = build_config(preset=None, path=cfg.model.path, vocab_size=1, eos_id=0,
+                              attn_implementation="eager")
+        model = build_meta_model(config)
+        args = lora.adapter_args(cfg.lora)
+        if args:
+            model = lora.add_adapters(model, **args)
+        checkpoint.check_weights(model, cfg.model.path)
     if cfg.lora.base_quantization == "nf4":
         config = build_config(preset=cfg.model.preset, path=cfg.model.path, vocab_size=1,
-                              eos_id=0, attn_implementation="sdpa")
+                              eos_id=0, attn_implementation="eager")
         model = lora.add_adapters(build_meta_model(config), **lora.adapter_args(cfg.lora))
         fewest, most = cfg.scaling.worker_range
         for workers in range(fewest, most + 1):
-            lora.check_nf4_shapes(model, list(cfg.lora.target_modules), workers)
+            lora.check_nf4_shapes(model, cfg.lora.target_modules, workers)
 
 
 @dataclass(frozen=True)

@@ -36,21 +36,71 @@ from raylm.console import quiet_torchao
 ADAPTER_MARK = ".lora_"
 
 
+def _projection(module: nn.Module) -> bool:
+    """A layer peft adapts as a linear map (``nn.Linear``, GPT-2's ``Conv1D``), or one it
+    already wraps (``base_layer``)."""
+    return (isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+            or hasattr(module, "base_layer"))
+
+
+def _projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of the projections in ``module``, not looking inside LoRA wrappers (their
+    ``base_layer`` and adapters are the wrapper's own)."""
+    out = []
+    for name, m in module.named_modules():
+        if ".base_layer" in f".{name}" or ADAPTER_MARK in f".{name}":
+            continue
+        if _projection(m):
+            out.append((name, m))
+    return out
+
+
+def linear_projections(model: nn.Module) -> list[str]:
+    """What ``lora.target_modules: auto`` adapts: the names of every linear projection inside
+    the decoder layers, whatever the family calls them (Llama's q/k/v/o and gate/up/down,
+    Phi-3's fused qkv_proj and gate_up_proj, GPT-2's Conv1D c_attn, c_proj, c_fc). A
+    mixture-of-experts router (the ``gate`` beside ``experts``) is left out: it picks experts
+    and is not adapted; experts held as fused 3-D weights (Qwen3-MoE in transformers 5) are
+    no linear layers and get no adapters."""
+    from raylm.model import decoder_layers
+
+    names = set()
+    for layer in decoder_layers(model):
+        for name, _ in _projections(layer):
+            parent, _, leaf = name.rpartition(".")
+            router = hasattr(layer.get_submodule(parent) if parent else layer, "experts")
+            if not (router and leaf == "gate"):
+                names.add(leaf)
+    return sorted(names)
+
+
+def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
+    """``lora.target_modules`` for ``model``: ``auto`` as :func:`linear_projections`, or the
+    names given, each of which must be a linear layer of the model."""
+    if target_modules == "auto":
+        targets = linear_projections(model)
+        if not targets:
+            raise ValueError(f"lora.target_modules=auto: {type(model).__name__} has no linear "
+                             f"layers inside its decoder layers; name the layers to adapt.")
+        return targets
+    found = {name.rsplit(".", 1)[-1] for name, _ in _projections(model)}
+    missing = sorted(set(target_modules) - found)
+    if missing:
+        raise ValueError(f"lora.target_modules: {', '.join(missing)} is not a linear layer of "
+                         f"this model; it has {', '.join(sorted(found))} (or use auto: "
+                         f"every linear projection of its decoder layers).")
+    return list(target_modules)
+
+
 def add_adapters(model: nn.Module, *, rank: int, alpha: float, dropout: float,
-                 target_modules: list[str]) -> nn.Module:
+                 target_modules: list[str] | str) -> nn.Module:
     """Inject LoRA adapters (on whatever device the model is, meta included) and freeze the
     rest; returns the same model."""
     quiet_torchao()
     from peft import LoraConfig, inject_adapter_in_model
 
-    found = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-             if isinstance(m, nn.Linear)}
-    missing = sorted(set(target_modules) - found)
-    if missing:
-        raise ValueError(f"lora.target_modules: {', '.join(missing)} is not a linear layer of "
-                         f"this model; it has {', '.join(sorted(found))}.")
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=list(target_modules), bias="none")
+                        target_modules=resolve_targets(model, target_modules), bias="none")
     model = inject_adapter_in_model(config, model, low_cpu_mem_usage=True)
     for name, p in model.named_parameters():
         p.requires_grad_(ADAPTER_MARK in name)
@@ -86,8 +136,9 @@ def adapter_args(lora) -> dict | None:
     fine-tuning (rank 0)."""
     if not lora.rank:
         return None
+    targets = lora.target_modules
     return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-            "target_modules": list(lora.target_modules)}
+            "target_modules": targets if targets == "auto" else list(targets)}
 
 
 def settings(lora) -> dict:
@@ -95,8 +146,9 @@ def settings(lora) -> dict:
     fine-tuning. Dropout is left out: it may change between invocations."""
     if not lora.rank:
         return {}
+    targets = lora.target_modules
     return {"rank": lora.rank, "alpha": lora.alpha,
-            "target_modules": sorted(lora.target_modules)}
+            "target_modules": targets if targets == "auto" else sorted(targets)}
 
 
 @torch.no_grad()
@@ -117,13 +169,16 @@ def merge_adapters(model: nn.Module) -> nn.Module:
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 
 
-def check_nf4_shapes(model: nn.Module, target_modules: list[str], world_size: int) -> None:
+def check_nf4_shapes(model: nn.Module, target_modules: list[str] | str,
+                     world_size: int) -> None:
     """Each quantized weight must split into whole quantization blocks per rank (FSDP2 shards
     it by rows, and an NF4 shard is whole blocks of whole scale blocks)."""
+    targets = set(resolve_targets(model, target_modules))
     unit = NF4_BLOCK * NF4_SCALER_BLOCK * world_size
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in target_modules:
-            rows, cols = m.weight.shape
+    for name, m in _projections(model):
+        if name.rsplit(".", 1)[-1] in targets:
+            # The adapted layer's frozen weight is what is quantized.
+            rows, cols = getattr(m, "base_layer", m).weight.shape
             if rows % world_size or (rows * cols) % unit:
                 raise ValueError(
                     f"lora.base_quantization=nf4: {name}.weight ({rows}x{cols}) does not split "

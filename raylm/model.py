@@ -148,6 +148,23 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated decoder layers of a transformers causal LM: ``model.layers`` (Llama, Qwen,
+    Gemma, Phi-3, Mistral, OLMo ...), else the layer list whose class the model names as its
+    unit that must not be split (``_no_split_modules``: GPT-2's ``transformer.h``)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    units = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if (isinstance(module, nn.ModuleList) and len(module)
+                and type(module[0]).__name__ in units):
+            return module
+    raise ValueError(f"{type(model).__name__} has no list of decoder layers that raylm "
+                     f"recognizes (model.layers, or layers of its _no_split_modules "
+                     f"{sorted(units)}).")
+
+
 def canonical_name(name: str) -> str:
     """A parameter's name without the wrappers parallelism adds (activation checkpointing,
     torch.compile) or a LoRA layer puts around a base weight (``base_layer``), so

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from raylm.model import decoder_layers
 from raylm.pipeline import Stage, owned_blocks
 
 
@@ -120,12 +121,7 @@ def autocast(precision: str, device_type: str):
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     """The repeated decoder layers of a transformers causal LM."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no model.layers; raylm shards Llama-style "
-                         f"decoder stacks (Llama, Mistral, Qwen2, ...).")
-    return layers
+    return decoder_layers(model)
 
 
 def check_tensor_parallel(config, *, tensor: int, seq_len: int) -> None:

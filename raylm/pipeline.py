@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from raylm.config import PIPELINE_SCHEDULES
+from raylm.model import decoder_layers
 
 
 def stage_layers(num_layers: int, pipeline: int) -> list[range]:
@@ -138,7 +139,7 @@ class Stage(nn.Module):
 def owned_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """(index, layer) of the decoder layers this rank holds (all of them without a
     pipeline)."""
-    return [(i, b) for i, b in enumerate(model.model.layers) if not isinstance(b, Skipped)]
+    return [(i, b) for i, b in enumerate(decoder_layers(model)) if not isinstance(b, Skipped)]
 
 
 class Pipeline:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from raylm.attention import AttentionChoice, choose_attention
+from raylm.attention import AttentionChoice, choose_attention, fit_to_model
 from raylm.checkpoint import load_pretrained_weights
 from raylm.lora import add_adapters, check_nf4_shapes, init_adapters, load_quantized_base
 from raylm.model import build_config, build_meta_model, init_weights, materialize
@@ -117,6 +117,8 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
                               precision=precision)
     config = build_config(preset=preset, path=path, vocab_size=vocab_size, eos_id=eos_id,
                           attn_implementation=choice.implementation)
+    choice = fit_to_model(choice, config, requested=attention, device_type=device.type)
+    config._attn_implementation = choice.implementation
     model = build_meta_model(config)
     adapters = bool(lora and lora.get("rank"))
     if adapters:

@@ -22,17 +22,42 @@ VOCAB = 384
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 
 
-def save_family(out: Path, family: str, *, tied: bool) -> Path:
-    """A tiny random-weight model of ``family``, saved as a pretrained directory."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+def family_config(family: str, *, tied: bool | None = None):
+    """A tiny config of ``family`` from transformers' own config class (``tied`` None: the
+    family's default)."""
+    import transformers as T
 
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                 tie_word_embeddings=tied)
-    # Gemma 3 also scales its embeddings by a buffer no checkpoint holds, and keeps rotary
-    # frequencies per layer type.
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config,
-              "gemma3": lambda **kw: Gemma3TextConfig(head_dim=16, **kw)}[family](**shape)
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if tied is not None:
+        shape["tie_word_embeddings"] = tied
+    heads16 = dict(head_dim=16)
+    return {
+        "llama": lambda: T.LlamaConfig(**shape),
+        "qwen2": lambda: T.Qwen2Config(**shape),
+        "mistral": lambda: T.MistralConfig(**shape),
+        "olmo2": lambda: T.Olmo2Config(**shape),
+        # Fused qkv_proj and gate_up_proj.
+        "phi3": lambda: T.Phi3Config(**shape, pad_token_id=0),
+        # No SDPA path in transformers 5 (soft-capped attention logits): eager on CPU.
+        "gemma2": lambda: T.Gemma2Config(**shape, **heads16),
+        # Embeddings scaled by a buffer no checkpoint holds; rotary frequencies per layer type.
+        "gemma3": lambda: T.Gemma3TextConfig(**shape, **heads16),
+        # Conv1D projections under transformer.h, attention dropout, tied by default.
+        "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                     n_positions=128, **({} if tied is None
+                                                         else {"tie_word_embeddings": tied})),
+        # Experts stored one by one, fused by transformers on load.
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(**shape, **heads16, num_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=32),
+    }[family]()
+
+
+def save_family(out: Path, family: str, *, tied: bool | None = None) -> Path:
+    """A tiny random-weight model of ``family``, saved as a pretrained directory."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_config(family, tied=tied)
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config)
     # Norm weights start at 1; others at random: a load that skips a tensor shows.
@@ -88,6 +113,56 @@ def test_a_loaded_model_computes_what_transformers_computes(tmp_path, family, ti
     assert names == (["embed_tokens"] if tied else ["embed_tokens", "lm_head"])
 
 
+@pytest.mark.parametrize("family", ["mistral", "olmo2", "phi3", "gemma2", "gpt2"])
+def test_each_family_loads_as_transformers_does_and_trains_full_and_with_lora(tmp_path, family):
+    from raylm.lora import linear_projections
+    from raylm.optim import build_optimizer
+    from raylm.step import train_step
+
+    path = save_family(tmp_path / family, family)
+    want = reference_logits(path)
+    for adapters in (None, {**LORA, "target_modules": "auto"}):
+        built = build(path, adapters)
+        got = built_logits(built)
+        assert torch.allclose(got, want, atol=1e-5), (family, (got - want).abs().max())
+        opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                              device_type="cpu")
+        loss, norm = train_step(built, opt, [{"input_ids": inputs()}], accumulation=1,
+                                grad_clip=1.0)
+        assert torch.isfinite(loss) and float(norm) > 0
+    # LoRA's auto targets are every projection of the blocks, under the family's own names.
+    assert linear_projections(built.model) == {
+        "mistral": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                    "v_proj"],
+        "olmo2": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+        "phi3": ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"],
+        "gemma2": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                   "v_proj"],
+        "gpt2": ["c_attn", "c_fc", "c_proj"],
+    }[family]
+    assert built.attention.backend == {"gemma2": "eager", "gpt2": "sdpa-math-cpu"}.get(
+        family, "sdpa-flash-cpu")
+
+
+def test_weights_stored_in_another_layout_are_refused_naming_them(tmp_path):
+    """Qwen3-MoE's files hold each expert's projections apart; transformers 5 fuses them while
+    loading, raylm's loader reads tensors as stored: refused, not trained half-loaded."""
+    from raylm.checkpoint import CheckpointError, check_weights
+    from raylm.lora import linear_projections
+    from raylm.model import build_config, build_meta_model
+
+    path = save_family(tmp_path / "moe", "qwen3_moe")
+    config = build_config(preset=None, path=str(path), vocab_size=VOCAB, eos_id=0,
+                          attn_implementation="eager")
+    model = build_meta_model(config)
+    with pytest.raises(CheckpointError, match=r"lacks 4 weights .*experts.* and holds 24 "):
+        check_weights(model, path)
+    with pytest.raises(CheckpointError, match="lacks"):
+        build(path, None)
+    # The router beside the experts is no adapter target.
+    assert linear_projections(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
 def ranks_worker(rank: int, world: int, port: int, path: str, out: str, lora: bool) -> None:
     """On 2 ranks: logits of the loaded, sharded model; one step; a checkpoint; the logits of
     a fresh model resumed from it against the trained one's."""
@@ -139,3 +214,18 @@ def test_a_tied_model_on_two_ranks_loads_trains_and_resumes_as_one_tensor(tmp_pa
     assert not torch.allclose(r["trained"], r["loaded"], atol=1e-4)  # the step changed it
     assert torch.allclose(r["resumed"], r["trained"], atol=1e-5)
     assert [n.split(".")[-2] for n in r["params"]] == ["embed_tokens"]
+
+
+def test_an_nf4_base_is_checked_on_the_adapted_layers():
+    """The QLoRA shape check looks at the frozen weights inside the LoRA layers (125m: 768 x
+    768 splits into whole NF4 blocks on 2 ranks, not on 5)."""
+    from raylm.lora import add_adapters, check_nf4_shapes
+    from raylm.model import build_config, build_meta_model
+
+    config = build_config(preset="125m", path=None, vocab_size=VOCAB, eos_id=0,
+                          attn_implementation="eager")
+    model = add_adapters(build_meta_model(config), **{**LORA, "target_modules": "auto"})
+    check_nf4_shapes(model, "auto", 2)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight "
+                                         r"\(768x768\) does not split into 5 shards"):
+        check_nf4_shapes(model, "auto", 5)
