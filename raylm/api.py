@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from raylm import storage
 from raylm.config import Config, load_config
+from raylm.hub import resolve_sources
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -200,7 +201,7 @@ def train(config: ConfigLike = None, *, overrides: Overrides = None) -> Run:
     from raylm.progress import use_bar
     from raylm.tracking import resolve_uri
 
-    cfg = resolve(config, overrides)
+    cfg = resolve_sources(resolve(config, overrides))
     check_request(cfg)
     if cfg.tracking.enabled:
         resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
@@ -215,7 +216,7 @@ def tune(config: ConfigLike = None, *, overrides: Overrides = None) -> Sweep:
     from raylm.sweep import check_sweep, sweep
     from raylm.tracking import resolve_uri
 
-    cfg = resolve(config, overrides)
+    cfg = resolve_sources(resolve(config, overrides))
     check_request(cfg)
     check_sweep(cfg)
     if cfg.tracking.enabled:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from raylm import storage
+from raylm.hub import is_hub_id
 
 # Names other modules check against, stated once here with the fields that take them.
 Schedule = Literal["cosine", "linear", "constant", "wsd", "cyclical"]
@@ -246,8 +247,8 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class TokenizerConfig:
     path: str | None = None
-    """Existing Hugging Face tokenizer directory. Unset: the tokenizer of model.path when it
-    has one, else a byte-level BPE is trained."""
+    """Existing Hugging Face tokenizer directory or hub id (as model.path). Unset: the
+    tokenizer of model.path when it has one, else a byte-level BPE is trained."""
     vocab_size: int = 8192
     """Vocabulary size of the trained BPE tokenizer, special tokens included."""
     min_frequency: int = 2
@@ -261,7 +262,9 @@ class ModelConfig:
     preset: str = "tiny"
     """Named architecture: tiny, 125m, 350m or 1b."""
     path: str | None = None
-    """Local pretrained model directory; overrides the preset."""
+    """Pretrained model: a local directory, or a Hugging Face hub id (org/name, optionally
+    @revision) fetched into the hub cache on the driver before Ray starts (HF_HUB_OFFLINE=1:
+    from the cache alone); overrides the preset."""
     attention: Attention = "auto"
     """Attention kernel: auto picks SDPA flash; on CUDA, when documents must not attend to
     each other, flash-attn's varlen kernel if installed, else FlexAttention (no dense mask).
@@ -860,9 +863,10 @@ def load_config(path: str | os.PathLike | Config | None = None,
         section, _, name = key.partition(".")
         _merge(tree, section, {name: value}, origin=origin)
     # A relative model.path means the caller's directory; workers, Tune trials and later
-    # exports run elsewhere, so it travels absolute.
+    # exports run elsewhere, so it travels absolute. A hub id stays one until the entry point
+    # resolves it (raylm.hub).
     path = tree["model"].get("path")
-    if isinstance(path, str) and path and not storage.is_uri(path):
+    if isinstance(path, str) and path and not storage.is_uri(path) and not is_hub_id(path):
         tree["model"]["path"] = str(Path(path).expanduser().resolve())
     cfg = Config(**{name: _build_section(name, values) for name, values in tree.items()})
     return validate(cfg)

@@ -1,0 +1,74 @@
+"""Models by hub id, offline: a hub cache filled here (the layout huggingface_hub writes:
+models--ORG--NAME/snapshots/REV, refs/main) with a model built here, loaded by its id; a
+wrong id or a bad LoRA target refused before Ray starts, naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylm.cli import main
+from raylm.config import load_config
+from raylm.hub import is_hub_id, resolve_sources
+from tests.conftest import save_tiny_llama
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """``acme/tiny`` in an offline hub cache; returns its snapshot directory."""
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    snapshot = repo / "snapshots" / REVISION
+    save_tiny_llama(snapshot, vocab_size=512)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    return snapshot
+
+
+@pytest.fixture
+def ray_never_starts(monkeypatch):
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+
+
+def test_a_hub_id_loads_the_cached_snapshot(hub_cache):
+    from raylm.step import build_training_model
+
+    cfg = load_config(None, ["--model.path=acme/tiny", "--lora.rank=4"])
+    assert cfg.model.path == "acme/tiny"  # not made a path under the working directory
+    resolved = resolve_sources(cfg)
+    assert resolved.model.path == str(hub_cache)
+    assert resolve_sources(load_config(None, [f"--model.path=acme/tiny@{REVISION}"])
+                           ).model.path == str(hub_cache)
+    built = build_training_model(preset=None, path=resolved.model.path, vocab_size=512,
+                                 eos_id=0, device=torch.device("cpu"), precision="fp32")
+    assert built.config.num_hidden_layers == 2
+
+
+def test_a_local_directory_wins_over_a_hub_id_of_the_same_name(hub_cache):
+    local = hub_cache.parents[3] / "acme" / "tiny"
+    save_tiny_llama(local, vocab_size=512)
+    assert not is_hub_id("acme/tiny")
+    assert load_config(None, ["--model.path=acme/tiny"]).model.path == str(local)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--model.path=acme/tiyn"],
+     "raylm: error: model.path='acme/tiyn': no directory of that name here, and "
+     "HF_HUB_OFFLINE=1 and the hub cache does not have it"),
+    (["--model.path=acme/tiny", "--lora.rank=4", "--lora.target_modules=[qkv_proj]"],
+     "raylm: error: lora.target_modules: qkv_proj is not a linear layer of this model"),
+])
+def test_bad_model_inputs_are_refused_before_ray_starts(hub_cache, capsys, ray_never_starts,
+                                                        overrides, message):
+    assert main(["train", *overrides, "--tracking.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
