@@ -395,7 +395,10 @@ def check_weights(model: nn.Module, path: str | os.PathLike) -> None:
 
     stored = stored_weight_names(path)
     needed = {canonical_name(n) for n, _ in model.named_parameters() if ".lora_" not in n}
+    # Every name a stored tensor may rightly have: tied weights under each of their names, and
+    # buffers some checkpoints keep (rotary frequencies, attention masks).
     known = {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    known |= {canonical_name(n) for n, _ in model.named_buffers()}
     missing, unexpected = sorted(needed - stored), sorted(stored - known)
     if missing or unexpected:
         parts = []

@@ -238,9 +238,12 @@ def test_an_nf4_base_is_refused_on_cpu_workers_before_ray_starts(capsys, ray_nev
 def test_a_relative_model_path_travels_absolute(tmp_path, monkeypatch):
     """Workers, Tune trials and exports run in other directories than the command."""
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "base-hf").mkdir(parents=True)
     cfg = load_config(None, ["--model.path=runs/base-hf"])
     assert cfg.model.path == str(tmp_path.resolve() / "runs" / "base-hf")
     assert load_config(None, []).model.path is None
+    # The same form with no such directory here is a hub id, resolved at the entry point.
+    assert load_config(None, ["--model.path=runs/other-hf"]).model.path == "runs/other-hf"
 
 
 def test_python_overrides_are_a_mapping_checked_like_the_command_lines():
