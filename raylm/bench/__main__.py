@@ -2,7 +2,8 @@
 
     data      raylm's preparation (tokenize+pack) vs datasets.Dataset.map(num_proc=2)
     overhead  raylm single-worker training vs a bare PyTorch loop
-    lora      LoRA vs full fine-tuning of one model: parameters, checkpoint, memory, speed
+    lora      LoRA (and QLoRA) vs full fine-tuning of one model, a Llama preset or a
+              published family's shape: parameters, checkpoint, memory, speed
     mfu       one GPU: tokens/s, MFU, memory, J/token of raylm's step vs a bare loop
     layouts   per-rank memory and step time under FSDP2, tensor and pipeline layouts
     scale     preparation driver at 1x and 8x; bytes each rank reads per epoch; checkpoint
@@ -43,7 +44,14 @@ def main(argv: list[str] | None = None) -> int:
                                      "checkpoint size, peak memory per worker, tokens/s")
     lo.add_argument("--output", required=True)
     lo.add_argument("--preset", default="125m", help="the fine-tuned model's architecture")
+    lo.add_argument("--family", default=None,
+                    help="a published shape instead of --preset: qwen3-1.7b, gemma3-1b "
+                         "(qwen3-tiny, gemma3-tiny: the same families at a test size)")
     lo.add_argument("--rank", type=int, default=16)
+    lo.add_argument("--qlora", action="store_true", help="also QLoRA (the base in NF4)")
+    lo.add_argument("--seq-len", type=int, default=127)
+    lo.add_argument("--compile", default="auto", help="model.compile: auto (on for CUDA), "
+                                                      "true or false")
     lo.add_argument("--steps", type=int, default=6)
     lo.add_argument("--workers", type=int, default=2)
     lo.add_argument("--micro-batch", type=int, default=2)
@@ -121,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.name == "lora":
         from raylm.bench.lora import run
 
-        result = run(preset=args.preset, rank=args.rank, steps=args.steps,
-                     workers=args.workers, micro_batch=args.micro_batch, workdir=args.workdir)
+        result = run(preset=args.preset, family=args.family, rank=args.rank, qlora=args.qlora,
+                     steps=args.steps, workers=args.workers, micro_batch=args.micro_batch,
+                     seq_len=args.seq_len, compile=args.compile, output=Path(args.output),
+                     workdir=args.workdir)
     elif args.name == "mfu":
         from raylm.bench.mfu import run
 

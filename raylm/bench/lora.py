@@ -1,16 +1,19 @@
-"""What LoRA saves against full fine-tuning of the same pretrained model, side by side.
+"""What LoRA and QLoRA save against full fine-tuning of the same pretrained model, side by side.
 
-Both sides fine-tune the same model directory (``--preset``'s architecture with a 32,768-token
-vocabulary, built from its config and saved with ``save_pretrained``: memory and cost do not
-depend on the weights' values) on the same generated chat data (:mod:`raylm.tasks`), with the
-same workers, batch, precision and steps, through ``raylm train``. Per side: trainable
-parameters, the newest checkpoint's size on disk, the peak memory of a worker (rank 0's peak
-RSS on CPU, the CUDA allocator's peak on GPUs) and steady-state tokens/s. ``ratio``: LoRA /
-full for each figure.
+Every side fine-tunes the same model directory, built from a config and saved with
+``save_pretrained`` (memory and cost do not depend on the weights' values): ``--preset``'s Llama
+architecture with a 32,768-token vocabulary, or ``--family``, a published model's shape from
+its own ``transformers`` config class (its vocabulary and tied embeddings included), on the
+same generated chat data (:mod:`raylm.tasks`), with the same workers, batch, precision and
+steps, through ``raylm train``. Per side: trainable parameters, the newest checkpoint's size on
+disk, the peak memory of a worker (rank 0's peak RSS on CPU, the CUDA allocator's peak on GPUs)
+and steady-state tokens/s. ``ratio``: LoRA / full for each figure (``ratio_qlora``: QLoRA /
+full). The JSON is rewritten after each side, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import tempfile
@@ -31,17 +34,56 @@ from raylm.tokenizer import EOS_TOKEN, save_hf_tokenizer, train_bpe
 VOCAB = 32768
 
 
-def make_model(directory: Path, *, preset: str, texts: list[str], vocab_size: int) -> Path:
-    """``preset``'s architecture with ``vocab_size`` embeddings (what its configs train, though
-    the tokenizer trained on ``texts`` uses fewer), saved as a pretrained model directory is."""
+def family_config(family: str):
+    """A published model's architecture from its family's ``transformers`` config class (the
+    shapes of their config.json files; "-tiny": the same family at a test size)."""
+    import transformers as T
+
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=4096)
+    configs = {
+        # Qwen3-1.7B: 2.03 B parameters stored, tied embeddings of 151,936 tokens.
+        "qwen3-1.7b": lambda: T.Qwen3Config(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+            num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+            max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True),
+        # Gemma 3 1B: tied embeddings of 262,144 tokens, sliding-window layers.
+        "gemma3-1b": lambda: T.Gemma3TextConfig(
+            vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+            num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+            max_position_embeddings=32768, sliding_window=512),
+        "qwen3-tiny": lambda: T.Qwen3Config(**tiny, tie_word_embeddings=True),
+        "gemma3-tiny": lambda: T.Gemma3TextConfig(**tiny),
+    }
+    if family not in configs:
+        raise ValueError(f"--family {family!r}: choose one of {', '.join(configs)}")
+    return configs[family]()
+
+
+def make_model(directory: Path, *, preset: str, family: str | None, texts: list[str],
+               vocab_size: int) -> Path:
+    """``family``'s architecture, or else ``preset``'s with ``vocab_size`` embeddings (what its
+    configs train), saved as a pretrained model directory is, in bf16 where the model will
+    train on a GPU; its tokenizer, trained on ``texts``, uses fewer ids than the embeddings
+    hold."""
     quiet_torchao()
     from transformers import AutoModelForCausalLM
 
     tok = train_bpe(iter(texts), vocab_size=2048)
-    config = build_config(preset=preset, path=None, vocab_size=vocab_size,
-                          eos_id=tok.token_to_id(EOS_TOKEN), attn_implementation="sdpa")
+    if family:
+        config = family_config(family)
+    else:
+        config = build_config(preset=preset, path=None, vocab_size=vocab_size,
+                              eos_id=tok.token_to_id(EOS_TOKEN), attn_implementation="sdpa")
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
+    # Built on the GPU where there is one: initializing a billion parameters on the host's
+    # cores takes longer than the fine-tunes measured.
+    cuda = torch.cuda.is_available()
+    with torch.device("cuda" if cuda else "cpu"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16 if cuda else torch.float32)
+    model.save_pretrained(str(directory))
+    del model
     save_hf_tokenizer(tok, directory)
     return directory
 
@@ -50,23 +92,44 @@ def dir_bytes(path: str) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def run(*, preset: str, rank: int, steps: int, workers: int, micro_batch: int,
-        workdir: str | None) -> dict[str, Any]:
+def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, workers: int,
+        micro_batch: int, seq_len: int, compile: str, output: Path, workdir: str | None) -> dict[str, Any]:
     import ray
 
-    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raylm-bench-"))
     use_gpu = torch.cuda.is_available()
-    data = write(root / "task", train=2000, heldout=10, pretrain=0)
-    model = make_model(root / "model", preset=preset, texts=pretraining_text(2000),
-                       vocab_size=VOCAB)
-    ray.init(num_cpus=max(workers + 1, os.cpu_count() or 1), include_dashboard=False,
-             log_to_driver=False)
-    sides = {}
-    for name, lora_rank in (("full", 0), ("lora", rank)):
+    if qlora and not use_gpu:
+        raise SystemExit("--qlora: NF4 bases train on CUDA only; run it on a GPU machine or "
+                         "leave --qlora out.")
+    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raylm-bench-"))
+    # Enough conversations (about 40 tokens each) that no side trains an example twice.
+    data = write(root / "task", heldout=10, pretrain=0,
+                 train=max(2000, steps * micro_batch * workers * seq_len // 20))
+    model = make_model(root / "model", preset=preset, family=family,
+                       texts=pretraining_text(2000), vocab_size=VOCAB)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(workers + 1, os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=False)
+    result = {
+        "benchmark": "lora",
+        "metric": "LoRA (and QLoRA) against full fine-tuning of the same model: trainable "
+                  "parameters, checkpoint size, peak memory per worker, steady-state tokens/s",
+        "model": family or f"preset {preset}", "lora_rank": rank, "steps": steps,
+        "workers": workers, "micro_batch": micro_batch, "seq_len": seq_len,
+        "compile": compile,
+        "device": torch.cuda.get_device_name() if use_gpu else "cpu",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+    }
+    sides = [("full", 0, "none"), ("lora", rank, "none")] + (
+        [("qlora", rank, "nf4")] if qlora else [])
+    for name, lora_rank, quant in sides:
         cfg = load_config(None, [
             f"--run.storage_path={root}/runs", f"--run.cache_dir={root}/cache",
             f"--run.name={name}", f"--data.source={data['train']}", "--data.format=chat",
-            "--data.seq_len=127", f"--model.path={model}", f"--lora.rank={lora_rank}",
+            f"--data.seq_len={seq_len}", f"--model.path={model}", f"--lora.rank={lora_rank}",
+            f"--lora.base_quantization={quant}", f"--model.compile={compile}",
             f"--lora.alpha={2 * max(lora_rank, 1)}", f"--train.steps={steps}",
             f"--train.global_batch_size={micro_batch * workers}",
             f"--train.micro_batch_size={micro_batch}", f"--train.log_every={steps // 2}",
@@ -76,7 +139,7 @@ def run(*, preset: str, rank: int, steps: int, workers: int, micro_batch: int,
             "--optim.warmup_steps=1", "--optim.lr=1e-4"])
         summary = train(cfg, log=lambda m: None)
         found = checkpoint.latest_verified(str(root / "runs" / name))
-        sides[name] = {
+        result[name] = {
             "trainable_params": summary["trainable_params"],
             "checkpoint_bytes": dir_bytes(str(found[0])),
             "peak_memory_gb_per_worker": round(summary["peak_memory_gb"], 3),
@@ -84,18 +147,12 @@ def run(*, preset: str, rank: int, steps: int, workers: int, micro_batch: int,
             "train_loss": summary["train_loss"],
             "precision": summary["precision"],
         }
+        if name != "full":
+            key = "ratio" if name == "lora" else f"ratio_{name}"
+            result[key] = {k: round(result[name][k] / result["full"][k], 4)
+                           for k in ("trainable_params", "checkpoint_bytes",
+                                     "peak_memory_gb_per_worker", "tokens_per_s")}
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=2))
     ray.shutdown()
-    ratio = {k: round(sides["lora"][k] / sides["full"][k], 4)
-             for k in ("trainable_params", "checkpoint_bytes", "peak_memory_gb_per_worker",
-                       "tokens_per_s")}
-    return {
-        "benchmark": "lora",
-        "metric": "LoRA against full fine-tuning of the same model: trainable parameters, "
-                  "checkpoint size, peak memory per worker, steady-state tokens/s",
-        "preset": preset, "lora_rank": rank, "steps": steps, "workers": workers,
-        "micro_batch": micro_batch, "seq_len": 127, "vocab_size": VOCAB,
-        "device": "cuda" if use_gpu else "cpu",
-        "full": sides["full"], "lora": sides["lora"], "ratio": ratio,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__},
-    }
+    return result
