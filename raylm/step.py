@@ -35,6 +35,7 @@ from raylm.parallelize import (
     loss_context,
     parallelize,
     resolve_precision,
+    set_dtypes,
 )
 from raylm.pipeline import Pipeline, Stage
 
@@ -123,6 +124,7 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     adapters = bool(lora and lora.get("rank"))
     if adapters:
         model = add_adapters(model, **lora)
+    set_dtypes(model, precision)
     if plan.pipeline > 1:
         if not dist.is_initialized():
             raise ValueError(f"parallel.pipeline={plan.pipeline} needs that many ranks; this "

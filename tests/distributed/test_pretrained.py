@@ -194,8 +194,12 @@ def ranks_worker(rank: int, world: int, port: int, path: str, out: str, lora: bo
         checkpoint.load(ckpt, model=fresh.model, optimizer=None, config=fresh.config)
         resumed = built_logits(fresh)
         if rank == 0:
+            import torch.distributed.checkpoint as dcp
+
+            stored = list(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
             torch.save({"loaded": loaded, "trained": trained, "resumed": resumed,
-                        "loss": loss, "params": tied_parameters(built.model)}, out)
+                        "loss": loss, "params": tied_parameters(built.model),
+                        "stored": [k for k in stored if k.startswith("model.")]}, out)
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()
@@ -214,6 +218,36 @@ def test_a_tied_model_on_two_ranks_loads_trains_and_resumes_as_one_tensor(tmp_pa
     assert not torch.allclose(r["trained"], r["loaded"], atol=1e-4)  # the step changed it
     assert torch.allclose(r["resumed"], r["trained"], atol=1e-5)
     assert [n.split(".")[-2] for n in r["params"]] == ["embed_tokens"]
+    # A LoRA checkpoint holds the adapters alone: not the frozen head under its tied name.
+    heads = [k for k in r["stored"] if "lm_head" in k or "embed_tokens" in k]
+    assert heads == ([] if lora else ["model.model.embed_tokens.weight"]), heads
+    assert not lora or all(".lora_" in k for k in r["stored"]), r["stored"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_a_model_stored_in_bf16_trains_in_the_runs_dtypes(tmp_path, precision):
+    """Published checkpoints are stored in bf16; the run's precision decides what trains: fp32
+    masters for what trains, and a frozen LoRA base in bf16 only under bf16-mixed."""
+    from transformers import AutoModelForCausalLM
+
+    from raylm.step import build_training_model
+
+    path = save_family(tmp_path / "model", "qwen2", tied=True)
+    AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).save_pretrained(
+        str(tmp_path / "bf16"))
+    frozen = torch.float32 if precision == "fp32" else torch.bfloat16
+    for lora in (None, LORA):
+        built = build_training_model(preset=None, path=str(tmp_path / "bf16"), vocab_size=VOCAB,
+                                     eos_id=0, device=torch.device("cpu"), precision=precision,
+                                     lora=lora)
+        dtypes = {n: p.dtype for n, p in built.model.named_parameters()}
+        assert {d for n, d in dtypes.items() if ".lora_" in n or not lora} == {torch.float32}
+        assert not lora or {d for n, d in dtypes.items() if ".lora_" not in n} == {frozen}
+        # Still one tied tensor, holding the stored values.
+        assert len(tied_parameters(built.model)) == 1
+        want = AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16")).get_input_embeddings()
+        assert torch.equal(built.model.get_input_embeddings().weight.float(),
+                           want.weight.float())
 
 
 def test_an_nf4_base_is_checked_on_the_adapted_layers():
