@@ -21,11 +21,12 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from raylm import checkpoint, ledger, lora, storage, tracking
+from raylm import checkpoint, faults, ledger, lora, storage, tracking
 from raylm.config import Config, run_dir, storage_root
 from raylm.console import one_copy_of_worker_prints, quiet_libraries, train_log_level
 from raylm.data import LAYOUT, READER_CPUS
 from raylm.exporter import RUN_INFO, write_run_info
+from raylm.faults import EndOnMistake
 from raylm.model import build_config, build_meta_model, check_seq_len
 from raylm.optim import EXTEND_CLEANLY, schedule_change
 from raylm.parallelize import check_tensor_parallel
@@ -172,7 +173,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
             storage_path=storage_root(cfg),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[record, *(callbacks or [])],
+            callbacks=[record, EndOnMistake(), *(callbacks or [])],
             logging_config=LoggingConfig(log_level=train_log_level(cfg.run.verbose)),
         ),
     )
@@ -249,6 +250,11 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     finally:
         tracker.finish(failed=error is not None)
     summary_path = storage.join(rd, SUMMARY)
+    mistake = faults.cause(error) if error is not None else None
+    if mistake is not None:
+        log(f"raylm: stopped at step {summary['final_step']}, not retried: the run's input is "
+            f"wrong, no machine failed. Summary: {summary_path}")
+        raise mistake from None
     if error is not None:
         log(f"raylm: failed at step {summary['final_step']} after {summary['failures']} "
             f"failures; the latest checkpoint is {summary['checkpoint_path']}; run again with "

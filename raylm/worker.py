@@ -46,6 +46,7 @@ from raylm.config import Config, config_from_dict
 from raylm.console import quiet_libraries
 from raylm.data import build_train_stream, read_val_blocks
 from raylm.energy import EnergyCounter, run_figures, window_figures
+from raylm.faults import MISTAKES, Mistake, first_loss_check
 from raylm.ledger import Ledger
 from raylm.lora import adapter_args
 from raylm.lora import settings as lora_settings
@@ -98,7 +99,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     group_started = time.time()
     preemption.install_in_ray_worker()
     try:
-        run = setup(loop_config, group_started=group_started)
+        try:
+            run = setup(loop_config, group_started=group_started)
+        except Mistake:
+            raise
+        except MISTAKES as e:
+            raise Mistake(f"worker setup: {type(e).__name__}: {e}") from e
         try:
             ray.train.report({**run.constant_metrics, "step": run.state.step,
                               "event": GROUP_START})
@@ -128,6 +134,10 @@ def train(run: Setup) -> None:
                                      accumulation=run.accumulation, grad_clip=o.grad_clip,
                                      cross_document=run.cfg.data.across_documents)
         state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
+        if state.step == 1 and run.cfg.model.path and run.built.pipeline is None:
+            # Once, at the start of a run from pretrained weights (the loss is global).
+            first_loss_check(float(loss), vocab_size=run.built.config.vocab_size,
+                             model_path=run.cfg.model.path)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
         meter.step_ends(tokens_per_step)
         # Every rank takes part in the vote, every step.

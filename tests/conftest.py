@@ -105,6 +105,27 @@ def save_tiny_llama(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
     return out
 
 
+def save_tiny_qwen3(out: Path, *, vocab_size: int, seed: int = 0, zero: bool = False) -> Path:
+    """The tiny preset's shape as a Qwen3 (its own attention with per-head query and key norms):
+    a family other than Llama, saved with save_pretrained. ``zero``: every weight 0, as a load
+    that set nothing leaves a model."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                         intermediate_size=256, max_position_embeddings=1024,
+                         tie_word_embeddings=False, eos_token_id=0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    if zero:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+    model.save_pretrained(str(out))
+    return out
+
+
 def floats(values) -> tuple[float, ...]:
     """``train_step``'s (loss, grad norm) tensors as Python floats."""
     return tuple(float(v) for v in values)

@@ -12,7 +12,7 @@ import pytest
 
 from raylm.config import load_config
 from raylm.preparation import prepare
-from tests.conftest import save_tiny_llama, tokenizer_vocab
+from tests.conftest import save_tiny_qwen3, tokenizer_vocab
 from tests.integration import faults
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
@@ -125,8 +125,9 @@ def test_long_examples_can_be_truncated_and_prompt_completion_pairs_train(
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory, tokenizer_dir):
-    """A tiny Llama for the test tokenizer, saved with save_pretrained: the model fine-tuned."""
-    return save_tiny_llama(tmp_path_factory.mktemp("pretrained"),
+    """A tiny Qwen3 for the test tokenizer, saved with save_pretrained: the model fine-tuned (a
+    family other than Llama: raylm's own presets are Llamas)."""
+    return save_tiny_qwen3(tmp_path_factory.mktemp("pretrained"),
                            vocab_size=tokenizer_vocab(tokenizer_dir))
 
 
@@ -246,3 +247,22 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
         torch.testing.assert_close(int8(input_ids=ids).logits, merged(input_ids=ids).logits,
                                    atol=0.05, rtol=0)
 
+
+
+def test_weights_that_did_not_load_end_the_run_at_once(chats, tokenizer_dir, tmp_path,
+                                                       capsys):
+    """A pretrained model whose first loss is ln(vocab) predicts every token alike: its
+    weights did not load. The run stops after one attempt, with that cause in one line, though
+    train.max_failures allows 3 restarts (a restart would fail the same way)."""
+    from raylm.cli import main
+
+    vocab = tokenizer_vocab(tokenizer_dir)
+    zero = save_tiny_qwen3(tmp_path / "zero", vocab_size=vocab, zero=True)
+    run = [*lora_run(chats, tokenizer_dir, zero, tmp_path), "--run.name=unloaded",
+           "--train.steps=4", "--train.max_failures=3", "--scaling.num_workers=1"]
+    capsys.readouterr()
+    assert main(["train", *run]) == 2
+    (line,) = [s for s in capsys.readouterr().err.splitlines() if s.startswith("raylm: error")]
+    assert f"is ln({vocab})" in line and "did not load" in line, line
+    summary = json.loads((tmp_path / "runs" / "unloaded" / "summary.json").read_text())
+    assert summary["failures"] == 1 and summary["restarts"] == 0

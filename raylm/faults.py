@@ -1,0 +1,84 @@
+"""Faults are retried, mistakes are not.
+
+Ray Train restarts a worker group after any worker error, up to ``train.max_failures`` times,
+as it should for lost machines, preempted nodes and broken connections. A mistake in what the
+run was given (weights that do not fit the model, a checkpoint of another model, weights that
+did not load) fails the same way on every attempt, so each retry only repeats it, and the user
+reads "failed after 4 failures" with the cause buried in the workers' logs.
+
+A worker raises :class:`Mistake` for those: during setup, for the error types that cannot come
+from a machine (below), and after the first step of a pretrained model whose loss is that of a
+uniform prediction. :class:`EndOnMistake`, a callback on the Ray Train controller, sees the
+worker's error when it polls the group and, when the failure policy would retry, raises it
+instead: the controller treats an error raised by a callback as its own, which is never
+retried, and the run ends after one attempt with the worker's message. Ray Train's failure
+policy has no public hook for this (its factory always builds the default policy), so this
+uses the controller-callback interface Ray keeps for its own callbacks, which run_config
+callbacks may implement.
+"""
+
+from __future__ import annotations
+
+import math
+
+try:
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+except ImportError:  # Ray is optional for the step core
+    ControllerCallback = WorkerGroupCallback = object
+    FailureDecision = None
+
+# Errors in setup that no machine fault raises: the same input raises them again. Connection,
+# storage and collective errors (OSError, RuntimeError and their kin) stay faults.
+MISTAKES = (ValueError, TypeError, KeyError, AttributeError, ImportError, NotImplementedError,
+            FileNotFoundError, PermissionError)
+
+
+class Mistake(ValueError):
+    """An error in the run's input: the run ends at once, with this message (one line from the
+    command, as other bad input)."""
+
+
+def first_loss_check(loss: float, *, vocab_size: int, model_path: str) -> None:
+    """A pretrained model whose first loss is ln(vocab) predicts every token alike: its
+    weights did not load (a head left unset, weights of zeros). A randomly initialized model
+    sits above ln(vocab) by half its logits' variance (about 1e-2 for a 64-wide test model),
+    a trained one far below it; a uniform prediction is ln(vocab) to float precision."""
+    uniform = math.log(vocab_size)
+    if abs(loss - uniform) <= 1e-5 * uniform:
+        raise Mistake(
+            f"model.path={model_path}: the first step's loss {loss:.4f} is ln({vocab_size}), "
+            f"the loss of predicting every token alike: the model's weights did not load "
+            f"(its output head or its weights are all zero or unset). Check that the "
+            f"directory's weight files are the model's own.")
+
+
+def cause(error: BaseException) -> Mistake | None:
+    """The :class:`Mistake` behind ``error`` (as Ray Train wraps a worker's or a callback's
+    error), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, Mistake):
+            return error
+        error = (getattr(error, "_base_exc", None) or getattr(error, "controller_failure", None)
+                 or error.__cause__)
+    return None
+
+
+class EndOnMistake(ControllerCallback, WorkerGroupCallback):
+    """On the controller: a worker's :class:`Mistake` ends the run instead of a restart."""
+
+    def __init__(self) -> None:
+        self.mistake: str | None = None
+
+    def after_worker_group_poll_status(self, worker_group_status) -> None:
+        for rank, error in sorted(worker_group_status.errors.items()):
+            found = cause(error)
+            if found is not None:
+                self.mistake = f"rank {rank}: {found}"
+                return
+
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+        if self.mistake is not None and failure_decision == FailureDecision.RETRY:
+            raise Mistake(self.mistake)
