@@ -12,13 +12,19 @@ Two renderers:
   no tokens to the vocabulary: ``System: ...``, ``User: ...`` and ``Assistant: `` are plain
   text, and each assistant turn's content is followed by the tokenizer's EOS, which is trained
   (that is how the model learns to stop). Turns are separated by a blank line.
-- :class:`JinjaTemplate`, for a tokenizer with its own Jinja chat template (Llama, Qwen,
-  ...), rendered by transformers' renderer. The template is rendered for growing prefixes of
-  the conversation; each message's segment is the text its prefix adds, and an assistant
-  message's segment is split where the
-  template's generation prompt (its assistant header) ends, so the header is not trained and
-  the content and the end-of-turn markup are. A template that does not render prefixes as
-  prefixes of the whole cannot be split this way and is refused, by name.
+- :class:`JinjaTemplate`, for a tokenizer with its own Jinja chat template (Llama 3, Qwen's
+  ChatML, Gemma, Phi-3, Mistral ...), rendered by transformers' renderer. A template that
+  marks what the assistant generates (``{% generation %}`` blocks) says itself what is trained.
+  Otherwise the template is rendered for growing prefixes of the conversation; each message's
+  segment is the text its prefix adds, and an assistant message's segment is split where the
+  template's generation prompt (its assistant header) ends and again after the first
+  end-of-turn token (an added token of the tokenizer: ``<|eot_id|>``, ``<|im_end|>``,
+  ``<end_of_turn>``, ``<|end|>``, ``</s>``) that follows the content, so the model is trained
+  on the content and the token that ends its turn, and not on the header or what the template
+  writes after the turn (ChatML's and Gemma's newline). A template may close a conversation
+  with text it writes only at the end (Phi-3 adds its EOS there): prefixes are compared
+  without it. A template that does not render prefixes as prefixes of the whole otherwise
+  cannot be split this way and is refused, by name.
 
 With ``loss_on: all`` every segment is trained. A prompt/completion pair is the prompt
 (untrained) followed by the completion and EOS (trained), with no template: that is the
@@ -27,6 +33,8 @@ plain-text fine-tuning format.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -38,6 +46,9 @@ from raylm.corpus import normalize
 ROLES = ("system", "user", "assistant")
 LABELS = {"system": "System", "user": "User", "assistant": "Assistant"}
 LossOn = Literal["assistant", "all"]
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# The longest text a template may write only after a conversation's last message.
+CLOSING_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -125,8 +136,12 @@ class JinjaTemplate:
     docstring). Built from strings, so it travels to Ray Data tasks without the tokenizer."""
 
     def __init__(self, source: str, special_tokens: dict[str, Any] | None = None, *,
-                 name: str = "the tokenizer's chat template") -> None:
+                 name: str = "the tokenizer's chat template",
+                 markers: Sequence[str] = ()) -> None:
         self.source, self.special_tokens, self.name = source, dict(special_tokens or {}), name
+        # The tokenizer's added tokens, where an assistant turn's trained text ends.
+        self.markers = tuple(m for m in markers if m)
+        self.marks_generation = bool(GENERATION_BLOCK.search(source))
 
     def _render(self, messages: Sequence[dict[str, str]], *, generation: bool) -> str:
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -147,14 +162,63 @@ class JinjaTemplate:
                 f"prefixes as prefixes (most do).")
         return longer[len(shorter):]
 
+    def _end_of_turn(self, piece: str, content: str) -> int:
+        """Where the trained part of an assistant ``piece`` ends: after the first marker that
+        follows ``content`` (the whole piece when none does)."""
+        at = piece.find(content.strip()) if content.strip() else -1
+        start = at + len(content.strip()) if at >= 0 else 0
+        found = [(i, -len(m)) for m in self.markers if (i := piece.find(m, start)) >= 0]
+        if not found:
+            return len(piece)
+        i, neg = min(found)
+        return i - neg
+
+    def _generation_segments(self, messages: Sequence[dict[str, str]]) -> list[Segment]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, spans = render_jinja_template(
+            conversations=[list(messages)], chat_template=self.source,
+            return_assistant_tokens_mask=True, **self.special_tokens)
+        text, out, at = rendered[0], [], 0
+        for start, end in spans[0]:
+            out += [Segment(text[at:start], False), Segment(text[start:end], True)]
+            at = end
+        return [s for s in [*out, Segment(text[at:], False)] if s.text]
+
+    def _open(self, prefix: str, whole: str) -> str:
+        """``prefix`` (a rendering of the first messages) without what a template writes only
+        where a conversation ends (Phi-3's EOS after the last turn), so that it is the start of
+        ``whole``; as it is when no such ending makes it one. The two part where they first
+        differ, moved back to the start of a marker that place cuts (``<|end...`` and
+        ``<|user...`` share their first characters)."""
+        if whole.startswith(prefix):
+            return prefix
+        cut = len(os.path.commonprefix([prefix, whole]))
+        for m in self.markers:
+            at = prefix.rfind(m, max(0, cut - len(m) + 1), cut + len(m))
+            if 0 <= at < cut < at + len(m):
+                cut = at
+        closing = prefix[cut:]
+        return prefix[:cut] if len(closing) <= CLOSING_CHARS and whole.endswith(closing) \
+            else prefix
+        for n in range(1, min(len(prefix), CLOSING_CHARS) + 1):
+            if whole.endswith(prefix[-n:]) and whole.startswith(prefix[:-n]):
+                return prefix[:-n]
+        return prefix
+
     def segments(self, messages: Sequence[dict[str, str]]) -> list[Segment]:
+        if self.marks_generation:
+            return self._generation_segments(messages)
+        whole = self._render(messages, generation=False)
         out, done = [], ""
         for k, m in enumerate(messages):
-            full = self._render(messages[:k + 1], generation=False)
+            full = self._open(self._render(messages[:k + 1], generation=False), whole)
             if m["role"] == "assistant":
                 head = self._render(messages[:k], generation=True)
                 out.append(Segment(self._piece(head, done, k), False))
-                out.append(Segment(self._piece(full, head, k), True))
+                turn = self._piece(full, head, k)
+                cut = self._end_of_turn(turn, m["content"])
+                out += [Segment(turn[:cut], True), Segment(turn[cut:], False)]
             else:
                 out.append(Segment(self._piece(full, done, k), False))
             done = full
@@ -164,13 +228,22 @@ class JinjaTemplate:
         return [Segment(self._render(messages, generation=True), False)]
 
 
+def template_args(hf_tokenizer) -> dict[str, Any] | None:
+    """What :class:`JinjaTemplate` takes from a Hugging Face tokenizer, as plain strings (they
+    travel to Ray Data tasks); None when it has no chat template (raylm's trained BPEs)."""
+    source = getattr(hf_tokenizer, "chat_template", None) if hf_tokenizer is not None else None
+    if not source or not isinstance(source, str):
+        return None
+    added = [t.content for t in getattr(hf_tokenizer, "added_tokens_decoder", {}).values()]
+    return {"source": source, "special_tokens": dict(hf_tokenizer.special_tokens_map),
+            "name": f"the chat template of {hf_tokenizer.name_or_path}",
+            "markers": sorted(set(added) | {hf_tokenizer.eos_token or ""})}
+
+
 def template_for(hf_tokenizer) -> DefaultTemplate | JinjaTemplate:
     """The tokenizer's own chat template when it has one, else raylm's default."""
-    source = getattr(hf_tokenizer, "chat_template", None) if hf_tokenizer is not None else None
-    if not source:
-        return DefaultTemplate()
-    return JinjaTemplate(source, hf_tokenizer.special_tokens_map,
-                         name=f"the chat template of {hf_tokenizer.name_or_path}")
+    args = template_args(hf_tokenizer)
+    return JinjaTemplate(**args) if args else DefaultTemplate()
 
 
 def conversation_segments(template: DefaultTemplate | JinjaTemplate,

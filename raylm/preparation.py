@@ -517,8 +517,9 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
     tokenizer_id = _tokenizer_id(cfg)
     examples = {}
     if d.examples:
+        # render=2: a template's assistant turn is trained up to its end-of-turn token.
         examples = dict(**example_fields(d), loss_on=d.trains_on,
-                        long_examples=d.long_examples)
+                        long_examples=d.long_examples, render=2)
     return tokenizer_fingerprint(
         corpus_fp, tokenizer=tokenizer_id, seq_len=d.seq_len, min_chars=d.min_chars,
         dedup=d.dedup, val_fraction=d.val_fraction, text_field=d.text_field,

@@ -149,13 +149,10 @@ def load_backend(path: str | Path):
 
 def chat_template(path: str | os.PathLike) -> dict | None:
     """The chat template of the Hugging Face tokenizer at ``path``, as :class:`raylm.chat.
-    JinjaTemplate` takes it (source, special-token strings, name); None when it has none
-    (raylm's trained BPEs)."""
+    JinjaTemplate` takes it; None when it has none (raylm's trained BPEs)."""
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(path))
-    source = getattr(hf, "chat_template", None)
-    if not source or not isinstance(source, str):
-        return None
-    return {"source": source, "special_tokens": dict(hf.special_tokens_map),
-            "name": f"the chat template of {path}"}
+    from raylm.chat import template_args
+
+    args = template_args(AutoTokenizer.from_pretrained(str(path)))
+    return args and {**args, "name": f"the chat template of {path}"}

@@ -134,7 +134,7 @@ def test_tokenizer_template_splits_headers_from_trained_content(tok, tokenizer_d
 def test_a_template_that_is_not_incremental_is_refused_by_name(tokenizer_dir):
     template = template_for(hf_tokenizer(tokenizer_dir, NOT_INCREMENTAL))
     messages, _ = parse_messages(CHAT)
-    with pytest.raises(TemplateError, match=r"does not render message 2 of a conversation as "
+    with pytest.raises(TemplateError, match=r"does not render message \d of a conversation as "
                                              r"a continuation .* data.loss_on=all"):
         conversation_segments(template, messages, loss_on="assistant")
     # Training on every token needs no split: the template is rendered whole.
@@ -148,3 +148,78 @@ def test_tokenizers_without_a_template_get_the_default(tokenizer_dir):
     assert isinstance(template_for(AutoTokenizer.from_pretrained(str(tokenizer_dir))),
                       DefaultTemplate)
     assert isinstance(template_for(None), DefaultTemplate)
+
+
+# Templates in the layout of each family's own (written here: where the markers and the
+# end-of-turn token sit), with the special tokens each family's tokenizer adds.
+FAMILIES = {
+    "llama3": dict(
+        template="{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+                 "'<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant"
+                 "<|end_header_id|>\n\n' }}{% endif %}",
+        tokens=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        bos="<|begin_of_text|>", end="<|eot_id|>"),
+    "chatml": dict(  # Qwen
+        template="{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+                 "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|im_start|>assistant\n' }}{% endif %}",
+        tokens=["<|im_start|>", "<|im_end|>"], end="<|im_end|>"),
+    "gemma": dict(  # no system role: the system text opens the first user turn
+        template="{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
+                 "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+                 "{% else %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' "
+                 "else 'user') + '\n' + (ns.system if loop.index0 == 1 else '') + "
+                 "m['content'] | trim + '<end_of_turn>\n' }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}",
+        tokens=["<bos>", "<start_of_turn>", "<end_of_turn>"], bos="<bos>",
+        end="<end_of_turn>"),
+    "phi3": dict(  # closes a conversation with EOS, and only there
+        template="{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + "
+                 "'<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}",
+        tokens=["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], end="<|end|>"),
+    "mistral": dict(  # no assistant header: the answer follows [/INST], then EOS
+        template="{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                 "{{ m['content'] + eos_token }}{% elif m['role'] == 'user' %}"
+                 "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}"
+                 "{{ '[SYSTEM_PROMPT]' + m['content'] + '[/SYSTEM_PROMPT]' }}{% endif %}"
+                 "{% endfor %}",
+        tokens=["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
+        bos="<s>", eos="</s>", end="</s>"),
+    "generation-marked": dict(  # says itself what is trained
+        template="{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+                 "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + "
+                 "'<|im_end|>' }}{% endgeneration %}{% else %}{{ m['content'] + '<|im_end|>' }}"
+                 "{% endif %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|im_start|>assistant\n' }}{% endif %}",
+        tokens=["<|im_start|>", "<|im_end|>"], end="<|im_end|>"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_template_trains_each_answer_and_its_end_of_turn_token(tokenizer_dir,
+                                                                           family):
+    from transformers import AutoTokenizer
+
+    spec = FAMILIES[family]
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    hf.add_special_tokens({"additional_special_tokens": spec["tokens"]})
+    hf.bos_token = spec.get("bos", hf.bos_token)
+    hf.eos_token = spec.get("eos", hf.eos_token)
+    hf.chat_template = spec["template"]
+    template, tok = template_for(hf), hf.backend_tokenizer
+    messages, _ = parse_messages(CHAT)
+    segments = template.segments(messages)
+    assert "".join(s.text for s in segments) == hf.apply_chat_template(messages, tokenize=False)
+    ids, mask = encode(segments, tok, eos_id=hf.eos_token_id, loss_on="assistant")
+    edges = np.diff(np.r_[0, mask.astype(int), 0])
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    trained = [tok.decode(ids[a:b].tolist(), skip_special_tokens=False)
+               for a, b in zip(starts, ends, strict=True)]
+    assert trained == [f"Paris.{spec['end']}", f"Rome.{spec['end']}"], trained
+    # The answer's end-of-turn token is one trained id, and the prompt for a new answer is
+    # what training put before the first one.
+    assert ids[ends[0] - 1] == hf.convert_tokens_to_ids(spec["end"])
+    prompt = generation_prompt(messages[:2], tok, template, eos_id=hf.eos_token_id)
+    assert ids[:len(prompt)].tolist() == prompt.tolist() and len(prompt) == starts[0]
