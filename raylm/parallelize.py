@@ -141,12 +141,36 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     return decoder_layers(model)
 
 
+# The styles of transformers' TP plans that raylm applies (see tensor_parallel).
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+
+
+def tp_plan(config, *, tensor: int) -> dict[str, str]:
+    """The model's tensor-parallel plan (transformers' ``base_model_tp_plan``), refused where
+    raylm cannot apply it."""
+    family = type(config).__name__.removesuffix("Config")
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise ValueError(f"parallel.tensor={tensor}: {family} models ship no tensor-parallel "
+                         f"plan (base_model_tp_plan in transformers); train them with "
+                         f"parallel.tensor=1 (FSDP2 shards them over the workers).")
+    for pattern, style in plan.items():
+        if not pattern.startswith("layers.*.") or style not in TP_STYLES:
+            raise ValueError(
+                f"parallel.tensor={tensor}: {family}'s tensor-parallel plan splits "
+                f"{pattern!r} as {style!r}, which raylm does not apply (it applies "
+                f"{', '.join(TP_STYLES)} inside the decoder layers); train it with "
+                f"parallel.tensor=1 (FSDP2 shards it over the workers).")
+    return plan
+
+
 def check_tensor_parallel(config, *, tensor: int, seq_len: int) -> None:
     """Refuse a tensor-parallel degree the model or the sequence does not split into (before
-    any worker starts): whole attention and key/value heads per rank, and whole token shards
-    for sequence parallelism."""
+    any worker starts): a model without a plan raylm can apply, and whole attention and
+    key/value heads per rank and whole token shards for sequence parallelism."""
     if tensor == 1:
         return
+    tp_plan(config, tensor=tensor)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     for what, n in (("attention heads", heads), ("key/value heads", kv_heads),
@@ -223,27 +247,20 @@ def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
     )
 
     config = model.config
-    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if not plan:
-        raise ValueError(f"parallel.tensor: {type(model).__name__} ships no tensor-parallel "
-                         f"plan (base_model_tp_plan); raylm splits Llama-style models with one")
+    plan = tp_plan(config, tensor=tp_mesh.size())
+    first = owned_blocks(model)[0][1]
     blocks: dict[str, object] = {
-        "input_layernorm": SequenceParallel(),
-        "post_attention_layernorm": SequenceParallel(),
-        # The norms hand on 1/tp of the tokens; attention and the MLP need all of them.
+        # The norms between attention and the MLP (two in Llama, four in Gemma 3) hand on
+        # 1/tp of the tokens; attention and the MLP need all of them.
+        **{name: SequenceParallel() for name, child in first.named_children()
+           if "Norm" in type(child).__name__},
         "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                         desired_input_kwarg_layouts={"hidden_states": Replicate()}),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
     }
-    styles = {"colwise": colwise_styles, "rowwise": rowwise_styles}
-    first = owned_blocks(model)[0][1]
+    styles = {"colwise": colwise_styles, "rowwise": rowwise_styles,
+              "replicated_with_grad_allreduce": lambda name, adapted: {name: HeadNorm()}}
     for pattern, style in plan.items():
-        if not pattern.startswith("layers.*."):
-            raise ValueError(f"parallel.tensor: this model's TP plan entry {pattern!r} is "
-                             f"outside its decoder layers; raylm cannot apply it")
-        if style not in styles:
-            raise ValueError(f"parallel.tensor: this model's TP plan asks {style!r} for "
-                             f"{pattern}; raylm applies 'colwise' and 'rowwise' only")
         name = pattern.removeprefix("layers.*.")
         blocks.update(styles[style](name, adapted=hasattr(first.get_submodule(name),
                                                           "base_layer")))
@@ -339,6 +356,26 @@ class Replicated(ParallelStyle):
             return out
 
         return distribute_module(module, device_mesh, input_fn=gather_input, output_fn=hand_on)
+
+
+class HeadNorm(ParallelStyle):
+    """A norm over each attention head's features (Qwen3's and Gemma 3's ``q_norm`` and
+    ``k_norm``), applied to the heads this rank holds: its weight is held whole on every rank,
+    and its gradient, a sum over all heads, is all-reduced over the mesh (each rank's share
+    covers its own heads only). The input arrives as this rank's heads (dimension 2 of
+    batch x tokens x heads x head size) and leaves as they came."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import DTensor, Shard, distribute_module
+
+        def split_heads(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, (Shard(2),), run_check=False)
+                         for x in inputs)
+
+        def local(mod, out, mesh):
+            return out.to_local()
+
+        return distribute_module(module, device_mesh, input_fn=split_heads, output_fn=local)
 
 
 def loss_context(plan: ParallelPlan):

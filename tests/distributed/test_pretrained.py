@@ -43,6 +43,8 @@ def family_config(family: str, *, tied: bool | None = None):
         "gemma2": lambda: T.Gemma2Config(**shape, **heads16),
         # Embeddings scaled by a buffer no checkpoint holds; rotary frequencies per layer type.
         "gemma3": lambda: T.Gemma3TextConfig(**shape, **heads16),
+        # Per-head query and key norms.
+        "qwen3": lambda: T.Qwen3Config(**shape, **heads16),
         # Conv1D projections under transformer.h, attention dropout, tied by default.
         "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
                                      n_positions=128, **({} if tied is None
@@ -263,3 +265,82 @@ def test_an_nf4_base_is_checked_on_the_adapted_layers():
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight "
                                          r"\(768x768\) does not split into 5 shards"):
         check_nf4_shapes(model, "auto", 5)
+
+
+TP_FAMILIES = ["qwen2", "mistral", "qwen3", "gemma3", "gemma2"]
+
+
+def tp_batch() -> dict[str, torch.Tensor]:
+    """25 tokens: 24 targets, which sequence parallelism splits into whole halves."""
+    return {"input_ids": torch.randint(0, VOCAB, (2, 25),
+                                       generator=torch.Generator().manual_seed(4))}
+
+
+def tp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """Each family split over 2 tensor-parallel ranks: logits, then one AdamW step's loss and
+    gradient norm, full and with LoRA."""
+    import torch.distributed as dist
+
+    from raylm.optim import build_optimizer
+    from raylm.parallelize import ParallelPlan
+    from raylm.step import build_training_model, train_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for family in TP_FAMILIES:
+            for name, lora in (("full", None), ("lora", {**LORA, "target_modules": "auto"})):
+                built = build_training_model(
+                    preset=None, path=f"{root}/{family}", vocab_size=VOCAB, eos_id=0,
+                    device=torch.device("cpu"), precision="fp32", seed=0, lora=lora,
+                    plan=ParallelPlan(tensor=2))
+                logits = built_logits(built)
+                opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0,
+                                      betas=(0.9, 0.95), device_type="cpu")
+                step = train_step(built, opt, [tp_batch()], accumulation=1, grad_clip=1.0)
+                results[family, name] = (logits, [float(x) for x in step])
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    exit_now()
+
+
+def test_families_with_a_tensor_parallel_plan_split_over_two_ranks_as_one(tmp_path):
+    """Tensor (and sequence) parallelism over each family's own plan: 2 gloo ranks compute one
+    process's logits, loss and gradient norm (fp32, 1e-5), full and with LoRA; Gemma's four
+    block norms and Qwen3's and Gemma's per-head norms included. Families whose plan raylm
+    cannot apply are refused before any worker starts."""
+    from raylm.model import build_config
+    from raylm.optim import build_optimizer
+    from raylm.parallelize import check_tensor_parallel
+    from raylm.step import train_step
+
+    for family in TP_FAMILIES:
+        save_family(tmp_path / family, family)
+    out = str(tmp_path / "tp.pt")
+    run_ranks(tp_worker, args=(2, free_port(), str(tmp_path), out), world=2)
+    split = torch.load(out)
+    for family in TP_FAMILIES:
+        for name, lora in (("full", None), ("lora", {**LORA, "target_modules": "auto"})):
+            built = build(tmp_path / family, lora)
+            want = built_logits(built)
+            opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                                  device_type="cpu")
+            step = [float(x) for x in train_step(built, opt, [tp_batch()], accumulation=1,
+                                                 grad_clip=1.0)]
+            logits, got = split[family, name]
+            assert torch.allclose(logits, want, atol=1e-5), (family, name,
+                                                             (logits - want).abs().max())
+            assert got == pytest.approx(step, rel=1e-5), (family, name, got, step)
+    for family, what in (("phi3", "'layers.*.self_attn.qkv_proj' as 'colwise_gather_output'"),
+                         ("olmo2", "as 'colwise_gather_output'"),
+                         ("gpt2", "ship no tensor-parallel plan")):
+        config = build_config(preset=None, path=str(save_family(tmp_path / family, family)),
+                              vocab_size=VOCAB, eos_id=0, attn_implementation="eager")
+        with pytest.raises(ValueError, match=f"parallel.tensor=2: .*{what}.*parallel.tensor=1"):
+            check_tensor_parallel(config, tensor=2, seq_len=24)
