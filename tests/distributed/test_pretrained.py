@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from raylm.lora import settings as lora_settings
 from tests.distributed.test_fsdp_parity import exit_now
 from tests.ranks import free_port, run_ranks
 
@@ -344,3 +345,58 @@ def test_families_with_a_tensor_parallel_plan_split_over_two_ranks_as_one(tmp_pa
                               vocab_size=VOCAB, eos_id=0, attn_implementation="eager")
         with pytest.raises(ValueError, match=f"parallel.tensor=2: .*{what}.*parallel.tensor=1"):
             check_tensor_parallel(config, tensor=2, seq_len=24)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
+                                    "gemma3", "gpt2"])
+def test_each_family_trains_exports_and_generates_in_a_transformers_pipeline(tmp_path, family):
+    """A step of full fine-tuning and one with LoRA, each checkpointed into a run directory as
+    a worker does; `raylm export` (the LoRA run merged, and as peft's adapter) gives what a
+    plain transformers pipeline loads and generates with, computing the trained model's
+    logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, pipeline
+
+    from raylm import checkpoint
+    from raylm.config import load_config
+    from raylm.exporter import export, write_run_info
+    from raylm.optim import build_optimizer
+    from raylm.step import train_step
+    from raylm.tokenizer import save_hf_tokenizer, train_bpe
+    from tests.conftest import make_docs
+
+    base = save_family(tmp_path / "base", family)
+    tokenizer = tmp_path / "tokenizer"
+    bpe = train_bpe(iter(make_docs(60)), vocab_size=VOCAB - 84)
+    save_hf_tokenizer(bpe, tokenizer)
+    for name, rank in (("full", 0), ("lora", 4)):
+        cfg = load_config(None, [f"--model.path={base}", f"--tokenizer.path={tokenizer}",
+                                 f"--lora.rank={rank}", "--lora.alpha=8", "--lora.dropout=0",
+                                 "--scaling.use_gpu=false"])
+        built = build(base, {"rank": 4, "alpha": 8.0, "dropout": 0.0,
+                             "target_modules": "auto"} if rank else None)
+        opt = build_optimizer(built.model, lr=1e-2, weight_decay=0.0, betas=(0.9, 0.95),
+                              device_type="cpu")
+        train_step(built, opt, [{"input_ids": inputs()}], accumulation=1, grad_clip=1.0)
+        trained = built_logits(built)
+        run = tmp_path / name
+        write_run_info(str(run), config=cfg.to_dict(), vocab_size=VOCAB, eos_id=0,
+                       tokenizer_path=str(tokenizer), prepared="")
+        checkpoint.save(run / "checkpoint_2026-01-01_00-00-00.000001", model=built.model,
+                        optimizer=opt, config=built.config, state={"step": 1},
+                        adapters=lora_settings(cfg.lora))
+        out = export(run, tmp_path / f"{name}-hf", merge=True, log=lambda m: None)
+        model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=inputs()).logits, trained, atol=1e-4), (
+                family, name)
+        generate = pipeline("text-generation", model=str(out), device="cpu")
+        text = generate("Document 3.", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+        assert text.startswith("Document 3.")
+        if rank:
+            adapter = export(run, tmp_path / "adapter", log=lambda m: None)
+            peft_model = PeftModel.from_pretrained(
+                AutoModelForCausalLM.from_pretrained(str(base)), str(adapter)).eval()
+            with torch.no_grad():
+                assert torch.allclose(peft_model(input_ids=inputs()).logits, trained,
+                                      atol=1e-4), family
