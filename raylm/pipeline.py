@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from raylm.config import PIPELINE_SCHEDULES
-from raylm.model import decoder_layers
+from raylm.model import build_meta_model, decoder_layers
 
 
 def stage_layers(num_layers: int, pipeline: int) -> list[range]:
@@ -66,6 +66,13 @@ def check_pipeline(config, *, pipeline: int) -> None:
     if pipeline == 1:
         return
     stage_layers(config.num_hidden_layers, pipeline)
+    inner = getattr(build_meta_model(config), "model", None)
+    if not all(hasattr(inner, part) for part in ("embed_tokens", "layers", "norm")):
+        raise ValueError(
+            f"parallel.pipeline={pipeline}: {type(config).__name__.removesuffix('Config')} "
+            f"models do not keep their embedding, decoder layers and final norm as "
+            f"model.embed_tokens, model.layers and model.norm, where raylm cuts stages; train "
+            f"it with parallel.pipeline=1 (FSDP2 shards it over the workers).")
     if getattr(config, "tie_word_embeddings", False):
         raise ValueError(
             f"parallel.pipeline={pipeline}: this model ties its output head to its input "
@@ -102,6 +109,10 @@ class Stage(nn.Module):
                 inner.layers[i] = Skipped(layer)
         if not self.is_first:
             inner.embed_tokens = None
+            if hasattr(inner, "embedding_multiplier"):
+                # Granite scales the embeddings in the model's forward, which every stage
+                # runs: once, on the first.
+                inner.embedding_multiplier = 1.0
         if not self.is_last:
             inner.norm = nn.Identity()
         self.model = inner
@@ -131,9 +142,22 @@ class Stage(nn.Module):
                 x = DTensor.from_local(x, self.tp_mesh, (Shard(1),))
             h = self.model(inputs_embeds=x, position_ids=position_ids).last_hidden_state
         if self.is_last:
-            return self.lm_head(h)
+            return head_output(self.config, self.lm_head(h))
         # torch.distributed.pipelining sends plain tensors.
         return h.to_local() if hasattr(h, "to_local") else h
+
+
+def head_output(config, logits: torch.Tensor) -> torch.Tensor:
+    """What a family's own causal-LM head does after the projection, which the last stage runs
+    in its place: Gemma 2 caps its logits, Granite divides and Cohere multiplies them."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "logit_scale", None) and config.model_type.startswith("cohere"):
+        logits = logits * config.logit_scale
+    return logits
 
 
 def owned_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:

@@ -46,6 +46,10 @@ def family_config(family: str, *, tied: bool | None = None):
         "gemma3": lambda: T.Gemma3TextConfig(**shape, **heads16),
         # Per-head query and key norms.
         "qwen3": lambda: T.Qwen3Config(**shape, **heads16),
+        # Scales its embeddings in the model's forward, its residuals, attention and logits.
+        "granite": lambda: T.GraniteConfig(**shape, embedding_multiplier=12.0,
+                                           residual_multiplier=0.22, attention_multiplier=0.1,
+                                           logits_scaling=4.0),
         # Conv1D projections under transformer.h, attention dropout, tied by default.
         "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
                                      n_positions=128, **({} if tied is None
@@ -268,7 +272,7 @@ def test_an_nf4_base_is_checked_on_the_adapted_layers():
         check_nf4_shapes(model, "auto", 5)
 
 
-TP_FAMILIES = ["qwen2", "mistral", "qwen3", "gemma3", "gemma2"]
+TP_FAMILIES = ["qwen2", "mistral", "qwen3", "gemma3", "gemma2", "granite"]
 
 
 def tp_batch() -> dict[str, torch.Tensor]:
@@ -348,7 +352,7 @@ def test_families_with_a_tensor_parallel_plan_split_over_two_ranks_as_one(tmp_pa
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
-                                    "gemma3", "gpt2"])
+                                    "gemma3", "gpt2", "granite"])
 def test_each_family_trains_exports_and_generates_in_a_transformers_pipeline(tmp_path, family):
     """A step of full fine-tuning and one with LoRA, each checkpointed into a run directory as
     a worker does; `raylm export` (the LoRA run merged, and as peft's adapter) gives what a
@@ -400,3 +404,77 @@ def test_each_family_trains_exports_and_generates_in_a_transformers_pipeline(tmp
             with torch.no_grad():
                 assert torch.allclose(peft_model(input_ids=inputs()).logits, trained,
                                       atol=1e-4), family
+
+
+PP_FAMILIES = ["qwen2", "mistral", "qwen3", "gemma3", "gemma2", "granite"]
+
+
+def pp_batches() -> list[dict[str, torch.Tensor]]:
+    """Two micro-batches (a pipeline of 2 stages needs one per stage)."""
+    ids = tp_batch()["input_ids"]
+    return [{"input_ids": ids[:1]}, {"input_ids": ids[1:]}]
+
+
+def pp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """Each family cut into 2 pipeline stages: two steps' losses and gradient norms, full and
+    with LoRA."""
+    import torch.distributed as dist
+
+    from raylm.optim import build_optimizer
+    from raylm.parallelize import ParallelPlan
+    from raylm.step import build_training_model, train_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for family in PP_FAMILIES:
+            for name, lora in (("full", None), ("lora", {**LORA, "target_modules": "auto"})):
+                built = build_training_model(
+                    preset=None, path=f"{root}/{family}", vocab_size=VOCAB, eos_id=0,
+                    device=torch.device("cpu"), precision="fp32", seed=0, lora=lora,
+                    plan=ParallelPlan(pipeline=2))
+                opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0,
+                                      betas=(0.9, 0.95), device_type="cpu")
+                results[family, name] = [
+                    [float(x) for x in train_step(built, opt, pp_batches(), accumulation=2,
+                                                  grad_clip=1.0)] for _ in range(2)]
+        if rank == 0:
+            torch.save(results, out)
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    exit_now()
+
+
+def test_families_cut_into_two_pipeline_stages_train_as_one(tmp_path):
+    """Pipeline parallelism over each family's own decoder layers (Gemma's embedding scale on
+    the first stage, its sliding-window layers on either): 2 stages give one process's losses
+    and gradient norms over two steps (fp32, 1e-5), full and with LoRA. A model whose layers
+    raylm cannot cut (GPT-2's transformer.h) is refused before any worker starts."""
+    from raylm.model import build_config
+    from raylm.optim import build_optimizer
+    from raylm.pipeline import check_pipeline
+    from raylm.step import train_step
+
+    for family in PP_FAMILIES:
+        save_family(tmp_path / family, family, tied=False)
+    out = str(tmp_path / "pp.pt")
+    run_ranks(pp_worker, args=(2, free_port(), str(tmp_path), out), world=2)
+    split = torch.load(out)
+    for family in PP_FAMILIES:
+        for name, lora in (("full", None), ("lora", {**LORA, "target_modules": "auto"})):
+            built = build(tmp_path / family, lora)
+            opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                                  device_type="cpu")
+            want = [[float(x) for x in train_step(built, opt, pp_batches(), accumulation=2,
+                                                  grad_clip=1.0)] for _ in range(2)]
+            got = split[family, name]
+            assert got == [pytest.approx(w, rel=1e-5) for w in want], (family, name, got, want)
+    config = build_config(preset=None, path=str(save_family(tmp_path / "gpt2", "gpt2",
+                                                            tied=False)),
+                          vocab_size=VOCAB, eos_id=0, attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"parallel.pipeline=2: .*GPT2"):
+        check_pipeline(config, pipeline=2)
