@@ -415,12 +415,10 @@ def stored_weight_names(path: str | os.PathLike) -> set[str]:
     return names
 
 
-def check_weights(model: nn.Module, path: str | os.PathLike) -> None:
-    """Refuse a model directory whose weight files do not hold exactly the model's weights
-    (every one its config makes, tied ones once), before any is read. Loading skips what it
-    does not expect and fills what it finds: without this, an incomplete directory or a
-    layout transformers converts on load (Qwen3-MoE stores each expert's projections apart
-    and transformers 5 fuses them) left weights unset and trained on garbage."""
+def _stored_against_model(model: nn.Module, path: str | os.PathLike
+                          ) -> tuple[list[str], list[str]]:
+    """(weights the model needs that the files lack, tensors the files hold that the model
+    does not have), by name."""
     from raylm.model import canonical_name
 
     stored = stored_weight_names(path)
@@ -429,8 +427,25 @@ def check_weights(model: nn.Module, path: str | os.PathLike) -> None:
     # buffers some checkpoints keep (rotary frequencies, attention masks).
     known = {canonical_name(n) for n, _ in model.named_parameters(remove_duplicate=False)}
     known |= {canonical_name(n) for n, _ in model.named_buffers()}
-    missing, unexpected = sorted(needed - stored), sorted(stored - known)
-    if missing or unexpected:
+    return sorted(needed - stored), sorted(stored - known)
+
+
+def converted_on_load(config) -> bool:
+    """Whether transformers converts this family's checkpoints while loading them (mixture-of-
+    experts files store each expert's projections apart; the model holds them fused)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    return bool(get_checkpoint_conversion_mapping(config.model_type))
+
+
+def check_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Refuse a model directory whose weight files do not hold exactly the model's weights
+    (every one its config makes, tied ones once), before any is read. Loading skips what it
+    does not expect and fills what it finds: without this, an incomplete directory left
+    weights unset and trained on garbage. A family whose files transformers converts on load
+    is checked by that load instead (see :func:`load_pretrained_weights`)."""
+    missing, unexpected = _stored_against_model(model, path)
+    if (missing or unexpected) and not converted_on_load(model.config):
         parts = []
         if missing:
             parts.append(f"lacks {len(missing)} weights the model needs ({', '.join(missing[:3])}"
@@ -439,10 +454,25 @@ def check_weights(model: nn.Module, path: str | os.PathLike) -> None:
             parts.append(f"holds {len(unexpected)} the model does not have "
                          f"({', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''})")
         raise CheckpointError(
-            f"model.path: {path} {' and '.join(parts)}. raylm reads the weights as stored; "
-            f"a family whose checkpoints transformers converts while loading (per-expert "
-            f"mixture-of-experts weights) cannot be trained from them yet, and an incomplete "
-            f"download must be completed.")
+            f"model.path: {path} {' and '.join(parts)}: the directory's weights are not this "
+            f"model's (an incomplete download, or another model's files).")
+
+
+def _weights_as_transformers_loads(model: nn.Module, path: str | os.PathLike
+                                   ) -> dict[str, torch.Tensor]:
+    """The weights of ``path`` as transformers loads them, its conversions applied (mixture-of-
+    experts projections fused), under the names of ``model``'s parameters. One full copy on
+    the reading rank, as reading the files is."""
+    from transformers import AutoModelForCausalLM
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto",
+                                                        output_loading_info=True)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise CheckpointError(f"model.path: {path} lacks {len(missing)} weights the model "
+                              f"needs ({', '.join(missing[:3])}): an incomplete download?")
+    wanted = {n.replace(".base_layer.", "."): n for n, _ in model.named_parameters()}
+    return {wanted[k]: v for k, v in loaded.state_dict().items() if k in wanted}
 
 
 def load_pretrained_weights(model: nn.Module, path: str | os.PathLike, *,
@@ -456,7 +486,9 @@ def load_pretrained_weights(model: nn.Module, path: str | os.PathLike, *,
 
     reader = not dist.is_initialized() or dist.get_rank() == 0 or own_stage
     full: dict[str, torch.Tensor] = {}
-    if reader:
+    if reader and converted_on_load(model.config) and any(_stored_against_model(model, path)):
+        full = _weights_as_transformers_loads(model, path)
+    elif reader:
         if not own_stage:
             check_weights(model, path)
         files = sorted(Path(path).glob("*.safetensors"))
@@ -466,6 +498,7 @@ def load_pretrained_weights(model: nn.Module, path: str | os.PathLike, *,
                 # A LoRA layer holds the pretrained weight as `base_layer`.
                 full.update({wanted.get(k, k): handle.get_tensor(k) for k in handle.keys()
                              if k in wanted or not own_stage})
+    if reader:
         # A tied weight is stored once (as the input embeddings) but has a name in the model
         # for each module that holds it; every name gets the one tensor.
         shared: dict[int, list[str]] = {}

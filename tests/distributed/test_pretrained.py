@@ -151,23 +151,61 @@ def test_each_family_loads_as_transformers_does_and_trains_full_and_with_lora(tm
         family, "sdpa-flash-cpu")
 
 
-def test_weights_stored_in_another_layout_are_refused_naming_them(tmp_path):
-    """Qwen3-MoE's files hold each expert's projections apart; transformers 5 fuses them while
-    loading, raylm's loader reads tensors as stored: refused, not trained half-loaded."""
-    from raylm.checkpoint import CheckpointError, check_weights
+def test_mixture_of_experts_files_load_as_transformers_converts_them(tmp_path):
+    """Qwen3-MoE's files hold each expert's projections apart and the model holds them fused:
+    the weights are read through transformers' own conversion, and the model computes its
+    logits, fully fine-tuned and with LoRA (on attention: the experts are fused parameters,
+    not linear layers, and the router beside them is no target)."""
     from raylm.lora import linear_projections
-    from raylm.model import build_config, build_meta_model
+    from raylm.optim import build_optimizer
+    from raylm.step import train_step
 
     path = save_family(tmp_path / "moe", "qwen3_moe")
+    want = reference_logits(path)
+    for lora in (None, {**LORA, "target_modules": "auto"}):
+        built = build(path, lora)
+        got = built_logits(built)
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                              device_type="cpu")
+        loss, norm = train_step(built, opt, [{"input_ids": inputs()}], accumulation=1,
+                                grad_clip=1.0)
+        assert torch.isfinite(loss) and float(norm) > 0
+    assert linear_projections(built.model) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+def test_mixture_of_experts_on_two_ranks_loads_trains_and_resumes(tmp_path):
+    """Read on rank 0 through transformers' conversion, broadcast into FSDP2's shards of the
+    fused experts; a checkpoint of the two ranks resumes exactly."""
+    path = save_family(tmp_path / "moe", "qwen3_moe")
+    out = str(tmp_path / "result.pt")
+    run_ranks(ranks_worker, args=(2, free_port(), str(path), out, True), world=2)
+    r = torch.load(out)
+    want = reference_logits(path)
+    assert torch.allclose(r["loaded"], want, atol=1e-5), (r["loaded"] - want).abs().max()
+    assert not torch.allclose(r["trained"], r["loaded"], atol=1e-4)
+    assert torch.allclose(r["resumed"], r["trained"], atol=1e-5)
+
+
+def test_weights_that_are_not_the_models_are_refused_naming_them(tmp_path):
+    """An incomplete download, or another model's files: refused before any is read."""
+    from safetensors.torch import load_file, save_file
+
+    from raylm.checkpoint import CheckpointError, check_weights
+    from raylm.model import build_config, build_meta_model
+
+    path = save_family(tmp_path / "qwen2", "qwen2")
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    weights["model.layers.1.mlp.extra.weight"] = torch.zeros(2)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = build_config(preset=None, path=str(path), vocab_size=VOCAB, eos_id=0,
                           attn_implementation="eager")
-    model = build_meta_model(config)
-    with pytest.raises(CheckpointError, match=r"lacks 4 weights .*experts.* and holds 24 "):
-        check_weights(model, path)
+    with pytest.raises(CheckpointError, match=r"lacks 1 weights .*layers\.1\.mlp\.up_proj.* "
+                                              r"and holds 1 .*mlp\.extra.*not this model's"):
+        check_weights(build_meta_model(config), path)
     with pytest.raises(CheckpointError, match="lacks"):
         build(path, None)
-    # The router beside the experts is no adapter target.
-    assert linear_projections(model) == ["k_proj", "o_proj", "q_proj", "v_proj"]
 
 
 def ranks_worker(rank: int, world: int, port: int, path: str, out: str, lora: bool) -> None:
