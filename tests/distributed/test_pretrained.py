@@ -60,11 +60,14 @@ def family_config(family: str, *, tied: bool | None = None):
     }[family]()
 
 
-def save_family(out: Path, family: str, *, tied: bool | None = None) -> Path:
-    """A tiny random-weight model of ``family``, saved as a pretrained directory."""
+def save_family(out: Path, family: str, *, tied: bool | None = None, **settings) -> Path:
+    """A tiny random-weight model of ``family``, saved as a pretrained directory (``settings``:
+    config attributes to change)."""
     from transformers import AutoModelForCausalLM
 
     config = family_config(family, tied=tied)
+    for key, value in settings.items():
+        setattr(config, key, value)
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(config)
     # Norm weights start at 1; others at random: a load that skips a tensor shows.
@@ -310,85 +313,6 @@ def test_an_nf4_base_is_checked_on_the_adapted_layers():
         check_nf4_shapes(model, "auto", 5)
 
 
-TP_FAMILIES = ["qwen2", "mistral", "qwen3", "gemma3", "gemma2", "granite"]
-
-
-def tp_batch() -> dict[str, torch.Tensor]:
-    """25 tokens: 24 targets, which sequence parallelism splits into whole halves."""
-    return {"input_ids": torch.randint(0, VOCAB, (2, 25),
-                                       generator=torch.Generator().manual_seed(4))}
-
-
-def tp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
-    """Each family split over 2 tensor-parallel ranks: logits, then one AdamW step's loss and
-    gradient norm, full and with LoRA."""
-    import torch.distributed as dist
-
-    from raylm.optim import build_optimizer
-    from raylm.parallelize import ParallelPlan
-    from raylm.step import build_training_model, train_step
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        results = {}
-        for family in TP_FAMILIES:
-            for name, lora in (("full", None), ("lora", {**LORA, "target_modules": "auto"})):
-                built = build_training_model(
-                    preset=None, path=f"{root}/{family}", vocab_size=VOCAB, eos_id=0,
-                    device=torch.device("cpu"), precision="fp32", seed=0, lora=lora,
-                    plan=ParallelPlan(tensor=2))
-                logits = built_logits(built)
-                opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0,
-                                      betas=(0.9, 0.95), device_type="cpu")
-                step = train_step(built, opt, [tp_batch()], accumulation=1, grad_clip=1.0)
-                results[family, name] = (logits, [float(x) for x in step])
-        if rank == 0:
-            torch.save(results, out)
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_now()
-
-
-def test_families_with_a_tensor_parallel_plan_split_over_two_ranks_as_one(tmp_path):
-    """Tensor (and sequence) parallelism over each family's own plan: 2 gloo ranks compute one
-    process's logits, loss and gradient norm (fp32, 1e-5), full and with LoRA; Gemma's four
-    block norms and Qwen3's and Gemma's per-head norms included. Families whose plan raylm
-    cannot apply are refused before any worker starts."""
-    from raylm.model import build_config
-    from raylm.optim import build_optimizer
-    from raylm.parallelize import check_tensor_parallel
-    from raylm.step import train_step
-
-    for family in TP_FAMILIES:
-        save_family(tmp_path / family, family)
-    out = str(tmp_path / "tp.pt")
-    run_ranks(tp_worker, args=(2, free_port(), str(tmp_path), out), world=2)
-    split = torch.load(out)
-    for family in TP_FAMILIES:
-        for name, lora in (("full", None), ("lora", {**LORA, "target_modules": "auto"})):
-            built = build(tmp_path / family, lora)
-            want = built_logits(built)
-            opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
-                                  device_type="cpu")
-            step = [float(x) for x in train_step(built, opt, [tp_batch()], accumulation=1,
-                                                 grad_clip=1.0)]
-            logits, got = split[family, name]
-            assert torch.allclose(logits, want, atol=1e-5), (family, name,
-                                                             (logits - want).abs().max())
-            assert got == pytest.approx(step, rel=1e-5), (family, name, got, step)
-    for family, what in (("phi3", "'layers.*.self_attn.qkv_proj' as 'colwise_gather_output'"),
-                         ("olmo2", "as 'colwise_gather_output'"),
-                         ("gpt2", "ship no tensor-parallel plan")):
-        config = build_config(preset=None, path=str(save_family(tmp_path / family, family)),
-                              vocab_size=VOCAB, eos_id=0, attn_implementation="eager")
-        with pytest.raises(ValueError, match=f"parallel.tensor=2: .*{what}.*parallel.tensor=1"):
-            check_tensor_parallel(config, tensor=2, seq_len=24)
-
-
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "olmo2", "phi3", "gemma2",
                                     "gemma3", "gpt2", "granite"])
 def test_each_family_trains_exports_and_generates_in_a_transformers_pipeline(tmp_path, family):
@@ -444,40 +368,61 @@ def test_each_family_trains_exports_and_generates_in_a_transformers_pipeline(tmp
                                       atol=1e-4), family
 
 
-PP_FAMILIES = ["qwen2", "mistral", "qwen3", "gemma3", "gemma2", "granite"]
+# Families each layout is tested with (2 ranks against one process).
+LAYOUT_FAMILIES = {
+    # Every family, full and LoRA on its auto targets: FSDP2 shards whatever the model holds.
+    "fsdp2": ["qwen2", "mistral", "qwen3", "gemma3", "gemma2", "granite", "olmo2", "phi3",
+              "gpt2", "qwen3_moe"],
+    "tensor": ["qwen2", "mistral", "qwen3", "gemma3", "gemma2", "granite"],
+    # Untied: a pipeline of a tied model is refused.
+    "pipeline": ["qwen2", "mistral", "qwen3", "gemma3", "gemma2", "granite"],
+}
+AUTO = {**LORA, "target_modules": "auto"}
 
 
-def pp_batches() -> list[dict[str, torch.Tensor]]:
-    """Two micro-batches (a pipeline of 2 stages needs one per stage)."""
-    ids = tp_batch()["input_ids"]
-    return [{"input_ids": ids[:1]}, {"input_ids": ids[1:]}]
+def layout_batches(layout: str, rank: int | None) -> list[dict[str, torch.Tensor]]:
+    """25 tokens a row, so 24 targets split into whole halves under sequence parallelism. Two
+    micro-batches (a row each) for a pipeline of 2 stages; under FSDP2, rank ``rank``'s row
+    (None: both, as one process has them)."""
+    ids = torch.randint(0, VOCAB, (2, 25), generator=torch.Generator().manual_seed(4))
+    if layout == "pipeline":
+        return [{"input_ids": ids[:1]}, {"input_ids": ids[1:]}]
+    if layout == "fsdp2" and rank is not None:
+        return [{"input_ids": ids[rank:rank + 1]}]
+    return [{"input_ids": ids}]
 
 
-def pp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
-    """Each family cut into 2 pipeline stages: two steps' losses and gradient norms, full and
-    with LoRA."""
-    import torch.distributed as dist
-
+def two_steps(path: str, *, layout: str, lora: dict | None, rank: int | None
+              ) -> list[list[float]]:
+    """Loss and gradient norm of two AdamW steps of the model at ``path``, laid out as
+    ``layout`` (``rank`` None: one process)."""
     from raylm.optim import build_optimizer
     from raylm.parallelize import ParallelPlan
     from raylm.step import build_training_model, train_step
+
+    plan = ParallelPlan(**({"tensor": 2} if layout == "tensor" else
+                           {"pipeline": 2} if layout == "pipeline" else {}))
+    built = build_training_model(preset=None, path=path, vocab_size=VOCAB, eos_id=0,
+                                 device=torch.device("cpu"), precision="fp32", seed=0,
+                                 lora=lora, plan=plan if rank is not None else ParallelPlan())
+    opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                          device_type="cpu")
+    batches = layout_batches(layout, rank)
+    return [[float(x) for x in train_step(built, opt, batches, accumulation=len(batches),
+                                          grad_clip=1.0)] for _ in range(2)]
+
+
+def layout_worker(rank: int, world: int, port: int, root: str, out: str, layout: str) -> None:
+    import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results = {}
-        for family in PP_FAMILIES:
-            for name, lora in (("full", None), ("lora", {**LORA, "target_modules": "auto"})):
-                built = build_training_model(
-                    preset=None, path=f"{root}/{family}", vocab_size=VOCAB, eos_id=0,
-                    device=torch.device("cpu"), precision="fp32", seed=0, lora=lora,
-                    plan=ParallelPlan(pipeline=2))
-                opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0,
-                                      betas=(0.9, 0.95), device_type="cpu")
-                results[family, name] = [
-                    [float(x) for x in train_step(built, opt, pp_batches(), accumulation=2,
-                                                  grad_clip=1.0)] for _ in range(2)]
+        results = {(family, name): two_steps(f"{root}/{family}", layout=layout, lora=lora,
+                                             rank=rank)
+                   for family in LAYOUT_FAMILIES[layout]
+                   for name, lora in (("full", None), ("lora", AUTO))}
         if rank == 0:
             torch.save(results, out)
         dist.barrier()
@@ -487,32 +432,43 @@ def pp_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     exit_now()
 
 
-def test_families_cut_into_two_pipeline_stages_train_as_one(tmp_path):
-    """Pipeline parallelism over each family's own decoder layers (Gemma's embedding scale on
-    the first stage, its sliding-window layers on either): 2 stages give one process's losses
-    and gradient norms over two steps (fp32, 1e-5), full and with LoRA. A model whose layers
-    raylm cannot cut (GPT-2's transformer.h) is refused before any worker starts."""
-    from raylm.model import build_config
-    from raylm.optim import build_optimizer
-    from raylm.pipeline import check_pipeline
-    from raylm.step import train_step
-
-    for family in PP_FAMILIES:
-        save_family(tmp_path / family, family, tied=False)
-    out = str(tmp_path / "pp.pt")
-    run_ranks(pp_worker, args=(2, free_port(), str(tmp_path), out), world=2)
+@pytest.mark.parametrize("layout", list(LAYOUT_FAMILIES))
+def test_each_family_on_two_ranks_trains_as_one_process(tmp_path, layout):
+    """FSDP2 (every family), tensor with sequence parallelism over each family's own plan
+    (Gemma's four block norms and Qwen3's and Gemma's per-head norms included), and 2
+    pipeline stages (Gemma 2's logit cap on the last stage, Granite's embedding multiplier on
+    the first only): two steps' losses and gradient norms equal one process's (fp32, 1e-5),
+    full and with LoRA on the auto targets."""
+    for family in LAYOUT_FAMILIES[layout]:
+        # GPT-2 drops out attention, residuals and embeddings: each rank would draw its own.
+        save_family(tmp_path / family, family, tied=False if layout == "pipeline" else None,
+                    **({"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+                       if family == "gpt2" else {}))
+    out = str(tmp_path / "split.pt")
+    run_ranks(layout_worker, args=(2, free_port(), str(tmp_path), out, layout), world=2)
     split = torch.load(out)
-    for family in PP_FAMILIES:
-        for name, lora in (("full", None), ("lora", {**LORA, "target_modules": "auto"})):
-            built = build(tmp_path / family, lora)
-            opt = build_optimizer(built.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
-                                  device_type="cpu")
-            want = [[float(x) for x in train_step(built, opt, pp_batches(), accumulation=2,
-                                                  grad_clip=1.0)] for _ in range(2)]
+    for family in LAYOUT_FAMILIES[layout]:
+        for name, lora in (("full", None), ("lora", AUTO)):
+            want = two_steps(str(tmp_path / family), layout=layout, lora=lora, rank=None)
             got = split[family, name]
             assert got == [pytest.approx(w, rel=1e-5) for w in want], (family, name, got, want)
-    config = build_config(preset=None, path=str(save_family(tmp_path / "gpt2", "gpt2",
-                                                            tied=False)),
-                          vocab_size=VOCAB, eos_id=0, attn_implementation="eager")
-    with pytest.raises(ValueError, match=r"parallel.pipeline=2: .*GPT2"):
-        check_pipeline(config, pipeline=2)
+
+
+def test_layouts_a_family_cannot_take_are_refused_before_any_worker_starts(tmp_path):
+    from raylm.model import build_config
+    from raylm.parallelize import check_tensor_parallel
+    from raylm.pipeline import check_pipeline
+
+    def config(family):
+        return build_config(preset=None, path=str(save_family(tmp_path / family, family,
+                                                              tied=False)),
+                            vocab_size=VOCAB, eos_id=0, attn_implementation="eager")
+
+    for family, what in (("phi3", "'layers.*.self_attn.qkv_proj' as 'colwise_gather_output'"),
+                         ("olmo2", "as 'colwise_gather_output'"),
+                         ("gpt2", "ship no tensor-parallel plan"),
+                         ("qwen3_moe", "as 'packed_colwise'")):
+        with pytest.raises(ValueError, match=f"parallel.tensor=2: .*{what}.*parallel.tensor=1"):
+            check_tensor_parallel(config(family), tensor=2, seq_len=24)
+    with pytest.raises(ValueError, match=r"parallel.pipeline=2: GPT2 models .*model\.layers"):
+        check_pipeline(config("gpt2"), pipeline=2)
