@@ -48,6 +48,8 @@ class AttentionChoice:
     """The kernel that runs, as logged and recorded in MLflow."""
     sdpa_backends: tuple[SDPBackend, ...] = ()
     """SDPA backends allowed while training (empty: SDPA is not used)."""
+    fallback: str = ""
+    """Why this model runs a slower kernel than the device offers (empty: it does not)."""
 
     def context(self):
         """Wrap forward and backward in this to pin the SDPA kernel."""
@@ -119,11 +121,14 @@ def fit_to_model(choice: AttentionChoice, config, *, requested: str, device_type
         dropout = getattr(config, "attention_dropout", 0) or getattr(config, "attn_pdrop", 0)
         if choice.backend == "sdpa-flash-cpu" and dropout:
             # PyTorch's CPU flash kernel takes no dropout (GPT-2 drops 10% of attention).
-            return AttentionChoice("sdpa", "sdpa-math-cpu", (SDPBackend.MATH,))
+            return AttentionChoice("sdpa", "sdpa-math-cpu", (SDPBackend.MATH,),
+                                   fallback=f"{cls.__name__} drops out attention, which "
+                                            f"PyTorch's CPU flash kernel does not")
         return choice
     if requested != "auto":
         raise ValueError(f"model.attention={requested}: {cls.__name__} does not implement "
                          f"{choice.implementation} attention; use auto.")
+    why = f"{cls.__name__} does not implement {choice.implementation} attention"
     if device_type == "cuda" and getattr(cls, SUPPORTS["flex_attention"], False):
-        return AttentionChoice("flex_attention", "flex-attention")
-    return AttentionChoice("eager", "eager")
+        return AttentionChoice("flex_attention", "flex-attention", fallback=why)
+    return AttentionChoice("eager", "eager", fallback=why)

@@ -471,6 +471,9 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     if rank == 0 and state.step:
         print(f"raylm: {world} worker{'s' if world > 1 else ''} resuming from step "
               f"{state.step}", flush=True)
+    if rank == 0 and built.attention.fallback:
+        print(f"raylm: attention runs {built.attention.backend}: "
+              f"{built.attention.fallback}", flush=True)
     if rank == 0 and par.pipeline > 1:
         print(f"raylm: {par.pipeline} pipeline stages ({par.pipeline_schedule}, "
               f"{accumulation} micro-batches of {micro_batch} per step): "

@@ -152,6 +152,12 @@ def test_each_family_loads_as_transformers_does_and_trains_full_and_with_lora(tm
     }[family]
     assert built.attention.backend == {"gemma2": "eager", "gpt2": "sdpa-math-cpu"}.get(
         family, "sdpa-flash-cpu")
+    # A slower kernel says why (a worker prints it once; the summary records the kernel).
+    assert built.attention.fallback.startswith({"gemma2": "Gemma2ForCausalLM does not implement "
+                                                          "sdpa",
+                                                "gpt2": "GPT2LMHeadModel drops out attention"
+                                                }.get(family, "")), built.attention.fallback
+    assert bool(built.attention.fallback) == (family in ("gemma2", "gpt2"))
 
 
 def test_mixture_of_experts_files_load_as_transformers_converts_them(tmp_path):
