@@ -188,7 +188,7 @@ class JinjaTemplate:
     def _open(self, prefix: str, whole: str) -> str:
         """``prefix`` (a rendering of the first messages) without what a template writes only
         where a conversation ends (Phi-3's EOS after the last turn), so that it is the start of
-        ``whole``; as it is when no such ending makes it one. The two part where they first
+        ``whole``; as it is when no such ending makes it one. They part where they first
         differ, moved back to the start of a marker that place cuts (``<|end...`` and
         ``<|user...`` share their first characters)."""
         if whole.startswith(prefix):
@@ -201,10 +201,6 @@ class JinjaTemplate:
         closing = prefix[cut:]
         return prefix[:cut] if len(closing) <= CLOSING_CHARS and whole.endswith(closing) \
             else prefix
-        for n in range(1, min(len(prefix), CLOSING_CHARS) + 1):
-            if whole.endswith(prefix[-n:]) and whole.startswith(prefix[:-n]):
-                return prefix[:-n]
-        return prefix
 
     def segments(self, messages: Sequence[dict[str, str]]) -> list[Segment]:
         if self.marks_generation:
@@ -234,7 +230,9 @@ def template_args(hf_tokenizer) -> dict[str, Any] | None:
     source = getattr(hf_tokenizer, "chat_template", None) if hf_tokenizer is not None else None
     if not source or not isinstance(source, str):
         return None
-    added = [t.content for t in getattr(hf_tokenizer, "added_tokens_decoder", {}).values()]
+    # Only special tokens mark turns; an added ordinary word must not move a cut.
+    added = [t.content for t in getattr(hf_tokenizer, "added_tokens_decoder", {}).values()
+             if t.special]
     return {"source": source, "special_tokens": dict(hf_tokenizer.special_tokens_map),
             "name": f"the chat template of {hf_tokenizer.name_or_path}",
             "markers": sorted(set(added) | {hf_tokenizer.eos_token or ""})}

@@ -93,7 +93,8 @@ def dir_bytes(path: str) -> int:
 
 
 def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, workers: int,
-        micro_batch: int, seq_len: int, compile: str, output: Path, workdir: str | None) -> dict[str, Any]:
+        micro_batch: int, seq_len: int, compile: str, output: Path,
+        workdir: str | None) -> dict[str, Any]:
     import ray
 
     use_gpu = torch.cuda.is_available()
