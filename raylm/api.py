@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from raylm import storage
 from raylm.config import Config, load_config
-from raylm.hub import resolve_sources
+from raylm.names import RUN_INFO, SUMMARY
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -56,7 +56,7 @@ class Run:
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.run_dir = str(run_dir)
-        if not storage.is_file(storage.join(self.run_dir, "run.json")):
+        if not storage.is_file(storage.join(self.run_dir, RUN_INFO)):
             raise ValueError(f"{self.run_dir} is not a raylm run directory (no run.json); "
                              f"runs live in run.storage_path/run.name.")
 
@@ -68,7 +68,7 @@ class Run:
     @property
     def summary(self) -> dict[str, Any]:
         """``summary.json``: status, final step and losses, throughput, restarts, ..."""
-        path = storage.join(self.run_dir, "summary.json")
+        path = storage.join(self.run_dir, SUMMARY)
         return json.loads(storage.read_text(path)) if storage.is_file(path) else {}
 
     @property
@@ -76,7 +76,7 @@ class Run:
         """The config the run last trained with."""
         from raylm.config import config_from_dict
 
-        info = json.loads(storage.read_text(storage.join(self.run_dir, "run.json")))
+        info = json.loads(storage.read_text(storage.join(self.run_dir, RUN_INFO)))
         return config_from_dict(info["config"])
 
     @property
@@ -97,7 +97,7 @@ class Run:
         that the model took."""
         import pandas as pd
 
-        from raylm.record import read
+        from raylm.run.record import read
 
         rows = {}
         for r in read(self.run_dir):
@@ -163,7 +163,7 @@ class Sweep:
 
 
 def _connect(cfg: Config) -> None:
-    from raylm.cluster import connect
+    from raylm.run.cluster import connect
 
     connect(cfg.run.ray_address, log=_say, timeout_s=cfg.run.connect_timeout_s)
 
@@ -175,9 +175,10 @@ def prepare(config: ConfigLike = None, *, overrides: Overrides = None,
     config reads (reused when it is there already). Returns the manifest, with ``directory``
     added: where the prepared data lies."""
     from raylm.console import quiet_libraries
-    from raylm.corpus import PREPARED_MANIFEST, resolve_sources
-    from raylm.preparation import prepare as run_prepare
-    from raylm.preparation import prepared_dir
+    from raylm.data.corpus import resolve_sources
+    from raylm.data.preparation import prepare as run_prepare
+    from raylm.data.preparation import prepared_dir
+    from raylm.names import PREPARED_MANIFEST
 
     cfg = resolve(config, overrides)
     d = cfg.data
@@ -196,33 +197,28 @@ def prepare(config: ConfigLike = None, *, overrides: Overrides = None,
 
 def train(config: ConfigLike = None, *, overrides: Overrides = None) -> Run:
     """Train (or resume) the run ``run.name``; returns it once it has finished."""
-    from raylm.launch import check_request, run_dir
-    from raylm.launch import train as run_train
-    from raylm.progress import use_bar
-    from raylm.tracking import resolve_uri
+    from raylm.run.launch import run_dir
+    from raylm.run.launch import train as run_train
+    from raylm.run.preflight import preflight
+    from raylm.run.progress import use_bar
 
-    cfg = resolve_sources(resolve(config, overrides))
-    check_request(cfg)
-    if cfg.tracking.enabled:
-        resolve_uri(cfg)  # a store that cannot exist fails before Ray starts
+    checked = preflight(resolve(config, overrides))  # before Ray starts
+    cfg = checked.cfg
     _connect(cfg)
-    run_train(cfg, log=_say, bar=use_bar(cfg.run.progress))
+    run_train(cfg, log=_say, bar=use_bar(cfg.run.progress), checked=checked)
     return Run(run_dir(cfg))
 
 
 def tune(config: ConfigLike = None, *, overrides: Overrides = None) -> Sweep:
     """Sweep (or resume the sweep) ``run.name``; returns it once every trial has ended."""
-    from raylm.launch import check_request, run_dir
-    from raylm.sweep import check_sweep, sweep
-    from raylm.tracking import resolve_uri
+    from raylm.run.launch import run_dir
+    from raylm.run.preflight import preflight
+    from raylm.run.sweep import sweep
 
-    cfg = resolve_sources(resolve(config, overrides))
-    check_request(cfg)
-    check_sweep(cfg)
-    if cfg.tracking.enabled:
-        resolve_uri(cfg)
+    checked = preflight(resolve(config, overrides), sweep=True)  # before Ray starts
+    cfg = checked.cfg
     _connect(cfg)
-    sweep(cfg, log=_say)
+    sweep(cfg, log=_say, checked=checked)
     return Sweep(run_dir(cfg))
 
 
@@ -235,7 +231,7 @@ def export(run: Run | str | os.PathLike, output: str | os.PathLike, *, merge: bo
     """Write the run's newest checkpoint as a Hugging Face model directory (a peft adapter
     directory for LoRA runs unless ``merge``; int8 weight-only with ``quantize="int8"``)."""
     from raylm.console import quiet_model_io
-    from raylm.exporter import export as run_export
+    from raylm.run.exporter import export as run_export
 
     with quiet_model_io():
         return run_export(_source(run), output, merge=merge, quantize=quantize, log=_say)
@@ -248,7 +244,7 @@ def generate(source: Run | str | os.PathLike, prompt: str = "", *, chat: str | N
     message, after the ``system`` message if given) from a run or an exported model
     directory."""
     from raylm.console import quiet_model_io
-    from raylm.exporter import generate as run_generate
+    from raylm.run.exporter import generate as run_generate
 
     with quiet_model_io():
         return run_generate(_source(source), prompt, chat=chat, system=system,

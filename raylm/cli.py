@@ -161,11 +161,16 @@ def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_submit(cfg: Config, args: argparse.Namespace) -> int:
-    from raylm.submit import parse_env, submit
+    from raylm.run.submit import parse_env, submit
 
     if cfg.run.ray_address:
         raise ValueError(f"run.ray_address={cfg.run.ray_address!r} is set, but a submitted job "
                          f"runs on the cluster's head and joins that cluster itself; unset it.")
+    if args.job_command == "tune":
+        from raylm.run.preflight import check_sweep
+
+        # The rest of the preflight runs in the job, where the model and data paths are.
+        check_sweep(cfg)
     _, status = submit(cfg, address=args.address, command=args.job_command,
                        env=parse_env(args.env), pip=args.pip, image=args.image,
                        ship_code=not args.no_code, wait=not args.no_wait,
@@ -174,7 +179,7 @@ def cmd_submit(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    from raylm import submit
+    from raylm.run import submit
 
     jobs = submit.client(args.address)
     if args.action == "list":

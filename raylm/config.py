@@ -3,7 +3,10 @@
 Precedence is CLI > YAML > defaults. The command line is exactly this dataclass tree: every field
 is reachable as ``--section.key=value`` and nothing else is. Every user mistake (an unknown key, a
 wrong type, an impossible value) raises :class:`ConfigError` naming the key, the value and what is
-allowed, before any Ray work starts.
+allowed, before any Ray work starts. A field's own bounds are checked where it is declared (each
+section's ``__post_init__``, so no section exists with a value out of bounds); :func:`validate`
+keeps the rules that span sections (adapters need a pretrained model, the batch splits over every
+worker count and layout).
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ class RunConfig:
     start` recorded on this machine) or 'local' (a new local cluster). Unset: RAY_ADDRESS if
     set, else the head `ray start` runs on this machine if it answers, else a new local
     cluster. An address that does not answer in run.connect_timeout_s is an error (see
-    raylm.cluster)."""
+    raylm.run.cluster)."""
     connect_timeout_s: float = 10.0
     """How long a cluster given by run.ray_address or RAY_ADDRESS may take to answer (a head
     that is still starting refuses for a moment) before the run stops with an error."""
@@ -143,7 +146,13 @@ class RunConfig:
     progress: Literal["auto", "bar", "lines"] = "auto"
     """Training progress on the driver: a bar (step, loss, tokens/s, ETA) or a line per
     report. auto: a bar in Jupyter and terminals, lines where output is a log (CI, ray job
-    logs); see raylm.progress."""
+    logs); see raylm.run.progress."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name) and "/" not in self.name, "run.name", self.name,
+               "a non-empty name without '/'")
+        _check(self.connect_timeout_s > 0, "run.connect_timeout_s", self.connect_timeout_s,
+               "a number of seconds > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +252,36 @@ class DataConfig:
         """Which targets carry loss: assistant or all (see loss_on)."""
         return self.loss_on or ("assistant" if self.examples else "all")
 
+    def __post_init__(self) -> None:
+        d = self
+        sources = [d.source] if isinstance(d.source, str) else d.source
+        _check(bool(sources) and all(sources), "data.source", d.source,
+               "a non-empty source or list")
+        _check(d.seq_len >= 8, "data.seq_len", d.seq_len, "an integer >= 8")
+        _check(d.min_chars >= 0, "data.min_chars", d.min_chars, "an integer >= 0")
+        _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "0 <= x < 1")
+        _check(d.max_bad_records_listed >= 0, "data.max_bad_records_listed",
+               d.max_bad_records_listed, "an integer >= 0")
+        _check(d.tokenize_batch_size >= 1, "data.tokenize_batch_size", d.tokenize_batch_size,
+               ">= 1")
+        _check(d.tokenize_concurrency >= 0, "data.tokenize_concurrency",
+               d.tokenize_concurrency, "0 (auto) or a positive integer")
+        _check(d.piece_mb is None or d.piece_mb > 0, "data.piece_mb", d.piece_mb,
+               "unset (automatic) or a number of megabytes > 0")
+        _check(d.rows_per_row_group >= 1, "data.rows_per_row_group", d.rows_per_row_group,
+               ">= 1")
+        _check(d.shuffle_window >= 1, "data.shuffle_window", d.shuffle_window, ">= 1")
+        _check(d.prefetch_batches >= 0, "data.prefetch_batches", d.prefetch_batches, ">= 0")
+        _check(d.reader_cpus is None or d.reader_cpus >= 0, "data.reader_cpus", d.reader_cpus,
+               "unset (automatic) or a number >= 0")
+        _check(d.first_batch_timeout_s > 0, "data.first_batch_timeout_s",
+               d.first_batch_timeout_s, "a number of seconds > 0")
+        for key in ("text_field", "messages_field", "prompt_field", "completion_field"):
+            _check(bool(getattr(d, key)), f"data.{key}", getattr(d, key),
+                   "a non-empty field name")
+        _check(d.format != "text" or d.loss_on in (None, "all"), "data.loss_on", d.loss_on,
+               "unset or 'all' with data.format=text (running text has no assistant turns)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerConfig:
@@ -256,6 +295,12 @@ class TokenizerConfig:
     train_chars: int = 8_000_000
     """Characters of the corpus (read deterministically from its start) used to train the BPE."""
 
+    def __post_init__(self) -> None:
+        _check(self.vocab_size >= 300, "tokenizer.vocab_size", self.vocab_size,
+               ">= 300 (256 byte symbols plus merges and special tokens)")
+        _check(self.min_frequency >= 1, "tokenizer.min_frequency", self.min_frequency, ">= 1")
+        _check(self.train_chars >= 1000, "tokenizer.train_chars", self.train_chars, ">= 1000")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
@@ -268,7 +313,7 @@ class ModelConfig:
     attention: Attention = "auto"
     """Attention kernel: auto picks SDPA flash; on CUDA, when documents must not attend to
     each other, flash-attn's varlen kernel if installed, else FlexAttention (no dense mask).
-    sdpa and flex_attention force those; see raylm.attention."""
+    sdpa and flex_attention force those; see raylm.model.attention."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward (less memory, ~30% more
     compute)."""
@@ -297,6 +342,16 @@ class LoraConfig:
     (torchao's NF4 tensor, which FSDP2 shards and all-gathers as 4-bit data), dequantized per
     layer in the forward pass. CUDA workers only (``scaling.use_gpu: true``)."""
 
+    def __post_init__(self) -> None:
+        lo = self
+        _check(lo.rank >= 0, "lora.rank", lo.rank, "0 (full fine-tuning) or a rank >= 1")
+        _check(lo.alpha > 0, "lora.alpha", lo.alpha, "a number > 0")
+        _check(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "0 <= x < 1")
+        _check(lo.target_modules == "auto" or (bool(lo.target_modules)
+                                                and all(lo.target_modules)),
+               "lora.target_modules", lo.target_modules,
+               "auto, or a non-empty list of linear layer names (q_proj, ...)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -324,6 +379,18 @@ class TrainConfig:
     sample) and account for them in summary.json: samples duplicated or skipped across
     restarts and resizes."""
 
+    def __post_init__(self) -> None:
+        tr = self
+        _check(tr.steps >= 1, "train.steps", tr.steps, "an integer >= 1")
+        _check(tr.global_batch_size >= 1, "train.global_batch_size", tr.global_batch_size,
+               ">= 1")
+        _check(tr.micro_batch_size >= 1, "train.micro_batch_size", tr.micro_batch_size, ">= 1")
+        _check(tr.max_failures >= -1, "train.max_failures", tr.max_failures,
+               "-1 (unlimited) or an integer >= 0")
+        _check(tr.log_every >= 1, "train.log_every", tr.log_every, ">= 1")
+        _check(tr.eval_every >= 1, "train.eval_every", tr.eval_every, ">= 1")
+        _check(tr.eval_batches >= 1, "train.eval_batches", tr.eval_batches, ">= 1")
+
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
@@ -348,6 +415,20 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
 
+    def __post_init__(self) -> None:
+        op = self
+        _check(op.lr > 0, "optim.lr", op.lr, "a number > 0")
+        _check(op.warmup_steps >= 0, "optim.warmup_steps", op.warmup_steps, ">= 0")
+        _check(0.0 <= op.min_lr_ratio <= 1.0, "optim.min_lr_ratio", op.min_lr_ratio,
+               "0 <= x <= 1")
+        _check(0.0 < op.decay_fraction <= 1.0, "optim.decay_fraction", op.decay_fraction,
+               "0 < x <= 1")
+        _check(op.cycle_steps >= 2, "optim.cycle_steps", op.cycle_steps, "an integer >= 2")
+        _check(op.weight_decay >= 0, "optim.weight_decay", op.weight_decay, ">= 0")
+        _check(0 <= op.beta1 < 1, "optim.beta1", op.beta1, "0 <= x < 1")
+        _check(0 <= op.beta2 < 1, "optim.beta2", op.beta2, "0 <= x < 1")
+        _check(op.grad_clip >= 0, "optim.grad_clip", op.grad_clip, ">= 0 (0 disables)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
@@ -367,6 +448,10 @@ class CheckpointConfig:
     share the training loop's interpreter lock. auto: the process on a GPU worker, whose host
     cores are free while the step runs on the GPU; the thread on a CPU worker, where the
     step takes the worker's cores and a process would only add its start."""
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 1, "checkpoint.every", self.every, ">= 1")
+        _check(self.keep >= 1, "checkpoint.keep", self.keep, ">= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -398,6 +483,22 @@ class ScalingConfig:
         """(fewest, most) training workers."""
         nw = self.num_workers
         return (nw[0], nw[1]) if isinstance(nw, list) else (nw, nw)
+
+    def __post_init__(self) -> None:
+        sc, nw = self, self.num_workers
+        if isinstance(nw, list):
+            _check(len(nw) == 2 and 1 <= nw[0] <= nw[1], "scaling.num_workers", nw,
+                   "an integer >= 1 or [min, max] with 1 <= min <= max")
+        else:
+            _check(nw >= 1, "scaling.num_workers", nw, "an integer >= 1 or [min, max]")
+        _check(sc.cpus_per_worker > 0, "scaling.cpus_per_worker", sc.cpus_per_worker, "> 0")
+        for key in ("worker_resources", "data_resources"):
+            res = getattr(sc, key)
+            _check(all(v > 0 and k not in ("CPU", "GPU") for k, v in res.items()),
+                   f"scaling.{key}", res, "custom resource names (not CPU/GPU: use "
+                   "scaling.cpus_per_worker and scaling.use_gpu) with amounts > 0")
+        _check(sc.resize_interval_s >= 0, "scaling.resize_interval_s", sc.resize_interval_s,
+               ">= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -448,6 +549,15 @@ class TrackingConfig:
     """Register the final model in MLflow's model registry under this name (a new version
     each time a run finishes training)."""
 
+    def __post_init__(self) -> None:
+        _check(self.register_as is None
+               or (bool(self.register_as.strip()) and self.enabled and self.log_model),
+               "tracking.register_as", self.register_as,
+               "unset, or a model name with tracking.enabled=true and tracking.log_model=true "
+               "(the registry holds the logged model)")
+        _check(self.gpu_hour_price is None or self.gpu_hour_price >= 0,
+               "tracking.gpu_hour_price", self.gpu_hour_price, "unset or a price >= 0")
+
 
 @dataclass(frozen=True, kw_only=True)
 class TuneConfig:
@@ -475,6 +585,28 @@ class TuneConfig:
     """Search algorithm: random, grid, or optuna (TPE, through Ray Tune's OptunaSearch)."""
     max_concurrent: int = 0
     """Trials at a time; 0 runs as many as the cluster has room for."""
+
+    def __post_init__(self) -> None:
+        tu = self
+        _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],
+               "0 < lr_min < lr_max")
+        _check(tu.num_samples >= 1, "tune.num_samples", tu.num_samples, ">= 1")
+        _check(tu.lr_points >= 1, "tune.lr_points", tu.lr_points, ">= 1")
+        _check(tu.max_concurrent >= 0, "tune.max_concurrent", tu.max_concurrent,
+               "0 (as many as fit) or a positive integer")
+        _check(all(w >= 0 for w in tu.warmup_steps), "tune.warmup_steps", tu.warmup_steps,
+               "integers >= 0")
+        _check(all(0 <= r <= 1 for r in tu.min_lr_ratios), "tune.min_lr_ratios",
+               tu.min_lr_ratios, "numbers 0 <= x <= 1")
+        _check(all(w >= 0 for w in tu.weight_decays), "tune.weight_decays", tu.weight_decays,
+               "numbers >= 0")
+        _check(all(r >= 1 for r in tu.lora_ranks), "tune.lora_ranks", tu.lora_ranks,
+               "ranks >= 1, with model.path naming the pretrained model they adapt")
+        _check(all(a > 0 for a in tu.lora_alphas), "tune.lora_alphas", tu.lora_alphas,
+               "numbers > 0")
+        bad = [s for s in tu.schedules if s not in SCHEDULES]
+        _check(bool(tu.schedules) and not bad, "tune.schedules", tu.schedules,
+               f"a non-empty list drawn from {', '.join(SCHEDULES)}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -644,7 +776,7 @@ def _check_batch_shares(global_batch: int, num_workers: Any, worker_range: tuple
                         *, group: int = 1) -> None:
     """Every data-parallel degree the run may have (workers / ``group``, the workers of one
     model-parallel group seeing the same samples) must share each global batch equally
-    (ranks take equal slices of it; see raylm.packing), so an elastic range must divide it
+    (ranks take equal slices of it; see raylm.data.packing), so an elastic range must divide it
     throughout."""
     counts = range(worker_range[0], worker_range[1] + 1)
     bad = [n for n in counts if global_batch % (n // group)]
@@ -662,11 +794,28 @@ def _check_batch_shares(global_batch: int, num_workers: Any, worker_range: tuple
             f"or narrow the range.")
 
 
+def batch_plan(global_batch: int, micro_batch: int, world_size: int, *, splits: int = 0
+               ) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) so that micro x accumulation x workers = global.
+
+    The global batch is fixed by the config; when the worker count changes (an elastic resize,
+    a restart on fewer nodes) each rank's share changes, and it is split into equal
+    micro-batches no larger than ``micro_batch`` (16 sequences on 2 workers: 8 each, 1 x 8;
+    on 1 worker: 2 x 8), or into ``splits`` equal micro-batches when that is given (a
+    pipeline's micro-batch count).
+    """
+    assert global_batch % world_size == 0, (global_batch, world_size)
+    per_rank = global_batch // world_size
+    if splits:
+        assert per_rank % splits == 0, (per_rank, splits)
+        return per_rank // splits, splits
+    micro = max(m for m in range(1, min(micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro
+
+
 def _check_pipeline_batches(cfg: Config) -> None:
     """A pipeline step splits a data-parallel rank's share of the global batch into at least
     one micro-batch per stage, all of one size."""
-    from raylm.packing import batch_plan
-
     p, tr = cfg.parallel, cfg.train
     if p.pipeline == 1:
         return
@@ -692,74 +841,9 @@ def _check_pipeline_batches(cfg: Config) -> None:
 
 
 def validate(cfg: Config) -> Config:
-    """Check the values that types alone do not catch; return ``cfg`` unchanged."""
-    d, tk, tr, op, sc, tu = cfg.data, cfg.tokenizer, cfg.train, cfg.optim, cfg.scaling, cfg.tune
-    _check(bool(cfg.run.name) and "/" not in cfg.run.name, "run.name", cfg.run.name,
-           "a non-empty name without '/'")
-    sources = [d.source] if isinstance(d.source, str) else d.source
-    _check(cfg.run.connect_timeout_s > 0, "run.connect_timeout_s", cfg.run.connect_timeout_s,
-           "a number of seconds > 0")
-    _check(bool(sources) and all(sources), "data.source", d.source, "a non-empty source or list")
-    _check(d.seq_len >= 8, "data.seq_len", d.seq_len, "an integer >= 8")
-    _check(cfg.tracking.register_as is None
-           or (bool(cfg.tracking.register_as.strip()) and cfg.tracking.enabled
-               and cfg.tracking.log_model),
-           "tracking.register_as", cfg.tracking.register_as,
-           "unset, or a model name with tracking.enabled=true and tracking.log_model=true "
-           "(the registry holds the logged model)")
-    _check(cfg.tracking.gpu_hour_price is None or cfg.tracking.gpu_hour_price >= 0,
-           "tracking.gpu_hour_price", cfg.tracking.gpu_hour_price, "unset or a price >= 0")
-    _check(d.min_chars >= 0, "data.min_chars", d.min_chars, "an integer >= 0")
-    _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "0 <= x < 1")
-    _check(d.max_bad_records_listed >= 0, "data.max_bad_records_listed",
-           d.max_bad_records_listed, "an integer >= 0")
-    _check(d.tokenize_batch_size >= 1, "data.tokenize_batch_size", d.tokenize_batch_size, ">= 1")
-    _check(d.tokenize_concurrency >= 0, "data.tokenize_concurrency", d.tokenize_concurrency,
-           "0 (auto) or a positive integer")
-    _check(d.piece_mb is None or d.piece_mb > 0, "data.piece_mb", d.piece_mb,
-           "unset (automatic) or a number of megabytes > 0")
-    _check(d.rows_per_row_group >= 1, "data.rows_per_row_group", d.rows_per_row_group, ">= 1")
-    _check(d.shuffle_window >= 1, "data.shuffle_window", d.shuffle_window, ">= 1")
-    _check(d.prefetch_batches >= 0, "data.prefetch_batches", d.prefetch_batches, ">= 0")
-    _check(d.reader_cpus is None or d.reader_cpus >= 0, "data.reader_cpus", d.reader_cpus,
-           "unset (automatic) or a number >= 0")
-    _check(d.first_batch_timeout_s > 0, "data.first_batch_timeout_s",
-           d.first_batch_timeout_s, "a number of seconds > 0")
-    _check(bool(d.text_field), "data.text_field", d.text_field, "a non-empty field name")
-    for key in ("messages_field", "prompt_field", "completion_field"):
-        _check(bool(getattr(d, key)), f"data.{key}", getattr(d, key), "a non-empty field name")
-    _check(d.format != "text" or d.loss_on in (None, "all"), "data.loss_on", d.loss_on,
-           "unset or 'all' with data.format=text (running text has no assistant turns)")
-    _check(tk.vocab_size >= 300, "tokenizer.vocab_size", tk.vocab_size,
-           ">= 300 (256 byte symbols plus merges and special tokens)")
-    _check(tk.min_frequency >= 1, "tokenizer.min_frequency", tk.min_frequency, ">= 1")
-    _check(tk.train_chars >= 1000, "tokenizer.train_chars", tk.train_chars, ">= 1000")
-    _check(tr.steps >= 1, "train.steps", tr.steps, "an integer >= 1")
-    _check(tr.global_batch_size >= 1, "train.global_batch_size", tr.global_batch_size, ">= 1")
-    _check(tr.micro_batch_size >= 1, "train.micro_batch_size", tr.micro_batch_size, ">= 1")
-    _check(tr.max_failures >= -1, "train.max_failures", tr.max_failures,
-           "-1 (unlimited) or an integer >= 0")
-    _check(tr.log_every >= 1, "train.log_every", tr.log_every, ">= 1")
-    _check(tr.eval_every >= 1, "train.eval_every", tr.eval_every, ">= 1")
-    _check(tr.eval_batches >= 1, "train.eval_batches", tr.eval_batches, ">= 1")
-    _check(op.lr > 0, "optim.lr", op.lr, "a number > 0")
-    _check(op.warmup_steps >= 0, "optim.warmup_steps", op.warmup_steps, ">= 0")
-    _check(0.0 <= op.min_lr_ratio <= 1.0, "optim.min_lr_ratio", op.min_lr_ratio, "0 <= x <= 1")
-    _check(0.0 < op.decay_fraction <= 1.0, "optim.decay_fraction", op.decay_fraction,
-           "0 < x <= 1")
-    _check(op.cycle_steps >= 2, "optim.cycle_steps", op.cycle_steps, "an integer >= 2")
-    _check(op.weight_decay >= 0, "optim.weight_decay", op.weight_decay, ">= 0")
-    _check(0 <= op.beta1 < 1, "optim.beta1", op.beta1, "0 <= x < 1")
-    _check(0 <= op.beta2 < 1, "optim.beta2", op.beta2, "0 <= x < 1")
-    _check(op.grad_clip >= 0, "optim.grad_clip", op.grad_clip, ">= 0 (0 disables)")
-    lo = cfg.lora
-    _check(lo.rank >= 0, "lora.rank", lo.rank, "0 (full fine-tuning) or a rank >= 1")
-    _check(lo.alpha > 0, "lora.alpha", lo.alpha, "a number > 0")
-    _check(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "0 <= x < 1")
-    _check(lo.target_modules == "auto" or (bool(lo.target_modules)
-                                            and all(lo.target_modules)),
-           "lora.target_modules", lo.target_modules,
-           "auto, or a non-empty list of linear layer names (q_proj, ...)")
+    """Check the rules that span sections (each section checks its own fields when it is
+    made); return ``cfg`` unchanged."""
+    lo, sc, tu = cfg.lora, cfg.scaling, cfg.tune
     _check(not lo.rank or bool(cfg.model.path), "lora.rank", lo.rank,
            "0 unless model.path names the pretrained model the adapters adapt")
     if lo.base_quantization == "nf4":
@@ -768,46 +852,12 @@ def validate(cfg: Config) -> Config:
         _check(sc.use_gpu, "lora.base_quantization", lo.base_quantization,
                "none on CPU workers: NF4 bases run on CUDA (set scaling.use_gpu=true on a "
                "cluster with GPUs, or train the adapters on an unquantized base)")
-    _check(cfg.checkpoint.every >= 1, "checkpoint.every", cfg.checkpoint.every, ">= 1")
-    _check(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, ">= 1")
-    nw = sc.num_workers
-    if isinstance(nw, list):
-        _check(len(nw) == 2 and 1 <= nw[0] <= nw[1], "scaling.num_workers", nw,
-               "an integer >= 1 or [min, max] with 1 <= min <= max")
-    else:
-        _check(nw >= 1, "scaling.num_workers", nw, "an integer >= 1 or [min, max]")
-    _check(sc.cpus_per_worker > 0, "scaling.cpus_per_worker", sc.cpus_per_worker, "> 0")
-    for key in ("worker_resources", "data_resources"):
-        res = getattr(sc, key)
-        _check(all(v > 0 and k not in ("CPU", "GPU") for k, v in res.items()),
-               f"scaling.{key}", res, "custom resource names (not CPU/GPU: use "
-               "scaling.cpus_per_worker and scaling.use_gpu) with amounts > 0")
+    _check(not tu.lora_ranks or bool(cfg.model.path), "tune.lora_ranks", tu.lora_ranks,
+           "ranks >= 1, with model.path naming the pretrained model they adapt")
     _check_layout(cfg)
-    _check_batch_shares(tr.global_batch_size, sc.num_workers, sc.worker_range,
+    _check_batch_shares(cfg.train.global_batch_size, sc.num_workers, sc.worker_range,
                         group=model_parallel_group(cfg)[0])
     _check_pipeline_batches(cfg)
-    _check(sc.resize_interval_s >= 0, "scaling.resize_interval_s", sc.resize_interval_s,
-           ">= 0")
-    _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],
-           "0 < lr_min < lr_max")
-    _check(tu.num_samples >= 1, "tune.num_samples", tu.num_samples, ">= 1")
-    _check(tu.lr_points >= 1, "tune.lr_points", tu.lr_points, ">= 1")
-    _check(tu.max_concurrent >= 0, "tune.max_concurrent", tu.max_concurrent,
-           "0 (as many as fit) or a positive integer")
-    _check(all(w >= 0 for w in tu.warmup_steps), "tune.warmup_steps", tu.warmup_steps,
-           "integers >= 0")
-    _check(all(0 <= r <= 1 for r in tu.min_lr_ratios), "tune.min_lr_ratios", tu.min_lr_ratios,
-           "numbers 0 <= x <= 1")
-    _check(all(w >= 0 for w in tu.weight_decays), "tune.weight_decays", tu.weight_decays,
-           "numbers >= 0")
-    _check(all(r >= 1 for r in tu.lora_ranks) and (not tu.lora_ranks or bool(cfg.model.path)),
-           "tune.lora_ranks", tu.lora_ranks,
-           "ranks >= 1, with model.path naming the pretrained model they adapt")
-    _check(all(a > 0 for a in tu.lora_alphas), "tune.lora_alphas", tu.lora_alphas,
-           "numbers > 0")
-    bad = [s for s in tu.schedules if s not in SCHEDULES]
-    _check(bool(tu.schedules) and not bad, "tune.schedules", tu.schedules,
-           f"a non-empty list drawn from {', '.join(SCHEDULES)}")
     return cfg
 
 

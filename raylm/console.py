@@ -36,7 +36,7 @@ def quiet_libraries(verbose: bool) -> None:
             handler.setLevel(level)
     if not verbose:
         # The worker's one "Progress bars disabled" warning answers raylm's own choice (one
-        # stream per worker, each with bars, would bury the log; see raylm.data).
+        # stream per worker, each with bars, would bury the log; see raylm.data.streams).
         logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
     # Ray Train 2.60 logs "Reporting training result N: TrainingReport(...)" for every
     # report of every worker through a logger named after its file, outside ``ray.train``,

@@ -9,7 +9,7 @@ them.
 
 Object stores have neither append nor rename, but a whole object appears at once. So a write is
 one put (locally: a temporary file renamed into place), and appends exist only for local files;
-the run's event log goes to object storage as numbered segments instead (raylm.record).
+the run's event log goes to object storage as numbered segments instead (raylm.run.record).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 def append_text(path: str | os.PathLike, text: str) -> None:
     """Append ``text`` to a local file (small single-line appends from several processes do
-    not mix). Object storage has no append: write whole objects (see raylm.record)."""
+    not mix). Object storage has no append: write whole objects (see raylm.run.record)."""
     assert not is_uri(path), path
     target = Path(normalize(path))
     target.parent.mkdir(parents=True, exist_ok=True)

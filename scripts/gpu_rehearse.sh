@@ -43,8 +43,8 @@ COMMON="--run.storage_path=$WORK/runs --run.cache_dir=$WORK/cache --tracking.ena
 TINY="python -m raylm train --config jobs/configs/cpu_tiny.yaml $COMMON \
 --data.builtin_packages=[peft,transformers] --scaling.num_workers=2 --checkpoint.every=5 \
 --train.log_every=5"
-LORA="python -m raylm.tasks write --output $WORK/data --train 400 --heldout 20 --pretrain 200 \
-&& python -m raylm.tasks model --data $WORK/data --output $WORK/runs/reverse-init \
+LORA="python -m raylm.examples.reverse_words write --output $WORK/data --train 400 --heldout 20 --pretrain 200 \
+&& python -m raylm.examples.reverse_words model --data $WORK/data --output $WORK/runs/reverse-init \
 && python -m raylm train $COMMON --run.name=lora-chat --model.path=$WORK/runs/reverse-init \
 --data.source=$WORK/data/train.jsonl --data.format=chat --data.seq_len=63 --lora.rank=8 \
 --train.steps=10 --train.global_batch_size=8 --train.micro_batch_size=8 \

@@ -96,7 +96,7 @@ def save_tiny_llama(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from raylm.model import build_config
+    from raylm.model.build import build_config
 
     config = build_config(preset="tiny", path=None, vocab_size=vocab_size, eos_id=0,
                           attn_implementation="sdpa")
@@ -163,7 +163,7 @@ def tiny_run(root: Path, tokenizer_dir: Path, *, docs: int = 400) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from raylm.tokenizer import save_hf_tokenizer, train_bpe
+    from raylm.data.tokenizer import save_hf_tokenizer, train_bpe
 
     out = tmp_path_factory.mktemp("tokenizer")
     tok = train_bpe(iter(make_docs(200) * 3), vocab_size=400, min_frequency=2)

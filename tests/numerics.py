@@ -33,7 +33,7 @@ OPTIM = {"schedule": "cosine", "peak": 3e-3, "warmup": 5, "total": STEPS, "min_r
 
 def packed_blocks() -> tuple[np.ndarray, list[int]]:
     """The corpus packed into blocks of SEQ_LEN + 1 bytes, and the row-group sizes."""
-    from raylm.packing import Packer
+    from raylm.data.packing import Packer
     from tests.conftest import make_docs
 
     docs = [np.frombuffer(d.encode(), dtype=np.uint8).astype(np.int32) for d in make_docs(120)]
@@ -47,9 +47,10 @@ def packed_blocks() -> tuple[np.ndarray, list[int]]:
 def run(rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
     """Train STEPS steps as rank ``rank`` of ``world_size``; per-step loss and gradient norm,
     and the loss over the first 16 blocks afterwards (identical on every rank)."""
-    from raylm.optim import build_optimizer, lr_at, set_lr
-    from raylm.packing import SampleOrder, batch_plan, rank_positions
-    from raylm.step import build_training_model, evaluate, train_step
+    from raylm.config import batch_plan
+    from raylm.data.packing import SampleOrder, rank_positions
+    from raylm.workers.optim import build_optimizer, lr_at, set_lr
+    from raylm.workers.step import build_training_model, evaluate, train_step
 
     torch.set_num_threads(1)
     blocks, sizes = packed_blocks()

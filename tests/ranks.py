@@ -39,9 +39,9 @@ PRELOAD = [
     "torch.distributed.tensor.parallel",
     "transformers.models.llama.modeling_llama",
     "peft",
-    "raylm.checkpoint",
-    "raylm.optim",
-    "raylm.step",
+    "raylm.workers.checkpoint",
+    "raylm.workers.optim",
+    "raylm.workers.step",
 ]
 
 

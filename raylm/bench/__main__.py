@@ -21,9 +21,15 @@ import sys
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m raylm.bench")
     sub = p.add_subparsers(dest="name", required=True)
+    _add_data_and_training(sub)
+    _add_layouts_and_scale(sub)
+    return p
+
+
+def _add_data_and_training(sub) -> None:
     data = sub.add_parser("data", help="packed tokens/s: raylm pipeline vs datasets.map")
     data.add_argument("--output", required=True)
     data.add_argument("--packages", default="transformers,torch,ray,datasets,mlflow,peft",
@@ -56,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--workers", type=int, default=2)
     lo.add_argument("--micro-batch", type=int, default=2)
     lo.add_argument("--workdir", default=None)
+
+
+def _add_layouts_and_scale(sub) -> None:
     mf = sub.add_parser("mfu", help="one GPU: raylm step vs bare PyTorch loop, MFU, "
                                     "memory, energy (torch + transformers only)")
     mf.add_argument("--output", required=True)
@@ -106,13 +115,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="kill once a checkpoint at this step or later is verified")
     fa.add_argument("--delay", type=float, default=2.0,
                     help="seconds between that checkpoint and the kill")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args, extra = p.parse_known_args(argv)
     if extra and args.name != "fault":
         p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.name == "scale" and not set(args.async_writers.split(",")) <= {"thread", "process"}:
         p.error(f"--async-writers={args.async_writers}: a comma-separated list of thread "
                 f"and process")
+    result = measure(args, extra)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return 0
 
+
+def measure(args: argparse.Namespace, extra: list[str]) -> dict:
+    """The named benchmark's result."""
     # Each benchmark imports only what it runs: the GPU machines that run some of them have no
     # Ray, MLflow or datasets.
     if args.name == "data":
@@ -156,18 +178,14 @@ def main(argv: list[str] | None = None) -> int:
                      writers=tuple(args.async_writers.split(",")))
     elif args.name == "fault":
         from raylm.bench.fault import run
-        from raylm.cluster import connect
         from raylm.config import load_config
+        from raylm.run.cluster import connect
 
         cfg = load_config(args.config, extra)
         connect(cfg.run.ray_address, log=print, timeout_s=cfg.run.connect_timeout_s)
         result = run(config=args.config, overrides=extra, kill_after=args.kill_after,
                      delay_s=args.delay)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Both sides start from the same JSONL shards and the same tokenizer, and end with fixed-length
 blocks of ``seq_len + 1`` tokens:
 
-- raylm: ``raylm.preparation.prepare`` (read, normalize, filter, dedup, tokenize, EOS, pack,
+- raylm: ``raylm.data.preparation.prepare`` (read, normalize, filter, dedup, tokenize, EOS, pack,
   write Parquet), timed from call to manifest, on a local Ray cluster started (and timed) once.
 - baseline: the Hugging Face ``run_clm`` recipe: ``load_dataset("json")``, ``map(tokenize,
   batched=True, num_proc=N)``, ``map(group_texts, batched=True, num_proc=N)``, with a fresh
@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from raylm.config import load_config
-from raylm.corpus import (
+from raylm.data.corpus import (
     builtin_files,
     content_hash,
     fingerprint_files,
     read_records,
     resolve_sources,
 )
-from raylm.preparation import prepare
-from raylm.tokenizer import build_tokenizer
+from raylm.data.preparation import prepare
+from raylm.data.tokenizer import build_tokenizer
 
 
 def write_corpus(packages: list[str], root: Path, num_files: int) -> dict[str, Any]:

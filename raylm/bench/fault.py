@@ -35,7 +35,7 @@ def kill_after_checkpoint(run_dir: str, *, step: int, delay_s: float, timeout_s:
                           done: threading.Event) -> dict[str, Any]:
     """Wait for a verified checkpoint at ``step`` or later in ``run_dir``, wait ``delay_s``,
     SIGKILL every training worker; what was done and when."""
-    from raylm import checkpoint
+    from raylm.workers import checkpoint
 
     deadline = time.monotonic() + timeout_s
     while not done.is_set() and time.monotonic() < deadline:
@@ -54,7 +54,7 @@ def kill_after_checkpoint(run_dir: str, *, step: int, delay_s: float, timeout_s:
 def run(*, config: str | None, overrides: list[str], kill_after: int, delay_s: float,
         timeout_s: float = 1800.0) -> dict[str, Any]:
     from raylm.config import load_config, run_dir
-    from raylm.launch import train
+    from raylm.run.launch import train
 
     def cfg(name: str):
         c = load_config(config, [*overrides, f"--run.name={name}"])

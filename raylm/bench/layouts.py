@@ -2,7 +2,7 @@
 
 Each layout runs as its own group of processes (gloo on CPUs; NCCL with one GPU per rank where
 the machine has enough GPUs, else the layout is skipped and says so) that build the model
-through raylm's own step core (:func:`raylm.step.build_training_model`: FSDP2 over ``dp``,
+through raylm's own step core (:func:`raylm.workers.step.build_training_model`: FSDP2 over ``dp``,
 tensor parallelism over ``tp``, pipeline stages over ``pp``), then take ``steps`` AdamW steps
 on random tokens, every layout with the same global batch. Per layout, on the rank that holds
 most: parameter and optimizer-state memory (what the layouts divide), peak memory (CUDA
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from raylm.parallelize import ParallelPlan, layout_of
+from raylm.model.parallelize import ParallelPlan, layout_of
 
 # The vocabulary raylm's GPU configs train for the 125m preset and up.
 VOCAB = 32768
@@ -59,9 +59,9 @@ def _free_port() -> int:
 def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
-    from raylm.metrics import peak_memory_bytes, state_memory_bytes
-    from raylm.optim import build_optimizer
-    from raylm.step import build_training_model, train_step
+    from raylm.workers.metrics import peak_memory_bytes, state_memory_bytes
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model, train_step
 
     cuda = spec["device"] == "cuda"
     if cuda:

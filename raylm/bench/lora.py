@@ -2,13 +2,13 @@
 
 Every side fine-tunes the same model directory, built from a config and saved with
 ``save_pretrained`` (memory and cost do not depend on the weights' values): ``--preset``'s Llama
-architecture with a 32,768-token vocabulary, or ``--family``, a published model's shape from
-its own ``transformers`` config class (its vocabulary and tied embeddings included), on the
-same generated chat data (:mod:`raylm.tasks`), with the same workers, batch, precision and
-steps, through ``raylm train``. Per side: trainable parameters, the newest checkpoint's size on
-disk, the peak memory of a worker (rank 0's peak RSS on CPU, the CUDA allocator's peak on GPUs)
-and steady-state tokens/s. ``ratio``: LoRA / full for each figure (``ratio_qlora``: QLoRA /
-full). The JSON is rewritten after each side, so a run cut short keeps what it measured.
+architecture with a 32,768-token vocabulary, or ``--family``, a published model's shape from its own
+``transformers`` config class (its vocabulary and tied embeddings included), on the same generated
+chat data (:mod:`raylm.examples.reverse_words`), with the same workers, batch, precision and steps,
+through ``raylm train``. Per side: trainable parameters, the newest checkpoint's size on disk, the
+peak memory of a worker (rank 0's peak RSS on CPU, the CUDA allocator's peak on GPUs) and
+steady-state tokens/s. ``ratio``: LoRA / full for each figure (``ratio_qlora``: QLoRA / full). The
+JSON is rewritten after each side, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from raylm import checkpoint
 from raylm.config import load_config
 from raylm.console import quiet_torchao
-from raylm.launch import train
-from raylm.model import build_config
-from raylm.tasks import pretraining_text, write
-from raylm.tokenizer import EOS_TOKEN, save_hf_tokenizer, train_bpe
+from raylm.data.tokenizer import EOS_TOKEN, save_hf_tokenizer, train_bpe
+from raylm.examples.reverse_words import pretraining_text, write
+from raylm.model.build import build_config
+from raylm.run.launch import train
+from raylm.workers import checkpoint
 
 # The vocabulary raylm's GPU configs train for the 125m preset and up.
 VOCAB = 32768

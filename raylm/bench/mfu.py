@@ -7,10 +7,10 @@ Needs torch and transformers only (no Ray, MLflow or datasets), so it runs on an
 a CUDA GPU. For each preset and each compile setting, in one process and on the same random
 tokens (blocks of ``seq_len + 1``, pinned host memory, as a data loader delivers them):
 
-- raylm: :func:`raylm.step.build_training_model` (bf16-mixed, the attention kernel raylm
-  pins, its initialization), :func:`raylm.optim.build_optimizer` (fused AdamW), and per step
+- raylm: :func:`raylm.workers.step.build_training_model` (bf16-mixed, the attention kernel raylm
+  pins, its initialization), :func:`raylm.workers.optim.build_optimizer` (fused AdamW), and per step
   what a worker does besides fetching data: the learning rate from the schedule,
-  :func:`raylm.step.train_step` (clipping included), the preemption vote, and the loss read
+  :func:`raylm.workers.step.train_step` (clipping included), the preemption vote, and the loss read
   back every ``--log-every`` steps.
 - bare: the same architecture from ``transformers`` on the GPU, fp32 weights under bf16
   autocast, the same SDPA kernel pinned, fused AdamW, the same per-block compile, and
@@ -18,10 +18,10 @@ tokens (blocks of ``seq_len + 1``, pinned host memory, as a data loader delivers
 
 Both are timed over ``--steps`` steps after ``--warmup`` steps and at least 3 s (compilation,
 the allocator's growth and the GPU's clock ramp happen there). ``ratio`` = raylm / bare tokens
-per second. MFU counts the model's FLOPs (:func:`raylm.metrics.flops_per_token`) against the
+per second. MFU counts the model's FLOPs (:func:`raylm.workers.metrics.flops_per_token`) against the
 device's dense bf16 peak. The micro batch starts at ``--micro-batch`` and halves while the
 raylm side runs out of memory; both sides use the one that fits. Energy per token is read from
-NVML over the timed steps (:mod:`raylm.energy`).
+NVML over the timed steps (:mod:`raylm.workers.energy`).
 ``breakdown`` times forward, backward and the optimizer of the raylm
 side separately (synchronising between them, so their sum exceeds a free-running step).
 """
@@ -38,12 +38,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from raylm import preemption
-from raylm.energy import EnergyCounter
-from raylm.metrics import bf16_peak, flops_per_token
-from raylm.optim import build_optimizer, lr_at, set_lr
-from raylm.parallelize import ParallelPlan
-from raylm.step import Built, batch_loss, build_training_model, clip_grad_norm, train_step
+from raylm.model.parallelize import ParallelPlan
+from raylm.workers import preemption
+from raylm.workers.energy import EnergyCounter
+from raylm.workers.metrics import bf16_peak, flops_per_token
+from raylm.workers.optim import build_optimizer, lr_at, set_lr
+from raylm.workers.step import Built, batch_loss, build_training_model, clip_grad_norm, train_step
 
 VOCAB = 32000  # a Llama-2-sized vocabulary (padded to 32,000: already a multiple of 64)
 MICRO_BATCH = {"tiny": 8, "125m": 16, "350m": 16, "1b": 8}

@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from raylm.config import load_config
-from raylm.launch import train
-from raylm.model import build_config
-from raylm.tokenizer import load_backend
+from raylm.data.tokenizer import load_backend
+from raylm.model.build import build_config
+from raylm.names import PREPARED_MANIFEST
+from raylm.run.launch import train
 
 
 def bare_loop(prepared: Path, *, preset: str, vocab_size: int, eos_id: int, steps: int,
@@ -95,7 +96,7 @@ def run(*, preset: str, steps: int, micro_batch: int, seq_len: int,
     summary = train(cfg, log=lambda m: None)
     ray.shutdown()
     prepared = Path(sorted((root / "cache" / "prepared").iterdir())[0])
-    manifest = json.loads((prepared / "manifest.json").read_text())
+    manifest = json.loads((prepared / PREPARED_MANIFEST).read_text())
     backend, eos = load_backend(manifest["tokenizer_path"])
     bare = bare_loop(prepared, preset=preset, vocab_size=backend.get_vocab_size(), eos_id=eos,
                      steps=steps, micro_batch=micro_batch, seq_len=seq_len, threads=threads,

@@ -22,7 +22,7 @@ whole shuffle window on every rank, as raylm did before, gives the worker count.
 
 ``checkpoint_fetch``: for each rank count N, N gloo processes build the model through raylm's
 step core (FSDP2 over N ranks), take one AdamW step (so the optimizer state exists) and save a
-checkpoint with :func:`raylm.checkpoint.save`; N fresh processes then resume it from a
+checkpoint with :func:`raylm.workers.checkpoint.save`; N fresh processes then resume it from a
 ``file://`` URI, which takes the object-storage path (pyarrow's filesystems, as ``s3://`` and
 ``gs://`` do), and each counts the bytes it fetched. ``fetched_over_size`` is the worst rank's
 bytes over the checkpoint's size; the goal is ``1/N + 0.05`` (its own shards plus the
@@ -32,9 +32,9 @@ metadata). The baseline, measured in the same run, is a download of the checkpoi
 ``async_checkpoint``: a gloo rank trains a preset with AdamW on every core but one (the core a
 GPU's host leaves free; where training takes every core, as 2 CPU ranks do on 2 cores, the
 background write competes with the step for the CPU and hides nothing: measured 0.93) and
-checkpoints twice in its steady state, either synchronously (:func:`raylm.checkpoint.save`,
+checkpoints twice in its steady state, either synchronously (:func:`raylm.workers.checkpoint.save`,
 then a copy to a ``file://`` URI, as Ray Train's upload does) or as training checkpoints by
-default (:class:`raylm.checkpoint.AsyncSave`: staged into buffers kept from one save to the
+default (:class:`raylm.workers.checkpoint.AsyncSave`: staged into buffers kept from one save to the
 next, written by DCP from a thread or from its daemon process; a second thread then writes
 the marker and copies, as Ray Train's upload thread does in a worker). Each writer is measured
 in processes of its own, beside the synchronous save. The stall is the training time lost to
@@ -68,14 +68,15 @@ import torch
 import torch.multiprocessing as mp
 
 from raylm.bench.layouts import VOCAB, _free_port
+from raylm.names import LAYOUT
 
 
 def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
-    from raylm import checkpoint
-    from raylm.optim import build_optimizer
-    from raylm.step import build_training_model, train_step
+    from raylm.workers import checkpoint
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model, train_step
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -105,7 +106,8 @@ def _spawn(world: int, spec: dict[str, Any], out: Path, fn=None) -> list[dict[st
 
 
 def checkpoint_fetch(*, preset: str, ranks: list[int], root: Path) -> dict[str, Any]:
-    from raylm import checkpoint, storage
+    from raylm import storage
+    from raylm.workers import checkpoint
 
     results = {}
     for n in ranks:
@@ -135,9 +137,10 @@ def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str
 
     import torch.distributed as dist
 
-    from raylm import checkpoint, storage
-    from raylm.optim import build_optimizer
-    from raylm.step import build_training_model, train_step
+    from raylm import storage
+    from raylm.workers import checkpoint
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model, train_step
 
     # Training leaves a core to the writer, as a GPU leaves its host's CPUs (on a CPU-only
     # machine training on every core, the write competes with the step and stalls it anyway).
@@ -232,7 +235,7 @@ def async_checkpoint(*, preset: str, root: Path, ranks: int = 1,
     """The stall of a synchronous checkpoint and of an asynchronous one from each writer, each
     in processes of its own; ``ratio`` is that of the writer ``checkpoint.writer: auto`` picks
     on this machine's device (the process on a GPU, the thread on a CPU)."""
-    from raylm import checkpoint
+    from raylm.workers import checkpoint
 
     cuda = torch.cuda.is_available()
     # A GPU step is short next to writing the checkpoint: longer sequences, and room for the
@@ -271,7 +274,7 @@ def write_builtin_shards(packages: list[str], root: Path, *, shards: int, varian
                          ) -> dict[str, Any]:
     """The builtin corpus's documents, duplicates included, as ``shards`` JSONL files per
     variant; variant k > 0 prefixes every document with ``k:``."""
-    from raylm.corpus import builtin_files, read_records
+    from raylm.data.corpus import builtin_files, read_records
 
     docs = [r.text for f in builtin_files(packages) for r in read_records(f) if r.text]
     root.mkdir(parents=True, exist_ok=True)
@@ -289,7 +292,7 @@ _DRIVER = """
 import json, os, resource, sys, time
 import ray
 from raylm.config import load_config
-from raylm.preparation import prepare
+from raylm.data.preparation import prepare
 ray.init(address=sys.argv[1], log_to_driver=False)
 cfg = load_config(None, sys.argv[3:])
 cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
@@ -303,11 +306,11 @@ print(json.dumps({"seconds": time.perf_counter() - t0,
 
 
 def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
-    from raylm.tokenizer import build_tokenizer
+    from raylm.data.tokenizer import build_tokenizer
 
     corpora = {"1x": write_builtin_shards(packages, root / "1x", shards=8, variants=1),
                "8x": write_builtin_shards(packages, root / "8x", shards=8, variants=8)}
-    from raylm.corpus import resolve_sources
+    from raylm.data.corpus import resolve_sources
 
     files = resolve_sources(str(root / "1x"), builtin_packages=[])
     tokenizer = build_tokenizer(files, corpus_fingerprint="bench-scale",
@@ -369,39 +372,13 @@ def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
     }
 
 
-def rank_reads(train, *, rank: int, world: int, steps: int, seed: int = 0,
-               window: int = 16, global_batch: int = 16) -> dict[str, int]:
-    """What rank ``rank`` of ``world`` reads of ``train`` (a :class:`raylm.data.PackedSplit`)
-    in ``steps`` steps from the start: bytes read, and the bytes of its own samples."""
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    from raylm.data import _ReadBlocks
-
-    group_bytes = np.array([
-        sum(md.row_group(g).column(c).total_compressed_size for c in range(md.num_columns))
-        for name in train.files
-        for md in [pq.ParquetFile(Path(train.directory) / name).metadata]
-        for g in range(md.num_row_groups)], dtype=np.float64)
-    reader = _ReadBlocks(train, mode="train", seed=seed, window=window, rank=rank,
-                         world_size=world, global_batch=global_batch)
-    samples = steps * global_batch // world
-    own = 0.0
-    for start in range(0, samples, 256):
-        rows = reader({"id": np.arange(start, min(start + 256, samples))})["row"]
-        g = np.searchsorted(reader.order.group_offsets, rows, side="right") - 1
-        own += float((group_bytes[g] / reader.order.group_sizes[g]).sum())
-    return {"bytes_read": reader.bytes_read, "own_bytes": round(own),
-            "split_bytes": int(group_bytes.sum())}
-
-
 def reads(*, packages: list[str], root: Path, workers: tuple[int, ...] = (1, 2, 4),
           seq_len: int = 256) -> dict[str, Any]:
     import ray
 
     from raylm.config import load_config
-    from raylm.data import PackedSplit
-    from raylm.preparation import prepare
+    from raylm.data.preparation import prepare
+    from raylm.data.streams import PackedSplit, rank_reads
 
     corpus = write_builtin_shards(packages, root / "corpus", shards=8, variants=1)
     cfg = load_config(None, [f"--data.source={root / 'corpus'}", f"--data.seq_len={seq_len}",
@@ -411,7 +388,7 @@ def reads(*, packages: list[str], root: Path, workers: tuple[int, ...] = (1, 2, 
         manifest = prepare(cfg, root / "prepared", log=lambda s: None)
     finally:
         ray.shutdown()
-    blocks = json.loads((root / "prepared" / "layout.json").read_text())["splits"]["train"]
+    blocks = json.loads((root / "prepared" / LAYOUT).read_text())["splits"]["train"]
     d, t = cfg.data, cfg.train
     steps = blocks["blocks"] // t.global_batch_size  # one epoch
     out: dict[str, Any] = {

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from raylm.names import CHECKPOINT_MARKER
 from tests.distributed.test_fsdp_parity import VOCAB, data, exit_now
 from tests.ranks import free_port, run_ranks
 
@@ -21,9 +22,9 @@ def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "ti
             fetched: dict | None = None) -> list:
     import torch.distributed as dist
 
-    from raylm import checkpoint
-    from raylm.optim import build_optimizer
-    from raylm.step import build_training_model, train_step
+    from raylm.workers import checkpoint
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model, train_step
 
     built = build_training_model(preset=preset, path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32", seed=0)
@@ -95,7 +96,7 @@ def saved(tmp_path_factory):
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
-    from raylm import checkpoint
+    from raylm.workers import checkpoint
 
     ckpt, uninterrupted = saved
     marker = checkpoint.verify(ckpt)
@@ -109,7 +110,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
 def test_a_second_save_into_the_same_buffers_holds_its_own_step(saved):
     """The step-3 checkpoint, staged into the buffers the step-2 one was staged into, resumes
     at step 3 exactly."""
-    from raylm import checkpoint
+    from raylm.workers import checkpoint
 
     ckpt, uninterrupted = saved
     assert checkpoint.verify(f"{ckpt}_step3")["state"]["step"] == 3
@@ -131,7 +132,7 @@ def resume_on_two_ranks(ckpt: str, out: str) -> tuple[list, list[int]]:
 
 
 def size_of(ckpt) -> int:
-    from raylm import checkpoint
+    from raylm.workers import checkpoint
 
     return sum(checkpoint.verify(ckpt)["files"].values())
 
@@ -165,16 +166,16 @@ def test_two_ranks_resuming_from_object_storage_fetch_their_own_shards(saved, tm
 def test_truncated_checkpoint_is_refused_and_skipped(saved, tmp_path):
     import shutil
 
-    from raylm import checkpoint
+    from raylm.workers import checkpoint
 
     ckpt, _ = saved
     good = tmp_path / "checkpoint_a"
     bad = tmp_path / "checkpoint_b"
     shutil.copytree(ckpt, good)
     shutil.copytree(ckpt, bad)
-    marker = json.loads((bad / checkpoint.MARKER).read_text())
+    marker = json.loads((bad / CHECKPOINT_MARKER).read_text())
     marker["state"]["step"] = 3  # the newer one
-    (bad / checkpoint.MARKER).write_text(json.dumps(marker))
+    (bad / CHECKPOINT_MARKER).write_text(json.dumps(marker))
     shard = next(p for p in bad.iterdir() if p.name.startswith("__1_"))
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(checkpoint.CheckpointError, match="truncated"):
@@ -186,8 +187,8 @@ def test_truncated_checkpoint_is_refused_and_skipped(saved, tmp_path):
 
 
 def test_changed_model_shape_refuses_to_load(saved):
-    from raylm import checkpoint
-    from raylm.model import build_config
+    from raylm.model.build import build_config
+    from raylm.workers import checkpoint
 
     ckpt, _ = saved
 
@@ -203,7 +204,7 @@ def test_checkpoint_in_object_storage_is_found_verified_and_resumed(saved, tmp_p
     listing, verifying and fetching through pyarrow's filesystems) resumes exactly."""
     import shutil
 
-    from raylm import checkpoint
+    from raylm.workers import checkpoint
 
     ckpt, uninterrupted = saved
     shutil.copytree(ckpt, tmp_path / "run" / "checkpoint_000")

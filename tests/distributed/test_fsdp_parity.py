@@ -43,8 +43,8 @@ def save_pretrained(path: str) -> None:
 
 
 def run(world: int, rank: int, out: dict, pretrained: str) -> None:
-    from raylm.optim import build_optimizer
-    from raylm.step import batch_loss, build_training_model, clip_grad_norm, train_step
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import batch_loss, build_training_model, clip_grad_norm, train_step
 
     built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32", seed=0)
@@ -108,7 +108,7 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
             for _ in range(STEPS)]
     # The NF4 run's checkpoint (adapters and their Adam state; the NF4 base is not in it)
     # restores into a fresh NF4 model, whose next step is the continuing run's.
-    from raylm import checkpoint
+    from raylm.workers import checkpoint
 
     settings = {k: LORA[k] for k in ("rank", "alpha", "target_modules")}
     ckpt = f"{pretrained}-checkpoint-{world}"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from raylm.config import PIPELINE_SCHEDULES
-from raylm.parallelize import DATA_PARALLEL, ParallelPlan, layout_of
-from raylm.pipeline import describe_split, stage_layers
+from raylm.model.parallelize import DATA_PARALLEL, ParallelPlan, layout_of
+from raylm.model.pipeline import describe_split, stage_layers
 from tests.distributed.test_fsdp_parity import (
     BATCH,
     LORA,
@@ -38,9 +38,9 @@ def halves(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 def run(world: int, rank: int, plan: ParallelPlan, schedule: str, out: dict,
         pretrained: str, checkpoint_dir: str | None = None) -> None:
-    from raylm import checkpoint
-    from raylm.optim import build_optimizer
-    from raylm.step import build_training_model, evaluate, train_step
+    from raylm.workers import checkpoint
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model, evaluate, train_step
 
     def build(**kw):
         return build_training_model(vocab_size=VOCAB, eos_id=0, device=torch.device("cpu"),
@@ -80,8 +80,8 @@ def run_composed(world: int, rank: int, plan: ParallelPlan, out: dict, pretraine
     """Pipeline stages that are themselves split (tensor parallelism) or sharded (FSDP2 over
     data-parallel ranks): losses and gradient norms of AdamW steps, masked steps and
     evaluation, for the tiny model and for LoRA on a pretrained base."""
-    from raylm.optim import build_optimizer
-    from raylm.step import build_training_model, evaluate, train_step
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model, evaluate, train_step
 
     lay = layout_of(rank, world, plan)
     per = BATCH // lay.dp_size
@@ -109,9 +109,9 @@ def reload(world: int, rank: int, plan: ParallelPlan, directory: str
     it (with its optimizer state), whole: every stage's, gathered to full tensors."""
     import torch.distributed as dist
 
-    from raylm import checkpoint
-    from raylm.optim import build_optimizer
-    from raylm.step import build_training_model
+    from raylm.workers import checkpoint
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model
 
     built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32", seed=5,
@@ -212,9 +212,9 @@ def test_lora_under_pipeline_parallelism_matches(results, schedule):
 
 
 def test_a_checkpoint_saved_by_two_stages_loads_into_the_whole_model(results):
-    from raylm import checkpoint
-    from raylm.optim import build_optimizer
-    from raylm.step import build_training_model
+    from raylm.workers import checkpoint
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model
 
     pp, _, pretrained = results
     model = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylm.lora import settings as lora_settings
+from raylm.model.lora import settings as lora_settings
 from tests.distributed.test_fsdp_parity import exit_now
 from tests.ranks import free_port, run_ranks
 
@@ -99,7 +99,7 @@ def built_logits(built) -> torch.Tensor:
 
 
 def build(path: Path, lora: dict | None):
-    from raylm.step import build_training_model
+    from raylm.workers.step import build_training_model
 
     return build_training_model(preset=None, path=str(path), vocab_size=VOCAB, eos_id=0,
                                 device=torch.device("cpu"), precision="fp32", seed=0,
@@ -125,9 +125,9 @@ def test_a_loaded_model_computes_what_transformers_computes(tmp_path, family, ti
 
 @pytest.mark.parametrize("family", ["mistral", "olmo2", "phi3", "gemma2", "gpt2"])
 def test_each_family_loads_as_transformers_does_and_trains_full_and_with_lora(tmp_path, family):
-    from raylm.lora import linear_projections
-    from raylm.optim import build_optimizer
-    from raylm.step import train_step
+    from raylm.model.lora import linear_projections
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import train_step
 
     path = save_family(tmp_path / family, family)
     want = reference_logits(path)
@@ -165,9 +165,9 @@ def test_mixture_of_experts_files_load_as_transformers_converts_them(tmp_path):
     the weights are read through transformers' own conversion, and the model computes its
     logits, fully fine-tuned and with LoRA (on attention: the experts are fused parameters,
     not linear layers, and the router beside them is no target)."""
-    from raylm.lora import linear_projections
-    from raylm.optim import build_optimizer
-    from raylm.step import train_step
+    from raylm.model.lora import linear_projections
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import train_step
 
     path = save_family(tmp_path / "moe", "qwen3_moe")
     want = reference_logits(path)
@@ -200,8 +200,8 @@ def test_weights_that_are_not_the_models_are_refused_naming_them(tmp_path):
     """An incomplete download, or another model's files: refused before any is read."""
     from safetensors.torch import load_file, save_file
 
-    from raylm.checkpoint import CheckpointError, check_weights
-    from raylm.model import build_config, build_meta_model
+    from raylm.model.build import build_config, build_meta_model
+    from raylm.workers.checkpoint import CheckpointError, check_weights
 
     path = save_family(tmp_path / "qwen2", "qwen2")
     weights = load_file(str(path / "model.safetensors"))
@@ -222,9 +222,9 @@ def ranks_worker(rank: int, world: int, port: int, path: str, out: str, lora: bo
     a fresh model resumed from it against the trained one's."""
     import torch.distributed as dist
 
-    from raylm import checkpoint
-    from raylm.optim import build_optimizer
-    from raylm.step import train_step
+    from raylm.workers import checkpoint
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import train_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -284,7 +284,7 @@ def test_a_model_stored_in_bf16_trains_in_the_runs_dtypes(tmp_path, precision):
     masters for what trains, and a frozen LoRA base in bf16 only under bf16-mixed."""
     from transformers import AutoModelForCausalLM
 
-    from raylm.step import build_training_model
+    from raylm.workers.step import build_training_model
 
     path = save_family(tmp_path / "model", "qwen2", tied=True)
     AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).save_pretrained(
@@ -307,8 +307,8 @@ def test_a_model_stored_in_bf16_trains_in_the_runs_dtypes(tmp_path, precision):
 def test_an_nf4_base_is_checked_on_the_adapted_layers():
     """The QLoRA shape check looks at the frozen weights inside the LoRA layers (125m: 768 x
     768 splits into whole NF4 blocks on 2 ranks, not on 5)."""
-    from raylm.lora import add_adapters, check_nf4_shapes
-    from raylm.model import build_config, build_meta_model
+    from raylm.model.build import build_config, build_meta_model
+    from raylm.model.lora import add_adapters, check_nf4_shapes
 
     config = build_config(preset="125m", path=None, vocab_size=VOCAB, eos_id=0,
                           attn_implementation="eager")
@@ -329,12 +329,12 @@ def test_each_family_trains_exports_and_generates_in_a_transformers_pipeline(tmp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, pipeline
 
-    from raylm import checkpoint
     from raylm.config import load_config
-    from raylm.exporter import export, write_run_info
-    from raylm.optim import build_optimizer
-    from raylm.step import train_step
-    from raylm.tokenizer import save_hf_tokenizer, train_bpe
+    from raylm.data.tokenizer import save_hf_tokenizer, train_bpe
+    from raylm.run.exporter import export, write_run_info
+    from raylm.workers import checkpoint
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import train_step
     from tests.conftest import make_docs
 
     base = save_family(tmp_path / "base", family)
@@ -402,9 +402,9 @@ def two_steps(path: str, *, layout: str, lora: dict | None, rank: int | None
               ) -> list[list[float]]:
     """Loss and gradient norm of two AdamW steps of the model at ``path``, laid out as
     ``layout`` (``rank`` None: one process)."""
-    from raylm.optim import build_optimizer
-    from raylm.parallelize import ParallelPlan
-    from raylm.step import build_training_model, train_step
+    from raylm.model.parallelize import ParallelPlan
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model, train_step
 
     plan = ParallelPlan(**({"tensor": 2} if layout == "tensor" else
                            {"pipeline": 2} if layout == "pipeline" else {}))
@@ -461,9 +461,9 @@ def test_each_family_on_two_ranks_trains_as_one_process(tmp_path, layout):
 
 
 def test_layouts_a_family_cannot_take_are_refused_before_any_worker_starts(tmp_path):
-    from raylm.model import build_config
-    from raylm.parallelize import check_tensor_parallel
-    from raylm.pipeline import check_pipeline
+    from raylm.model.build import build_config
+    from raylm.model.parallelize import check_tensor_parallel
+    from raylm.model.pipeline import check_pipeline
 
     def config(family):
         return build_config(preset=None, path=str(save_family(tmp_path / family, family,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylm.parallelize import DATA_PARALLEL, ParallelPlan, layout_of
+from raylm.model.parallelize import DATA_PARALLEL, ParallelPlan, layout_of
 from tests.distributed.test_fsdp_parity import (
     BATCH,
     LORA,
@@ -31,8 +31,8 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str) -> None:
-    from raylm.optim import build_optimizer
-    from raylm.step import build_training_model, train_step
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model, train_step
 
     lay = layout_of(rank, world, plan)
     per = BATCH // lay.dp_size
@@ -61,7 +61,7 @@ def run(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str) -
                                                   accumulation=1, grad_clip=1.0)]
     if world > 1:
         # The (dp 2, tp 2) checkpoint loads at (dp 4) and at (pp 2, tp 2).
-        from raylm import checkpoint
+        from raylm.workers import checkpoint
 
         directory = f"{pretrained}-dp2-tp2"
         checkpoint.save(directory, model=built.model, optimizer=opt, state={"step": 1},

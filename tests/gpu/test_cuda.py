@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from raylm import checkpoint
-from raylm.optim import build_optimizer
-from raylm.parallelize import ParallelPlan
-from raylm.step import build_training_model, train_step
+from raylm.model.parallelize import ParallelPlan
+from raylm.workers import checkpoint
+from raylm.workers.optim import build_optimizer
+from raylm.workers.step import build_training_model, train_step
 
 pytestmark = pytest.mark.gpu
 
@@ -87,8 +87,8 @@ def test_fsdp2_keeps_fp32_master_weights_computes_in_bf16_and_reduces_in_fp32():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from raylm.model import build_config, build_meta_model, init_weights
-    from raylm.parallelize import shard
+    from raylm.model.build import build_config, build_meta_model, init_weights
+    from raylm.model.parallelize import shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1,
@@ -216,7 +216,7 @@ def test_a_checkpoint_saved_on_gpu_resumes_on_cpu_and_back(tmp_path):
 def test_the_energy_counter_reads_this_gpu():
     import pynvml
 
-    from raylm.energy import EnergyCounter
+    from raylm.workers.energy import EnergyCounter
 
     counter = EnergyCounter(CUDA)
     assert counter.available

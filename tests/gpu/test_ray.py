@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from raylm import checkpoint
 from raylm.config import load_config, run_dir
+from raylm.workers import checkpoint
 from tests.conftest import tiny_run
 
 pytestmark = [pytest.mark.gpu,
@@ -37,7 +37,7 @@ def gpu_cluster():
 def test_a_train_run_through_ray_trains_on_the_gpu(tmp_path: Path, tokenizer_dir, gpu_cluster):
     import torch
 
-    from raylm.launch import train
+    from raylm.run.launch import train
 
     base = tiny_run(tmp_path, tokenizer_dir)
     cfg = load_config(None, [*base, "--train.precision=bf16-mixed", "--scaling.use_gpu=true",

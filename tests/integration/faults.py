@@ -24,7 +24,8 @@ def run_and_interfere(run: Callable[[], dict], run_dir: Path, *,
     verified checkpoint at ``step`` or later and the controller has heard of its k-th worker
     group (reports reach it at its next poll), so each act after the first hits the group
     that the previous one made the run start. Returns the run's summary."""
-    from raylm import checkpoint, record
+    from raylm.run import record
+    from raylm.workers import checkpoint
 
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(summary=run()), daemon=True)
@@ -68,7 +69,7 @@ def kill_a_worker_during_an_async_save(*, before_step: int, timeout: float = 120
     import signal
     import tempfile
 
-    from raylm.checkpoint import MARKER
+    from raylm.names import CHECKPOINT_MARKER as MARKER
 
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -93,7 +94,7 @@ def _save_in_flight(workers, before_step: int) -> int | None:
     """The step of a save every worker is staging and none has marked yet, if any."""
     import tempfile
 
-    from raylm.checkpoint import MARKER
+    from raylm.names import CHECKPOINT_MARKER as MARKER
 
     # raylm-ckpt-<pid>-step<step>-<random>: (step, directory) of each process's saves.
     by_pid: dict[int, list[tuple[int, Path]]] = {}

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from raylm import record
 from raylm.config import load_config
-from raylm.launch import train
-from raylm.preparation import prepare
+from raylm.data.preparation import prepare
+from raylm.run import record
+from raylm.run.launch import train
 from tests.conftest import PIECE_MB, tiny_run, write_pieces_corpus
 
 pytestmark = pytest.mark.integration
@@ -91,7 +91,7 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     import ray
     from ray._private.state import available_resources_per_node
 
-    from raylm import checkpoint
+    from raylm.workers import checkpoint
 
     c, nodes = cluster
     # After the node is lost, Ray Train first waits this long (60 s by default) for the

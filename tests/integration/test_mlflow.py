@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from raylm.config import load_config
-from raylm.launch import train
+from raylm.run.launch import train
 from tests.conftest import tiny_run
 from tests.integration import faults
 
@@ -125,7 +125,7 @@ def test_a_run_on_an_mlflow_server_reads_back_through_the_client(base, server, t
 def test_training_outlives_its_mlflow_server(base, server, capsys):
     """The server is stopped after the step-4 checkpoint: the run trains to the end, records
     that tracking was lost once (step and cause), and logs nothing more."""
-    from raylm import record
+    from raylm.run import record
 
     uri, kill = server
     lines: list[str] = []

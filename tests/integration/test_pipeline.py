@@ -12,9 +12,9 @@ import pytest
 
 from raylm.cli import main
 from raylm.config import load_config
-from raylm.corpus import DROP_REASONS
-from raylm.data import PackedSplit, build_train_stream, read_val_blocks
-from raylm.preparation import prepare
+from raylm.data.corpus import DROP_REASONS
+from raylm.data.preparation import prepare
+from raylm.data.streams import PackedSplit, build_train_stream, read_val_blocks
 from tests.conftest import PIECE_MB, make_docs, write_jsonl, write_pieces_corpus
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
@@ -191,7 +191,7 @@ def test_two_ranks_read_disjoint_shards_covering_the_packed_set(corpus, tokenize
 
 
 def test_training_reads_a_prepared_directory_or_caches_one(corpus, tokenizer_dir, tmp_path):
-    from raylm.preparation import prepared_dir
+    from raylm.data.preparation import prepared_dir
 
     cfg = config(corpus, tokenizer_dir, tmp_path)
     cached = prepared_dir(cfg, log=lambda s: None)  # raw source: prepared into the cache once

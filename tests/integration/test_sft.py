@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from raylm.config import load_config
-from raylm.preparation import prepare
+from raylm.data.preparation import prepare
 from tests.conftest import save_tiny_qwen3, tokenizer_vocab
 from tests.integration import faults
 
@@ -147,7 +147,7 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
     """LoRA adapters on a saved pretrained model, 2 FSDP2 workers, chat data: a run that loses
     a worker after its step-15 checkpoint restarts from that checkpoint of the adapters and
     ends where an uninterrupted 20-step run ends; its exports (adapter, merged, int8) agree."""
-    from raylm.launch import train
+    from raylm.run.launch import train
 
     args = [*lora_run(chats, tokenizer_dir, pretrained, tmp_path), "--scaling.num_workers=2",
             "--train.log_every=10", "--train.eval_every=10", "--checkpoint.every=10"]

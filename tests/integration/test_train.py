@@ -11,7 +11,7 @@ import pytest
 
 import raylm
 from raylm.config import load_config, parse_override
-from raylm.launch import train
+from raylm.run.launch import train
 from tests.conftest import tiny_run
 from tests.integration import faults
 
@@ -66,7 +66,8 @@ def relaid(base, trained):
     logs the final model. It evaluates twice as many blocks per data-parallel rank there, so
     that its one rank evaluates the blocks the 2 ranks of the other runs did. Returns both
     summaries and what the second invocation said."""
-    from raylm import checkpoint, storage
+    from raylm import storage
+    from raylm.workers import checkpoint
 
     run = [f"--run.storage_path={bucket(base)}", "--run.name=layouts", "--checkpoint.every=5",
            "--scaling.num_workers=4", "--scaling.cpus_per_worker=0.5",
@@ -85,21 +86,22 @@ def relaid(base, trained):
     return first, resumed, logs
 
 
-def test_a_run_in_two_invocations_keeps_one_record(base, trained, relaid):
-    """What a run stopped and started again keeps, in object storage and in MLflow: one
-    summary, one MLflow run, one history, the final model."""
-    from mlflow import MlflowClient
-
-    from raylm import storage
-    from raylm.exporter import load_run_model
-
+def test_an_uninterrupted_run_summarizes_itself(trained):
     full = trained
-    first, resumed, _ = relaid
     assert full["final_step"] == 30 and full["resumed_from_step"] is None
     assert full["restarts"] == 0 and full["attention_backend"] == "sdpa-flash-cpu"
     assert full["precision"] == "fp32" and full["mfu"] is None  # no known peak on a CPU
     assert full["checkpoint_path"] and full["val_loss"] < 5.6  # from ln(320) = 5.77
+    assert full["status"] == "finished" and full["wall_s"] > 0
 
+
+def test_a_run_in_two_invocations_keeps_one_summary(base, relaid):
+    """What a run stopped and started again on another layout keeps in object storage: one
+    summary, written by its record, whose samples are exactly those of 30 steps."""
+    from raylm import storage
+    from raylm.run.exporter import load_run_model
+
+    first, resumed, _ = relaid
     uri = bucket(base)
     assert first["final_step"] == 10
     assert first["checkpoint_path"].startswith(f"{uri}/layouts/checkpoint_")
@@ -109,7 +111,29 @@ def test_a_run_in_two_invocations_keeps_one_record(base, trained, relaid):
     # The pipeline stages' checkpoint loads into one whole model.
     run_model, tokenizer_dir, step = load_run_model(f"{uri}/layouts")
     assert step == 30 and (tokenizer_dir / "tokenizer.json").is_file()
+    assert set(summary) == {
+        "status", "invocation", "final_step", "train_loss", "val_loss", "tokens_per_s", "mfu",
+        "data_wait_fraction", "wall_s", "checkpoint_path", "mlflow_run_id",
+        "mlflow_tracking_uri", "mlflow_model_uri", "tracking_lost", "resumed_from_step",
+        "workers", "restarts", "resizes", "failures", "interruptions", "samples",
+        "attention_backend", "precision",
+        "trainable_params", "peak_memory_gb", "param_memory_gb", "optimizer_memory_gb",
+        "data_parallel", "tensor_parallel", "pipeline_parallel",
+        "joules_per_token", "watts_per_gpu",
+        "energy_kwh", "gpu_hours", "cost"}
+    # Nothing measures energy on a CPU: no figure, rather than a zero.
+    assert [summary[k] for k in ("joules_per_token", "energy_kwh", "gpu_hours", "cost")] == [
+        None] * 4
+    # 30 steps x 8 sequences, in the seed's order, over two invocations (steps 6-10 were
+    # trained twice; the second time counts).
+    assert_exact_samples(summary, 30)
 
+
+def test_mlflow_keeps_one_run_and_one_history_across_invocations(base, trained, relaid):
+    from mlflow import MlflowClient
+
+    full = trained
+    first, resumed, _ = relaid
     # One MLflow run per raylm run, reused on resume; the default store is under storage_path.
     assert full["mlflow_tracking_uri"] == f"sqlite:///{base_dir(base)}/mlflow.db"
     assert resumed["mlflow_run_id"] == first["mlflow_run_id"] != full["mlflow_run_id"]
@@ -133,9 +157,20 @@ def test_a_run_in_two_invocations_keeps_one_record(base, trained, relaid):
     assert checkpoints[-1] == {"step": 30, "path": resumed["checkpoint_path"]}
     system = [k for k in mrun.data.metrics if k.startswith("system/")]
     assert any("cpu_utilization" in k for k in system), system
+
+
+def test_mlflow_runs_are_found_by_tags_and_hold_their_dataset_and_files(base, relaid):
+    """What a notebook filters and compares runs by: tags, the dataset input, the run's
+    files."""
+    from mlflow import MlflowClient
+
+    from raylm import storage
+
+    _, resumed, _ = relaid
+    client = MlflowClient(resumed["mlflow_tracking_uri"])
+    mrun = client.get_run(resumed["mlflow_run_id"])
     runs = client.search_runs([mrun.info.experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["full", "layouts"]
-    # What a notebook filters and compares runs by: tags, the dataset input, the run's files.
     assert {k: mrun.data.tags[k] for k in ("raylm.model", "raylm.training", "raylm.workers",
                                            "raylm.data_format")} == {
         "raylm.model": "preset:tiny", "raylm.training": "pretrain-full", "raylm.workers": "2",
@@ -143,6 +178,7 @@ def test_a_run_in_two_invocations_keeps_one_record(base, trained, relaid):
     assert [r.info.run_name for r in client.search_runs(
         [mrun.info.experiment_id], "tags.`raylm.training` = 'pretrain-full'")] != []
     (dataset,) = [d.dataset for d in mrun.inputs.dataset_inputs]
+    uri = bucket(base)
     info = json.loads(storage.read_text(f"{uri}/layouts/run.json"))
     manifest = json.loads((Path(info["prepared"]) / "manifest.json").read_text())
     assert dataset.digest == manifest["fingerprint"][:36]
@@ -151,37 +187,31 @@ def test_a_run_in_two_invocations_keeps_one_record(base, trained, relaid):
                         .read_text())
     assert logged == resumed
     assert "run.json" in {a.path for a in client.list_artifacts(mrun.info.run_id)}
-    # The final model, in MLflow's transformers flavor: the pipeline it loads holds the run's
-    # final weights.
+
+
+def test_the_final_model_is_logged_in_the_transformers_flavor(base, relaid):
+    """The final model, in MLflow's transformers flavor: the pipeline it loads holds the run's
+    final weights."""
     import mlflow.transformers
     import torch
+    from mlflow import MlflowClient
 
+    from raylm.run.exporter import load_run_model
+
+    _, resumed, _ = relaid
+    client = MlflowClient(resumed["mlflow_tracking_uri"])
+    mrun = client.get_run(resumed["mlflow_run_id"])
     outputs = sorted((o.step, o.model_id) for o in mrun.outputs.model_outputs)
     assert [s for s, _ in outputs] == [30]
     assert resumed["mlflow_model_uri"] == f"models:/{outputs[-1][1]}"
     logged_model = client.get_logged_model(outputs[-1][1])
     assert logged_model.model_type == "transformers"
     pipe = mlflow.transformers.load_model(logged_model.artifact_location)
+    run_model, _, _ = load_run_model(f"{bucket(base)}/layouts")
     ids = torch.arange(1, 33).unsqueeze(0)
     with torch.no_grad():
         torch.testing.assert_close(pipe.model(input_ids=ids).logits,
                                    run_model(input_ids=ids).logits, atol=0, rtol=0)
-    assert set(summary) == {
-        "status", "final_step", "train_loss", "val_loss", "tokens_per_s", "mfu",
-        "data_wait_fraction", "wall_s", "checkpoint_path", "mlflow_run_id",
-        "mlflow_tracking_uri", "mlflow_model_uri", "tracking_lost", "resumed_from_step",
-        "workers", "restarts", "resizes", "failures", "interruptions", "samples",
-        "attention_backend", "precision",
-        "trainable_params", "peak_memory_gb", "param_memory_gb", "optimizer_memory_gb",
-        "data_parallel", "tensor_parallel", "pipeline_parallel",
-        "joules_per_token", "watts_per_gpu",
-        "energy_kwh", "gpu_hours", "cost"}
-    # Nothing measures energy on a CPU: no figure, rather than a zero.
-    assert [summary[k] for k in ("joules_per_token", "energy_kwh", "gpu_hours", "cost")] == [
-        None] * 4
-    # 30 steps x 8 sequences, in the seed's order, over two invocations (steps 6-10 were
-    # trained twice; the second time counts).
-    assert_exact_samples(summary, 30)
 
 
 def test_the_python_api_reads_the_run_back(base, trained, relaid):
@@ -218,7 +248,7 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from raylm.cli import main
-    from raylm.exporter import generate, load_run_model
+    from raylm.run.exporter import generate, load_run_model
 
     run_dir = base_dir(base) / "full"
     assert main(["export", str(run_dir), "--output", str(tmp_path / "hf")]) == 0

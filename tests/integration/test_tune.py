@@ -27,7 +27,7 @@ def base(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def swept(base):
-    from raylm.sweep import sweep
+    from raylm.run.sweep import sweep
 
     return sweep(load_config(None, [*base, "--run.name=sweep"]), log=print)
 
@@ -94,7 +94,7 @@ def test_mlflow_holds_one_parent_and_a_child_per_trial(swept):
 
 def test_bad_sweeps_fail_before_any_trial(base):
     from raylm.config import ConfigError
-    from raylm.sweep import sweep
+    from raylm.run.sweep import sweep
 
     with pytest.raises(ConfigError, match="tune.lr_min/tune.lr_max"):
         load_config(None, [*base, "--tune.lr_min=1e-2", "--tune.lr_max=1e-3"])
@@ -127,8 +127,8 @@ def test_an_interrupted_lora_sweep_resumes_its_trial_from_its_checkpoint(base, p
     import ray
     import torch.distributed.checkpoint as dcp
 
-    from raylm import checkpoint
-    from raylm.sweep import sweep
+    from raylm.run.sweep import sweep
+    from raylm.workers import checkpoint
 
     root = Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
     args = [sys.executable, "-m", "raylm", "tune", *base, "--run.name=resumed",

@@ -15,8 +15,7 @@ from ray.autoscaler._private.kuberay.autoscaling_config import (
 )
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raylm.config import load_config
-from raylm.packing import batch_plan
+from raylm.config import batch_plan, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ["cluster/aws.yaml", "cluster/gcp.yaml"]

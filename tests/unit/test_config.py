@@ -208,7 +208,7 @@ def test_seq_len_beyond_the_models_positions_fails_before_ray_starts(command, ca
 def test_a_pretrained_models_own_tokenizer_is_the_default(tmp_path, tokenizer_dir):
     import shutil
 
-    from raylm.preparation import given_tokenizer
+    from raylm.data.preparation import given_tokenizer
 
     model = tmp_path / "model"
     model.mkdir()

@@ -7,7 +7,7 @@ import pytest
 
 from raylm import storage
 from raylm.config import load_config, run_dir
-from raylm.tracking import resolve_uri
+from raylm.run.tracking import resolve_uri
 
 
 @pytest.fixture(params=["path", "uri"])

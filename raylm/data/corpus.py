@@ -1,0 +1,478 @@
+"""Text sources: where documents come from, and how one file becomes a stream of records.
+
+A source resolves, on the driver and before any Ray work, into a sorted list of
+:class:`SourceFile`; a missing path or an unknown dataset is a one-line :class:`SourceError`.
+Each file is then read by :func:`read_records`, which never raises on bad content: every record it
+sees comes out once, either with its normalized text or with the reason it was dropped, so the
+pipeline's counts always add up (``documents_read == documents_kept + sum(dropped)``).
+
+The builtin corpus is the documentation already installed with raylm: the docstrings of the
+modules, classes and functions of transformers, torch, ray, datasets, mlflow and peft, parsed with
+``ast`` (no imports). It needs no download, is the same for the same installed versions, and is
+about 21 MB of English prose and code examples (one document per docstring; about 30k documents,
+of which a good share are exact duplicates copied between model files).
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import unicodedata
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from raylm.names import PREPARED_MANIFEST
+
+Format = Literal["text", "jsonl", "parquet", "arrow", "pydoc"]
+
+#: Why a record did not become a training document. Every record read gets exactly one outcome.
+DROP_REASONS = ("malformed", "missing_field", "empty", "duplicate", "undecodable", "too_short")
+#: The further reasons of fine-tuning examples (``data.format`` chat or prompt_completion): a
+#: role other than system/user/assistant, a conversation without an assistant turn, one longer
+#: than a block (``data.long_examples: drop``), one left with no trained token once cut to a
+#: block (``truncate``).
+ROLES = ("system", "user", "assistant")
+EXAMPLE_DROP_REASONS = ("unknown_role", "no_assistant", "too_long", "no_trained_tokens")
+#: Reasons that mean the input itself is broken (listed by file and line; fatal with
+#: ``on_bad_record: error``). The others are ordinary filtering.
+BAD_REASONS = frozenset({"malformed", "missing_field", "undecodable", "unknown_role",
+                         "no_assistant"})
+#: File formats that hold fine-tuning examples (fields of a row, not running text).
+EXAMPLE_FORMATS = ("jsonl", "parquet", "arrow")
+
+SUFFIX_FORMATS: dict[str, Format] = {
+    ".txt": "text", ".text": "text", ".md": "text", ".rst": "text",
+    ".jsonl": "jsonl", ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+
+
+class SourceError(ValueError):
+    """A source that cannot be read at all: missing path, unknown dataset, unknown file type."""
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str
+    format: Format
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record as read: ``text`` is set when kept, ``reason`` when dropped."""
+
+    text: str | None
+    reason: str | None
+    line: int
+    """1-based line (text/JSONL), row (Parquet/Arrow) or docstring line (pydoc); 0 for a whole
+    file (an empty file)."""
+
+
+def is_bad(reason: str | None, line: int) -> bool:
+    """Bad input (listed, fatal under on_bad_record=error): broken records and empty files."""
+    return reason in BAD_REASONS or (reason == "empty" and line == 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving sources
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_sources(
+    source: str | list[str], *, builtin_packages: list[str], hf_split: str = "train"
+) -> list[SourceFile]:
+    """Expand ``data.source`` into the files to read, in a deterministic order."""
+    sources = [source] if isinstance(source, str) else list(source)
+    files: list[SourceFile] = []
+    for s in sources:
+        files.extend(_resolve_one(s, builtin_packages=builtin_packages, hf_split=hf_split))
+    if not files:
+        raise SourceError(f"data.source {source!r} contains no readable files "
+                          f"(known types: {', '.join(sorted(SUFFIX_FORMATS))}).")
+    return files
+
+
+def _resolve_one(s: str, *, builtin_packages: list[str], hf_split: str) -> list[SourceFile]:
+    if s == "builtin":
+        return builtin_files(builtin_packages)
+    if s.startswith("hf:"):
+        return _hub_dataset_files(s[3:], hf_split)
+    path = Path(s).expanduser()
+    if any(c in s for c in "*?["):
+        matches = sorted(glob.glob(str(path), recursive=True))
+        found = [f for m in matches for f in _files_under(Path(m), s)]
+        if not found:
+            raise SourceError(f"data.source: no files match {s!r}.")
+        return found
+    if not path.exists():
+        raise SourceError(f"data.source: path not found: {path}")
+    if path.is_dir() and (path / PREPARED_MANIFEST).is_file():
+        raise SourceError(f"data.source: {path} is a prepared directory; it cannot be mixed "
+                          f"with other sources.")
+    if path.is_dir() and _is_saved_hf_dataset(path):
+        return _saved_dataset_files(path, hf_split)
+    return _files_under(path, s)
+
+
+def _files_under(path: Path, origin: str) -> list[SourceFile]:
+    if path.is_file():
+        fmt = SUFFIX_FORMATS.get(path.suffix.lower())
+        if fmt is None:
+            raise SourceError(
+                f"data.source: {path} has an unknown file type {path.suffix!r}; "
+                f"use one of {', '.join(sorted(SUFFIX_FORMATS))}."
+            )
+        return [SourceFile(str(path.resolve()), fmt)]
+    files = sorted(
+        p for p in path.rglob("*")
+        if p.is_file() and p.suffix.lower() in SUFFIX_FORMATS and not p.name.startswith(".")
+    )
+    if not files:
+        raise SourceError(f"data.source: {origin!r} holds no files of a known type "
+                          f"({', '.join(sorted(SUFFIX_FORMATS))}).")
+    return [SourceFile(str(p.resolve()), SUFFIX_FORMATS[p.suffix.lower()]) for p in files]
+
+
+def is_prepared_dir(source: str | list[str]) -> bool:
+    return isinstance(source, str) and (Path(source).expanduser() / PREPARED_MANIFEST).is_file()
+
+
+def _is_saved_hf_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _saved_dataset_files(path: Path, split: str) -> list[SourceFile]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # datasets raises several types for a damaged directory
+        raise SourceError(f"data.source: cannot load the saved dataset at {path}: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise SourceError(f"data.hf_split: {split!r} is not a split of {path}; "
+                              f"it has {', '.join(ds)}.")
+        ds = ds[split]
+    return [SourceFile(f["filename"], "arrow") for f in ds.cache_files]
+
+
+def _hub_dataset_files(spec: str, split: str) -> list[SourceFile]:
+    import datasets
+
+    name, _, config = spec.partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split)
+    except Exception as e:  # hub errors come as many types: not found, offline, gated
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SourceError(
+            f"data.source: Hugging Face dataset {name!r} could not be loaded ({first}). "
+            f"Check the name, or download it elsewhere and point data.source at its "
+            f"save_to_disk directory."
+        ) from None
+    return [SourceFile(f["filename"], "arrow") for f in ds.cache_files]
+
+
+def builtin_files(packages: list[str]) -> list[SourceFile]:
+    """The ``.py`` files of the installed ``packages``, in sorted order (absent ones skipped)."""
+    files: list[SourceFile] = []
+    for pkg in packages:
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or spec.origin is None:
+            continue
+        root = Path(spec.origin).parent
+        files.extend(SourceFile(str(p), "pydoc") for p in sorted(root.rglob("*.py")))
+    if not files:
+        raise SourceError(f"data.builtin_packages: none of {packages} is installed; "
+                          f"name installed packages or set data.source to your corpus.")
+    return files
+
+
+def fingerprint_files(files: list[SourceFile]) -> str:
+    """Changes when any file is added, removed, resized or touched."""
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        st = os.stat(f.path)
+        h.update(f"{f.path}\0{f.format}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Reading records
+# --------------------------------------------------------------------------------------------
+
+
+def normalize(text: str) -> str:
+    """NFC, Unix newlines, no surrounding whitespace: the text that is hashed and tokenized."""
+    return unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n")).strip()
+
+
+def content_hash(text: str) -> int:
+    """64-bit hash of the normalized text: exact-duplicate key and the train/val splitter."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def read_records(
+    f: SourceFile, *, text_field: str = "text", text_unit: str = "paragraph", min_chars: int = 0
+) -> Iterator[Record]:
+    """Every record of one file, once, each with its text or its drop reason."""
+    raw = {
+        "text": _text_records,
+        "jsonl": _jsonl_records,
+        "parquet": _table_records,
+        "arrow": _table_records,
+        "pydoc": _pydoc_records,
+    }[f.format](f, text_field=text_field, text_unit=text_unit)
+    n = 0
+    for text, reason, line in raw:
+        n += 1
+        if reason is None:
+            text = normalize(text)
+            if not text:
+                reason = "empty"
+            elif len(text) < min_chars:
+                reason = "too_short"
+        yield Record(text if reason is None else None, reason, line)
+    if n == 0 and f.format != "pydoc":
+        # An empty file is not silently nothing: it is one record, dropped and listed. (A
+        # Python module without docstrings is just that, not bad input.)
+        yield Record(None, "empty", 0)
+
+
+def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "messages",
+                  prompt_field: str = "prompt", completion_field: str = "completion"
+                  ) -> Iterator[Record]:
+    """Every fine-tuning example of one JSONL/Parquet/Arrow file, once: its text is the checked,
+    normalized conversation as JSON (what is hashed for deduplication and the split, and
+    rendered later by :mod:`raylm.data.chat`), or it has the reason it was dropped."""
+    if f.format not in EXAMPLE_FORMATS:
+        raise SourceError(f"data.format={example_format} reads examples from "
+                          f"{', '.join(EXAMPLE_FORMATS)} files; {f.path} is {f.format}.")
+    fields = ([messages_field] if example_format == "chat"
+              else [prompt_field, completion_field])
+    n = 0
+    for row, reason, line in _rows(f, fields):
+        n += 1
+        messages = None
+        if reason is None:
+            if example_format == "chat":
+                value = row[messages_field]
+                messages, reason = ((None, "missing_field") if value is None
+                                    else parse_messages(value))
+            else:
+                messages, reason = parse_prompt_completion(row[prompt_field],
+                                                           row[completion_field])
+        text = None if reason is not None else json.dumps(messages, ensure_ascii=False)
+        yield Record(text, reason, line)
+    if n == 0:
+        yield Record(None, "empty", 0)
+
+
+def _rows(f: SourceFile, fields: list[str]) -> Iterator[tuple]:
+    """``(row, reason, line)``: each row of a JSONL/Parquet/Arrow file as a mapping of the
+    ``fields`` (absent ones None), or the reason it cannot be read."""
+    if f.format == "jsonl":
+        for obj, reason, lineno in _jsonl_objects(f):
+            yield (None if obj is None else {k: obj.get(k) for k in fields}), reason, lineno
+        return
+    columns = {k: _table_column(f, k) for k in fields}
+    rows = max((len(c) for c in columns.values() if c is not None), default=None)
+    if rows is None:  # none of the fields: every row lacks them
+        rows = _table_rows(f)
+    for i in range(rows):
+        yield {k: (None if c is None else c[i]) for k, c in columns.items()}, None, i + 1
+
+
+def _table_column(f: SourceFile, column: str) -> list | None:
+    batches, _ = _table_batches(f, column)
+    if batches is None:
+        return None
+    return [v for b in batches for v in b.column(b.schema.get_field_index(column)).to_pylist()]
+
+
+def _table_rows(f: SourceFile) -> int:
+    import pyarrow.parquet as pq
+
+    if f.format == "parquet":
+        return pq.ParquetFile(f.path).metadata.num_rows
+    _, rows = _table_batches(f, "\0no such column")
+    return rows
+
+
+def _text_records(f: SourceFile, *, text_unit: str, **_) -> Iterator[tuple]:
+    with open(f.path, "rb") as fh:
+        if text_unit == "file":
+            data = fh.read()
+            try:
+                yield data.decode("utf-8-sig"), None, 1
+            except UnicodeDecodeError:
+                yield None, "undecodable", 1
+            return
+        para: list[str] = []
+        start, bad = 0, False
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError:
+                line, bad_line = "\ufffd", True
+            else:
+                bad_line = False
+            if text_unit == "line":
+                if line.strip():
+                    yield (None, "undecodable", lineno) if bad_line else (line, None, lineno)
+                continue
+            if not line.strip() and not bad_line:
+                if para:
+                    yield (None, "undecodable", start) if bad else ("".join(para), None, start)
+                para, bad = [], False
+                continue
+            if not para:
+                start = lineno
+            para.append(line)
+            bad = bad or bad_line
+        if para:
+            yield (None, "undecodable", start) if bad else ("".join(para), None, start)
+
+
+def _jsonl_objects(f: SourceFile) -> Iterator[tuple]:
+    """``(object, None, line)`` for each JSON object line of a JSONL file, or ``(None, reason,
+    line)`` for a line that is not one."""
+    with open(f.path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue  # blank lines separate nothing and hold no record
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield None, "undecodable", lineno
+                continue
+            except ValueError:
+                yield None, "malformed", lineno
+                continue
+            if not isinstance(obj, dict):
+                yield None, "malformed", lineno
+                continue
+            yield obj, None, lineno
+
+
+def _jsonl_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
+    for obj, reason, lineno in _jsonl_objects(f):
+        if obj is None:
+            yield None, reason, lineno
+            continue
+        value = obj.get(text_field)
+        if value is None:
+            yield None, "missing_field", lineno
+        elif not isinstance(value, str):
+            yield None, "malformed", lineno
+        else:
+            yield value, None, lineno
+
+
+def _table_batches(f: SourceFile, column: str):
+    """(record batches, None), or (None, row count) when the file has no ``column``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if f.format == "parquet":
+        pf = pq.ParquetFile(f.path)
+        if column not in pf.schema_arrow.names:
+            return None, pf.metadata.num_rows
+        return pf.iter_batches(columns=[column], batch_size=4096), None
+    source = pa.memory_map(f.path)
+    try:  # `datasets` writes the streaming format
+        stream = pa.ipc.open_stream(source)
+        schema, batches = stream.schema, stream
+    except pa.ArrowInvalid:  # the random-access file format
+        reader = pa.ipc.open_file(source)
+        schema = reader.schema
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    if column not in schema.names:
+        return None, sum(b.num_rows for b in batches)
+    return batches, None
+
+
+def _table_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
+    batches, rows_without_field = _table_batches(f, text_field)
+    if batches is None:
+        for row in range(1, rows_without_field + 1):
+            yield None, "missing_field", row
+        return
+    row = 0
+    for batch in batches:
+        for value in batch.column(batch.schema.get_field_index(text_field)).to_pylist():
+            row += 1
+            if value is None:
+                yield None, "missing_field", row
+            elif isinstance(value, bytes):
+                try:
+                    yield value.decode("utf-8"), None, row
+                except UnicodeDecodeError:
+                    yield None, "undecodable", row
+            elif not isinstance(value, str):
+                yield None, "malformed", row
+            else:
+                yield value, None, row
+
+
+_DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _pydoc_records(f: SourceFile, **_) -> Iterator[tuple]:
+    try:
+        tree = ast.parse(Path(f.path).read_bytes())
+    except (SyntaxError, ValueError):
+        yield None, "malformed", 1
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, _DOC_NODES):
+            doc = ast.get_docstring(node, clean=True)
+            if doc is not None:
+                yield doc, None, getattr(node, "lineno", 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Checking fine-tuning examples (what raylm.data.chat renders)
+# --------------------------------------------------------------------------------------------
+
+
+def parse_messages(value: Any) -> tuple[list[dict[str, str]] | None, str | None]:
+    """``(messages, None)`` for a valid conversation, normalized; ``(None, reason)`` otherwise:
+    ``malformed`` (not a non-empty list of ``{role, content}`` with string values),
+    ``unknown_role`` (a role other than system, user, assistant), ``no_assistant`` (nothing
+    to train on)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None, "malformed"
+    messages = []
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                or not isinstance(m.get("content"), str):
+            return None, "malformed"
+        if m["role"] not in ROLES:
+            return None, "unknown_role"
+        messages.append({"role": m["role"], "content": normalize(m["content"])})
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, "no_assistant"
+    return messages, None
+
+
+def parse_prompt_completion(prompt: Any, completion: Any
+                            ) -> tuple[list[dict[str, str]] | None, str | None]:
+    """A prompt/completion pair as the messages it stands for (one user turn, one assistant
+    turn), or ``(None, reason)``: ``missing_field``, ``malformed`` (not strings), ``empty``
+    (an empty completion: nothing to train on)."""
+    if prompt is None or completion is None:
+        return None, "missing_field"
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        return None, "malformed"
+    completion = normalize(completion)
+    if not completion:
+        return None, "empty"
+    return [{"role": "user", "content": normalize(prompt)},
+            {"role": "assistant", "content": completion}], None

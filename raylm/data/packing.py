@@ -1,0 +1,266 @@
+"""Packing token streams into fixed-length blocks, and the one global order blocks are read in.
+
+Packing concatenates tokenized documents (each already ending in EOS) and cuts the stream into
+blocks of ``block_length = seq_len + 1`` tokens: no padding, every token trains, and a document
+may continue into the next block. The tokens after the last full block are dropped and counted
+(``tokens == blocks * block_length + tail_tokens_dropped``). Each block remembers where documents
+start inside it, so attention can be kept within documents. Fine-tuning examples are packed
+whole instead (:class:`ExamplePacker`), with padding and a loss mask
+(``tokens + padding_tokens == blocks * block_length``).
+
+:class:`SampleOrder` defines the training stream: global position ``p`` of epoch ``p // N`` maps
+to one stored block, through a permutation that depends only on the seed, the data and the
+global batch. Global step ``s`` consumes positions ``[s*B, (s+1)*B)`` and rank ``r`` of ``w``
+takes the slice ``[r*B/w, (r+1)*B/w)`` of it, so a checkpoint that stores the next position
+resumes exactly, on any number of workers.
+
+The permutation keeps reads sequential and lets each rank read about its own share. Row groups
+are permuted, and ``window`` consecutive row groups form a window: every 4,096 consecutive
+positions (16 row groups of 256 blocks) come from 16 random row groups spread over the corpus.
+Inside a window, a position's *column* ``p mod B`` is its place in the global batch, and the
+window's rows (its row groups one after the other, the rows of each shuffled) are dealt out
+column by column: column 0's positions in the window take the first rows, column 1's the next,
+and so on. A rank's slice is a run of consecutive columns whatever the worker count, so the
+rows it trains on in a window are one contiguous run of that sequence: it reads only the row
+groups of its run, which hold its share plus the rest of the two row groups the run starts and
+ends in (nothing more when the window's row groups are full, the worker count divides their
+number and ``B`` divides their rows). Every global batch still draws from across its window:
+each column's rows come from one or two row groups, so a batch takes rows from ``min(B,
+window)`` row groups or more. A reader holds at most the window's row groups in memory; the
+order itself costs one int per row group and one per row of the windows in use.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+
+class Packer:
+    """Streams documents in, full blocks out; holds less than one block between calls."""
+
+    def __init__(self, block_length: int) -> None:
+        self.block_length = block_length
+        self._rest = np.zeros(0, dtype=np.int32)
+        self._rest_starts = np.zeros(0, dtype=np.int64)
+        self.tokens_in = 0
+        self.blocks_out = 0
+
+    def add(self, docs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Append ``docs``; return the blocks completed, shape (n, block_length), and for each
+        block the offsets inside it where a document starts."""
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        tokens = np.concatenate([np.zeros(0, np.int32),
+                                 *[np.asarray(d, dtype=np.int32) for d in docs]])
+        return self.add_stream(tokens, np.cumsum(lengths) - lengths)
+
+    def add_stream(self, tokens: np.ndarray, starts: np.ndarray
+                   ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Append a run of ``tokens`` in which documents start at ``starts``; as :meth:`add`."""
+        L = self.block_length
+        self.tokens_in += len(tokens)
+        stream = np.concatenate([self._rest, np.asarray(tokens, dtype=np.int32)])
+        starts = np.concatenate([self._rest_starts,
+                                 len(self._rest) + np.asarray(starts, dtype=np.int64)])
+        n = len(stream) // L
+        blocks = stream[: n * L].reshape(n, L)
+        cut = np.searchsorted(starts, np.arange(n + 1) * L)
+        doc_starts = [starts[cut[i] : cut[i + 1]] - i * L for i in range(n)]
+        self._rest = stream[n * L :].copy()
+        self._rest_starts = starts[cut[n] :] - n * L
+        self.blocks_out += n
+        return blocks, doc_starts
+
+    @property
+    def tail_tokens(self) -> int:
+        """Tokens that did not fill a block (dropped when the stream ends)."""
+        return len(self._rest)
+
+    def tail(self) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens that did not fill a block, and where documents start among them; its
+        first token counts as a start (it may continue a document whose beginning is in the
+        last block: on its own, it is the start of what is left of it)."""
+        starts = self._rest_starts
+        if len(self._rest) and (not len(starts) or starts[0] != 0):
+            starts = np.concatenate([[0], starts])
+        return self._rest.copy(), starts.astype(np.int64)
+
+
+class ExamplePacker:
+    """Fine-tuning examples in, full blocks out: each example whole in one block (an example cut
+    in two would train its second half without the first), as many as fit, in arrival order;
+    the rest of a block is padding, masked out and a document of its own. Every example's first
+    token is masked as a target too: it would be predicted from the example before it, which
+    it cannot see. Examples must be at most ``block_length`` tokens (the caller drops or cuts
+    longer ones). Holds at most one block between calls; :meth:`finish` pads out the last."""
+
+    def __init__(self, block_length: int, *, pad_id: int) -> None:
+        self.block_length, self.pad_id = block_length, pad_id
+        self._ids: list[np.ndarray] = []
+        self._mask: list[np.ndarray] = []
+        self._used = 0
+        self.tokens_in = self.blocks_out = self.padding_tokens = self.trained_tokens = 0
+
+    def add(self, examples: list[tuple[np.ndarray, np.ndarray]]
+            ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """Append ``(ids, mask)`` examples; return the blocks completed (n, block_length), the
+        example starts inside each, and their loss masks (n, block_length; 1: a trained
+        target)."""
+        blocks, starts, masks = [], [], []
+        for ids, mask in examples:
+            n = len(ids)
+            assert 0 < n <= self.block_length and len(mask) == n
+            if self._used + n > self.block_length:
+                block, start, block_mask = self._close()
+                blocks.append(block)
+                starts.append(start)
+                masks.append(block_mask)
+            mask = np.asarray(mask, dtype=np.uint8).copy()
+            mask[0] = 0
+            self._ids.append(np.asarray(ids, dtype=np.int32))
+            self._mask.append(mask)
+            self._used += n
+            self.tokens_in += n
+            self.trained_tokens += int(mask.sum())
+        return self._stack(blocks, starts, masks)
+
+    tail_tokens = 0
+    """Nothing is dropped at the end: :meth:`finish` pads out the last block."""
+
+    def finish(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """The last, partly filled block (padded), if any."""
+        if not self._ids:
+            return self._stack([], [], [])
+        block, start, mask = self._close()
+        return self._stack([block], [start], [mask])
+
+    def _close(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        L = self.block_length
+        lengths = [len(i) for i in self._ids]
+        starts = np.cumsum([0, *lengths])[:-1]
+        pad = L - self._used
+        ids = np.concatenate([*self._ids, np.full(pad, self.pad_id, np.int32)])
+        mask = np.concatenate([*self._mask, np.zeros(pad, np.uint8)])
+        if pad:
+            starts = np.concatenate([starts, [self._used]])
+        self.padding_tokens += pad
+        self.blocks_out += 1
+        self._ids, self._mask, self._used = [], [], 0
+        return ids, starts.astype(np.int64), mask
+
+    def _stack(self, blocks, starts, masks):
+        L = self.block_length
+        if not blocks:
+            return np.zeros((0, L), np.int32), [], np.zeros((0, L), np.uint8)
+        return np.stack(blocks), starts, np.stack(masks)
+
+
+def position_ids(doc_starts: np.ndarray, block_length: int) -> np.ndarray:
+    """Per-token position inside its document, restarting at every document start."""
+    pos = np.arange(block_length, dtype=np.int64)
+    if len(doc_starts) == 0:
+        return pos
+    # For each token, the most recent document start at or before it (0 if none).
+    starts = np.concatenate([[0], np.asarray(doc_starts, dtype=np.int64)])
+    last = starts[np.searchsorted(starts, pos, side="right") - 1]
+    return pos - last
+
+
+class SampleOrder:
+    """Global position -> stored row, for rows stored in row groups of ``group_sizes`` and read
+    ``global_batch`` positions per step."""
+
+    def __init__(self, group_sizes: list[int], *, seed: int, window: int,
+                 global_batch: int) -> None:
+        if not group_sizes or min(group_sizes) < 1:
+            raise ValueError("SampleOrder needs at least one non-empty row group")
+        self.group_sizes = np.asarray(group_sizes, dtype=np.int64)
+        self.group_offsets = np.concatenate([[0], np.cumsum(self.group_sizes)])
+        self.num_rows = int(self.group_offsets[-1])
+        self.seed, self.window, self.global_batch = seed, window, global_batch
+        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._windows: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray,
+                                                          np.ndarray]] = OrderedDict()
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row-group permutation, start position of each window) for ``epoch``."""
+        if epoch not in self._epochs:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.group_sizes))
+            sizes = self.group_sizes[perm]
+            window_sizes = np.add.reduceat(sizes, np.arange(0, len(sizes), self.window))
+            self._epochs[epoch] = (perm, np.concatenate([[0], np.cumsum(window_sizes)]))
+            while len(self._epochs) > 2:
+                self._epochs.popitem(last=False)
+        return self._epochs[epoch]
+
+    def _window(self, epoch: int, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Window ``w`` of ``epoch``: its rows in dealing order, and for each column the first
+        position of the window in that column and how many rows precede that column's."""
+        key = (epoch, w)
+        if key not in self._windows:
+            perm, starts = self._epoch(epoch)
+            rng = np.random.default_rng([self.seed, epoch, w])
+            rows = np.concatenate([rng.permutation(np.arange(self.group_offsets[g],
+                                                             self.group_offsets[g + 1]))
+                                   for g in perm[w * self.window : (w + 1) * self.window]])
+            a = epoch * self.num_rows + int(starts[w])  # the window's first global position
+            columns = np.arange(self.global_batch)
+            first = a + (columns - a) % self.global_batch
+            count = np.maximum(0, -(-(a + len(rows) - first) // self.global_batch))
+            before = np.concatenate([[0], np.cumsum(count)[:-1]])
+            self._windows[key] = (rows, first, before)
+            while len(self._windows) > 4:
+                self._windows.popitem(last=False)
+        return self._windows[key]
+
+    def rows(self, positions: np.ndarray) -> np.ndarray:
+        """Stored row index for each global position (any epoch)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.empty_like(positions)
+        epochs = positions // self.num_rows
+        for epoch in np.unique(epochs):
+            in_epoch = epochs == epoch
+            _, window_starts = self._epoch(int(epoch))
+            within = positions[in_epoch] - epoch * self.num_rows
+            w_idx = np.searchsorted(window_starts, within, side="right") - 1
+            res = np.empty(len(within), dtype=np.int64)
+            for w in np.unique(w_idx):
+                m = w_idx == w
+                rows, first, before = self._window(int(epoch), int(w))
+                p = positions[in_epoch][m]
+                col = p % self.global_batch
+                res[m] = rows[before[col] + (p - first[col]) // self.global_batch]
+            out[in_epoch] = res
+        return out
+
+
+def rank_share(global_batch: int, world_size: int) -> int:
+    """Samples each rank takes of every global batch. The config guarantees every worker count
+    the run may have divides the global batch (``train.global_batch_size``)."""
+    assert global_batch % world_size == 0, (global_batch, world_size)
+    return global_batch // world_size
+
+
+def rank_positions(
+    local_index: np.ndarray, *, start_step: int, global_batch: int, rank: int, world_size: int
+) -> np.ndarray:
+    """Global positions of the ``local_index``-th samples rank ``rank`` of ``world_size`` reads
+    from ``start_step`` on: it takes slice ``[rank*b, (rank+1)*b)`` of every global batch."""
+    per_rank = rank_share(global_batch, world_size)
+    step, j = np.divmod(np.asarray(local_index, dtype=np.int64), per_rank)
+    return (start_step + step) * global_batch + rank * per_rank + j
+
+
+def check_positions(positions: np.ndarray, *, step: int, global_batch: int, rank: int,
+                    world_size: int) -> None:
+    """The samples a rank is about to train at ``step`` (0-based) must be its slice of that
+    global batch. The stream starts where the restored train state says, so this holds unless
+    a reader is broken; a mismatch would silently train on the wrong data."""
+    want = rank_positions(np.arange(rank_share(global_batch, world_size)), start_step=step,
+                          global_batch=global_batch, rank=rank, world_size=world_size)
+    if not np.array_equal(positions, want):
+        raise RuntimeError(
+            f"rank {rank}: the data stream is at positions {positions[:4].tolist()}... but step "
+            f"{step} needs {want[0]}..{want[-1]}; the stream and the checkpoint disagree about "
+            f"where the run is.")

@@ -1,0 +1,158 @@
+"""Tokenizers: train a byte-level BPE with `tokenizers`, or load an existing Hugging Face one.
+
+A trained tokenizer is saved as a Hugging Face tokenizer directory (``tokenizer.json`` plus the
+transformers config files), so ``AutoTokenizer.from_pretrained(dir)`` loads it. It is cached under
+``cache_dir/tokenizers/<fingerprint>``, where the fingerprint covers the corpus files (path, size,
+mtime) and every setting that changes the result, so a second ``prepare`` reuses it.
+
+Training reads ``tokenizer.train_chars`` characters of kept documents. Files are visited in an
+order fixed by a hash of their path, so the sample spans the whole corpus rather than its first
+package, and is the same on every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from raylm.data.corpus import SourceFile, read_examples, read_records
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def tokenizer_fingerprint(corpus_fingerprint: str, **settings) -> str:
+    blob = json.dumps({"corpus": corpus_fingerprint, **settings}, sort_keys=True)
+    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+
+
+def sample_texts(
+    files: list[SourceFile], *, num_chars: int, text_field: str, text_unit: str,
+    examples: dict[str, str] | None = None,
+) -> Iterator[str]:
+    """Kept documents totalling about ``num_chars`` characters, in a deterministic order.
+    Fine-tuning ``examples`` (their format and fields) are sampled as raylm's default chat
+    template renders them."""
+    from raylm.data.chat import DefaultTemplate
+
+    order = sorted(files, key=lambda f: hashlib.blake2b(f.path.encode()).digest())
+    seen = 0
+    for f in order:
+        records = (read_examples(f, **examples) if examples else
+                   read_records(f, text_field=text_field, text_unit=text_unit))
+        for rec in records:
+            if rec.text is None:
+                continue
+            text = rec.text
+            if examples:
+                text = "".join(s.text for s in DefaultTemplate().segments(json.loads(text)))
+            yield text
+            seen += len(rec.text)
+            if seen >= num_chars:
+                return
+
+
+def train_bpe(texts: Iterator[str], *, vocab_size: int, min_frequency: int = 2):
+    """A byte-level BPE (GPT-2 style pre-tokenization) with ``EOS_TOKEN`` as its only special."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def save_hf_tokenizer(tok, directory: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN
+    )
+    hf.save_pretrained(str(directory))
+
+
+def build_tokenizer(
+    files: list[SourceFile],
+    *,
+    corpus_fingerprint: str,
+    cache_dir: Path,
+    vocab_size: int,
+    min_frequency: int,
+    train_chars: int,
+    text_field: str,
+    text_unit: str,
+    examples: dict[str, str] | None = None,
+    log=print,
+) -> Path:
+    """Train (or reuse from the cache) a BPE tokenizer on ``files``; return its directory."""
+    fp = tokenizer_fingerprint(
+        corpus_fingerprint, vocab_size=vocab_size, min_frequency=min_frequency,
+        train_chars=train_chars, text_field=text_field, text_unit=text_unit, eos=EOS_TOKEN,
+        **(examples or {}),
+    )
+    target = cache_dir / "tokenizers" / fp
+    if (target / "tokenizer.json").is_file():
+        log(f"tokenizer: reusing {target}")
+        return target
+    log(f"tokenizer: training a byte-level BPE (vocab {vocab_size}) on "
+        f"{train_chars / 1e6:.1f}M characters")
+    tok = train_bpe(
+        sample_texts(files, num_chars=train_chars, text_field=text_field, text_unit=text_unit,
+                     examples=examples),
+        vocab_size=vocab_size, min_frequency=min_frequency,
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename, so a concurrent or killed run never sees half a
+    # tokenizer directory.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{fp}-"))
+    save_hf_tokenizer(tok, tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process finished first: theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"tokenizer: saved {target}")
+    return target
+
+
+def load_backend(path: str | Path):
+    """(fast ``tokenizers.Tokenizer``, eos id) for a Hugging Face tokenizer directory."""
+    from transformers import AutoTokenizer
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"tokenizer.path: {p} is not a directory; point it at a Hugging Face "
+                         f"tokenizer directory or leave it unset to train one.")
+    try:
+        hf = AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:  # transformers raises OSError/ValueError/KeyError for bad dirs
+        raise ValueError(f"tokenizer.path: cannot load a tokenizer from {p}: {e}") from None
+    if not getattr(hf, "is_fast", False):
+        raise ValueError(f"tokenizer.path: {p} has no fast (Rust) tokenizer; raylm needs "
+                         f"tokenizer.json to tokenize at speed.")
+    if hf.eos_token_id is None:
+        raise ValueError(f"tokenizer.path: the tokenizer at {p} has no EOS token; add one "
+                         f"(eos_token in tokenizer_config.json) so documents can be separated.")
+    return hf.backend_tokenizer, int(hf.eos_token_id)
+
+
+def chat_template(path: str | os.PathLike) -> dict | None:
+    """The chat template of the Hugging Face tokenizer at ``path``, as :class:`raylm.data.chat.
+    JinjaTemplate` takes it; None when it has none (raylm's trained BPEs)."""
+    from transformers import AutoTokenizer
+
+    from raylm.data.chat import template_args
+
+    args = template_args(AutoTokenizer.from_pretrained(str(path)))
+    return args and {**args, "name": f"the chat template of {path}"}

@@ -1,0 +1,1 @@
+"""Example tasks the project makes itself, for demos, notebooks and benchmarks."""

@@ -1,0 +1,24 @@
+"""Names more than one process agrees on: the files of a prepared directory and of a run
+directory, and the events workers report. Written and read in different places (Ray Data
+tasks, workers, the controller, the driver, later commands), so they are defined once here.
+"""
+
+# A prepared directory (raylm.data.preparation writes it; workers and the driver read it).
+PREPARED_MANIFEST = "manifest.json"   # counts, sources, tokenizer, fingerprint
+LAYOUT = "layout.json"                # the packed blocks of each split
+SPLITS = ("train", "val")             # one folder of block files each
+
+# A run directory.
+RUN_INFO = "run.json"                 # the run's config and tokenizer, for export and resume
+SUMMARY = "summary.json"              # the run's figures; the controller's record writes it
+EVENTS = "events.jsonl"               # the run's event log (local storage)
+EVENT_SEGMENTS = "events"             # the event log as numbered objects (object storage)
+MLFLOW_RUN = "mlflow_run.json"        # the MLflow run this run logs into
+JOB_CONFIG = "raylm_job.yaml"         # the config a submitted job runs
+
+# A checkpoint directory inside a run directory.
+CHECKPOINT_MARKER = "raylm_checkpoint.json"   # present once the checkpoint is complete
+CHECKPOINT_SAMPLES = "samples.npy"            # the per-sample ledger at the checkpoint
+
+# The ``event`` of the report a new worker group sends first (the record and sweeps read it).
+GROUP_START = "group_start"

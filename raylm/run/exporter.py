@@ -1,0 +1,312 @@
+"""From a run directory to a Hugging Face model directory, and sampling text from either.
+
+A run directory is self-describing: ``raylm train`` writes ``RUN_DIR/run.json`` (the resolved
+config, vocabulary and EOS id) and a copy of the tokenizer in ``RUN_DIR/tokenizer``. Export loads
+the newest verified checkpoint on one process (DCP gathers the shards of any world size into
+full tensors) and writes ``config.json``, ``model.safetensors`` and the tokenizer files, which
+``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load.
+
+``--quantize int8`` is post-training, weight-only quantization for deployment, done by torchao
+through transformers' ``TorchAoConfig`` (nothing of it is written here): the linear layers,
+output head included, hold int8 weights with one scale per output row; the embedding table
+stays in the training precision (a lookup reads one row per token, so it costs memory, not
+compute). The figures that decide whether to ship it, the size against the unquantized export
+and the validation-loss change on the run's own validation blocks, are measured by the export.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from raylm import storage
+from raylm.config import config_from_dict
+from raylm.console import quiet_torchao
+from raylm.model import lora
+from raylm.model.attention import AttentionChoice, fit_to_model
+from raylm.model.build import (
+    build_config,
+    build_meta_model,
+    materialize,
+    max_positions,
+    reset_buffers,
+)
+from raylm.names import LAYOUT, RUN_INFO, SUMMARY
+from raylm.workers import checkpoint
+
+TOKENIZER_DIR = "tokenizer"
+
+
+QUANTIZATIONS = ("int8",)
+
+
+def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
+                   tokenizer_path: str, prepared: str) -> None:
+    storage.write_text(storage.join(run_dir, RUN_INFO), json.dumps(
+        {"config": config, "vocab_size": vocab_size, "eos_id": eos_id, "prepared": prepared},
+        indent=1))
+    target = storage.join(run_dir, TOKENIZER_DIR)
+    if not storage.is_dir(target):
+        # The tokenizer's own files only: it is often a whole model directory (model.path's),
+        # whose weights must not travel with every run, nor land in its exports.
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory(prefix="raylm-tokenizer-") as tmp:
+            AutoTokenizer.from_pretrained(str(tokenizer_path)).save_pretrained(tmp)
+            storage.upload(tmp, target)
+
+
+def read_run_info(run_dir: str) -> dict:
+    """``RUN_DIR/run.json``: the resolved config, vocabulary and EOS id."""
+    if not storage.is_file(storage.join(run_dir, RUN_INFO)):
+        raise ValueError(f"{run_dir} is not a raylm run directory (no {RUN_INFO}); pass the "
+                         f"directory `raylm train` printed as its run dir.")
+    return json.loads(storage.read_text(storage.join(run_dir, RUN_INFO)))
+
+
+def load_run_model(run_dir: str | Path, *, merge: bool = True):
+    """(model in eval mode, local tokenizer directory, step) from a run's newest verified
+    checkpoint. A LoRA run's adapters are merged into the base unless ``merge`` is false. A run
+    in object storage has its tokenizer fetched to a temporary directory."""
+
+    rd = storage.normalize(run_dir)
+    info = read_run_info(rd)
+    cfg = config_from_dict(info["config"])
+    found = checkpoint.latest_verified(rd)
+    if found is None:
+        raise ValueError(f"{rd} holds no complete checkpoint to export.")
+    config = build_config(preset=cfg.model.preset, path=cfg.model.path,
+                          vocab_size=info["vocab_size"], eos_id=info["eos_id"],
+                          attn_implementation="sdpa")
+    config._attn_implementation = fit_to_model(
+        AttentionChoice("sdpa", "sdpa"), config, requested="auto",
+        device_type="cpu").implementation
+    model = build_meta_model(config)
+    args = lora.adapter_args(cfg.lora)
+    if args:
+        model = lora.add_adapters(model, **args)
+    materialize(model, "cpu")
+    reset_buffers(model)  # rotary frequencies are not in checkpoints
+    if args:
+        # A LoRA checkpoint holds the adapters; the frozen base is the pretrained model's.
+        checkpoint.load_pretrained_weights(model, cfg.model.path)
+    state = checkpoint.load(found[0], model=model, optimizer=None, config=config,
+                            adapters=lora.settings(cfg.lora))
+    if args and merge:
+        lora.merge_adapters(model)
+    model.eval()
+    tokenizer_dir = storage.join(rd, TOKENIZER_DIR)
+    if storage.is_uri(rd):
+        tokenizer_dir = str(storage.download(tokenizer_dir,
+                                             tempfile.mkdtemp(prefix="raylm-tokenizer-")))
+    return model, Path(tokenizer_dir), int(state["step"])
+
+
+def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
+           quantize: str | None = None, log=print) -> Path:
+    """Write the run's newest checkpoint as a directory plain clients use as it is.
+
+    A full model: a Hugging Face model directory (``from_pretrained``, ``generate``,
+    ``pipeline``), with the KV cache on (training turns it off; without it every new token
+    re-runs the whole sequence), EOS and padding named, and the tokenizer's length limit set to
+    the model's positions. A LoRA run: a PEFT adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``, written by peft itself) that ``PeftModel.from_pretrained``
+    loads onto the base model, or, with ``merge``, the merged model as a full directory. The
+    tokenizer (with its chat template, if any) goes with either. ``quantize="int8"`` writes the
+    (merged) model with int8 weights instead, and logs what that changed (see the module
+    docstring)."""
+    from transformers import AutoTokenizer
+
+    if quantize is not None:
+        return _export_quantized(run_dir, output, quantize, log=log)
+    cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
+    adapters = lora.adapter_args(cfg.lora)
+    model, tokenizer_dir, step = load_run_model(run_dir, merge=merge or not adapters)
+    out = Path(output).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.use_cache = True
+    gen = model.generation_config
+    gen.use_cache = True
+    gen.eos_token_id = gen.pad_token_id = model.config.eos_token_id
+    if adapters and not merge:
+        _save_adapters(model, cfg, out)
+    else:
+        model.save_pretrained(str(out), safe_serialization=True)
+    # Saved by the tokenizer itself, so only its files are written (runs recorded before that
+    # rule kept a whole model directory as their tokenizer).
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.model_max_length = max_positions(model.config)
+    tok.save_pretrained(str(out))
+    (out / "raylm_export.json").write_text(json.dumps(
+        {"run_dir": storage.normalize(run_dir), "step": step,
+         "kind": "lora-adapter" if adapters and not merge else "model"}, indent=1))
+    return out
+
+
+def _export_quantized(run_dir: str | Path, output: str | Path, method: str, *, log) -> Path:
+    quiet_torchao()
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"--quantize {method}: not one of {', '.join(QUANTIZATIONS)}.")
+    out = Path(output).expanduser()
+    with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
+        plain = export(run_dir, tmp, merge=True)
+        full = AutoModelForCausalLM.from_pretrained(tmp).eval()
+        # A tied output head is the embedding table: untie it, or quantizing the head would
+        # hand the embedding lookup an int8 tensor.
+        tied = bool(full.config.tie_word_embeddings)
+        model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=TorchAoConfig(
+            Int8WeightOnlyConfig(), include_input_output_embeddings=True,
+            untie_embedding_weights=tied)).eval()
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(out), safe_serialization=True)
+        for f in plain.iterdir():
+            if f.name not in {"config.json", "generation_config.json"} and \
+                    not f.name.endswith(".safetensors"):
+                shutil.copy(f, out / f.name)
+        sizes = [_weights_bytes(Path(tmp)), _weights_bytes(out)]
+        losses = _validation_losses(run_dir, [full, model], log=log)
+    report = {"quantization": f"{method} weight-only (torchao)",
+              "unquantized_bytes": sizes[0], "bytes": sizes[1]}
+    line = (f"{method} weight-only: {sizes[1] / 2**20:.1f} MiB against {sizes[0] / 2**20:.1f} "
+            f"MiB unquantized ({sizes[1] / sizes[0]:.2f}x)")
+    if losses:
+        report.update(unquantized_val_loss=losses[0], val_loss=losses[1])
+        line += (f"; validation loss {losses[0]:.4f} -> {losses[1]:.4f} "
+                 f"({losses[1] - losses[0]:+.4f})")
+    info = json.loads((out / "raylm_export.json").read_text())
+    info.update(kind=f"model-{method}", **report)
+    (out / "raylm_export.json").write_text(json.dumps(info, indent=1))
+    log(line)
+    return out
+
+
+def _weights_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def _validation_losses(run_dir: str | Path, models: list, *, log) -> list[float]:
+    """Each model's loss on the run's validation blocks (as training evaluates: the same
+    blocks, masked targets for fine-tuning data); empty, with the reason logged, when the run's
+    prepared data is not on this machine."""
+    from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
+    from raylm.model.attention import choose_attention
+    from raylm.workers.step import Built, evaluate
+
+    info = read_run_info(storage.normalize(run_dir))
+    prepared = info.get("prepared")
+    if not prepared or not Path(prepared, LAYOUT).is_file():
+        where = prepared or "its path is not in run.json"
+        log(f"validation loss not compared: the run's prepared data ({where}) is not on this "
+            f"machine")
+        return []
+    cfg = config_from_dict(info["config"])
+    # The blocks the run's last evaluation read: each of its W workers took its share of the
+    # first blocks in storage order, so one reader taking W shares reads the same ones, and
+    # the unquantized figure is the run's own final validation loss.
+    summary = storage.join(storage.normalize(run_dir), SUMMARY)
+    workers = (json.loads(storage.read_text(summary)).get("workers") if storage.is_file(summary)
+               else None) or cfg.scaling.worker_range[0]
+    micro = cfg.train.micro_batch_size
+    per_rank = eval_samples_per_rank(PackedSplit.load(prepared, "val"), workers,
+                                     cfg.train.eval_batches * micro)
+    blocks = read_val_blocks(prepared, rank=0, world_size=1, eval_samples=per_rank * workers)
+    batches = [{k: torch.from_numpy(v[i:i + micro]) for k, v in blocks.items()}
+               for i in range(0, len(blocks["input_ids"]), micro)]
+    cross = cfg.data.across_documents
+    attention = choose_attention("cpu", cross_document=cross)
+    for m in models:
+        # As in training: with a KV cache transformers ignores the per-document positions and
+        # lets documents attend to each other.
+        m.config.use_cache = False
+    return [evaluate(Built(m, attention, "fp32", torch.device("cpu"), m.config), batches,
+                     cross_document=cross) for m in models]
+
+
+def _save_adapters(model: torch.nn.Module, cfg, out: Path) -> None:
+    """The trained adapters as peft writes them: a PeftModel on the base (from model.path),
+    given raylm's adapter weights (the injected layers have the same names), saved by peft."""
+    quiet_torchao()
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    lo = cfg.lora
+    base = AutoModelForCausalLM.from_pretrained(cfg.model.path)
+    peft_model = get_peft_model(base, LoraConfig(
+        r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
+        target_modules=lora.resolve_targets(base, lo.target_modules), bias="none"))
+    trained = {n: p for n, p in model.state_dict().items() if lora.ADAPTER_MARK in n}
+    result = peft_model.base_model.model.load_state_dict(trained, strict=False)
+    if result.unexpected_keys or any(lora.ADAPTER_MARK in k for k in result.missing_keys):
+        raise RuntimeError(f"adapter names do not match peft's: {result.unexpected_keys[:3]} "
+                           f"{[k for k in result.missing_keys if lora.ADAPTER_MARK in k][:3]}")
+    peft_model.save_pretrained(str(out))
+
+
+class Generator:
+    """A model loaded once (from a run directory or a model directory) to sample from many
+    times: continuations of text, or answers to conversations rendered as fine-tuning rendered
+    them (the tokenizer's chat template, else raylm's default; see :mod:`raylm.data.chat`)."""
+
+    def __init__(self, source: str | Path) -> None:
+        quiet_torchao()
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from raylm.data.chat import template_for
+
+        src = storage.normalize(source)
+        if storage.is_file(storage.join(src, RUN_INFO)):
+            self.model, tok_dir, _ = load_run_model(src)
+        elif storage.is_file(storage.join(src, "config.json")) and not storage.is_uri(src):
+            self.model, tok_dir = AutoModelForCausalLM.from_pretrained(str(src)).eval(), src
+        else:
+            raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
+        self.tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        self.template = template_for(self.tok)
+
+    def complete(self, prompt: str, **sampling) -> str:
+        ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        return self._sample(ids, **sampling)
+
+    def answer(self, messages: list[dict[str, str]], **sampling) -> str:
+        """The assistant's answer to ``messages`` (which end with a user turn)."""
+        from raylm.data.chat import generation_prompt
+        from raylm.data.corpus import normalize
+
+        messages = [{"role": m["role"], "content": normalize(m["content"])} for m in messages]
+        ids = generation_prompt(messages, self.tok.backend_tokenizer, self.template,
+                                eos_id=self.tok.eos_token_id)
+        return self._sample(torch.from_numpy(ids.astype("int64"))[None], **sampling)
+
+    @torch.no_grad()
+    def _sample(self, ids: torch.Tensor, *, max_new_tokens: int = 64, temperature: float = 0.8,
+                top_k: int = 50, seed: int = 0) -> str:
+        if ids.shape[1] == 0:
+            ids = torch.tensor([[self.tok.eos_token_id]])
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None, top_k=top_k,
+            pad_token_id=self.tok.eos_token_id, use_cache=True)
+        return self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def generate(source: str | Path, prompt: str = "", *, chat: str | None = None,
+             system: str | None = None, max_new_tokens: int = 64, temperature: float = 0.8,
+             top_k: int = 50, seed: int = 0) -> str:
+    """Sample a continuation of ``prompt`` from a run directory or an exported model; or, with
+    ``chat``, the answer to that user message, after the ``system`` message if given (see
+    :class:`Generator`)."""
+    g = Generator(source)
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                    seed=seed)
+    if chat is not None:
+        system_turn = [] if system is None else [{"role": "system", "content": system}]
+        return g.answer([*system_turn, {"role": "user", "content": chat}], **sampling)
+    return g.complete(prompt, **sampling)

@@ -1,0 +1,299 @@
+"""The driver side of ``raylm train``: check the request, prepare the data, build and fit the
+TorchTrainer, and finish the summary.
+
+Everything here runs in the driver process (the CLI, a job's entrypoint, a notebook, a Tune
+trial's function). What can be wrong with the request (sequence length, worker count against
+the cluster, a checkpoint for another model, too small a validation split) is refused before
+any worker starts; batch arithmetic was already checked with the config. While the run goes,
+the driver only waits: the workers (:mod:`raylm.workers.loop`) train and report, and the run's
+record (:mod:`raylm.run.record`, on the Ray Train controller) writes what the run says about itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from raylm import storage
+from raylm.config import Config, run_dir, storage_root
+from raylm.console import one_copy_of_worker_prints, quiet_libraries, train_log_level
+from raylm.data.preparation import prepared_dir
+from raylm.data.streams import READER_CPUS
+from raylm.data.tokenizer import load_backend
+from raylm.model import lora
+from raylm.model.build import build_config
+from raylm.names import LAYOUT, PREPARED_MANIFEST, SUMMARY
+from raylm.run import tracking
+from raylm.run.exporter import write_run_info
+from raylm.run.preflight import Checked, preflight
+from raylm.run.progress import Feed
+from raylm.run.record import Ending, FinalModel, RunRecord
+from raylm.workers import checkpoint, faults
+from raylm.workers.faults import EndOnMistake
+from raylm.workers.loop import train_loop_per_worker
+from raylm.workers.optim import EXTEND_CLEANLY, schedule_change
+
+
+def cluster_capacity() -> dict[str, float]:
+    return ray.cluster_resources()
+
+
+@dataclass(frozen=True)
+class ResourcePlan:
+    """What a run places on the cluster, per training worker: the worker itself, and the Ray
+    Data actor that reads its stream (:func:`raylm.data.streams.build_train_stream`). The Train
+    controller asks for no resources, the validation blocks are read in the worker, and a
+    Tune trial's own process asks for 0.01 CPU (counted by :mod:`raylm.run.sweep`)."""
+
+    worker: dict[str, float]
+    reader: dict[str, float]
+    note: str | None = None
+    """What raylm chose for the user, to say in one line."""
+
+    @property
+    def reader_cpus(self) -> float:
+        return self.reader.get("CPU", 0.0)
+
+    def per_worker(self) -> dict[str, float]:
+        out = dict(self.worker)
+        for name, amount in self.reader.items():
+            out[name] = out.get(name, 0.0) + amount
+        return out
+
+
+def plan_resources(cfg: Config, capacity: dict[str, float] | None) -> ResourcePlan:
+    """The resources of every worker and reader, checked against the cluster's ``capacity``
+    (``None``: an autoscaling cluster, checked by nobody but the autoscaler).
+
+    ``data.reader_cpus`` unset: each reader asks for :data:`READER_CPUS`, or for no CPU when the
+    cluster's CPUs cannot hold the workers and that share beside them (two 1-CPU workers on 2
+    CPUs): reading cached row groups is light next to a training step, so the reader then
+    shares its worker's CPUs rather than waiting forever for a CPU nobody will free. Refused,
+    with the arithmetic and the settings that fit, when the fewest workers do not fit."""
+    sc, d = cfg.scaling, cfg.data
+    fewest, most = sc.worker_range
+    worker = {"CPU": sc.cpus_per_worker, **sc.worker_resources}
+    if sc.use_gpu:
+        worker["GPU"] = 1.0
+    note = None
+    if d.reader_cpus is not None:
+        reader_cpus = d.reader_cpus
+    elif capacity is None or most * (sc.cpus_per_worker + READER_CPUS) <= capacity.get("CPU", 0):
+        reader_cpus = READER_CPUS
+    else:
+        reader_cpus = 0.0
+        note = (f"{most} training workers of {sc.cpus_per_worker:g} CPU each leave less than "
+                f"{READER_CPUS:g} CPU per data reader on the cluster's "
+                f"{capacity.get('CPU', 0):g} CPUs; the readers ask for no CPU of their own "
+                f"(data.reader_cpus=0)")
+    reader = {"CPU": reader_cpus, **sc.data_resources}
+    plan = ResourcePlan(worker=worker, reader=reader, note=note)
+    if capacity is not None:
+        _check_fits(cfg, plan, capacity)
+    return plan
+
+
+def _check_fits(cfg: Config, plan: ResourcePlan, capacity: dict[str, float]) -> None:
+    sc = cfg.scaling
+    fewest = sc.worker_range[0]
+    for name, amount in plan.per_worker().items():
+        have = capacity.get(name, 0.0)
+        need = fewest * amount
+        if amount <= 0 or need <= have + 1e-9:
+            continue
+        parts = [f"{plan.worker.get(name, 0):g} for the worker"]
+        if plan.reader.get(name):
+            parts.append(f"{plan.reader[name]:g} for its data reader")
+        fits = int(have // amount + 1e-9)
+        fixes = [f"scaling.num_workers={fits}" if fits else "add nodes"]
+        if name == "CPU" and not sc.use_gpu:
+            room = math.floor((have / fewest - plan.reader_cpus) * 100) / 100
+            if room > 0:
+                fixes.append(f"scaling.cpus_per_worker={room:g}")
+            if plan.reader_cpus and fewest * sc.cpus_per_worker <= have:
+                fixes.append("data.reader_cpus=0")
+        raise ValueError(
+            f"the run needs {need:g} {name}: scaling.num_workers={sc.num_workers} starts "
+            f"{fewest} workers x ({' + '.join(parts)}), but the cluster has {have:g}; "
+            f"{' or '.join(fixes)} would fit, or set scaling.wait_for_nodes=true if the "
+            f"cluster autoscales.")
+
+
+def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
+                  record: RunRecord, resources: ResourcePlan, callbacks: list | None = None
+                  ) -> TorchTrainer:
+    sc = cfg.scaling
+    workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": cfg.to_dict(), "run_dir": run_dir(cfg),
+                           "prepared": prepared, "vocab_size": vocab_size, "eos_id": eos_id,
+                           "tracker": record.tracker, "reader_resources": resources.reader},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
+                                     resources_per_worker=resources.worker,
+                                     elastic_resize_monitor_interval_s=sc.resize_interval_s),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=storage_root(cfg),
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            callbacks=[record, EndOnMistake(), *(callbacks or [])],
+            logging_config=LoggingConfig(log_level=train_log_level(cfg.run.verbose)),
+        ),
+    )
+
+
+def train(cfg: Config, *, log=print, callbacks: list | None = None,
+          tracking_parent: tracking.Tracker | None = None, bar: bool = False,
+          checked: Checked | None = None) -> dict[str, Any]:
+    """Prepare data if needed, fit, and finish ``RUN_DIR/summary.json``. Needs ``ray.init``.
+
+    A sweep's trial adds Ray Train ``callbacks`` (its Tune reporter) and nests its MLflow run
+    under the sweep's tracker (``tracking_parent``). ``bar``: progress as a bar drawn here
+    (:mod:`raylm.run.progress`) instead of the controller's lines. ``checked``: the
+    preflight of ``cfg``, when the caller ran it (:mod:`raylm.run.preflight`)."""
+    checked = checked or preflight(cfg, tracked=tracking_parent is None)
+    cfg = checked.cfg
+    rd = run_dir(cfg)
+    quiet_libraries(cfg.run.verbose)
+    one_copy_of_worker_prints()
+    resources = plan_resources(
+        cfg, None if cfg.scaling.wait_for_nodes else cluster_capacity())
+    if resources.note:
+        log(f"raylm: {resources.note}")
+    prepared = prepared_dir(cfg, log=log)
+    manifest = json.loads((prepared / PREPARED_MANIFEST).read_text())
+    layout = json.loads((prepared / LAYOUT).read_text())
+    backend, eos = load_backend(manifest["tokenizer_path"])
+    vocab = backend.get_vocab_size()
+    found = checkpoint.latest_verified(rd, warn=lambda m: log(f"warning: {m}"))
+    done = finished(cfg, found)
+    if done is not None:
+        log(f"raylm: run {cfg.run.name!r} has trained its {done['final_step']} steps already "
+            f"(train.steps={cfg.train.steps}): nothing to do; raise train.steps to train on. "
+            f"Summary: {storage.join(rd, SUMMARY)}")
+        return done
+    moved = check_resumable(cfg, found, vocab_size=vocab, eos_id=eos, log=log)
+    max_workers = cfg.scaling.worker_range[1]
+    val_blocks = layout["splits"]["val"]["blocks"]
+    if val_blocks < max_workers:
+        raise ValueError(f"the validation split has {val_blocks} blocks, fewer than the "
+                         f"{max_workers} workers that evaluate it; raise data.val_fraction "
+                         f"(now {cfg.data.val_fraction}) or use a larger corpus.")
+    log(f"raylm: training {cfg.model.path or cfg.model.preset} on "
+        f"{layout['splits']['train']['blocks']:,} blocks of {layout['seq_len']} tokens, run dir "
+        f"{rd}")
+    write_run_info(rd, config=cfg.to_dict(), vocab_size=vocab, eos_id=eos,
+                   tokenizer_path=manifest["tokenizer_path"], prepared=str(prepared))
+    tracker = tracking.start(cfg, log=log, parent=tracking_parent)
+    tracker.log_dataset(manifest, str(prepared))
+    feed = Feed(cfg.train.steps) if bar else None
+    ending = Ending(row_group_sizes=layout["splits"]["train"]["row_group_sizes"],
+                    seed=cfg.train.seed, window=cfg.data.shuffle_window,
+                    final_model=(FinalModel(adapter=bool(cfg.lora.rank), run_name=cfg.run.name,
+                                            register_as=cfg.tracking.register_as)
+                                 if cfg.tracking.log_model and tracking_parent is None
+                                 else None))
+    record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
+                       verbose=cfg.run.verbose, progress=feed and feed.queue, ending=ending)
+    if moved is not None:
+        record.note("schedule_moved", **moved)
+    error = None
+    try:
+        build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
+                      resources=resources, callbacks=callbacks).fit()
+    except Exception as e:  # Ray Train raises once max_failures is used up
+        error = e
+    finally:
+        if feed is not None:
+            feed.close()
+    # The record finished summary.json (and the MLflow run) on the controller as the run
+    # ended; this reads it.
+    summary = record.final_summary()
+    if summary is None:  # the controller itself was lost
+        tracker.finish(failed=True)
+        if error is not None:
+            raise error
+        raise RuntimeError(f"the Ray Train controller of run {cfg.run.name!r} ended without "
+                           f"finishing its record; see its log")
+    say_how_it_ended(cfg, summary, error=error, tracker=tracker, log=log)
+    return summary
+
+
+def say_how_it_ended(cfg: Config, summary: dict[str, Any], *, error: Exception | None,
+                     tracker: tracking.Tracker, log) -> None:
+    """The run's last lines; raise what ended it (a mistake in one line, not retried)."""
+    rd = run_dir(cfg)
+    summary_path = storage.join(rd, SUMMARY)
+    mistake = faults.cause(error) if error is not None else None
+    if mistake is not None:
+        log(f"raylm: stopped at step {summary['final_step']}, not retried: the run's input is "
+            f"wrong, no machine failed. Summary: {summary_path}")
+        raise mistake from None
+    if error is not None:
+        log(f"raylm: failed at step {summary['final_step']} after {summary['failures']} "
+            f"failures; the latest checkpoint is {summary['checkpoint_path']}; run again with "
+            f"the same run.name to resume. Summary: {summary_path}")
+        raise error
+    log(f"raylm: done: step {summary['final_step']}, val loss {summary['val_loss']}, "
+        f"{summary['restarts']} restarts, {summary['resizes']} resizes, checkpoint "
+        f"{summary['checkpoint_path']}, summary {summary_path}")
+    if summary.get("tracking_lost"):
+        log(f"raylm: MLflow run {tracker.run_id} ({tracker.uri}) holds the run up to step "
+            f"{summary['tracking_lost']['step']}, where tracking was lost; the run's own record "
+            f"in {rd} has all of it")
+    elif tracker:
+        log(f"raylm: MLflow run {tracker.run_id} ({tracker.uri}); browse with: mlflow ui "
+            f"--backend-store-uri {tracker.uri}")
+
+
+
+def finished(cfg: Config, found: tuple[str, dict] | None) -> dict[str, Any] | None:
+    """The summary of a run that finished at or beyond ``train.steps`` (``found``: its latest
+    verified checkpoint), or None. Running such a run again (a notebook cell run twice)
+    returns it instead of starting a worker group that would train nothing and overwrite the
+    summary with an empty one."""
+    path = storage.join(run_dir(cfg), SUMMARY)
+    if found is None or not storage.is_file(path):
+        return None
+    summary = json.loads(storage.read_text(path))
+    if (summary.get("status") != "finished" or found[1]["state"]["step"] < cfg.train.steps
+            or summary.get("final_step") != found[1]["state"]["step"]):
+        return None
+    return summary
+
+
+def check_resumable(cfg: Config, found: tuple[str, dict] | None, *, vocab_size: int,
+                    eos_id: int, log) -> dict[str, Any] | None:
+    """A checkpoint the workers would resume from must be for this model: refused here, in one
+    line, rather than on every worker. (The workers' restored train state, not this look,
+    decides where the run continues.) Returns how the current settings move the learning-rate
+    schedule of the run, if they do, having said so. ``found``: the run's latest verified
+    checkpoint."""
+    if found is None:
+        return None
+    model_cfg = build_config(preset=cfg.model.preset, path=cfg.model.path,
+                             vocab_size=vocab_size, eos_id=eos_id, attn_implementation="sdpa")
+    checkpoint.check_compatible(found[1], model_cfg, str(found[0]),
+                                lora.settings(cfg.lora))
+    state = found[1]["state"]
+    log(f"raylm: run {cfg.run.name!r} exists; resuming from step {state['step']} "
+        f"of {cfg.train.steps} ({found[0]})")
+    o = cfg.optim
+    change = schedule_change(state, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
+                             total=cfg.train.steps, min_ratio=o.min_lr_ratio,
+                             decay_fraction=o.decay_fraction, cycle_steps=o.cycle_steps)
+    if change is not None:
+        nxt = "" if change["lr_next"] is None else f", and {change['lr_next']:.3e} next"
+        log(f"raylm: warning: the learning-rate schedule moved: step {change['step']} trained "
+            f"at lr {change['lr_trained']:.3e}, where the current settings (optim.schedule="
+            f"{o.schedule}, train.steps={cfg.train.steps}) give {change['lr_now']:.3e}{nxt}. "
+            f"Extending train.steps moves every schedule shaped by it; "
+            f"{' and '.join(EXTEND_CLEANLY)} (before its decay) extend cleanly.")
+    return change

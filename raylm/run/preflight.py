@@ -1,0 +1,85 @@
+"""One preflight on the driver: everything that can be refused without data or the cluster,
+checked once per entry path (``raylm train``, ``raylm tune``, ``raylm submit`` and the Python
+API) before Ray starts, so that a mistake costs seconds and one line, never a worker group.
+
+It resolves hub ids to their snapshot directories, builds the model's configuration once, and
+checks against it: the sequence length, the tensor-parallel and pipeline layouts, the weight
+files (on a meta-device model, adapters included), QLoRA's block sizes at every worker count
+the run may have, the sweep's own settings, and that the MLflow store can exist. What it
+returns (:class:`Checked`) is what the later steps take instead of checking again: a sweep's
+trials reuse it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from raylm.config import Config
+from raylm.hub import resolve_sources
+from raylm.model import lora
+from raylm.model.build import build_config, build_meta_model, check_seq_len
+from raylm.model.parallelize import check_tensor_parallel
+from raylm.model.pipeline import check_pipeline
+from raylm.run import tracking
+from raylm.workers.checkpoint import check_weights
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A config that passed the preflight, and the model configuration it was checked with
+    (its vocabulary a placeholder: the tokenizer sets it once the data is prepared)."""
+
+    cfg: Config
+    model_config: Any
+
+    def for_trial(self, cfg: Config) -> Checked:
+        """The same checks standing for a sweep's trial, whose config differs only in the
+        swept optimizer and adapter settings (the preflight checked adapters already)."""
+        return dataclasses.replace(self, cfg=cfg)
+
+
+def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Checked:
+    """``cfg`` checked as above (``sweep``: as a sweep's base config; ``tracked``: the run
+    owns its MLflow store, as a sweep's trial does not)."""
+    if sweep:
+        check_sweep(cfg)
+    cfg = resolve_sources(cfg)
+    m = cfg.model
+    check_seq_len(cfg.data.seq_len, preset=m.preset, path=m.path)
+    model_config = build_config(preset=m.preset, path=m.path, vocab_size=1, eos_id=0,
+                                attn_implementation="eager")
+    check_tensor_parallel(model_config, tensor=cfg.parallel.tensor, seq_len=cfg.data.seq_len)
+    check_pipeline(model_config, pipeline=cfg.parallel.pipeline)
+    adapters = lora.adapter_args(adapted(cfg, sweep=sweep).lora)
+    if m.path:
+        # The weight files against the model the config makes (on meta, no memory).
+        model = build_meta_model(model_config)
+        check_weights(lora.add_adapters(model, **adapters) if adapters else model, m.path)
+    if cfg.lora.base_quantization == "nf4":
+        model = lora.add_adapters(build_meta_model(model_config), **adapters)
+        fewest, most = cfg.scaling.worker_range
+        for workers in range(fewest, most + 1):
+            lora.check_nf4_shapes(model, cfg.lora.target_modules, workers)
+    if cfg.tracking.enabled and tracked:
+        tracking.resolve_uri(cfg)  # a store that cannot exist fails now, not after the data
+    return Checked(cfg=cfg, model_config=model_config)
+
+
+def adapted(cfg: Config, *, sweep: bool) -> Config:
+    """The config whose adapters the weights are checked with: a sweep over LoRA ranks
+    adapts the model even where ``lora.rank`` is 0."""
+    if sweep and cfg.tune.lora_ranks and not cfg.lora.rank:
+        return dataclasses.replace(
+            cfg, lora=dataclasses.replace(cfg.lora, rank=cfg.tune.lora_ranks[0]))
+    return cfg
+
+
+def check_sweep(cfg: Config) -> None:
+    """What can be wrong with the sweep itself (ranges and schedules are checked by the
+    config loader)."""
+    if cfg.train.steps < cfg.train.eval_every:
+        raise ValueError(f"train.steps={cfg.train.steps} is below train.eval_every="
+                         f"{cfg.train.eval_every}: trials would report once, at the end, and "
+                         f"early stopping could not act; lower train.eval_every.")

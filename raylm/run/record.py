@@ -1,0 +1,478 @@
+"""The run's record, kept on the Ray Train controller from the workers' reports.
+
+:class:`RunRecord` is a Ray Train ``UserCallback``: Ray runs it on the controller, which sees
+every report once (not once per worker). It is the only writer of what the run says about
+itself while it runs: the progress lines, ``events.jsonl``, the restart and resize records, the
+live ``summary.json``, and the MLflow metrics and events (through the run's tracker). Nothing
+feeds it but reports and worker exceptions, and what the driver gave it before the run started
+(:meth:`RunRecord.note`: a ``schedule_moved`` record when a resume's settings move the
+learning rate; :class:`Ending`: what finishing the run needs). When the run ends, the
+controller calls it once more (``after_controller_finish``): it writes the final summary, logs
+the final model and the run's files to MLflow and closes the MLflow run, with the one tracker
+that logged everything before (so a tracker that failed midway stays failed).
+
+Files in ``RUN_DIR`` (``run.storage_path/run.name``, a path or an object-storage URI), by writer:
+
+==================  ===========================================================================
+``checkpoint_*/``   Ray Train, from the workers: DCP shards, rank 0's marker and sample ledger
+``events.jsonl``    this record (object storage: ``events/<invocation>-<n>.jsonl`` segments)
+``summary.json``    this record only: while the run goes (``status: running``), then once at
+                    its end (status, wall time, the sample accounting, the final model);
+                    the driver reads it
+``run.json``,       the driver, before the run (what ``raylm export`` needs)
+``tokenizer/``
+``mlflow_run.json`` the driver, when it creates the MLflow run (:mod:`raylm.run.tracking`)
+==================  ===========================================================================
+
+How a restart or resize is detected: a worker group announces itself with a report as soon as
+it is set up (``event: group_start``: workers, step resumed from), and every later report
+carries the same ``group_started`` time. A report with a new one is that group's first: the
+record adds a ``group_start`` record, and :func:`interruptions` derives, as a pure function of
+the records, one record per change of group: ``restart`` when failures came between (a lost
+worker or node, a preempted worker), ``resize`` when Ray Train replaced a healthy group. Each
+says from how many workers to how many, the last step reported before (``at_step``), the step
+resumed from, the steps trained again, and the time lost: wall time from the last report
+before to the first report after, less the time the steps beyond ``at_step`` took at the speed
+before. Reports reach the controller when it polls the workers (every 2 s): a group that dies
+before its announcement was polled is not seen, and its failures count towards the next
+restart, whose "from" side is then unknown (None).
+
+Storage traffic grows linearly with the run: on a local or mounted path each record is one
+small append; in object storage (no appends) records are buffered and written as a new
+numbered segment at every checkpoint and failure, so nothing is ever read back or rewritten.
+``summary.json`` (a few hundred bytes) is rewritten at the same moments.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from raylm import storage
+from raylm.console import quiet_libraries
+from raylm.names import EVENT_SEGMENTS, EVENTS, GROUP_START, RUN_INFO, SUMMARY
+from raylm.run.tracking import Tracker
+
+try:  # the controller-side callback base classes (Ray Train V2)
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+    from ray.train.v2.api.callback import UserCallback
+except ImportError:  # pragma: no cover - Ray without Train V2
+    UserCallback = ControllerCallback = object
+
+# The reported figures each progress record keeps: the run's metric history (raylm.api reads
+# it back as a DataFrame), whether or not MLflow is on.
+HISTORY = ("loss", "val_loss", "val_perplexity", "lr", "grad_norm", "tokens_per_s", "mfu",
+           "data_wait_fraction", "peak_memory_gb", "workers", "joules_per_token",
+           "watts_per_gpu", "energy_kwh")
+
+
+# --------------------------------------------------------------------------------------------
+# events.jsonl: writing and reading
+# --------------------------------------------------------------------------------------------
+
+
+class EventLog:
+    """The event records of one invocation of a run, written as described in the module doc."""
+
+    def __init__(self, run_dir: str, invocation: str) -> None:
+        self.run_dir, self.invocation = run_dir, invocation
+        self.remote = storage.is_uri(run_dir)
+        self.pending: list[str] = []
+        self.segments_written = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record) + "\n"
+        if self.remote:
+            self.pending.append(line)
+        else:
+            storage.append_text(storage.join(self.run_dir, EVENTS), line)
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"{self.invocation}-{self.segments_written:06d}.jsonl"
+        storage.write_text(storage.join(self.run_dir, EVENT_SEGMENTS, name), "".join(self.pending))
+        self.segments_written += 1
+        self.pending = []
+
+
+def read(run_dir: str, invocation: str | None = None) -> list[dict[str, Any]]:
+    """The event records of a run (of one invocation, if given), in order."""
+    parts = []
+    local = storage.join(run_dir, EVENTS)
+    if storage.is_file(local):
+        parts.append(storage.read_text(local))
+    folder = storage.join(run_dir, EVENT_SEGMENTS)
+    # Invocation ids are fixed-width times, so names sort in the order they were written.
+    parts += [storage.read_text(storage.join(folder, n)) for n in storage.list_files(folder)]
+    records = [json.loads(line) for part in parts for line in part.splitlines() if line.strip()]
+    return [r for r in records if invocation is None or r["invocation"] == invocation]
+
+
+# --------------------------------------------------------------------------------------------
+# Restarts and resizes, derived from the records
+# --------------------------------------------------------------------------------------------
+
+
+def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The restart and resize records of one invocation's events (see the module doc)."""
+    out: list[dict[str, Any]] = []
+    group = None  # the current group's start record
+    last = None  # the last progress record of the current group
+    step_time = 0.0
+    failures: list[dict[str, Any]] = []
+    pending = None  # an interruption waiting for the new group's first report
+    for r in records:
+        kind = r["event"]
+        if kind == "failure":
+            failures.append(r)
+        elif kind == "group_start":
+            if pending is not None:
+                out.append(pending)
+            pending = None
+            if group is None and failures:
+                # This invocation's earlier group failed before the controller heard of it.
+                pending = {
+                    "event": "restart", "from_workers": None, "to_workers": r["workers"],
+                    "at_step": None, "resumed_from_step": r["from_step"],
+                    "steps_redone": None, "time_lost_s": None, "failures": len(failures),
+                    "cause": failures[-1]["error"], "_since": None, "_step_time": 0.0}
+            elif group is not None:
+                at, since = ((last["step"], last["time"]) if last is not None
+                             else (group["from_step"], group["time"]))
+                pending = {
+                    "event": "restart" if failures else "resize",
+                    "from_workers": group["workers"],
+                    "to_workers": r["workers"],
+                    "at_step": at,
+                    "resumed_from_step": r["from_step"],
+                    "steps_redone": max(0, at - r["from_step"]),
+                    "time_lost_s": None,
+                    "failures": len(failures),
+                    "cause": failures[-1]["error"] if failures else "resize",
+                    "_since": since,
+                    "_step_time": step_time,
+                }
+            group, last, failures = r, None, []
+        elif kind == "progress":
+            if pending is not None:
+                if pending["_since"] is not None:
+                    beyond = max(0, r["step"] - pending["at_step"])
+                    lost = r["time"] - pending["_since"] - beyond * pending["_step_time"]
+                    pending["time_lost_s"] = round(max(0.0, lost), 2)
+                out.append(pending)
+                pending = None
+            last, step_time = r, r["step_time"]
+    if pending is not None:
+        out.append(pending)
+    return [{k: v for k, v in e.items() if not k.startswith("_")} for e in out]
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary.json fields for one invocation's records."""
+    inter = interruptions(records)
+    return {
+        "restarts": sum(e["event"] == "restart" for e in inter),
+        "resizes": sum(e["from_workers"] not in (None, e["to_workers"]) for e in inter),
+        "failures": sum(r["event"] == "failure" for r in records),
+        "interruptions": inter,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The controller callback
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FinalModel:
+    """How the run's final model is logged to MLflow (a LoRA run's adapter, or the model)."""
+
+    adapter: bool
+    run_name: str
+    register_as: str | None = None
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What the record needs from the driver to finish the run: the train split's row groups
+    and the order's seed and window (the final checkpoint's sample accounting), and whether
+    to log a final model (None: tracking is off, or the run is a sweep's trial)."""
+
+    row_group_sizes: list[int]
+    seed: int
+    window: int
+    final_model: FinalModel | None = None
+
+
+class RunRecord(UserCallback, ControllerCallback):
+    """On the Ray Train controller: the record of one invocation of a run (made on the
+    driver, which passes it to Ray Train with the run's tracker)."""
+
+    def __init__(self, run_dir: str, *, total_steps: int, tracker: Tracker,
+                 verbose: bool = False, progress=None, ending: Ending | None = None) -> None:
+        self.run_dir = run_dir
+        self.ending = ending
+        self.started = time.time()
+        # The driver's progress queue (raylm.run.progress) when it draws a bar; else lines.
+        self.progress = progress
+        self.verbose = verbose
+        self.quieted = False  # the controller's libraries (see raylm.console)
+        self.total_steps = total_steps
+        self.tracker = tracker
+        self.invocation = f"{time.time():.6f}"
+        self.log = EventLog(run_dir, self.invocation)
+        self.records: list[dict[str, Any]] = []  # this invocation's
+        self.group: float | None = None  # the current worker group's start time
+        self.group_reported = False  # has it reported a step yet?
+        self.resumed_from_step: int | None = None  # where this invocation's first group began
+        self.latest: dict[str, Any] = {}
+        self.val_loss: float | None = None
+        self.checkpoint_path: str | None = None
+        self.tracking_lost: dict[str, Any] | None = None  # step and cause, once MLflow failed
+        self.announced = 0  # interruptions printed and logged so far
+        self.counts_logged = False  # restarts/resizes/failures logged to MLflow yet?
+        self.earlier: list[dict[str, Any]] | None = None  # earlier invocations' records
+
+    # Ray Train's hooks. An exception in a controller callback ends the whole run; the record
+    # is not worth that, so each hook reports its own errors and returns.
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        self._safely(self.report, metrics[0],
+                     None if checkpoint is None else storage.name(checkpoint.path))
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        self._safely(self.failure, worker_exceptions)
+
+    def after_controller_finish(self, result) -> None:
+        self._safely(self.finish, result.error is not None)
+
+    def _safely(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:
+            print(f"warning: raylm run record: {type(e).__name__}: {e}", flush=True)
+
+    # What the hooks do, callable on their own.
+
+    def report(self, m: dict[str, Any], checkpoint_name: str | None) -> None:
+        """One report (rank 0's metrics), with the name of the checkpoint directory it saved."""
+        if not self.quieted:
+            quiet_libraries(self.verbose)
+            self.quieted = True
+        step = m["step"]
+        if m["group_started"] != self.group:
+            if self.group is None:
+                self.resumed_from_step = m["resumed_from_step"]
+            self.group = m["group_started"]
+            self._add("group_start", at=m["group_started"], workers=m["workers"],
+                      from_step=m["resumed_from_step"] or 0)
+            self.group_reported = False
+        if m.get("event") == GROUP_START:
+            return
+        step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
+        self._add("progress", step=step, step_time=step_time,
+                  **{k: m[k] for k in HISTORY if m.get(k) is not None})
+        if not self.group_reported:  # an interruption is complete at its group's first step
+            self.group_reported = True
+            self._announce(step)
+        self.latest = m
+        if "val_loss" in m:
+            self.val_loss = m["val_loss"]
+        path = None
+        if checkpoint_name is not None:
+            path = self.checkpoint_path = storage.join(self.run_dir, checkpoint_name)
+        self.tracker.log_report(m, path)
+        self._note_tracking(step)
+        self._progress(m, step_time=step_time, checkpoint=path)
+        if path is not None:
+            self.flush()
+
+    def _progress(self, m: dict[str, Any], *, step_time: float, checkpoint: str | None
+                  ) -> None:
+        if self.progress is not None:
+            try:
+                self.progress.put_nowait({k: m.get(k) for k in (
+                    "step", "loss", "val_loss", "tokens_per_s", "resumed_from_step")})
+                return
+            except Exception as e:  # the driver is gone: lines from here on
+                print(f"warning: raylm progress bar: {type(e).__name__}: {e}", flush=True)
+                self.progress = None
+        print(progress_line(m, total_steps=self.total_steps, step_time=step_time,
+                            checkpoint=checkpoint), flush=True)
+
+    def note(self, event: str, **fields: Any) -> None:
+        """A record of something the driver saw before the run started (a moved schedule)."""
+        self._add(event, **fields)
+
+    def failure(self, worker_exceptions: dict[int, Exception]) -> None:
+        error = next(iter(worker_exceptions.values()))
+        text = str(error).strip().splitlines()
+        self._add("failure", ranks=sorted(worker_exceptions),
+                  error=f"{type(error).__name__}: {text[0] if text else ''}"[:300])
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what is buffered, and the live summary."""
+        self.log.flush()
+        storage.write_text(storage.join(self.run_dir, SUMMARY),
+                           json.dumps(self.summary(), indent=2))
+
+    def finish(self, failed: bool) -> None:
+        """The run ended (``failed``: Ray Train gave up on it): the final summary.json, and
+        the MLflow run's final model, files and status."""
+        try:
+            self.log.flush()
+            summary = {**self.summary(), "status": "failed" if failed else "finished",
+                       "wall_s": round(time.time() - self.started, 2), "samples": None}
+            e = self.ending
+            if e is not None and self.checkpoint_path is not None:
+                summary["samples"] = sample_accounting(self.checkpoint_path, e)
+            if not failed and e is not None and e.final_model is not None and self.tracker:
+                summary.update(log_final_model(self.run_dir, self.tracker, e.final_model) or {})
+            storage.write_text(storage.join(self.run_dir, SUMMARY),
+                               json.dumps(summary, indent=2))
+            self.tracker.log_run_files(self.run_dir, (SUMMARY, RUN_INFO))
+        finally:
+            self.tracker.finish(failed=failed)
+
+    def final_summary(self) -> dict[str, Any] | None:
+        """summary.json as this invocation's record finished it (read on the driver once the
+        run has ended); None when it did not (the controller was lost)."""
+        path = storage.join(self.run_dir, SUMMARY)
+        written = json.loads(storage.read_text(path)) if storage.is_file(path) else {}
+        if written.get("invocation") != self.invocation or written.get("status") == "running":
+            return None
+        return written
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json as the record knows it: where the run is now."""
+        m = self.latest
+        return {
+            "status": "running",
+            "invocation": self.invocation,
+            "final_step": m.get("step"),
+            "train_loss": m.get("loss"),
+            "val_loss": self.val_loss,
+            "tokens_per_s": m.get("tokens_per_s"),
+            "mfu": m.get("mfu"),
+            "data_wait_fraction": m.get("data_wait_fraction_run"),
+            "checkpoint_path": self.checkpoint_path,
+            "mlflow_run_id": self.tracker.run_id,
+            "mlflow_tracking_uri": self.tracker.uri,
+            "tracking_lost": self.tracking_lost,
+            "resumed_from_step": self.resumed_from_step,
+            "workers": m.get("workers"),
+            "trainable_params": m.get("trainable_params"),
+            "peak_memory_gb": m.get("peak_memory_gb"),
+            "param_memory_gb": m.get("param_memory_gb"),
+            "optimizer_memory_gb": m.get("optimizer_memory_gb"),
+            **{k: m.get(k) for k in ("data_parallel", "tensor_parallel", "pipeline_parallel")},
+            # GPU energy and time (None on CPUs): see raylm.workers.energy.
+            **{k: m.get(k) for k in ("joules_per_token", "watts_per_gpu", "energy_kwh",
+                                     "gpu_hours", "cost")},
+            **summarize(self.records),
+            "attention_backend": m.get("attention_backend"),
+            "precision": m.get("precision"),
+        }
+
+    def _add(self, event: str, *, at: float | None = None, **fields: Any) -> None:
+        record = {"invocation": self.invocation, "event": event,
+                  "time": time.time() if at is None else at, **fields}
+        self.records.append(record)
+        self.log.add(record)
+
+    def _announce(self, step: int) -> None:
+        found = interruptions(self.records)
+        for e in found[self.announced:]:
+            lost = "unknown" if e["time_lost_s"] is None else f"{e['time_lost_s']:.1f}s"
+            print(f"raylm: {e['event']} {e['from_workers']} -> {e['to_workers']} workers, "
+                  f"resumed from step {e['resumed_from_step']} (last report at step "
+                  f"{e['at_step']}), time lost {lost}", flush=True)
+        # The counts are logged at this invocation's first step even when they are zero, so
+        # that runs without faults can be compared with those that had some.
+        if (len(found) > self.announced or not self.counts_logged) and self.tracker:
+            self._log_events(step)
+            self.counts_logged = True
+        self.announced = len(found)
+
+    def _note_tracking(self, step: int) -> None:
+        """Once the tracker has failed (it said so, once): the step and the cause, in the
+        record and the summary, so the run's record shows where MLflow's ends."""
+        if self.tracker.lost and self.tracking_lost is None:
+            self.tracking_lost = {"step": step, "error": self.tracker.lost}
+            self._add("tracking_lost", **self.tracking_lost)
+            self.flush()
+
+    def _log_events(self, step: int) -> None:
+        # MLflow's run spans every invocation of the raylm run: the earlier ones' records are
+        # read once, here, when this invocation first has something to add.
+        if self.earlier is None:
+            self.earlier = [r for r in read(self.run_dir) if r["invocation"] != self.invocation]
+        by_invocation: dict[str, list[dict[str, Any]]] = {}
+        for r in self.earlier + self.records:
+            by_invocation.setdefault(r["invocation"], []).append(r)
+        parts = [summarize(rs) for rs in by_invocation.values()]
+        self.tracker.log_events(
+            {"interruptions": [e for p in parts for e in p["interruptions"]],
+             "failures": [r for rs in by_invocation.values() for r in rs
+                          if r["event"] == "failure"]},
+            {k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")}, step)
+
+
+def progress_line(m: dict[str, Any], *, total_steps: int, step_time: float,
+                  checkpoint: str | None) -> str:
+    step = m["step"]
+    line = (f"step {step}/{total_steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
+            f"{m['tokens_per_s']:,.0f} tok/s  data wait {100 * m['data_wait_fraction']:.1f}%  "
+            f"ETA {step_time * (total_steps - step):.0f}s")
+    if "val_loss" in m:
+        line += f"  val {m['val_loss']:.4f}"
+    if checkpoint is not None:
+        line += f"  checkpoint {checkpoint}"
+    return line
+
+
+def sample_accounting(checkpoint_path: str, ending: Ending) -> dict[str, Any] | None:
+    """What the final checkpoint's sample ledger says was trained (see raylm.workers.ledger);
+    None when the run keeps no ledger."""
+    from raylm.workers import checkpoint, ledger
+
+    rows = checkpoint.load_samples(checkpoint_path)
+    if rows is None:
+        return None
+    return ledger.account(rows, group_sizes=ending.row_group_sizes, seed=ending.seed,
+                          window=ending.window)
+
+
+def log_final_model(run_dir: str, tracker: Tracker, final: FinalModel, *, log=print
+                    ) -> dict[str, Any] | None:
+    """The run's final checkpoint, exported (a LoRA run's adapter, or the full model), logged
+    to MLflow as the run's model and, with ``register_as``, registered."""
+    import tempfile
+    from pathlib import Path
+
+    from raylm.console import quiet_model_io
+    from raylm.run.exporter import export
+
+    with (tempfile.TemporaryDirectory(prefix="raylm-final-model-") as tmp,
+          quiet_model_io()):
+        try:
+            exported = export(run_dir, Path(tmp) / "model", log=log)
+        except Exception as e:  # the run trained; only its copy for MLflow is missing
+            log(f"raylm: warning: the final model was not logged to MLflow: it could not be "
+                f"exported ({type(e).__name__}: {e}); `raylm export {run_dir}` says why")
+            return None
+        step = json.loads((exported / "raylm_export.json").read_text())["step"]
+        model = tracker.log_model(
+            exported, adapter=final.adapter, step=step,
+            name="adapter" if final.adapter else "model",
+            description=f"raylm run {final.run_name!r} ({run_dir}) at step {step}",
+            register_as=final.register_as)
+    if model is not None:
+        registered = (f", registered as {model['registered_model']} version "
+                      f"{model['registered_version']}" if "registered_model" in model else "")
+        log(f"raylm: final model logged to MLflow as {model['mlflow_model_uri']}{registered}")
+    return model

@@ -1,0 +1,281 @@
+"""Learning-rate schedule sweeps: ``raylm tune``.
+
+Each Ray Tune trial is a whole raylm training run: a Tune function trainable that builds and
+fits its own TorchTrainer (Ray Train V2's way of running Train inside Tune), so a trial can be
+a multi-worker FSDP2 run with its own restarts. Ray Train's ``TuneReportCallback`` forwards the
+trial's reports to Tune, where ASHA stops the trials whose validation loss trails. Search:
+random, grid, or Optuna's TPE through Tune's ``OptunaSearch``; nothing here is a hand-written
+searcher or scheduler.
+
+Every report of a trial carries ``val_loss`` (Tune refuses results without the metric it
+optimizes), so trials report, evaluate and checkpoint at the same steps: ``train.eval_every``.
+
+Layout: ``RUN_DIR`` (storage path / run name) is Tune's experiment directory; trial ``ID``
+trains in ``RUN_DIR/trials/ID`` (its checkpoints, summary.json, MLflow run nested under the
+sweep's). ``RUN_DIR/tune_summary.json``, ``best.yaml`` and ``val_loss.png`` are written at the
+end. Running ``raylm tune`` again with the same name resumes the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler
+
+from raylm import storage
+from raylm.config import Config, config_from_dict, run_dir, storage_root
+from raylm.console import quiet_libraries, tune_verbosity
+from raylm.data.preparation import prepared_dir
+from raylm.names import GROUP_START
+from raylm.run import tracking
+from raylm.run.launch import ResourcePlan, cluster_capacity, plan_resources, train
+from raylm.run.preflight import Checked, preflight
+from raylm.run.tracking import Tracker
+from raylm.workers import checkpoint
+
+METRIC = "val_loss"
+
+
+def search_space(cfg: Config) -> dict[str, Any]:
+    """The Tune param space, keyed by config key (``optim.lr``, ...)."""
+    tu, o = cfg.tune, cfg.optim
+    choices = {"optim.schedule": tu.schedules,
+               "optim.warmup_steps": tu.warmup_steps or [o.warmup_steps],
+               "optim.min_lr_ratio": tu.min_lr_ratios or [o.min_lr_ratio],
+               "optim.weight_decay": tu.weight_decays or [o.weight_decay],
+               "lora.rank": tu.lora_ranks or [cfg.lora.rank],
+               "lora.alpha": tu.lora_alphas or [cfg.lora.alpha]}
+    if tu.search == "grid":
+        n = tu.lr_points
+        # Largest first, so that ASHA has records to compare the smallest (slowest) against.
+        lrs = [tu.lr_max * (tu.lr_min / tu.lr_max) ** (i / max(1, n - 1)) for i in range(n)]
+        space = {"optim.lr": tune.grid_search(lrs if n > 1 else [tu.lr_max])}
+        space.update({k: tune.grid_search(list(v)) for k, v in choices.items()})
+        return space
+    space = {"optim.lr": tune.loguniform(tu.lr_min, tu.lr_max)}
+    space.update({k: tune.choice(list(v)) for k, v in choices.items()})
+    return space
+
+
+def trial_config(base: dict[str, dict[str, Any]], params: dict[str, Any], *, trials_dir: str,
+                 trial_id: str, prepared: str) -> Config:
+    """The raylm config of one trial: the sweep's, with the trial's parameters."""
+    tree = {section: dict(values) for section, values in base.items()}
+    for key, value in params.items():
+        section, name = key.split(".", 1)
+        tree[section][name] = value
+    every = tree["train"].get("eval_every", 100)
+    tree["train"]["log_every"] = every
+    tree["checkpoint"]["every"] = every
+    tree["run"].update(name=trial_id, storage_path=trials_dir)
+    tree["data"]["source"] = prepared
+    return config_from_dict(tree)
+
+
+class TrialReporter(TuneReportCallback):
+    """Ray Train's reporter to Tune, less the worker groups' announcements: they carry no
+    ``val_loss``, which Tune requires of every result of a trial."""
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if metrics[0].get("event") != GROUP_START:
+            super().after_report(run_context, metrics, checkpoint)
+
+
+def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: str,
+              parent: Tracker, checked: Checked) -> None:
+    """The Tune function trainable: one raylm training run (checked by the sweep's
+    preflight)."""
+    trial_id = tune.get_context().get_trial_id()
+    cfg = trial_config(base, params, trials_dir=trials_dir, trial_id=trial_id,
+                       prepared=prepared)
+    train(cfg, callbacks=[TrialReporter()], tracking_parent=parent,
+          checked=checked.for_trial(cfg))
+
+
+def trial_resources(cfg: Config, plan: ResourcePlan) -> dict[str, float]:
+    """What one trial needs at most: its workers and their readers at the largest worker
+    count (its own process asks for 0.01 CPU, its Train controller for none)."""
+    workers = cfg.scaling.worker_range[1]
+    return {name: workers * amount for name, amount in plan.per_worker().items()}
+
+
+def concurrent_trials(cfg: Config, capacity: dict[str, float]) -> int:
+    """How many trials the cluster holds at once (``tune.max_concurrent`` caps it)."""
+    if cfg.scaling.wait_for_nodes:
+        # Tune queues the trials that do not fit yet; the autoscaler grows the cluster for them.
+        return cfg.tune.max_concurrent or cfg.tune.num_samples
+    need = trial_resources(cfg, plan_resources(cfg, capacity))
+    fit = min(int(capacity.get(k, 0.0) // v) for k, v in need.items() if v > 0)
+    if fit < 1:
+        have = ", ".join(f"{k} {capacity.get(k, 0):g}" for k in need)
+        want = ", ".join(f"{k} {v:g}" for k, v in need.items())
+        raise ValueError(f"Not even one trial fits the cluster: a trial needs {want}, the "
+                         f"cluster has {have}; lower scaling.num_workers or "
+                         f"scaling.cpus_per_worker, or add nodes.")
+    return min(fit, cfg.tune.max_concurrent) if cfg.tune.max_concurrent else fit
+
+
+def sweep(cfg: Config, *, log=print, checked: Checked | None = None) -> dict[str, Any]:
+    """Run (or resume) the sweep; write tune_summary.json, best.yaml and val_loss.png.
+    Needs ``ray.init``. ``checked``: the preflight of ``cfg``, when the caller ran it."""
+    checked = checked or preflight(cfg, sweep=True)
+    cfg = checked.cfg
+    quiet_libraries(cfg.run.verbose)
+    concurrent = concurrent_trials(cfg, cluster_capacity())
+    rd = run_dir(cfg)
+    # Prepared once here, rather than by every trial at once.
+    prepared = str(prepared_dir(cfg, log=log))
+    parent = tracking.start(cfg, log=log)
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, base=cfg.to_dict(), trials_dir=storage.join(rd, "trials"),
+                             prepared=prepared, parent=parent, checked=checked),
+        # The trial's own process only drives its TorchTrainer (Tune refuses an empty
+        # request); the workers hold the CPUs, and max_concurrent_trials counts them.
+        {"CPU": 0.01})
+    t = cfg.train
+    # max_t one past the last step: ASHA stops a trial that reaches max_t, which would end a
+    # finished trial before it writes its summary and closes its MLflow run.
+    scheduler = ASHAScheduler(time_attr="step", max_t=t.steps + 1, grace_period=t.eval_every,
+                              reduction_factor=2)
+    searcher = None
+    if cfg.tune.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        searcher = OptunaSearch(seed=t.seed)
+    if tune.Tuner.can_restore(rd):
+        log(f"raylm: resuming the sweep in {rd}")
+        tuner = tune.Tuner.restore(rd, trainable, resume_errored=True)
+    else:
+        log(f"raylm: sweep of {cfg.tune.search} search, up to {concurrent} trials at a time, "
+            f"in {rd}")
+        tuner = tune.Tuner(
+            trainable,
+            param_space=search_space(cfg),
+            tune_config=tune.TuneConfig(
+                metric=METRIC, mode="min", scheduler=scheduler, search_alg=searcher,
+                num_samples=1 if cfg.tune.search == "grid" else cfg.tune.num_samples,
+                max_concurrent_trials=concurrent),
+            run_config=tune.RunConfig(name=cfg.run.name, storage_path=storage_root(cfg),
+                                      verbose=tune_verbosity(cfg.run.verbose)),
+        )
+    failed = True
+    try:
+        results = tuner.fit()
+        summary = summarize(results, cfg, parent)
+        with tempfile.TemporaryDirectory(prefix="raylm-sweep-") as tmp:
+            png = Path(tmp) / "val_loss.png"
+            write_outputs(summary, cfg, log=log, plot_path=png)
+            parent.log_sweep(summary, png)
+        failed = False
+    finally:
+        parent.finish(failed=failed)
+    return summary
+
+
+def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
+    rd = run_dir(cfg)
+    trials = []
+    for r in results:
+        df = r.metrics_dataframe
+        history = [] if df is None or METRIC not in df else [
+            [int(s), float(v)] for s, v in zip(df["step"], df[METRIC], strict=True)
+            if not math.isnan(v)]
+        steps = max((s for s, _ in history), default=0)
+        trial_id = r.metrics.get("trial_id")  # Tune adds it to every result
+        found = checkpoint.latest_verified(storage.join(rd, "trials", str(trial_id)),
+                                           warn=lambda m: None)
+        trials.append({
+            "trial_id": trial_id,
+            "config": {k: v for k, v in r.config.items()},
+            "val_loss": min((v for _, v in history), default=None),
+            "steps": steps,
+            "stopped_early": r.error is None and steps < cfg.train.steps,
+            "error": str(r.error).splitlines()[0] if r.error else None,
+            "checkpoint_path": str(found[0]) if found else None,
+            "history": history,
+        })
+    done = [t for t in trials if t["val_loss"] is not None]
+    best = min(done, key=lambda t: t["val_loss"]) if done else None
+    return {
+        "trials": trials,
+        "best": None if best is None else {
+            "trial_id": best["trial_id"], "config": best["config"],
+            "val_loss": best["val_loss"], "checkpoint_path": best["checkpoint_path"]},
+        "mlflow_parent_run_id": parent.run_id,
+        "mlflow_tracking_uri": parent.uri,
+        "trials_dir": storage.join(rd, "trials"),
+    }
+
+
+def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print,
+                  plot_path: Path | None = None) -> None:
+    """tune_summary.json, best.yaml and val_loss.png into RUN_DIR (the plot is drawn at
+    ``plot_path`` first, when given, and copied)."""
+    rd = run_dir(cfg)
+    storage.write_text(storage.join(rd, "tune_summary.json"), json.dumps(summary, indent=2))
+    if summary["best"]:
+        tree = cfg.to_dict()
+        for key, value in summary["best"]["config"].items():
+            section, name = key.split(".", 1)
+            tree[section][name] = value
+        tree["run"]["name"] = f"{cfg.run.name}-best"
+        storage.write_text(
+            storage.join(rd, "best.yaml"),
+            f"# Best trial {summary['best']['trial_id']} of sweep {cfg.run.name}: val_loss "
+            f"{summary['best']['val_loss']:.4f}\n" + yaml.safe_dump(tree, sort_keys=False))
+    with tempfile.TemporaryDirectory(prefix="raylm-plot-") as tmp:
+        drawn = plot_path or Path(tmp) / "val_loss.png"
+        plot(summary, drawn, total_steps=cfg.train.steps)
+        storage.write_bytes(storage.join(rd, "val_loss.png"), drawn.read_bytes())
+    log(table(summary))
+    log(f"raylm: sweep done: {storage.join(rd, 'tune_summary.json')}, "
+        f"{storage.join(rd, 'best.yaml')}, {storage.join(rd, 'val_loss.png')}")
+
+
+def table(summary: dict[str, Any]) -> str:
+    keys = sorted({k for t in summary["trials"] for k in t["config"]})
+    head = ["trial", *[k.split(".")[1] for k in keys], "val_loss", "steps", "stopped"]
+    rows = []
+    for t in sorted(summary["trials"], key=lambda t: (t["val_loss"] is None, t["val_loss"])):
+        cells = [str(t["trial_id"])]
+        for k in keys:
+            v = t["config"].get(k)
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        cells += [f"{t['val_loss']:.4f}" if t["val_loss"] is not None else "-",
+                  str(t["steps"]), "early" if t["stopped_early"] else ""]
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
+                     for r in [head, *rows])
+
+
+def plot(summary: dict[str, Any], path: Path, *, total_steps: int) -> None:
+    # A Figure of its own, outside pyplot: a file needs no backend, and switching the
+    # process's backend would stop a notebook's own plots from showing.
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    best = summary["best"]["trial_id"] if summary["best"] else None
+    for t in summary["trials"]:
+        if not t["history"]:
+            continue
+        steps, losses = zip(*t["history"], strict=True)
+        lr = t["config"].get("optim.lr")
+        label = f"{t['trial_id']}: lr {lr:.2g} {t['config'].get('optim.schedule', '')}"
+        ax.plot(steps, losses, marker="o", lw=2.5 if t["trial_id"] == best else 1.2,
+                label=label + (" (best)" if t["trial_id"] == best else ""))
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats)")
+    ax.set_xlim(0, total_steps)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,471 @@
+"""MLflow: the only module that touches it. One tracker per raylm run, made once on the driver.
+
+:func:`start` gives an :class:`MLflowTracker` (the run created, or found again through
+``RUN_DIR/mlflow_run.json`` so a resumed or restarted run logs into the same MLflow run, with the
+resolved config as params) or a :class:`Tracker` that does nothing, when tracking is off or
+the store cannot be reached. The same object then travels where the run goes: to the Ray Train
+controller, where the run's record (:mod:`raylm.run.record`) logs every report's metrics,
+checkpoint locations and restart/resize events through it, and to one worker per node, where
+it starts MLflow's own ``SystemMetricsMonitor`` (CPU, memory, and through NVML GPU utilisation
+and memory, as ``system/<node>/...``). A sweep's trials nest their runs under the sweep's tracker.
+When training ends the driver logs the final model through it (a LoggedModel, optionally
+registered).
+
+Ray 2.60's ``UserCallback`` has ``after_report`` and ``after_exception`` but no hooks before or
+after the run, so the driver starts the MLflow run and finishes it when ``fit`` returns.
+
+Tracking never stops training: every method of :class:`MLflowTracker` goes through
+:meth:`MLflowTracker._guard`, which prints the first failure and turns the tracker off.
+
+Default store: ``sqlite:///<storage_path>/mlflow.db`` with artifacts in
+``<storage_path>/mlartifacts`` (no server; browse with ``mlflow ui --backend-store-uri
+sqlite:///runs/mlflow.db``). ``tracking.uri`` or ``MLFLOW_TRACKING_URI`` points at a server.
+mlflow itself is imported only when a tracker first talks to the store (it takes seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from raylm import storage
+from raylm.config import Config, run_dir, storage_root
+from raylm.names import MLFLOW_RUN
+
+# Reported values that describe the run rather than measure it: params, not metrics.
+DESCRIPTIVE = ("attention_backend", "precision")
+# Reported values that are neither: the step itself, and the worker group's start time, which
+# the run's record uses to tell worker groups apart.
+NOT_LOGGED = ("step", "group_started")
+
+
+def resolve_uri(cfg: Config) -> str:
+    """The tracking URI for ``cfg``; ValueError for a store that cannot exist (checked before
+    Ray starts)."""
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if storage.is_uri(cfg.run.storage_path):
+        raise ValueError(
+            f"run.storage_path={cfg.run.storage_path!r} is object storage, where MLflow's "
+            f"default SQLite store cannot live: set tracking.uri (an MLflow server, e.g. "
+            f"http://HEAD:5000) or MLFLOW_TRACKING_URI, or tracking.enabled=false.")
+    return f"sqlite:///{os.path.join(storage_root(cfg), 'mlflow.db')}"
+
+
+def _fail_fast() -> None:
+    """In this process: a dead server costs seconds, not MLflow's default minutes of retries
+    for every call. Each process a tracker travels to (the Train controller, the workers)
+    sets it again: Ray's processes do not see the driver's later environment changes."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
+def _param_value(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+
+class Tracker:
+    """What the run tracks through; this base is the null tracker (tracking off): every call
+    does nothing, so the loop and the record never branch on whether tracking is on."""
+
+    run_id: str | None = None
+    uri: str | None = None
+    lost: str | None = None  # why tracking stopped, once it has
+
+    def __bool__(self) -> bool:
+        return False
+
+    def lose(self, reason: str) -> None:
+        """Stop tracking without a word: another process's copy of this tracker said it."""
+
+    def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
+        pass
+
+    def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None:
+        pass
+
+    def start_node_monitor(self, node: str) -> None:
+        pass
+
+    def stop_node_monitor(self) -> None:
+        pass
+
+    def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
+        pass
+
+    def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None:
+        pass
+
+    def log_model(self, directory: Path, *, adapter: bool, step: int, name: str,
+                  description: str, register_as: str | None) -> dict[str, Any] | None:
+        return None
+
+    def log_run_files(self, run_dir: str, names: tuple[str, ...]) -> None:
+        pass
+
+    def finish(self, *, failed: bool) -> None:
+        pass
+
+
+class MLflowTracker(Tracker):
+    """One MLflow run. Picklable (its id and URI); the client is made where it is used."""
+
+    def __init__(self, run_id: str, uri: str, *, keep: int | None = None) -> None:
+        self.run_id, self.uri = run_id, uri
+        self.keep = keep
+        """How many checkpoints Ray Train keeps (checkpoint.keep): the newest, by step."""
+        self.broken = False
+        self.params_logged = False
+        self.checkpoints: list[dict[str, Any]] = []
+        self._client = None
+        self._monitor = None
+        self._monitor_thread: threading.Thread | None = None
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None, "_monitor": None, "_monitor_thread": None}
+
+    def _guard(self, what: str, fn, *args) -> Any:
+        if self.broken:
+            return None
+        try:
+            if self._client is None:
+                from mlflow import MlflowClient
+
+                _fail_fast()
+                self._client = MlflowClient(tracking_uri=self.uri)
+            return fn(self._client, *args)
+        except Exception as e:  # MLflow raises many types for an unreachable or broken store
+            self.lose(f"could not {what}: {_first_line(e)}")
+            print(f"warning: MLflow could not {what}; the run continues untracked: "
+                  f"{_first_line(e)}", flush=True)
+            return None
+
+    def lose(self, reason: str) -> None:
+        self.broken, self.lost = True, reason
+
+    def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
+        """A report's numeric values as metrics at its step; the descriptive ones as params
+        (once); a checkpoint's location as a tag and in ``checkpoints.json``."""
+        self._guard("log metrics", self._log_report, metrics, checkpoint_path)
+
+    def _log_report(self, client, m: dict[str, Any], checkpoint_path: str | None) -> None:
+        from mlflow.entities import Metric, Param
+
+        now = int(time.time() * 1000)
+        step = int(m["step"])
+        values = [Metric(k, float(v), now, step) for k, v in m.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and k not in NOT_LOGGED]
+        params = []
+        if not self.params_logged:
+            params = [Param(k, str(m[k])) for k in DESCRIPTIVE if k in m]
+            self.params_logged = True
+        client.log_batch(self.run_id, metrics=values, params=params)
+        if checkpoint_path is not None:
+            self.checkpoints.append({"step": step, "path": checkpoint_path})
+            # Ray Train has deleted the older ones (num_to_keep), so the list names only those
+            # a user can still open.
+            if self.keep:
+                self.checkpoints = self.checkpoints[-self.keep:]
+            client.set_tag(self.run_id, "raylm.checkpoint_latest", checkpoint_path)
+            client.log_dict(self.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json")
+
+    def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None:
+        """Restarts, resizes and failures: ``events`` as the ``events.json`` artifact, and
+        ``counts`` as metrics at the step of the report that saw them."""
+        self._guard("record a run event", self._log_events, events, counts, step)
+
+    def _log_events(self, client, events, counts, step) -> None:
+        from mlflow.entities import Metric
+
+        client.log_dict(self.run_id, events, "events.json")
+        now = int(time.time() * 1000)
+        client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
+                                               for k, v in counts.items()])
+
+    def start_node_monitor(self, node: str) -> None:
+        """MLflow's system-metrics monitor for this node, logging as ``system/<node>/...``.
+        Started in a thread: importing mlflow took 3.4 s in a worker here, which training
+        need not wait for."""
+        def start(client) -> None:
+            import logging
+
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            # The monitor warns when the store fails, from every node, and stops; the
+            # controller's record says that once for the whole run.
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
+            self._monitor = SystemMetricsMonitor(
+                self.run_id, sampling_interval=5, samples_before_logging=1,
+                resume_logging=True, node_id=node, tracking_uri=self.uri)
+            self._monitor.start()
+
+        self._monitor_thread = threading.Thread(
+            target=self._guard, args=(f"start system metrics on {node}", start),
+            name="raylm-system-metrics", daemon=True)
+        self._monitor_thread.start()
+
+    def stop_node_monitor(self) -> None:
+        if self._monitor_thread is not None:
+            self._monitor_thread.join()
+            self._monitor_thread = None
+        if self._monitor is not None:
+            monitor, self._monitor = self._monitor, None
+            self._guard("stop system metrics", lambda client: _last_sample(monitor))
+
+    def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
+        """The sweep's run: its summary and plot as artifacts, the best validation loss and
+        config, the tag ``raylm.best`` on the best trial's (child) run, and ASHA-stopped
+        trials' runs closed as killed."""
+        self._guard("record the sweep summary", self._log_sweep, summary, plot_path)
+
+    def _log_sweep(self, client, summary: dict[str, Any], plot_path: Path) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        client.log_dict(self.run_id, summary, "tune_summary.json")
+        if plot_path.is_file():
+            client.log_artifact(self.run_id, str(plot_path))
+        for t in summary["trials"]:
+            # A trial that ASHA stopped was ended from outside: close its run as killed.
+            child = saved_run_id(storage.join(summary["trials_dir"], str(t["trial_id"])))
+            if t["stopped_early"] and child:
+                client.set_tag(child, "raylm.stopped_early", "true")
+                client.set_terminated(child, status="KILLED")
+        best = summary["best"]
+        if best is None:
+            return
+        # Tags, not params: a resumed sweep may find a better trial, and MLflow params never
+        # change once logged.
+        client.log_batch(self.run_id, metrics=[Metric("best_val_loss", best["val_loss"],
+                                                      int(time.time() * 1000), 0)],
+                         tags=[RunTag(f"raylm.best.{k}", _param_value(v))
+                               for k, v in best["config"].items()])
+        child = (saved_run_id(storage.parent(best["checkpoint_path"]))
+                 if best["checkpoint_path"] else None)
+        if child:
+            client.set_tag(child, "raylm.best", "true")
+            client.set_tag(self.run_id, "raylm.best_run_id", child)
+
+    def log_model(self, directory: Path, *, adapter: bool, step: int, name: str,
+                  description: str, register_as: str | None) -> dict[str, Any] | None:
+        """The final model as an MLflow LoggedModel, an output of the run at ``step`` (the
+        Models tab of MLflow's UI lists it), and with ``register_as`` a new version of that
+        registered model. ``directory`` is raylm's export: a Hugging Face model directory,
+        logged in MLflow's transformers flavor (``mlflow.transformers.load_model(uri)`` gives a
+        text-generation pipeline), or with ``adapter`` a peft adapter directory, logged as it
+        is (``PeftModel.from_pretrained(base, mlflow.artifacts.download_artifacts(uri))``):
+        the flavor would store the whole base model beside every adapter. Returns
+        ``mlflow_model_uri`` and, when registered, ``registered_model`` and its ``version``."""
+        return self._guard("record the final model", self._log_model, directory, adapter,
+                           step, name, description, register_as)
+
+    def _log_model(self, client, directory: Path, adapter: bool, step: int, name: str,
+                   description: str, register_as: str | None) -> dict[str, Any]:
+        import tempfile
+
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+
+        experiment = client.get_run(self.run_id).info.experiment_id
+        with tempfile.TemporaryDirectory(prefix="raylm-mlflow-model-") as tmp:
+            artifacts = directory if adapter else _transformers_flavor(
+                directory, Path(tmp) / "model", description)
+            model = client.create_logged_model(
+                experiment, name=name, source_run_id=self.run_id,
+                model_type="peft-adapter" if adapter else "transformers",
+                params={"step": str(step)}, tags={"raylm.run_id": self.run_id})
+            client.log_model_artifacts(model.model_id, str(artifacts))
+        client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step)])
+        logged: dict[str, Any] = {"mlflow_model_uri": model.model_uri}
+        if register_as:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                client.create_registered_model(register_as)
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+            # The artifact location, not the models:/ URI: MLflow's SQL registry store
+            # resolves that URI through the process-wide tracking URI, not this client's.
+            # Used directly, that store keeps no model id: the tag names the logged model.
+            version = client.create_model_version(
+                register_as, source=model.artifact_location, run_id=self.run_id,
+                model_id=model.model_id, tags={"raylm.model_id": model.model_id},
+                description=description)
+            logged.update(registered_model=register_as, registered_version=int(version.version))
+        return logged
+
+    def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None:
+        """The prepared data as the run's MLflow dataset input (context ``training``): where
+        it lies as the source, the manifest's fingerprint as the digest, the manifest's counts
+        as the profile, so runs can be searched and compared by the data they trained on."""
+        self._guard("record the dataset", self._log_dataset, manifest, prepared)
+
+    def _log_dataset(self, client, manifest: dict[str, Any], prepared: str) -> None:
+        from mlflow.entities import DatasetInput, InputTag
+
+        dataset = prepared_dataset(manifest, prepared)
+        client.log_inputs(self.run_id, datasets=[DatasetInput(
+            dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])])
+
+    def log_run_files(self, run_dir: str, names: tuple[str, ...]) -> None:
+        """Files of the run directory (summary.json, run.json) as artifacts of the run."""
+        def log(client) -> None:
+            for name in names:
+                path = storage.join(run_dir, name)
+                if storage.is_file(path):
+                    client.log_text(self.run_id, storage.read_text(path), name)
+
+        self._guard("record the run's files", log)
+
+    def finish(self, *, failed: bool) -> None:
+        self._guard("close the run", lambda client: client.set_terminated(
+            self.run_id, status="FAILED" if failed else "FINISHED"))
+
+
+def _last_sample(monitor) -> None:
+    """Stop MLflow's system-metrics monitor and publish one last sample. The monitor publishes
+    once per sampling interval (5 s) and drops what it collected since, so a worker group that
+    lives less than that would leave no system metrics at all."""
+    failed = monitor._process is None or not monitor._process.is_alive()
+    monitor.finish()
+    if failed:  # its thread ends at the first failure to publish: the store is gone
+        return
+    monitor.collect_metrics()
+    monitor.publish_metrics(monitor.aggregate_metrics())
+    monitor.mlflow_logger.flush()
+
+
+def _transformers_flavor(directory: Path, output: Path, description: str) -> Path:
+    """A Hugging Face model directory saved as MLflow's transformers flavor (a text-generation
+    pipeline, also loadable as pyfunc). Saved from a pipeline object: MLflow 3.17's path for a
+    local checkpoint directory fails with transformers 5 (it reads a task's pipeline class
+    where transformers now keeps its name). The model card is given, so MLflow does not look
+    for one on the Hugging Face Hub under the directory's name."""
+    import huggingface_hub
+    import mlflow.transformers
+    import torch
+    import transformers
+
+    pipeline = transformers.pipeline("text-generation", model=str(directory.resolve()),
+                                     device="cpu")
+    mlflow.transformers.save_model(
+        pipeline, str(output),
+        model_card=huggingface_hub.ModelCard(f"---\ntags: [raylm]\n---\n{description}\n"),
+        pip_requirements=[f"torch>={torch.__version__.split('+')[0]}",
+                          f"transformers>={transformers.__version__}"])
+    return output
+
+
+def prepared_dataset(manifest: dict[str, Any], prepared: str):
+    """An MLflow dataset that names prepared data without copying it."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
+
+    counts = {k: manifest[k] for k in ("documents_read", "documents_kept", "dropped", "tokens",
+                                       "blocks", "block_length", "tail_tokens_dropped",
+                                       "trained_tokens", "padding_tokens") if k in manifest}
+
+    class Prepared(MetaDataset):
+        @property
+        def profile(self) -> dict[str, Any]:
+            return counts
+
+        def to_dict(self) -> dict[str, str]:
+            return {**super().to_dict(), "profile": json.dumps(self.profile)}
+
+    source = (resolve_dataset_source(prepared) if storage.is_uri(prepared)
+              else LocalArtifactDatasetSource(str(Path(prepared).resolve())))
+    return Prepared(source, name=f"prepared-{manifest['fingerprint'][:8]}",
+                    digest=manifest["fingerprint"][:36])
+
+
+def run_tags(cfg: Config) -> dict[str, str]:
+    """Tags to filter runs on (``tags.raylm.training = 'lora'``): the model, how it is trained,
+    the worker count, the precision asked for and the data format."""
+    lo, hi = cfg.scaling.worker_range
+    training = "full"
+    if cfg.lora.rank:
+        training = "qlora" if cfg.lora.base_quantization == "nf4" else "lora"
+    return {
+        "raylm.model": (Path(cfg.model.path).name if cfg.model.path
+                        else f"preset:{cfg.model.preset}"),
+        "raylm.training": training if cfg.model.path else f"pretrain-{training}",
+        "raylm.workers": str(lo) if lo == hi else f"{lo}-{hi}",
+        "raylm.precision": cfg.train.precision,
+        "raylm.data_format": cfg.data.format,
+    }
+
+
+def saved_run_id(directory: str) -> str | None:
+    """The MLflow run id a run directory recorded, if any."""
+    saved = storage.join(directory, MLFLOW_RUN)
+    return json.loads(storage.read_text(saved))["run_id"] if storage.is_file(saved) else None
+
+
+def start(cfg: Config, *, log=print, parent: Tracker | None = None) -> Tracker:
+    """The tracker of this raylm run: its MLflow run created or found again, or a
+    :class:`Tracker` that does nothing when tracking is off or the store cannot be reached
+    (said once). A sweep's trials pass the sweep's tracker as ``parent``, so their runs nest
+    under it."""
+    if not cfg.tracking.enabled:
+        return Tracker()
+    uri = parent.uri if parent else resolve_uri(cfg)
+    _fail_fast()
+    try:
+        run_id = _find_or_create_run(cfg, uri, parent.run_id if parent else None)
+    except Exception as e:  # MLflow raises many types for an unreachable or broken store
+        log(f"warning: MLflow at {uri} is unavailable, training continues untracked: "
+            f"{_first_line(e)}")
+        return Tracker()
+    log(f"raylm: MLflow run {run_id} at {uri}")
+    return MLflowTracker(run_id, uri, keep=cfg.checkpoint.keep)
+
+
+def _find_or_create_run(cfg: Config, uri: str, parent_run_id: str | None) -> str:
+    from mlflow import MlflowClient
+    from mlflow.entities import Param
+
+    client = MlflowClient(tracking_uri=uri)
+    rd = run_dir(cfg)
+    saved = storage.join(rd, MLFLOW_RUN)
+    if storage.is_file(saved):
+        known = json.loads(storage.read_text(saved))
+        if known.get("tracking_uri") == uri:
+            run = client.get_run(known["run_id"])
+            client.update_run(run.info.run_id, status="RUNNING")
+            # A resume may change the workers or the precision: the tags say what ran last.
+            for k, v in run_tags(cfg).items():
+                client.set_tag(run.info.run_id, k, v)
+            return run.info.run_id
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        artifacts = None
+        if uri.startswith("sqlite:///"):
+            artifacts = str(Path(uri[len("sqlite:///"):]).parent / "mlartifacts")
+        exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+    else:
+        exp_id = exp.experiment_id
+    tags = {"raylm.run_dir": rd, "raylm.run_name": cfg.run.name, **run_tags(cfg)}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run = client.create_run(exp_id, run_name=cfg.run.name, tags=tags)
+    params = [Param(k, _param_value(v)[:6000]) for k, v in sorted(cfg.flat().items())]
+    for i in range(0, len(params), 100):
+        client.log_batch(run.info.run_id, params=params[i:i + 100])
+    storage.write_text(saved, json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
+    return run.info.run_id

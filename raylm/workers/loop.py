@@ -1,0 +1,501 @@
+"""The loop Ray Train runs on every worker: set up, then step, report and checkpoint.
+
+The ``while`` loop in :func:`train` reads top to bottom like nanoGPT's; what it calls is kept
+apart as torchtitan keeps it:
+
+- :func:`setup`: build and parallelize the model, restore the latest checkpoint, and only then
+  open this rank's data streams, at the step the restored :class:`~raylm.workers.step.TrainState`
+  holds. That state is the run's one resume point: nothing else decides where the data starts.
+- :class:`StepMeter`: wall time, tokens and time spent waiting for data, per report window and
+  over the run.
+- :func:`at_boundary`: a pure function of the step saying whether to report, evaluate, save or
+  stop for a preemption.
+- :func:`save_and_report`: the checkpoint (with the sample ledger) and ``ray.train.report``;
+  :class:`raylm.workers.checkpoint.Checkpointer` makes periodic checkpoints asynchronous.
+- The first batch is waited for by :class:`raylm.data.streams.FirstBatch`, which names what
+  a stream that does not start waits for.
+
+Every worker reports at the same steps (Ray Train needs all of them); metrics are global
+figures, identical on every rank. A worker group's first report, made as soon as it is set up
+and before it trains, announces it (``event: group_start``, with the world size and the step it
+resumed from); every report carries ``group_started``, the time the group began. That is how
+the controller's record (:mod:`raylm.run.record`) learns of restarts and resizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import ray.train
+import ray.train.torch
+import torch
+
+from raylm.config import Config, batch_plan, config_from_dict
+from raylm.console import quiet_libraries
+from raylm.data.packing import check_positions
+from raylm.data.streams import FirstBatch, build_train_stream, read_val_blocks, reader_wait
+from raylm.model.lora import adapter_args
+from raylm.model.lora import settings as lora_settings
+from raylm.model.parallelize import Layout, ParallelPlan, layout_of
+from raylm.model.pipeline import describe_split
+from raylm.names import GROUP_START
+from raylm.workers import checkpoint as ckpt
+from raylm.workers import preemption
+from raylm.workers.energy import EnergyCounter, run_figures, window_figures
+from raylm.workers.faults import MISTAKES, Mistake, first_loss_check
+from raylm.workers.ledger import Ledger
+from raylm.workers.metrics import (
+    flops_per_token,
+    mfu,
+    peak_flops,
+    peak_memory_bytes,
+    state_memory_bytes,
+)
+from raylm.workers.optim import build_optimizer, lr_at, set_lr
+from raylm.workers.step import Built, TrainState, build_training_model, evaluate, train_step
+
+
+class NodeMonitor(Protocol):
+    """System metrics of this worker's node, logged beside the run's metrics (the run's MLflow
+    tracker, handed to workers by the driver)."""
+
+    def start_node_monitor(self, node: str) -> None: ...
+
+    def stop_node_monitor(self) -> None: ...
+
+
+@dataclass
+class Setup:
+    """What one worker trains with, once set up."""
+
+    cfg: Config
+    rank: int
+    world_size: int
+    layout: Layout
+    built: Built
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    ledger: Ledger
+    micro_batch: int
+    accumulation: int
+    batches: Iterator[dict[str, torch.Tensor]]
+    val_batches: list[dict[str, torch.Tensor]]
+    tracker: NodeMonitor
+    meter: StepMeter
+    vote: preemption.Vote
+    constant_metrics: dict[str, Any]
+    """Reported with every step: the layout, the kernels that ran, where the group resumed."""
+    checkpointer: ckpt.Checkpointer
+    state_memory: dict[str, float] | None = None
+    """Parameter and optimizer-state memory of the rank holding most, once measured."""
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Run by ``TorchTrainer`` on every worker."""
+    group_started = time.time()
+    preemption.install_in_ray_worker()
+    try:
+        try:
+            run = setup(loop_config, group_started=group_started)
+        except Mistake:
+            raise
+        except MISTAKES as e:
+            raise Mistake(f"worker setup: {type(e).__name__}: {e}") from e
+        try:
+            ray.train.report({**run.constant_metrics, "step": run.state.step,
+                              "event": GROUP_START})
+            train(run)
+        finally:
+            run.tracker.stop_node_monitor()
+    finally:
+        preemption.uninstall_in_ray_worker()
+
+
+def train(run: Setup) -> None:
+    t, o = run.cfg.train, run.cfg.optim
+    state = run.state
+    tokens_per_step = t.global_batch_size * run.cfg.data.seq_len
+    meter = run.meter
+    while state.step < t.steps:
+        meter.step_begins()
+        micro = meter.fetch(run.batches, run.accumulation)
+        check_positions(torch.cat([b["sample_position"] for b in micro]).numpy(),
+                        step=state.step, global_batch=t.global_batch_size,
+                        rank=run.layout.dp_rank, world_size=run.layout.dp_size)
+        lr = lr_at(state.step, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
+                   total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
+                   cycle_steps=o.cycle_steps)
+        set_lr(run.optimizer, lr)
+        loss, grad_norm = train_step(run.built, run.optimizer, micro,
+                                     accumulation=run.accumulation, grad_clip=o.grad_clip,
+                                     cross_document=run.cfg.data.across_documents)
+        state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
+        if state.step == 1 and run.cfg.model.path and run.built.pipeline is None:
+            # Once, at the start of a run from pretrained weights (the loss is global).
+            first_loss_check(float(loss), vocab_size=run.built.config.vocab_size,
+                             model_path=run.cfg.model.path)
+        run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
+        meter.step_ends(tokens_per_step)
+        # Every rank takes part in the vote, every step.
+        cause = run.vote()
+        todo = at_boundary(state.step, cfg=run.cfg, preempt_requested=cause is not None)
+        if not todo.report:
+            continue
+        window = meter.window()
+        state.add_usage(joules=window.pop("energy_j"), gpu_seconds=window.pop("gpu_s"))
+        # The only host-device synchronisations of the loop are here, at reports.
+        metrics = {"step": state.step, "loss": float(loss), "lr": lr,
+                   "grad_norm": float(grad_norm), "tokens_seen": state.tokens_seen,
+                   "preempted": todo.preempted, **window,
+                   **run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
+                                 gpu_hour_price=run.cfg.tracking.gpu_hour_price),
+                   **run.constant_metrics}
+        if run.state_memory is None:  # after a step: the optimizer's state exists
+            run.state_memory = state_memory(run)
+        metrics.update(run.state_memory)
+        if todo.evaluate:
+            metrics.update(validate(run))
+        # The last checkpoint and a preemption's are written before the loop goes on (to its
+        # end, or to stopping the group); the others in the background.
+        save_and_report(run, metrics, save=todo.save,
+                        wait=todo.preempted or state.step >= t.steps)
+        if todo.preempted:
+            notice = preemption.drain_notice()
+            raise preemption.Preempted(
+                f"a worker was asked to stop ({cause}{': ' + notice if notice else ''}); "
+                f"checkpoint saved at step {state.step}, the run resumes from it")
+        meter.window_reset()
+
+
+def compile_blocks(setting: bool | str, device: torch.device) -> bool:
+    """``model.compile`` on this worker's device: ``auto`` compiles on CUDA only."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    report: bool
+    evaluate: bool
+    save: bool
+    preempted: bool
+
+
+def at_boundary(step: int, *, cfg: Config, preempt_requested: bool) -> Boundary:
+    """What happens after optimizer step ``step`` (1-based: steps done). A preemption saves at
+    once and skips evaluation; at the last step the final save covers it."""
+    last = step == cfg.train.steps
+    preempted = preempt_requested and not last
+    evaluate_now = (step % cfg.train.eval_every == 0 or last) and not preempted
+    save = step % cfg.checkpoint.every == 0 or last or preempted
+    report = step % cfg.train.log_every == 0 or evaluate_now or save
+    return Boundary(report=report, evaluate=evaluate_now, save=save, preempted=preempted)
+
+
+class StepMeter:
+    """Times the loop: tokens/s and the share of time spent waiting for data, over the window
+    since the last report and (data wait) over the whole run; and the GPUs' energy (see
+    :mod:`raylm.workers.energy`).
+
+    Energy windows follow one another without gaps (each starts where the last was read, so
+    evaluation, checkpoints and setup count), while the throughput window restarts after each
+    report. All ranks call :meth:`window` at the same steps (it all-reduces on GPUs)."""
+
+    def __init__(self, *, flops_per_token: float, peak_flops: float | None, world_size: int,
+                 device: torch.device, energy: EnergyCounter | None = None,
+                 energy_since: tuple[float, float | None] | None = None) -> None:
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.world_size, self.device = world_size, device
+        self.run_t0 = time.perf_counter()
+        self.busy_s = self.run_wait_s = 0.0
+        self.energy = energy
+        # (time, joules) where the first energy window starts: the group's setup by default.
+        self.energy_t0, self.energy_j0 = energy_since or (
+            time.perf_counter(), energy.read() if energy else None)
+        self.window_reset()
+
+    def window_reset(self) -> None:
+        self.window_t0 = time.perf_counter()
+        self.window_tokens = 0
+        self.window_steps = 0
+        self.window_wait_s = 0.0
+
+    def step_begins(self) -> None:
+        self.step_t0 = time.perf_counter()
+
+    def fetch(self, batches: Iterator[dict[str, torch.Tensor]], n: int
+              ) -> list[dict[str, torch.Tensor]]:
+        """The next ``n`` micro-batches, timing the wait for each."""
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            out.append(next(batches))
+            waited = time.perf_counter() - t0
+            self.window_wait_s += waited
+            self.run_wait_s += waited
+        return out
+
+    def step_ends(self, tokens: int) -> None:
+        self.window_tokens += tokens
+        self.window_steps += 1
+        self.busy_s += time.perf_counter() - self.step_t0
+
+    def window(self) -> dict[str, float]:
+        """The figures of the window since the last report."""
+        if self.device.type == "cuda":
+            # The host runs ahead of the GPU's queue by up to a step; without this the window
+            # ended when its last step was queued, not done (measured on an H100 at the 1b
+            # preset: 72.8k tokens/s reported against 67.3k done, 10-step windows). The
+            # report reads the loss back right after, so this wait costs nothing.
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        elapsed = now - self.window_t0
+        tok_s = self.window_tokens / elapsed
+        return {
+            "tokens_per_s": tok_s,
+            "data_wait_fraction": self.window_wait_s / elapsed,
+            "data_wait_fraction_run": self.run_wait_s / max(self.busy_s, 1e-9),
+            "mfu": mfu(tok_s, self.flops_per_token, self.peak_flops, self.world_size),
+            "elapsed_s": now - self.run_t0,
+            "peak_memory_gb": peak_memory_bytes(self.device) / 2**30,
+            **self._energy_window(now),
+        }
+
+    def _energy_window(self, now: float) -> dict[str, float | None]:
+        """Joules drawn by every GPU since the last energy reading, GPU-seconds over the same
+        span, and the window figures; None throughout on CPUs."""
+        if self.device.type != "cuda":
+            return {"energy_j": None, "gpu_s": None, **window_figures(
+                joules=None, steps=0, tokens=0, seconds=0.0, gpus=0)}
+        joules = self.energy.read() if self.energy else None
+        mine = (torch.tensor([0.0, 1.0], dtype=torch.float64) if joules is None
+                or self.energy_j0 is None else
+                torch.tensor([joules - self.energy_j0, 0.0], dtype=torch.float64))
+        if torch.distributed.is_initialized():
+            mine = mine.to(self.device)
+            torch.distributed.all_reduce(mine)
+        total, missing = mine.tolist()
+        seconds = now - self.energy_t0
+        self.energy_t0, self.energy_j0 = now, joules
+        total = None if missing else total  # one rank without a counter: no figure at all
+        return {"energy_j": total, "gpu_s": seconds * self.world_size,
+                **window_figures(joules=total, steps=self.window_steps,
+                                 tokens=self.window_tokens, seconds=seconds,
+                                 gpus=self.world_size)}
+
+
+def state_memory(run: Setup) -> dict[str, float]:
+    """GiB of parameters and of optimizer state on the rank that holds most of each (every
+    rank calls it): what FSDP2, tensor and pipeline parallelism divide, unlike the peak,
+    which activations dominate."""
+    held = torch.tensor(state_memory_bytes(run.built.model, run.optimizer), dtype=torch.float64,
+                        device=run.built.device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(held, op=torch.distributed.ReduceOp.MAX)
+    params, optim = (float(x) / 2**30 for x in held.tolist())
+    return {"param_memory_gb": params, "optimizer_memory_gb": optim}
+
+
+def validate(run: Setup) -> dict[str, float]:
+    val = evaluate(run.built, run.val_batches,
+                   cross_document=run.cfg.data.across_documents)
+    return {"val_loss": val, "val_perplexity": float(np.exp(val))}
+
+
+def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bool) -> None:
+    """Report ``metrics``, with a checkpoint if ``save``: written before this returns if
+    ``wait``, else (when asynchronous) in the background."""
+    if not save:
+        run.checkpointer.report(metrics)
+        return
+    run.checkpointer.wait()
+    samples = run.ledger.collect(run.built.device)
+    run.checkpointer.save(metrics, step=run.state.step, wait=wait, model=run.built.model,
+                          optimizer=run.optimizer, state=copy.deepcopy(run.state.state_dict()),
+                          config=run.built.config, samples=samples,
+                          adapters=lora_settings(run.cfg.lora))
+
+
+def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
+    """Open the training stream at the step of the run's latest checkpoint, build the model
+    and restore that checkpoint while its reader starts, then wait for its first batch."""
+    cfg = config_from_dict(loop_config["config"])
+    quiet_libraries(cfg.run.verbose)
+    ctx = ray.train.get_context()
+    world, rank = ctx.get_world_size(), ctx.get_world_rank()
+    device = worker_device(cfg)
+    # Energy is counted from here: building, restoring and the first batch draw power too.
+    energy = EnergyCounter(device)
+    energy_since = (time.perf_counter(), energy.read())
+    t, par = cfg.train, cfg.parallel
+    plan = ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
+                        compile=compile_blocks(cfg.model.compile, device), tensor=par.tensor,
+                        pipeline=par.pipeline)
+    # Data goes by data-parallel rank: the workers of a tensor-parallel group, and the stages
+    # of a pipeline, train on the same samples.
+    lay = layout_of(rank, world, plan)
+    # Under pipeline parallelism the accumulation steps are the schedule's micro-batches.
+    micro_batch, accumulation = batch_plan(
+        t.global_batch_size, t.micro_batch_size, lay.dp_size,
+        splits=par.pipeline_microbatches if par.pipeline > 1 else 0)
+    # The stream opens first, at the step of the checkpoint the restore below loads, so that
+    # its reader starts while the model is built and restored.
+    found = ckpt.latest_verified(loop_config["run_dir"])
+    start_step = found[1]["state"]["step"] if found is not None else 0
+    batches = open_stream(loop_config, cfg, layout=lay, start_step=start_step,
+                          micro_batch=micro_batch, device=device)
+    fetching = FirstBatch(batches) if start_step < t.steps else None
+    built = build_training_model(
+        preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
+        eos_id=loop_config["eos_id"], device=device, precision=t.precision,
+        attention=cfg.model.attention, cross_document=cfg.data.across_documents,
+        plan=plan, pipeline_schedule=par.pipeline_schedule,
+        seed=t.seed, lora=adapter_args(cfg.lora),
+        base_quantization=cfg.lora.base_quantization)
+    o = cfg.optim
+    optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
+                                betas=(o.beta1, o.beta2), device_type=device.type)
+    state, ledger = restore(found, cfg, built=built, optimizer=optimizer, rank=rank,
+                            layout=lay)
+    assert state.step == start_step, (state.step, start_step)
+    if rank == 0:
+        announce(cfg, built, world=world, step=state.step, micro_batch=micro_batch,
+                 accumulation=accumulation)
+    tracker: NodeMonitor = loop_config["tracker"]
+    if ctx.get_local_rank() == 0:
+        tracker.start_node_monitor(f"node{ctx.get_node_rank()}")
+    val_batches = validation_batches(loop_config, cfg, layout=lay)
+    # What starting the stream (actor, first blocks) still costs once the model is ready is a
+    # one-off, reported on its own rather than folded into the steady-state data-wait fraction.
+    t0 = time.perf_counter()
+    if fetching is not None:
+        reader = loop_config["reader_resources"]
+        first = fetching.wait(
+            timeout_s=cfg.data.first_batch_timeout_s, keep_waiting=cfg.scaling.wait_for_nodes,
+            waiting_for=lambda: reader_wait(reader, rank=rank), log=print)
+        batches = itertools.chain([first], batches)
+    constant = {
+        "workers": world, "accumulation": accumulation, "micro_batch": micro_batch,
+        # The layout as numbers: metrics that may change at a resize, unlike MLflow params.
+        "data_parallel": lay.dp_size, "tensor_parallel": lay.tp_size,
+        "pipeline_parallel": lay.pp_size,
+        "trainable_params": trainable_params(built),
+        "attention_backend": built.attention.backend, "precision": built.precision,
+        "resumed_from_step": state.step if state.step else None,
+        "group_started": group_started, "data_startup_s": time.perf_counter() - t0,
+    }
+    meter = StepMeter(flops_per_token=flops_per_token(built.config, cfg.data.seq_len),
+                      peak_flops=listed_peak(built, rank=rank), world_size=world,
+                      device=device, energy=energy, energy_since=energy_since)
+    return Setup(cfg=cfg, rank=rank, world_size=world, layout=lay, built=built,
+                 optimizer=optimizer, state=state, ledger=ledger, micro_batch=micro_batch,
+                 accumulation=accumulation, batches=batches, val_batches=val_batches,
+                 tracker=tracker, meter=meter, vote=preemption.Vote(device),
+                 constant_metrics=constant,
+                 checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
+                                                cfg.checkpoint.writer, device=built.device,
+                                                model=built.model))
+
+
+def worker_device(cfg: Config) -> torch.device:
+    """This worker's device (its GPU, or the CPU with one intra-op thread per reserved CPU:
+    workers sharing a node must not oversubscribe it)."""
+    device = ray.train.torch.get_device()
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+    return device
+
+
+def open_stream(loop_config: dict[str, Any], cfg: Config, *, layout: Layout, start_step: int,
+                micro_batch: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches from ``start_step`` on."""
+    d, t = cfg.data, cfg.train
+    train_ds = build_train_stream(
+        loop_config["prepared"], rank=layout.dp_rank, world_size=layout.dp_size,
+        start_step=start_step, num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
+        global_batch=t.global_batch_size, resources=loop_config["reader_resources"])
+    # Batches stay on the host (the positions and rows are checked and logged there; in a
+    # GPU worker Ray's default would move them to the GPU), pinned so that the step's copy
+    # of the tokens to the GPU never waits for its queue.
+    return iter(train_ds.iter_torch_batches(batch_size=micro_batch, device="cpu",
+                                            pin_memory=device.type == "cuda",
+                                            prefetch_batches=d.prefetch_batches))
+
+
+def validation_batches(loop_config: dict[str, Any], cfg: Config, *, layout: Layout
+                       ) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's share of the validation blocks, in micro-batches."""
+    mb = cfg.train.micro_batch_size
+    val = {k: torch.from_numpy(v) for k, v in read_val_blocks(
+        loop_config["prepared"], rank=layout.dp_rank, world_size=layout.dp_size,
+        eval_samples=cfg.train.eval_batches * mb).items()}
+    return [{k: v[i:i + mb] for k, v in val.items()}
+            for i in range(0, len(val["input_ids"]), mb)]
+
+
+def announce(cfg: Config, built: Built, *, world: int, step: int, micro_batch: int,
+             accumulation: int) -> None:
+    """What the first worker says once the group is set up: where it resumed, and choices
+    the user did not make explicitly (a slower attention kernel, the pipeline's split)."""
+    if step:
+        print(f"raylm: {world} worker{'s' if world > 1 else ''} resuming from step {step}",
+              flush=True)
+    if built.attention.fallback:
+        print(f"raylm: attention runs {built.attention.backend}: "
+              f"{built.attention.fallback}", flush=True)
+    par = cfg.parallel
+    if par.pipeline > 1:
+        print(f"raylm: {par.pipeline} pipeline stages ({par.pipeline_schedule}, "
+              f"{accumulation} micro-batches of {micro_batch} per step): "
+              f"{describe_split(built.config.num_hidden_layers, par.pipeline)}", flush=True)
+
+
+def listed_peak(built: Built, *, rank: int) -> float | None:
+    """The device's listed peak FLOP/s at the run's precision (None: MFU is not reported, and
+    on a GPU the first worker says why)."""
+    peak = peak_flops(built.device, built.precision)
+    if peak is None and built.device.type == "cuda" and rank == 0:
+        print(f"raylm: MFU is not reported: no {built.precision} peak is listed for "
+              f"{torch.cuda.get_device_name(built.device)!r} "
+              f"(raylm.workers.metrics.BF16_PEAK_FLOPS)", flush=True)
+    return peak
+
+
+def trainable_params(built: Built) -> int:
+    """Trainable parameters of the whole model (every rank calls it): DTensor shards count at
+    their full size, and pipeline stages add theirs up."""
+    n = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
+    if built.pipeline is None:
+        return n
+    total = torch.tensor(n, dtype=torch.int64, device=built.device)
+    torch.distributed.all_reduce(total, group=built.model.pp_group)
+    return int(total)
+
+
+def restore(found: tuple[str, dict] | None, cfg: Config, *, built: Built,
+            optimizer: torch.optim.Optimizer, rank: int, layout: Layout
+            ) -> tuple[TrainState, Ledger]:
+    """The train state of ``found``, the run's latest verified checkpoint and its marker
+    (loaded into model and optimizer), and the sample ledger continuing its own; a fresh
+    state when there is none."""
+    state = TrainState()
+    if found is not None:
+        state.load_state_dict(ckpt.load(found[0], model=built.model, optimizer=optimizer,
+                                        config=built.config,
+                                        adapters=lora_settings(cfg.lora)))
+        batch = cfg.train.global_batch_size
+        if state.data_position != state.step * batch:
+            raise ckpt.CheckpointError(
+                f"checkpoint data position {state.data_position} is not step {state.step} x "
+                f"train.global_batch_size={batch}; keep the global batch of the run.")
+    # The ledger continues the checkpoint's; every rank decides alike (saving gathers).
+    history = ckpt.load_samples(found[0]) if found is not None else np.zeros(
+        (0, cfg.train.global_batch_size), np.int32)
+    enabled = cfg.train.sample_ledger and history is not None
+    return state, Ledger(enabled=enabled, history=history if rank == 0 else None,
+                         data_ranks=layout.data_ranks())

@@ -1,0 +1,224 @@
+"""Fine-tuning examples: checking, rendering (raylm's default template and a tokenizer's own),
+and the loss mask that comes out of the same pass as the ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raylm.data.chat import (
+    DefaultTemplate,
+    JinjaTemplate,
+    Segment,
+    TemplateError,
+    conversation_segments,
+    encode,
+    generation_prompt,
+    prompt_completion_segments,
+    template_for,
+)
+from raylm.data.corpus import parse_messages, parse_prompt_completion
+
+CHAT = [{"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome."}]
+
+# A Llama-3 style template written as plain text markers (no special tokens needed).
+LLAMA_LIKE = (
+    "{{ '<s>' }}{% for m in messages %}{{ '[' + m['role'] + ']\n' + m['content'] + '[end]\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '[assistant]\n' }}{% endif %}")
+# Marks the last message differently, so a prefix is not rendered as it is in the whole.
+NOT_INCREMENTAL = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}"
+    "{% if loop.last %}{{ ' (last)' }}{% endif %}{{ '\n' }}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+def hf_tokenizer(tokenizer_dir, template: str):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    hf.chat_template = template
+    return hf
+
+
+def trained_text(tok, ids, mask, eos_id) -> list[str]:
+    """The trained runs of ``ids``, decoded (EOS shown as <eos>)."""
+    runs, cur = [], []
+    for i, m in zip(ids.tolist(), mask.tolist(), strict=True):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode([i for i in r if i != eos_id]) + ("<eos>" if r[-1] == eos_id else "")
+            for r in runs]
+
+
+@pytest.mark.parametrize("value, reason", [
+    ("hello", "malformed"), ([], "malformed"), ([{"role": "user"}], "malformed"),
+    ([{"role": "user", "content": 3}], "malformed"), ([["user", "hi"]], "malformed"),
+    ([{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}], "unknown_role"),
+    ([{"role": "user", "content": "hi"}], "no_assistant"),
+])
+def test_bad_conversations_have_a_reason(value, reason):
+    assert parse_messages(value) == (None, reason)
+
+
+def test_conversations_are_normalized():
+    messages, reason = parse_messages([{"role": "user", "content": " hi\r\n"},
+                                       {"role": "assistant", "content": "Cafe\u0301 "}])
+    assert reason is None and messages[0]["content"] == "hi"
+    assert messages[1]["content"] == "Caf\u00e9"
+
+
+def test_prompt_completion_pairs():
+    assert parse_prompt_completion(None, "x") == (None, "missing_field")
+    assert parse_prompt_completion("q", 3) == (None, "malformed")
+    assert parse_prompt_completion("q", "  ") == (None, "empty")
+    messages, _ = parse_prompt_completion("2+2=", " 4")
+    assert prompt_completion_segments(messages) == [Segment("2+2=", False),
+                                                    Segment("4", True, eos=True)]
+
+
+def test_default_template_trains_every_assistant_turn_and_its_eos(tok):
+    eos = tok.token_to_id("<|endoftext|>")
+    messages, _ = parse_messages(CHAT)
+    segments = DefaultTemplate().segments(messages)
+    assert "".join(s.text for s in segments) == (
+        "System: Answer briefly.\n\nUser: What is the capital of France?\n\nAssistant: Paris."
+        "\n\nUser: And of Italy?\n\nAssistant: Rome.")
+    ids, mask = encode(segments, tok, eos_id=eos, loss_on="assistant")
+    assert ids.dtype == np.int32 and mask.dtype == np.uint8 and len(ids) == len(mask)
+    assert trained_text(tok, ids, mask, eos) == ["Paris.<eos>", "Rome.<eos>"]
+    # The template adds no token: only the tokenizer's own ids, EOS once per assistant turn.
+    assert (ids == eos).sum() == 2 and ids.max() < tok.get_vocab_size()
+    _, everything = encode(segments, tok, eos_id=eos, loss_on="all")
+    assert everything.all()
+    # Generation renders the prompt exactly as training rendered the conversation up to the
+    # answer.
+    prompt = generation_prompt(messages[:4], tok, DefaultTemplate(), eos_id=eos)
+    assert ids[:len(prompt)].tolist() == prompt.tolist()
+    assert trained_text(tok, ids[:len(prompt)], mask[:len(prompt)], eos) == ["Paris.<eos>"]
+
+
+def test_tokenizer_template_splits_headers_from_trained_content(tok, tokenizer_dir):
+    eos = tok.token_to_id("<|endoftext|>")
+    hf = hf_tokenizer(tokenizer_dir, LLAMA_LIKE)
+    template = template_for(hf)
+    assert isinstance(template, JinjaTemplate)
+    messages, _ = parse_messages(CHAT)
+    segments = template.segments(messages)
+    # Together the segments are the template's own rendering of the whole conversation.
+    assert "".join(s.text for s in segments) == hf.apply_chat_template(messages, tokenize=False)
+    assert [s.text for s in segments if s.trained] == ["Paris.[end]\n", "Rome.[end]\n"]
+    ids, mask = encode(segments, tok, eos_id=eos, loss_on="assistant")
+    assert trained_text(tok, ids, mask, eos) == ["Paris.[end]\n", "Rome.[end]\n"]
+    prompt = template.prompt(messages[:2])
+    assert prompt[0].text == "<s>[system]\nAnswer briefly.[end]\n[user]\nWhat is the capital " \
+                             "of France?[end]\n[assistant]\n"
+    assert "".join(s.text for s in segments).startswith(prompt[0].text)
+
+
+def test_a_template_that_is_not_incremental_is_refused_by_name(tokenizer_dir):
+    template = template_for(hf_tokenizer(tokenizer_dir, NOT_INCREMENTAL))
+    messages, _ = parse_messages(CHAT)
+    with pytest.raises(TemplateError, match=r"does not render message \d of a conversation as "
+                                             r"a continuation .* data.loss_on=all"):
+        conversation_segments(template, messages, loss_on="assistant")
+    # Training on every token needs no split: the template is rendered whole.
+    (whole,) = conversation_segments(template, messages, loss_on="all")
+    assert whole.trained and whole.text.endswith("assistant: Rome. (last)\n")
+
+
+def test_tokenizers_without_a_template_get_the_default(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    assert isinstance(template_for(AutoTokenizer.from_pretrained(str(tokenizer_dir))),
+                      DefaultTemplate)
+    assert isinstance(template_for(None), DefaultTemplate)
+
+
+# Templates in the layout of each family's own (written here: where the markers and the
+# end-of-turn token sit), with the special tokens each family's tokenizer adds.
+FAMILIES = {
+    "llama3": dict(
+        template="{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+                 "'<|end_header_id|>\n\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant"
+                 "<|end_header_id|>\n\n' }}{% endif %}",
+        tokens=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        bos="<|begin_of_text|>", end="<|eot_id|>"),
+    "chatml": dict(  # Qwen
+        template="{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+                 "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|im_start|>assistant\n' }}{% endif %}",
+        tokens=["<|im_start|>", "<|im_end|>"], end="<|im_end|>"),
+    "gemma": dict(  # no system role: the system text opens the first user turn
+        template="{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}"
+                 "{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+                 "{% else %}{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' "
+                 "else 'user') + '\n' + (ns.system if loop.index0 == 1 else '') + "
+                 "m['content'] | trim + '<end_of_turn>\n' }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}",
+        tokens=["<bos>", "<start_of_turn>", "<end_of_turn>"], bos="<bos>",
+        end="<end_of_turn>"),
+    "phi3": dict(  # closes a conversation with EOS, and only there
+        template="{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + "
+                 "'<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}",
+        tokens=["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], end="<|end|>"),
+    "mistral": dict(  # no assistant header: the answer follows [/INST], then EOS
+        template="{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                 "{{ m['content'] + eos_token }}{% elif m['role'] == 'user' %}"
+                 "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}"
+                 "{{ '[SYSTEM_PROMPT]' + m['content'] + '[/SYSTEM_PROMPT]' }}{% endif %}"
+                 "{% endfor %}",
+        tokens=["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"],
+        bos="<s>", eos="</s>", end="</s>"),
+    "generation-marked": dict(  # says itself what is trained
+        template="{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}"
+                 "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + "
+                 "'<|im_end|>' }}{% endgeneration %}{% else %}{{ m['content'] + '<|im_end|>' }}"
+                 "{% endif %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|im_start|>assistant\n' }}{% endif %}",
+        tokens=["<|im_start|>", "<|im_end|>"], end="<|im_end|>"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_template_trains_each_answer_and_its_end_of_turn_token(tokenizer_dir,
+                                                                           family):
+    from transformers import AutoTokenizer
+
+    spec = FAMILIES[family]
+    hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    hf.add_special_tokens({"additional_special_tokens": spec["tokens"]})
+    hf.bos_token = spec.get("bos", hf.bos_token)
+    hf.eos_token = spec.get("eos", hf.eos_token)
+    hf.chat_template = spec["template"]
+    template, tok = template_for(hf), hf.backend_tokenizer
+    messages, _ = parse_messages(CHAT)
+    segments = template.segments(messages)
+    assert "".join(s.text for s in segments) == hf.apply_chat_template(messages, tokenize=False)
+    ids, mask = encode(segments, tok, eos_id=hf.eos_token_id, loss_on="assistant")
+    edges = np.diff(np.r_[0, mask.astype(int), 0])
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    trained = [tok.decode(ids[a:b].tolist(), skip_special_tokens=False)
+               for a, b in zip(starts, ends, strict=True)]
+    assert trained == [f"Paris.{spec['end']}", f"Rome.{spec['end']}"], trained
+    # The answer's end-of-turn token is one trained id, and the prompt for a new answer is
+    # what training put before the first one.
+    assert ids[ends[0] - 1] == hf.convert_tokens_to_ids(spec["end"])
+    prompt = generation_prompt(messages[:2], tok, template, eos_id=hf.eos_token_id)
+    assert ids[:len(prompt)].tolist() == prompt.tolist() and len(prompt) == starts[0]

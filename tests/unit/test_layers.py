@@ -1,0 +1,33 @@
+"""The package layout is the process layout, and it stays so: import-linter's contracts in
+pyproject.toml (each layer imports only those below it, the data path imports no torch, no
+import circles), and functions short enough to read on one screen."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_FUNCTION_LINES = 100
+
+
+def test_the_import_contracts_hold():
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports; "
+         "sys.exit(lint_imports(no_cache=True, no_logo=True))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout, done.stdout
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for path in sorted((ROOT / "raylm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: " + ", ".join(long)
