@@ -33,7 +33,7 @@ from raylm.run import tracking
 from raylm.run.exporter import write_run_info
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
-from raylm.run.record import Ending, FinalModel, RunRecord
+from raylm.run.record import Ending, EndOfRun, FinalModel, RunRecord
 from raylm.workers import checkpoint, faults
 from raylm.workers.faults import EndOnMistake
 from raylm.workers.loop import train_loop_per_worker
@@ -143,7 +143,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
             storage_path=storage_root(cfg),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[record, EndOnMistake(), *(callbacks or [])],
+            callbacks=[record, EndOfRun(record), EndOnMistake(), *(callbacks or [])],
             logging_config=LoggingConfig(log_level=train_log_level(cfg.run.verbose)),
         ),
     )

@@ -1,14 +1,14 @@
 """The run's record, kept on the Ray Train controller from the workers' reports.
 
-:class:`RunRecord` is a Ray Train ``UserCallback``: Ray runs it on the controller, which sees
-every report once (not once per worker). It is the only writer of what the run says about
-itself while it runs: the progress lines, ``events.jsonl``, the restart and resize records, the
-live ``summary.json``, and the MLflow metrics and events (through the run's tracker). Nothing
-feeds it but reports and worker exceptions, and what the driver gave it before the run started
-(:meth:`RunRecord.note`: a ``schedule_moved`` record when a resume's settings move the
-learning rate; :class:`Ending`: what finishing the run needs). When the run ends, the
-controller calls it once more (``after_controller_finish``): it writes the final summary, logs
-the final model and the run's files to MLflow and closes the MLflow run, with the one tracker
+:class:`RunRecord` is a Ray Train ``UserCallback``: Ray runs it on the controller, which sees every
+report once (not once per worker). It is the only writer of what the run says about itself while it
+runs: the progress lines, ``events.jsonl``, the restart and resize records, the live
+``summary.json``, and the MLflow metrics and events (through the run's tracker). Nothing feeds it
+but reports and worker exceptions, and what the driver gave it before the run started
+(:meth:`RunRecord.note`: a ``schedule_moved`` record when a resume's settings move the learning
+rate; :class:`Ending`: what finishing the run needs). When the run ends, the controller calls it
+once more (``after_controller_finish``, through :class:`EndOfRun`): it writes the final summary,
+logs the final model and the run's files to MLflow and closes the MLflow run, with the one tracker
 that logged everything before (so a tracker that failed midway stays failed).
 
 Files in ``RUN_DIR`` (``run.storage_path/run.name``, a path or an object-storage URI), by writer:
@@ -207,7 +207,7 @@ class Ending:
     final_model: FinalModel | None = None
 
 
-class RunRecord(UserCallback, ControllerCallback):
+class RunRecord(UserCallback):
     """On the Ray Train controller: the record of one invocation of a run (made on the
     driver, which passes it to Ray Train with the run's tracker)."""
 
@@ -245,9 +245,6 @@ class RunRecord(UserCallback, ControllerCallback):
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         self._safely(self.failure, worker_exceptions)
-
-    def after_controller_finish(self, result) -> None:
-        self._safely(self.finish, result.error is not None)
 
     def _safely(self, fn, *args) -> None:
         try:
@@ -420,6 +417,18 @@ class RunRecord(UserCallback, ControllerCallback):
              "failures": [r for rs in by_invocation.values() for r in rs
                           if r["event"] == "failure"]},
             {k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")}, step)
+
+
+class EndOfRun(ControllerCallback):
+    """The controller's call at the run's end, handed to the record (Ray Train gives user
+    callbacks reports and worker errors only). Made with the record and pickled with it in
+    one list of callbacks, so both are one object on the controller."""
+
+    def __init__(self, record: RunRecord) -> None:
+        self.record = record
+
+    def after_controller_finish(self, result) -> None:
+        self.record._safely(self.record.finish, result.error is not None)
 
 
 def progress_line(m: dict[str, Any], *, total_steps: int, step_time: float,
