@@ -179,11 +179,16 @@ def prepare(config: ConfigLike = None, *, overrides: Overrides = None,
     from raylm.data.preparation import prepare as run_prepare
     from raylm.data.preparation import prepared_dir
     from raylm.names import PREPARED_MANIFEST
+    from raylm.outputs import check_output
 
     cfg = resolve(config, overrides)
     d = cfg.data
-    # A missing path fails in a second, not after Ray starts.
-    resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
+    # A missing path, or an output that would damage the corpus, fails in a second, not after
+    # Ray starts.
+    files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
+    if output is not None:
+        check_output(output, what="--output", marker=PREPARED_MANIFEST, key="fingerprint",
+                     inputs=[("the source file", f.path) for f in files])
     _connect(cfg)
     quiet_libraries(cfg.run.verbose)
     if output is None:
@@ -227,14 +232,17 @@ def _source(run: Run | str | os.PathLike) -> str:
 
 
 def export(run: Run | str | os.PathLike, output: str | os.PathLike, *, merge: bool = False,
-           quantize: str | None = None) -> Path:
+           quantize: str | None = None, overwrite: bool = False) -> Path:
     """Write the run's newest checkpoint as a Hugging Face model directory (a peft adapter
-    directory for LoRA runs unless ``merge``; int8 weight-only with ``quantize="int8"``)."""
+    directory for LoRA runs unless ``merge``; int8 weight-only with ``quantize="int8"``).
+    ``output`` must be new, empty, or an earlier export of the same kind (of any kind with
+    ``overwrite``); it never holds the run or its base model."""
     from raylm.console import quiet_model_io
     from raylm.run.exporter import export as run_export
 
     with quiet_model_io():
-        return run_export(_source(run), output, merge=merge, quantize=quantize, log=_say)
+        return run_export(_source(run), output, merge=merge, quantize=quantize,
+                          overwrite=overwrite, log=_say)
 
 
 def generate(source: Run | str | os.PathLike, prompt: str = "", *, chat: str | None = None,

@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--quantize", choices=["int8"],
                     help="write int8 weight-only linear layers (torchao; LoRA runs are merged "
                          "first) and print the size and validation-loss change")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier raylm export of another kind in --output (a "
+                         "directory raylm did not write is never replaced)")
     gen = sub.add_parser("generate", help="sample text from a run directory or exported model")
     gen.add_argument("source", help="a run directory or an exported model directory")
     gen.add_argument("--prompt", default="", help="text to continue")
@@ -221,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from raylm import api
 
             out = api.export(args.run_dir, args.output, merge=args.merge,
-                             quantize=args.quantize)
+                             quantize=args.quantize, overwrite=args.overwrite)
             print(f"exported to {out}")
             return 0
         if args.command == "generate":

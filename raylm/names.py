@@ -16,6 +16,9 @@ EVENT_SEGMENTS = "events"             # the event log as numbered objects (objec
 MLFLOW_RUN = "mlflow_run.json"        # the MLflow run this run logs into
 JOB_CONFIG = "raylm_job.yaml"         # the config a submitted job runs
 
+# An exported model directory (raylm export): what it is, from which run and step.
+EXPORT_INFO = "raylm_export.json"
+
 # A checkpoint directory inside a run directory.
 CHECKPOINT_MARKER = "raylm_checkpoint.json"   # present once the checkpoint is complete
 CHECKPOINT_SAMPLES = "samples.npy"            # the per-sample ledger at the checkpoint

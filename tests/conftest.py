@@ -90,6 +90,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{wall:8.1f}s  {busy:4.0%} busy  {nodeid}")
 
 
+@pytest.fixture
+def ray_never_starts(monkeypatch):
+    """Fail any test that starts Ray: the refusals it checks must come first."""
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+
+
 def save_tiny_llama(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
     """The tiny preset, randomly initialized and saved with save_pretrained: a pretrained model
     directory as fine-tuning reads one."""

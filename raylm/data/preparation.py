@@ -47,7 +47,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +75,7 @@ from raylm.data.corpus import (
 from raylm.data.packing import ExamplePacker, Packer
 from raylm.data.tokenizer import build_tokenizer, chat_template, load_backend, tokenizer_fingerprint
 from raylm.names import LAYOUT, SPLITS
+from raylm.outputs import check_output, discard, publish, staging
 
 # 64 row groups per file: with 256-block row groups, 16,384 blocks (~17 MB at seq_len 256).
 ROW_GROUPS_PER_FILE = 64
@@ -569,32 +569,42 @@ def _get(ref):
         raise
 
 
-def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None] = print
-            ) -> dict[str, Any]:
+def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None] = print,
+            shared: bool = False) -> dict[str, Any]:
     """Run the pipeline once; write ``output/{train,val}/*.parquet``, ``layout.json`` and
-    ``manifest.json`` (last, so a directory with a manifest is complete). Needs ``ray.init``."""
+    ``manifest.json``. The directory is built beside ``output`` and renamed into place when
+    complete (:mod:`raylm.outputs`): an ``output`` that holds a source file, or files raylm
+    did not write, is refused before anything is read. ``shared``: ``output`` is a cache entry
+    other preparations of the same data may fill at the same time; the first to finish is
+    kept. Needs ``ray.init``."""
+    d = cfg.data
+    files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
+    out = check_output(output, what="--output", marker=PREPARED_MANIFEST, key="fingerprint",
+                       inputs=[("the source file", f.path) for f in files])
+    if d.examples:
+        check_example_files(files, d.format)
+    tmp = staging(out)
+    try:
+        manifest = _prepare_into(tmp, cfg, files, log=log)
+    except BaseException:
+        discard(tmp)
+        raise
+    if not publish(tmp, out, same=shared):
+        log(f"data: {out} was prepared meanwhile by another run; using it")
+        return json.loads((out / PREPARED_MANIFEST).read_text())
+    return manifest
+
+
+def _prepare_into(out: Path, cfg: Config, files: list[SourceFile], *,
+                  log: Callable[[str], None]) -> dict[str, Any]:
+    """The pipeline, writing into the new, empty directory ``out``."""
     import ray
 
     d = cfg.data
-    out = Path(output).expanduser().resolve()
-    ours = {PREPARED_MANIFEST, LAYOUT, *SPLITS, f".{PREPARED_MANIFEST}.tmp"}
-    if out.exists() and any(p.name not in ours for p in out.iterdir()):
-        raise ValueError(f"--output {out} holds files raylm did not write; choose a new or "
-                         f"empty directory (an earlier `raylm prepare` output is replaced).")
-    files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
-    if d.examples:
-        check_example_files(files, d.format)
     corpus_fp = fingerprint_files(files)
     tok_path = resolve_tokenizer(cfg, files, corpus_fp, log)
     backend, eos = load_backend(tok_path)
     fp = prepared_fingerprint(corpus_fp, cfg)
-
-    for name in (PREPARED_MANIFEST, LAYOUT, *SPLITS):
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
     L = d.seq_len + 1
     sizes = [os.path.getsize(f.path) for f in files]
     starts = plan_pieces(sizes, piece_bytes(sizes, d.piece_mb))
@@ -747,9 +757,7 @@ def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok
     }
     (out / LAYOUT).write_text(json.dumps(layout))
     nodes = len({r.node for r in results})
-    tmp = out / f".{PREPARED_MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, out / PREPARED_MANIFEST)
+    (out / PREPARED_MANIFEST).write_text(json.dumps(manifest, indent=2))
     log(f"prepare: done in {time.monotonic() - t0:.1f}s: {read:,} read, {kept:,} kept, "
         f"dropped { {k: v for k, v in dropped.items() if v} }, {tokens:,} tokens -> "
         f"{blocks:,} blocks (train {total('train', 'blocks'):,}, val {total('val', 'blocks'):,}),"
@@ -789,5 +797,5 @@ def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
     if (target / PREPARED_MANIFEST).is_file():
         log(f"data: reusing prepared data {target}")
         return target
-    prepare(cfg, target, log=log)
+    prepare(cfg, target, log=log, shared=True)
     return target

@@ -35,7 +35,8 @@ from raylm.model.build import (
     max_positions,
     reset_buffers,
 )
-from raylm.names import LAYOUT, RUN_INFO, SUMMARY
+from raylm.names import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
+from raylm.outputs import check_output, discard, publish, staging
 from raylm.workers import checkpoint
 
 TOKENIZER_DIR = "tokenizer"
@@ -107,7 +108,7 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True):
 
 
 def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
-           quantize: str | None = None, log=print) -> Path:
+           quantize: str | None = None, overwrite: bool = False, log=print) -> Path:
     """Write the run's newest checkpoint as a directory plain clients use as it is.
 
     A full model: a Hugging Face model directory (``from_pretrained``, ``generate``,
@@ -118,16 +119,42 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
     loads onto the base model, or, with ``merge``, the merged model as a full directory. The
     tokenizer (with its chat template, if any) goes with either. ``quantize="int8"`` writes the
     (merged) model with int8 weights instead, and logs what that changed (see the module
-    docstring)."""
+    docstring).
+
+    The directory is built beside ``output`` and renamed into place (:mod:`raylm.outputs`):
+    an ``output`` that is or holds the run directory or the LoRA base model is refused, and
+    so is a non-empty one unless it is an earlier export of the same kind (of any kind with
+    ``overwrite``)."""
+    if quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"--quantize {quantize}: not one of {', '.join(QUANTIZATIONS)}.")
+    cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
+    adapters = bool(lora.adapter_args(cfg.lora))
+    kind = (f"model-{quantize}" if quantize else
+            "lora-adapter" if adapters and not merge else "model")
+    inputs = [] if storage.is_uri(run_dir) else [("the run directory", run_dir)]
+    if cfg.model.path:
+        inputs.append(("the base model (model.path)", cfg.model.path))
+    out = check_output(output, what="--output", marker=EXPORT_INFO, key="kind", inputs=inputs,
+                       kind=kind, overwrite=overwrite)
+    tmp = staging(out)
+    try:
+        if quantize is not None:
+            _write_quantized(run_dir, tmp, quantize, log=log)
+        else:
+            _write(run_dir, tmp, cfg, merge=merge)
+    except BaseException:
+        discard(tmp)
+        raise
+    publish(tmp, out)
+    return out
+
+
+def _write(run_dir: str | Path, out: Path, cfg, *, merge: bool) -> None:
+    """The export of :func:`export` (not quantized), into the empty directory ``out``."""
     from transformers import AutoTokenizer
 
-    if quantize is not None:
-        return _export_quantized(run_dir, output, quantize, log=log)
-    cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
     adapters = lora.adapter_args(cfg.lora)
     model, tokenizer_dir, step = load_run_model(run_dir, merge=merge or not adapters)
-    out = Path(output).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
     model.config.use_cache = True
     gen = model.generation_config
     gen.use_cache = True
@@ -141,22 +168,21 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tok.model_max_length = max_positions(model.config)
     tok.save_pretrained(str(out))
-    (out / "raylm_export.json").write_text(json.dumps(
+    (out / EXPORT_INFO).write_text(json.dumps(
         {"run_dir": storage.normalize(run_dir), "step": step,
          "kind": "lora-adapter" if adapters and not merge else "model"}, indent=1))
-    return out
 
 
-def _export_quantized(run_dir: str | Path, output: str | Path, method: str, *, log) -> Path:
+def _write_quantized(run_dir: str | Path, out: Path, method: str, *, log) -> None:
+    """The int8 export of :func:`export`, into the empty directory ``out``."""
     quiet_torchao()
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import AutoModelForCausalLM, TorchAoConfig
 
-    if method not in QUANTIZATIONS:
-        raise ValueError(f"--quantize {method}: not one of {', '.join(QUANTIZATIONS)}.")
-    out = Path(output).expanduser()
+    cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
     with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
-        plain = export(run_dir, tmp, merge=True)
+        plain = Path(tmp)
+        _write(run_dir, plain, cfg, merge=True)
         full = AutoModelForCausalLM.from_pretrained(tmp).eval()
         # A tied output head is the embedding table: untie it, or quantizing the head would
         # hand the embedding lookup an int8 tensor.
@@ -164,13 +190,12 @@ def _export_quantized(run_dir: str | Path, output: str | Path, method: str, *, l
         model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=TorchAoConfig(
             Int8WeightOnlyConfig(), include_input_output_embeddings=True,
             untie_embedding_weights=tied)).eval()
-        out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(str(out), safe_serialization=True)
         for f in plain.iterdir():
             if f.name not in {"config.json", "generation_config.json"} and \
                     not f.name.endswith(".safetensors"):
                 shutil.copy(f, out / f.name)
-        sizes = [_weights_bytes(Path(tmp)), _weights_bytes(out)]
+        sizes = [_weights_bytes(plain), _weights_bytes(out)]
         losses = _validation_losses(run_dir, [full, model], log=log)
     report = {"quantization": f"{method} weight-only (torchao)",
               "unquantized_bytes": sizes[0], "bytes": sizes[1]}
@@ -180,11 +205,10 @@ def _export_quantized(run_dir: str | Path, output: str | Path, method: str, *, l
         report.update(unquantized_val_loss=losses[0], val_loss=losses[1])
         line += (f"; validation loss {losses[0]:.4f} -> {losses[1]:.4f} "
                  f"({losses[1] - losses[0]:+.4f})")
-    info = json.loads((out / "raylm_export.json").read_text())
+    info = json.loads((out / EXPORT_INFO).read_text())
     info.update(kind=f"model-{method}", **report)
-    (out / "raylm_export.json").write_text(json.dumps(info, indent=1))
+    (out / EXPORT_INFO).write_text(json.dumps(info, indent=1))
     log(line)
-    return out
 
 
 def _weights_bytes(directory: Path) -> int:

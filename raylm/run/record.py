@@ -52,7 +52,7 @@ from typing import Any
 
 from raylm import storage
 from raylm.console import quiet_libraries
-from raylm.names import EVENT_SEGMENTS, EVENTS, GROUP_START, RUN_INFO, SUMMARY
+from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
 from raylm.run.tracking import Tracker
 
 try:  # the controller-side callback base classes (Ray Train V2)
@@ -474,7 +474,7 @@ def log_final_model(run_dir: str, tracker: Tracker, final: FinalModel, *, log=pr
             log(f"raylm: warning: the final model was not logged to MLflow: it could not be "
                 f"exported ({type(e).__name__}: {e}); `raylm export {run_dir}` says why")
             return None
-        step = json.loads((exported / "raylm_export.json").read_text())["step"]
+        step = json.loads((exported / EXPORT_INFO).read_text())["step"]
         model = tracker.log_model(
             exported, adapter=final.adapter, step=step,
             name="adapter" if final.adapter else "model",

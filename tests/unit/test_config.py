@@ -185,16 +185,6 @@ def test_help_says_every_key_is_an_override(command, capsys):
     assert "raylm config show" in out and "raylm/config.py" in out
 
 
-@pytest.fixture
-def ray_never_starts(monkeypatch):
-    """Fail any test that starts Ray: these refusals must come first."""
-    import ray
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(ray, "init", no_ray)
-
 
 @pytest.mark.parametrize("command", ["train", "tune"])
 def test_seq_len_beyond_the_models_positions_fails_before_ray_starts(command, capsys,

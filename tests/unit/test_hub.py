@@ -29,15 +29,6 @@ def hub_cache(tmp_path, monkeypatch):
     return snapshot
 
 
-@pytest.fixture
-def ray_never_starts(monkeypatch):
-    import ray
-
-    def no_ray(*args, **kwargs):
-        raise AssertionError("Ray was started")
-
-    monkeypatch.setattr(ray, "init", no_ray)
-
 
 def test_a_hub_id_loads_the_cached_snapshot(hub_cache):
     from raylm.workers.step import build_training_model
