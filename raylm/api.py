@@ -204,26 +204,30 @@ def train(config: ConfigLike = None, *, overrides: Overrides = None) -> Run:
     """Train (or resume) the run ``run.name``; returns it once it has finished."""
     from raylm.run.launch import run_dir
     from raylm.run.launch import train as run_train
+    from raylm.run.lease import hold
     from raylm.run.preflight import preflight
     from raylm.run.progress import use_bar
 
     checked = preflight(resolve(config, overrides))  # before Ray starts
     cfg = checked.cfg
-    _connect(cfg)
-    run_train(cfg, log=_say, bar=use_bar(cfg.run.progress), checked=checked)
+    with hold(run_dir(cfg)):  # before Ray starts too
+        _connect(cfg)
+        run_train(cfg, log=_say, bar=use_bar(cfg.run.progress), checked=checked)
     return Run(run_dir(cfg))
 
 
 def tune(config: ConfigLike = None, *, overrides: Overrides = None) -> Sweep:
     """Sweep (or resume the sweep) ``run.name``; returns it once every trial has ended."""
     from raylm.run.launch import run_dir
+    from raylm.run.lease import hold
     from raylm.run.preflight import preflight
     from raylm.run.sweep import sweep
 
     checked = preflight(resolve(config, overrides), sweep=True)  # before Ray starts
     cfg = checked.cfg
-    _connect(cfg)
-    sweep(cfg, log=_say, checked=checked)
+    with hold(run_dir(cfg)):  # before Ray starts too
+        _connect(cfg)
+        sweep(cfg, log=_say, checked=checked)
     return Sweep(run_dir(cfg))
 
 

@@ -15,6 +15,7 @@ EVENTS = "events.jsonl"               # the run's event log (local storage)
 EVENT_SEGMENTS = "events"             # the event log as numbered objects (object storage)
 MLFLOW_RUN = "mlflow_run.json"        # the MLflow run this run logs into
 JOB_CONFIG = "raylm_job.yaml"         # the config a submitted job runs
+LEASE = "lease.json"                  # who runs it now (raylm.run.lease)
 
 # An exported model directory (raylm export): what it is, from which run and step.
 EXPORT_INFO = "raylm_export.json"

@@ -31,6 +31,7 @@ from raylm.model.build import build_config
 from raylm.names import LAYOUT, PREPARED_MANIFEST, SUMMARY
 from raylm.run import tracking
 from raylm.run.exporter import write_run_info
+from raylm.run.lease import hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
 from raylm.run.record import Ending, EndOfRun, FinalModel, RunRecord
@@ -157,9 +158,18 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     A sweep's trial adds Ray Train ``callbacks`` (its Tune reporter) and nests its MLflow run
     under the sweep's tracker (``tracking_parent``). ``bar``: progress as a bar drawn here
     (:mod:`raylm.run.progress`) instead of the controller's lines. ``checked``: the
-    preflight of ``cfg``, when the caller ran it (:mod:`raylm.run.preflight`)."""
+    preflight of ``cfg``, when the caller ran it (:mod:`raylm.run.preflight`). The run's
+    lease is held throughout (:mod:`raylm.run.lease`): a second live driver of the same run
+    directory is refused."""
     checked = checked or preflight(cfg, tracked=tracking_parent is None)
-    cfg = checked.cfg
+    with hold(run_dir(checked.cfg)):
+        return _train(checked.cfg, log=log, callbacks=callbacks,
+                      tracking_parent=tracking_parent, bar=bar)
+
+
+def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: tracking.Tracker | None,
+           bar: bool) -> dict[str, Any]:
+    """:func:`train`, once the run is checked and its lease held."""
     rd = run_dir(cfg)
     quiet_libraries(cfg.run.verbose)
     one_copy_of_worker_prints()

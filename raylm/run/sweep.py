@@ -36,6 +36,7 @@ from raylm.data.preparation import prepared_dir
 from raylm.names import GROUP_START
 from raylm.run import tracking
 from raylm.run.launch import ResourcePlan, cluster_capacity, plan_resources, train
+from raylm.run.lease import hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.tracking import Tracker
 from raylm.workers import checkpoint
@@ -126,6 +127,12 @@ def sweep(cfg: Config, *, log=print, checked: Checked | None = None) -> dict[str
     """Run (or resume) the sweep; write tune_summary.json, best.yaml and val_loss.png.
     Needs ``ray.init``. ``checked``: the preflight of ``cfg``, when the caller ran it."""
     checked = checked or preflight(cfg, sweep=True)
+    with hold(run_dir(checked.cfg)):
+        return _sweep(checked, log=log)
+
+
+def _sweep(checked: Checked, *, log) -> dict[str, Any]:
+    """:func:`sweep`, once checked and its lease held."""
     cfg = checked.cfg
     quiet_libraries(cfg.run.verbose)
     concurrent = concurrent_trials(cfg, cluster_capacity())
