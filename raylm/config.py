@@ -448,6 +448,12 @@ class CheckpointConfig:
     share the training loop's interpreter lock. auto: the process on a GPU worker, whose host
     cores are free while the step runs on the GPU; the thread on a CPU worker, where the
     step takes the worker's cores and a process would only add its start."""
+    accept_changes: list[Literal["data", "tokenizer", "base_model"]] = field(
+        default_factory=list)
+    """A resume continues the same run: one whose checkpoint was trained on other data (another
+    corpus, preparation or data.format), with another tokenizer or another model.path is
+    refused, unless this lists what may change (continued training on new data, on purpose;
+    the summary records it)."""
 
     def __post_init__(self) -> None:
         _check(self.every >= 1, "checkpoint.every", self.every, ">= 1")

@@ -11,9 +11,11 @@ record (:mod:`raylm.run.record`, on the Ray Train controller) writes what the ru
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -127,15 +129,18 @@ def _check_fits(cfg: Config, plan: ResourcePlan, capacity: dict[str, float]) -> 
 
 
 def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
-                  record: RunRecord, resources: ResourcePlan, callbacks: list | None = None
-                  ) -> TorchTrainer:
+                  record: RunRecord, resources: ResourcePlan, callbacks: list | None = None,
+                  identity: dict[str, str] | None = None) -> TorchTrainer:
+    """The run's TorchTrainer. ``identity``: what the run trains with, written into every
+    checkpoint's marker (:func:`raylm.workers.checkpoint.check_same_run`)."""
     sc = cfg.scaling
     workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"config": cfg.to_dict(), "run_dir": run_dir(cfg),
                            "prepared": prepared, "vocab_size": vocab_size, "eos_id": eos_id,
-                           "tracker": record.tracker, "reader_resources": resources.reader},
+                           "tracker": record.tracker, "reader_resources": resources.reader,
+                           "identity": identity},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
                                      resources_per_worker=resources.worker,
                                      elastic_resize_monitor_interval_s=sc.resize_interval_s),
@@ -189,6 +194,8 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
             f"(train.steps={cfg.train.steps}): nothing to do; raise train.steps to train on. "
             f"Summary: {storage.join(rd, SUMMARY)}")
         return done
+    identity = run_identity(cfg, manifest, backend)
+    changed = check_same_run(cfg, found, identity, log=log)
     moved = check_resumable(cfg, found, vocab_size=vocab, eos_id=eos, log=log)
     max_workers = cfg.scaling.worker_range[1]
     val_blocks = layout["splits"]["val"]["blocks"]
@@ -214,10 +221,12 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                        verbose=cfg.run.verbose, progress=feed and feed.queue, ending=ending)
     if moved is not None:
         record.note("schedule_moved", **moved)
+    if changed:
+        record.note("resumed_with_changes", changed=changed)
     error = None
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
-                      resources=resources, callbacks=callbacks).fit()
+                      resources=resources, callbacks=callbacks, identity=identity).fit()
     except Exception as e:  # Ray Train raises once max_failures is used up
         error = e
     finally:
@@ -277,6 +286,40 @@ def finished(cfg: Config, found: tuple[str, dict] | None) -> dict[str, Any] | No
             or summary.get("final_step") != found[1]["state"]["step"]):
         return None
     return summary
+
+
+def run_identity(cfg: Config, manifest: dict[str, Any], backend) -> dict[str, str]:
+    """What makes a run the same run across invocations: its prepared data (the corpus's
+    content and the preparation settings), data format, tokenizer (its whole definition, so a
+    retrained tokenizer of the same size differs) and base model (its config and weight
+    files)."""
+    def digest(data: bytes) -> str:
+        return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+    base = f"preset:{cfg.model.preset}"
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        files = sorted((f.name, f.stat().st_size) for f in path.iterdir()
+                       if f.suffix in (".safetensors", ".bin"))
+        base = digest((path / "config.json").read_bytes() + json.dumps(files).encode())
+    return {"data": manifest["fingerprint"], "format": cfg.data.format,
+            "tokenizer": digest(backend.to_str().encode()), "base_model": base}
+
+
+def check_same_run(cfg: Config, found: tuple[str, dict] | None, identity: dict[str, str], *,
+                   log) -> list[str]:
+    """A resume continues the same run: refused in one line when the checkpoint was trained
+    with other data, tokenizer or base model, unless ``checkpoint.accept_changes`` allows it
+    (then said, and returned for the record)."""
+    if found is None:
+        return []
+    changed = checkpoint.check_same_run(found[1], identity, str(found[0]),
+                                        accept=cfg.checkpoint.accept_changes)
+    if changed:
+        log(f"raylm: warning: resuming {found[0]} with changed "
+            f"{', '.join(checkpoint.IDENTITY[k] for k in changed)} "
+            f"(checkpoint.accept_changes={cfg.checkpoint.accept_changes})")
+    return changed
 
 
 def check_resumable(cfg: Config, found: tuple[str, dict] | None, *, vocab_size: int,

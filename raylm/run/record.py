@@ -373,6 +373,10 @@ class RunRecord(UserCallback):
             **summarize(self.records),
             "attention_backend": m.get("attention_backend"),
             "precision": m.get("precision"),
+            # What this invocation resumed with although it changed (checkpoint.accept_changes).
+            "changed_on_resume": sorted({c for r in self.records
+                                         if r["event"] == "resumed_with_changes"
+                                         for c in r["changed"]}),
         }
 
     def _add(self, event: str, *, at: float | None = None, **fields: Any) -> None:

@@ -111,13 +111,16 @@ def _with_aliases(model: nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
 
 def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
          state: dict[str, Any], config, samples: np.ndarray | None = None,
-         adapters: dict[str, Any] | None = None) -> None:
+         adapters: dict[str, Any] | None = None, identity: dict[str, str] | None = None
+         ) -> None:
     """Write this rank's shards into ``directory`` (rank 0 also ``samples``, the sample
-    ledger, and the marker, last)."""
+    ledger, and the marker, last). ``identity``: what the run trains with (data, tokenizer,
+    base model; see :func:`check_same_run`)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))
-    _write_marker(path, state=state, config=config, samples=samples, adapters=adapters)
+    _write_marker(path, state=state, config=config, samples=samples, adapters=adapters,
+                  identity=identity)
 
 
 SHM = "/dev/shm"
@@ -185,13 +188,15 @@ class AsyncSave:
     def __init__(self, directory: str | os.PathLike, *, model: nn.Module,
                  optimizer: torch.optim.Optimizer, state: dict[str, Any], config,
                  samples: np.ndarray | None, adapters: dict[str, Any] | None,
-                 group: dist.ProcessGroup | None, stager=None, writer: str = "thread") -> None:
+                 group: dist.ProcessGroup | None, stager=None, writer: str = "thread",
+                 identity: dict[str, str] | None = None) -> None:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         self.path = Path(directory)
         self.path.mkdir(parents=True, exist_ok=True)
         self.group = group
-        self._marker = dict(state=state, config=config, samples=samples, adapters=adapters)
+        self._marker = dict(state=state, config=config, samples=samples, adapters=adapters,
+                            identity=identity)
         self._write = dcp.async_save(
             _state_dicts(model, optimizer), checkpoint_id=str(self.path), process_group=group,
             async_stager=stager,
@@ -204,8 +209,8 @@ class AsyncSave:
 
 
 def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndarray | None,
-                  adapters: dict[str, Any] | None, group: dist.ProcessGroup | None = None
-                  ) -> None:
+                  adapters: dict[str, Any] | None, group: dist.ProcessGroup | None = None,
+                  identity: dict[str, str] | None = None) -> None:
     """Rank 0 writes the ledger and then the marker naming every rank's files and sizes."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if samples is not None and rank0:
@@ -222,7 +227,7 @@ def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndar
             files.update(f)
         marker = {"state": state, "model": model_shape(config), "files": files,
                   "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                  "adapters": adapters or {}}
+                  "adapters": adapters or {}, "identity": identity or {}}
         tmp = path / f".{CHECKPOINT_MARKER}.tmp"
         tmp.write_text(json.dumps(marker, indent=1))
         os.replace(tmp, path / CHECKPOINT_MARKER)
@@ -238,6 +243,8 @@ def verify(directory: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{d}: no {CHECKPOINT_MARKER} (save did not finish)") from None
     except ValueError:
         raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} is corrupted") from None
+    if not marker.get("files"):
+        raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} lists no files")
     for name, size in marker["files"].items():
         found = storage.size(storage.join(d, name))
         if found is None:
@@ -261,6 +268,31 @@ def check_compatible(marker: dict[str, Any], config, where: str,
             f"The checkpoint {where} holds LoRA adapters {marker.get('adapters') or 'none'} "
             f"but the run asks for {adapters or 'none'} (lora.*): resume with the settings it "
             f"was trained with, or start a new run (a new run.name).")
+
+
+# What a checkpoint's identity names, and how a user says so when it changed on purpose.
+IDENTITY = {"data": "the prepared data (corpus and preparation settings)",
+            "format": "data.format", "tokenizer": "the tokenizer", "base_model": "model.path"}
+
+
+def check_same_run(marker: dict[str, Any], identity: dict[str, str], where: str, *,
+                   accept: list[str]) -> list[str]:
+    """What changed since the checkpoint ``where`` was written, among the run's data,
+    tokenizer and base model, when ``accept`` (``checkpoint.accept_changes``) allows all of
+    it; :class:`CheckpointError` naming the rest otherwise. Checkpoints written before raylm
+    recorded an identity have none to compare."""
+    recorded = marker.get("identity") or {}
+    changed = [k for k in IDENTITY if k in recorded and recorded[k] != identity.get(k)]
+    owner = {"format": "data"}
+    refused = [k for k in changed if owner.get(k, k) not in accept]
+    if refused:
+        raise CheckpointError(
+            f"The checkpoint {where} was trained with other "
+            f"{', '.join(IDENTITY[k] for k in refused)} than this run has: a resume continues "
+            f"the same run. Start a new run (a new run.name) with model.path set to an export "
+            f"of this one, or, to continue training on purpose, set checkpoint.accept_changes="
+            f"[{', '.join(sorted({owner.get(k, k) for k in refused}))}].")
+    return changed
 
 
 def load(directory: str | os.PathLike, *, model: nn.Module,

@@ -92,6 +92,8 @@ class Setup:
     constant_metrics: dict[str, Any]
     """Reported with every step: the layout, the kernels that ran, where the group resumed."""
     checkpointer: ckpt.Checkpointer
+    identity: dict[str, str]
+    """What the run trains with, written into every checkpoint (data, tokenizer, base)."""
     state_memory: dict[str, float] | None = None
     """Parameter and optimizer-state memory of the rank holding most, once measured."""
 
@@ -318,7 +320,7 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
     run.checkpointer.save(metrics, step=run.state.step, wait=wait, model=run.built.model,
                           optimizer=run.optimizer, state=copy.deepcopy(run.state.state_dict()),
                           config=run.built.config, samples=samples,
-                          adapters=lora_settings(run.cfg.lora))
+                          adapters=lora_settings(run.cfg.lora), identity=run.identity)
 
 
 def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
@@ -399,7 +401,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  constant_metrics=constant,
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
                                                 cfg.checkpoint.writer, device=built.device,
-                                                model=built.model))
+                                                model=built.model),
+                 identity=loop_config.get("identity") or {})
 
 
 def worker_device(cfg: Config) -> torch.device:

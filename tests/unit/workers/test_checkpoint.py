@@ -44,3 +44,56 @@ def test_too_little_shared_memory_for_the_process_writer_is_named(tmp_path, caps
                       shm=str(tmp_path))
     assert choose_writer("auto", device=CUDA, model=model(), workers_on_node=1,
                          shm=str(tmp_path / "absent")) == "thread"
+
+
+IDENTITY = {"data": "fp-a", "format": "chat", "tokenizer": "tok-a", "base_model": "base-a"}
+
+
+def saved(tmp_path, identity=IDENTITY):
+    """A real checkpoint of a small model, its marker verified."""
+    from transformers import LlamaConfig
+
+    from raylm.workers import checkpoint
+
+    m = model()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    config = LlamaConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=16)
+    checkpoint.save(tmp_path / "ck", model=m, optimizer=opt, state={"step": 3}, config=config,
+                    identity=identity)
+    return checkpoint.verify(tmp_path / "ck")
+
+
+def test_a_resume_on_other_data_or_another_tokenizer_is_refused_unless_accepted(tmp_path):
+    from raylm.workers.checkpoint import CheckpointError, check_same_run
+
+    marker = saved(tmp_path)
+    assert marker["identity"] == IDENTITY
+    assert check_same_run(marker, IDENTITY, "ck", accept=[]) == []
+    with pytest.raises(CheckpointError, match=r"other the prepared data .* than this run has"
+                                              r".*checkpoint.accept_changes=\[data\]"):
+        check_same_run(marker, {**IDENTITY, "data": "fp-b"}, "ck", accept=[])
+    with pytest.raises(CheckpointError, match=r"other the tokenizer .*accept_changes="
+                                              r"\[tokenizer\]"):
+        check_same_run(marker, {**IDENTITY, "tokenizer": "tok-b"}, "ck", accept=["data"])
+    with pytest.raises(CheckpointError, match="model.path"):
+        check_same_run(marker, {**IDENTITY, "base_model": "base-b"}, "ck", accept=[])
+    # On purpose: what changed is returned, for the summary.
+    changed = {**IDENTITY, "data": "fp-b", "format": "text"}
+    assert check_same_run(marker, changed, "ck", accept=["data"]) == ["data", "format"]
+    # A checkpoint from before identities were recorded has nothing to compare.
+    assert check_same_run({**marker, "identity": {}}, changed, "ck", accept=[]) == []
+
+
+def test_a_marker_that_lists_no_files_does_not_verify(tmp_path):
+    import json
+
+    from raylm.names import CHECKPOINT_MARKER
+    from raylm.workers.checkpoint import CheckpointError, verify
+
+    saved(tmp_path)
+    marker_path = tmp_path / "ck" / CHECKPOINT_MARKER
+    marker = json.loads(marker_path.read_text())
+    marker_path.write_text(json.dumps({**marker, "files": {}}))
+    with pytest.raises(CheckpointError, match="lists no files"):
+        verify(tmp_path / "ck")
