@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -34,6 +35,7 @@ Attention = Literal["auto", "sdpa", "flex_attention", "flash_attention_2"]
 ATTENTIONS: tuple[str, ...] = typing.get_args(Attention)
 PipelineSchedule = Literal["gpipe", "1f1b"]
 PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ConfigError(ValueError):
@@ -149,8 +151,9 @@ class RunConfig:
     logs); see raylm.run.progress."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.name) and "/" not in self.name, "run.name", self.name,
-               "a non-empty name without '/'")
+        # It names a directory under run.storage_path, an MLflow run and job URLs.
+        _check(RUN_NAME.fullmatch(self.name) is not None, "run.name", self.name,
+               "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit")
         _check(self.connect_timeout_s > 0, "run.connect_timeout_s", self.connect_timeout_s,
                "a number of seconds > 0")
 

@@ -136,6 +136,12 @@ def test_long_values_are_cut_in_messages():
     assert len(str(e.value)) < 400 and "100,002 characters" in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["..", ".hidden", "a/b", "run#1", "50%", "why?", "x" * 129, ""])
+def test_a_run_name_is_a_safe_directory_and_url_name(name):
+    with pytest.raises(ConfigError, match=r"Invalid value for 'run.name'.*letters, digits"):
+        load_config(None, [f"--run.name={name}"])
+
+
 def test_duplicate_keys_are_refused_with_both_lines(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("train:\n  steps: 5\n  seed: 1\n  steps: 50\n")
