@@ -16,10 +16,23 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 import tempfile
 from pathlib import Path
 
 from pyarrow import fs as pafs
+
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+_SECRET_QUERY = re.compile(
+    r"([?&](?:[A-Za-z0-9_.-]*(?:key|secret|token|password|passwd|signature|sig|credential)"
+    r"[A-Za-z0-9_.-]*)=)[^&\s]*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """``text`` with the credentials URIs in it may carry (``scheme://user:secret@host``, and
+    query parameters named like keys, secrets, tokens, passwords or signatures) replaced by
+    ``***``: what raylm prints and logs to MLflow goes through here."""
+    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
 
 
 def is_uri(path: str | os.PathLike) -> bool:

@@ -205,7 +205,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                          f"(now {cfg.data.val_fraction}) or use a larger corpus.")
     log(f"raylm: training {cfg.model.path or cfg.model.preset} on "
         f"{layout['splits']['train']['blocks']:,} blocks of {layout['seq_len']} tokens, run dir "
-        f"{rd}")
+        f"{storage.redact(rd)}")
     write_run_info(rd, config=cfg.to_dict(), vocab_size=vocab, eos_id=eos,
                    tokenizer_path=manifest["tokenizer_path"], prepared=str(prepared))
     tracker = tracking.start(cfg, log=log, parent=tracking_parent)
@@ -264,12 +264,13 @@ def say_how_it_ended(cfg: Config, summary: dict[str, Any], *, error: Exception |
         f"{summary['restarts']} restarts, {summary['resizes']} resizes, checkpoint "
         f"{summary['checkpoint_path']}, summary {summary_path}")
     if summary.get("tracking_lost"):
-        log(f"raylm: MLflow run {tracker.run_id} ({tracker.uri}) holds the run up to step "
-            f"{summary['tracking_lost']['step']}, where tracking was lost; the run's own record "
-            f"in {rd} has all of it")
+        log(f"raylm: MLflow run {tracker.run_id} ({storage.redact(tracker.uri)}) holds the run "
+            f"up to step {summary['tracking_lost']['step']}, where tracking was lost; the run's "
+            f"own record in {storage.redact(rd)} has all of it")
     elif tracker:
-        log(f"raylm: MLflow run {tracker.run_id} ({tracker.uri}); browse with: mlflow ui "
-            f"--backend-store-uri {tracker.uri}")
+        uri = storage.redact(tracker.uri)
+        log(f"raylm: MLflow run {tracker.run_id} ({uri}); browse with: mlflow ui "
+            f"--backend-store-uri {uri}")
 
 
 

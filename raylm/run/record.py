@@ -358,7 +358,8 @@ class RunRecord(UserCallback):
             "data_wait_fraction": m.get("data_wait_fraction_run"),
             "checkpoint_path": self.checkpoint_path,
             "mlflow_run_id": self.tracker.run_id,
-            "mlflow_tracking_uri": self.tracker.uri,
+            "mlflow_tracking_uri": storage.redact(self.tracker.uri) if self.tracker.uri
+            else self.tracker.uri,
             "tracking_lost": self.tracking_lost,
             "resumed_from_step": self.resumed_from_step,
             "workers": m.get("workers"),

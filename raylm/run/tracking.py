@@ -67,7 +67,7 @@ def _fail_fast() -> None:
 
 
 def _param_value(v: Any) -> str:
-    return json.dumps(v) if isinstance(v, (list, dict)) else str(v)
+    return storage.redact(json.dumps(v) if isinstance(v, (list, dict)) else str(v))
 
 
 def _first_line(e: Exception) -> str:
@@ -429,10 +429,10 @@ def start(cfg: Config, *, log=print, parent: Tracker | None = None) -> Tracker:
     try:
         run_id = _find_or_create_run(cfg, uri, parent.run_id if parent else None)
     except Exception as e:  # MLflow raises many types for an unreachable or broken store
-        log(f"warning: MLflow at {uri} is unavailable, training continues untracked: "
-            f"{_first_line(e)}")
+        log(f"warning: MLflow at {storage.redact(uri)} is unavailable, training continues "
+            f"untracked: {storage.redact(_first_line(e))}")
         return Tracker()
-    log(f"raylm: MLflow run {run_id} at {uri}")
+    log(f"raylm: MLflow run {run_id} at {storage.redact(uri)}")
     return MLflowTracker(run_id, uri, keep=cfg.checkpoint.keep)
 
 

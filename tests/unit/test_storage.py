@@ -66,3 +66,15 @@ def test_run_dir_of_a_uri_and_mlflow_default(monkeypatch, tmp_path):
     local = load_config(None, [f"--run.storage_path={tmp_path}", "--run.name=r1"])
     assert run_dir(local) == str(tmp_path / "r1")
     assert resolve_uri(local) == f"sqlite:///{tmp_path}/mlflow.db"
+
+
+def test_credentials_in_uris_are_redacted_from_what_is_printed_and_logged():
+    from raylm.run.tracking import _param_value
+
+    assert storage.redact("s3://AKIA123:s3cr3t@bucket/runs and http://u:p@mlflow:5000/x") == (
+        "s3://***@bucket/runs and http://***@mlflow:5000/x")
+    assert storage.redact("gs://b/p?X-Goog-Signature=abc&x=1&access_token=t") == (
+        "gs://b/p?X-Goog-Signature=***&x=1&access_token=***")
+    assert storage.redact("runs/plain and http://mlflow:5000") == "runs/plain and http://mlflow:5000"
+    # MLflow params are the flat config: a URI with a secret is logged without it.
+    assert _param_value(["s3://k:s@b/x"]) == '["s3://***@b/x"]'
