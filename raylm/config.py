@@ -371,6 +371,11 @@ class TrainConfig:
     max_failures: int = 3
     """Worker-group restarts allowed after failures (a lost worker or node, a preempted worker)
     before the run fails; -1 for no limit. Each restart resumes from the latest checkpoint."""
+    max_failures_at_one_step: int = 3
+    """Failures in a row without training past the furthest step reached before them end the
+    run, whatever train.max_failures allows: a fault that recurs at the same place (a bad
+    stretch of data, a bug, a node that cannot hold the step) is not a machine lost at random.
+    0: no such limit."""
     log_every: int = 10
     """Report metrics every this many steps."""
     eval_every: int = 100
@@ -390,6 +395,8 @@ class TrainConfig:
         _check(tr.micro_batch_size >= 1, "train.micro_batch_size", tr.micro_batch_size, ">= 1")
         _check(tr.max_failures >= -1, "train.max_failures", tr.max_failures,
                "-1 (unlimited) or an integer >= 0")
+        _check(tr.max_failures_at_one_step >= 0, "train.max_failures_at_one_step",
+               tr.max_failures_at_one_step, "0 (no limit) or an integer >= 1")
         _check(tr.log_every >= 1, "train.log_every", tr.log_every, ">= 1")
         _check(tr.eval_every >= 1, "train.eval_every", tr.eval_every, ">= 1")
         _check(tr.eval_batches >= 1, "train.eval_batches", tr.eval_batches, ">= 1")

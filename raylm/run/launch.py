@@ -149,7 +149,8 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
             storage_path=storage_root(cfg),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[record, EndOfRun(record), EndOnMistake(), *(callbacks or [])],
+            callbacks=[record, EndOfRun(record, max_failures_at_one_step=(
+                cfg.train.max_failures_at_one_step)), EndOnMistake(), *(callbacks or [])],
             logging_config=LoggingConfig(log_level=train_log_level(cfg.run.verbose)),
         ),
     )

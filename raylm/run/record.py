@@ -57,9 +57,11 @@ from raylm.run.tracking import Tracker
 
 try:  # the controller-side callback base classes (Ray Train V2)
     from ray.train.v2._internal.execution.callback import ControllerCallback
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.callback import UserCallback
 except ImportError:  # pragma: no cover - Ray without Train V2
     UserCallback = ControllerCallback = object
+    FailureDecision = None
 
 # The reported figures each progress record keeps: the run's metric history (raylm.api reads
 # it back as a DataFrame), whether or not MLflow is on.
@@ -235,6 +237,9 @@ class RunRecord(UserCallback):
         self.announced = 0  # interruptions printed and logged so far
         self.counts_logged = False  # restarts/resizes/failures logged to MLflow yet?
         self.earlier: list[dict[str, Any]] | None = None  # earlier invocations' records
+        self.furthest = -1  # the furthest step reported
+        self.stuck_at = -1  # the furthest step when the failures counted below began
+        self.failures_in_place = 0  # failures in a row without training past stuck_at
 
     # Ray Train's hooks. An exception in a controller callback ends the whole run; the record
     # is not worth that, so each hook reports its own errors and returns.
@@ -276,6 +281,7 @@ class RunRecord(UserCallback):
             self.group_reported = True
             self._announce(step)
         self.latest = m
+        self.furthest = max(self.furthest, step)
         if "val_loss" in m:
             self.val_loss = m["val_loss"]
         path = None
@@ -305,7 +311,14 @@ class RunRecord(UserCallback):
         self._add(event, **fields)
 
     def failure(self, worker_exceptions: dict[int, Exception]) -> None:
+        from raylm.workers.faults import cause
+        from raylm.workers.preemption import Preempted
+
         error = next(iter(worker_exceptions.values()))
+        if self.furthest > self.stuck_at:
+            self.stuck_at, self.failures_in_place = self.furthest, 0
+        if not any(cause(e, Preempted) for e in worker_exceptions.values()):
+            self.failures_in_place += 1  # a preemption is the cloud's doing, wherever it falls
         text = str(error).strip().splitlines()
         self._add("failure", ranks=sorted(worker_exceptions),
                   error=f"{type(error).__name__}: {text[0] if text else ''}"[:300])
@@ -424,13 +437,31 @@ class RunRecord(UserCallback):
             {k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")}, step)
 
 
-class EndOfRun(ControllerCallback):
-    """The controller's call at the run's end, handed to the record (Ray Train gives user
-    callbacks reports and worker errors only). Made with the record and pickled with it in
-    one list of callbacks, so both are one object on the controller."""
+class RepeatedFailure(RuntimeError):
+    """Worker groups kept failing without training past one step: not a machine lost at
+    random, so restarting again would only repeat it."""
 
-    def __init__(self, record: RunRecord) -> None:
+
+class EndOfRun(ControllerCallback):
+    """The controller's calls the record needs beyond reports and worker errors (which Ray
+    Train alone gives user callbacks): the run's end, and each decision to restart, which it
+    refuses once ``max_failures_at_one_step`` failures came in a row without progress. Made
+    with the record and pickled with it in one list of callbacks, so both are one object on
+    the controller."""
+
+    def __init__(self, record: RunRecord, *, max_failures_at_one_step: int = 0) -> None:
         self.record = record
+        self.limit = max_failures_at_one_step
+
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+        r = self.record
+        if (self.limit and failure_decision == FailureDecision.RETRY
+                and r.failures_in_place >= self.limit):
+            raise RepeatedFailure(
+                f"{r.failures_in_place} failures in a row without training past step "
+                f"{max(r.stuck_at, 0)}: a fault that recurs at one place, not restarted again "
+                f"(train.max_failures_at_one_step={self.limit}); the failures are in "
+                f"{r.run_dir}'s events")
 
     def after_controller_finish(self, result) -> None:
         self.record._safely(self.record.finish, result.error is not None)

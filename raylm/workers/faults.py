@@ -53,13 +53,13 @@ def first_loss_check(loss: float, *, vocab_size: int, model_path: str) -> None:
             f"directory's weight files are the model's own.")
 
 
-def cause(error: BaseException) -> Mistake | None:
-    """The :class:`Mistake` behind ``error`` (as Ray Train wraps a worker's or a callback's
-    error), or None."""
+def cause(error: BaseException, kind: type[BaseException] = Mistake) -> BaseException | None:
+    """The error of type ``kind`` (a :class:`Mistake` unless said) behind ``error``, as Ray
+    Train wraps a worker's or a callback's error; None if there is none."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, Mistake):
+        if isinstance(error, kind):
             return error
         error = (getattr(error, "_base_exc", None) or getattr(error, "controller_failure", None)
                  or error.__cause__)

@@ -199,3 +199,31 @@ def test_the_record_alone_writes_the_final_summary_and_closes_the_mlflow_run(tmp
     assert other.final_summary() is None
     other.finish(failed=True)
     assert other.final_summary()["status"] == "failed"
+
+
+def test_failures_that_recur_at_one_step_end_the_run_but_preemptions_do_not(tmp_path):
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision
+
+    from raylm.workers.preemption import Preempted
+
+    r = record.RunRecord(str(tmp_path), total_steps=100, tracker=Tracker())
+    end = record.EndOfRun(r, max_failures_at_one_step=3)
+    r.report(announce(group=1.0), None)
+    r.report(report(40, group=1.0), "checkpoint_40")
+    for n in range(2):  # each restart resumes at 40 and fails again before step 50
+        r.failure({0: Boom("bad data")})
+        r.report(announce(group=2.0 + n, resumed=40), None)
+        end.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    r.failure({1: Preempted("spot node reclaimed")})  # not counted
+    end.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    r.failure({0: Boom("bad data")})
+    with pytest.raises(record.RepeatedFailure, match="3 failures in a row without training "
+                                                     "past step 40"):
+        end.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    # Progress past step 40 starts the count again.
+    r.report(announce(group=9.0, resumed=40), None)
+    r.report(report(50, group=9.0, resumed=40), None)
+    r.failure({0: Boom("node lost")})
+    end.before_controller_execute_failure_decision(FailureDecision.RETRY)
+    # 0: no such limit.
+    record.EndOfRun(r).before_controller_execute_failure_decision(FailureDecision.RETRY)
