@@ -238,9 +238,36 @@ def encode(segments: Sequence[Segment], tokenizer, *, eos_id: int, loss_on: Loss
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
+def control_text(tokenizer) -> re.Pattern | None:
+    """What in a message's text would become a control token if tokenized as it is: the
+    tokenizer's special tokens (end of text, turn markers), as one pattern; None when it has
+    none. ``tokenizer``: a ``tokenizers.Tokenizer``."""
+    specials = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values()
+                       if t.special and t.content}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, specials))) if specials else None
+
+
+def forged(messages: Sequence[dict[str, str]], pattern: re.Pattern | None) -> str | None:
+    """The first control token a message's text spells out (``pattern``: :func:`control_text`),
+    or None. Such text would end a document or forge a turn where the template renders it."""
+    if pattern is None:
+        return None
+    for m in messages:
+        found = pattern.search(m["content"])
+        if found:
+            return found.group(0)
+    return None
+
+
 def generation_prompt(messages: Sequence[dict[str, str]], tokenizer, template, *,
                       eos_id: int) -> np.ndarray:
     """The ids a model is given to answer ``messages`` (which end with a user turn), rendered
-    as training rendered them."""
+    as training rendered them. A message that spells out a control token is refused: it
+    would inject a turn or a role."""
+    token = forged(messages, control_text(tokenizer))
+    if token is not None:
+        raise ValueError(f"a chat message holds the text {token!r}, the tokenizer's control "
+                         f"token: rendered, it would end the turn or start another; remove it "
+                         f"(a plain prompt keeps it as ordinary text).")
     ids, _ = encode(template.prompt(messages), tokenizer, eos_id=eos_id, loss_on="all")
     return ids

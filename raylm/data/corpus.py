@@ -38,7 +38,8 @@ DROP_REASONS = ("malformed", "missing_field", "empty", "duplicate", "undecodable
 #: than a block (``data.long_examples: drop``), one left with no trained token once cut to a
 #: block (``truncate``).
 ROLES = ("system", "user", "assistant")
-EXAMPLE_DROP_REASONS = ("unknown_role", "no_assistant", "too_long", "no_trained_tokens")
+EXAMPLE_DROP_REASONS = ("unknown_role", "no_assistant", "too_long", "no_trained_tokens",
+                        "control_text")
 #: Reasons that mean the input itself is broken (listed by file and line; fatal with
 #: ``on_bad_record: error``). The others are ordinary filtering.
 BAD_REASONS = frozenset({"malformed", "missing_field", "undecodable", "unknown_role",

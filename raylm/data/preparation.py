@@ -134,6 +134,16 @@ def _tokenizer_from_json(tokenizer_json: str):
     return Tokenizer.from_str(tokenizer_json)
 
 
+@functools.lru_cache(maxsize=2)
+def _text_tokenizer_from_json(tokenizer_json: str):
+    """The tokenizer for running text: a special token's string in a document is ordinary
+    text (``<|endoftext|>`` written in a file does not end the document; the document's one
+    end of text is the EOS raylm appends)."""
+    tok = _tokenizer_from_json.__wrapped__(tokenizer_json)
+    tok.encode_special_tokens = True
+    return tok
+
+
 def _tokenize(tok, eos_id: int, table: pa.Table) -> pa.Table:
     texts = table.column("text").to_pylist()
     kept = [i for i, t in enumerate(texts) if t is not None]
@@ -154,7 +164,10 @@ def _tokenize(tok, eos_id: int, table: pa.Table) -> pa.Table:
 class ExampleRenderer:
     """Tokenizes fine-tuning examples (:mod:`raylm.data.chat`): ids and loss mask, with examples
     longer than ``block_length`` dropped (``too_long``) or cut (``truncated``; dropped as
-    ``no_trained_tokens`` when no trained target is left)."""
+    ``no_trained_tokens`` when no trained target is left). An example whose text spells out one
+    of the tokenizer's control tokens is dropped (``control_text``): the template renders text
+    and markers into one string, where such text would end the example or forge a turn, and
+    rows from untrusted sources must not steer the trained text that way."""
 
     def __init__(self, *, example_format: str, messages_field: str, prompt_field: str,
                  completion_field: str, chat_template: dict[str, Any] | None, loss_on: str,
@@ -165,9 +178,17 @@ class ExampleRenderer:
         self.template = JinjaTemplate(**chat_template) if chat_template else DefaultTemplate()
         self.block_length, self.long_examples = block_length, long_examples
         self.tok, self.eos_id = tokenizer, eos_id
+        from raylm.data.chat import control_text
+
+        self.control = control_text(tokenizer)
 
     def __call__(self, table: pa.Table) -> pa.Table:
-        from raylm.data.chat import conversation_segments, encode, prompt_completion_segments
+        from raylm.data.chat import (
+            conversation_segments,
+            encode,
+            forged,
+            prompt_completion_segments,
+        )
 
         texts = table.column("text").to_pylist()
         reasons = table.column("reason").to_pylist()
@@ -175,8 +196,12 @@ class ExampleRenderer:
         for i, text in enumerate(texts):
             ids = mask = np.zeros(0, np.int32)
             cut = False
+            if text is not None and forged(messages := json.loads(text), self.control):
+                reasons[i], text = "control_text", None
+            if text is not None and len(messages) > self.block_length:
+                # Every turn renders to a token at least: longer than a block, unrendered.
+                reasons[i], text = "too_long", None
             if text is not None:
-                messages = json.loads(text)
                 segments = (prompt_completion_segments(messages)
                             if self.format == "prompt_completion" else
                             conversation_segments(self.template, messages, loss_on=self.loss_on))
@@ -407,7 +432,7 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
     """Stage C: read the piece, drop its duplicates, tokenize, split, pack and write it."""
     import ray
 
-    tok = _tokenizer_from_json(tokenizer_json)
+    tok = (_tokenizer_from_json if render else _text_tokenizer_from_json)(tokenizer_json)
     renderer = ExampleRenderer(**render, tokenizer=tok, eos_id=eos_id) if render else None
     dup = np.unique(np.concatenate([np.zeros(0, np.int64), *duplicates]))
     prefix = f"part-{piece:05d}"
@@ -524,7 +549,8 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
         corpus_fp, tokenizer=tokenizer_id, seq_len=d.seq_len, min_chars=d.min_chars,
         dedup=d.dedup, val_fraction=d.val_fraction, text_field=d.text_field,
         text_unit=d.text_unit, rows_per_row_group=d.rows_per_row_group,
-        piece_mb=d.piece_mb, format=3, **examples,
+        # format=4: special tokens' strings in text are text; control_text rows dropped.
+        piece_mb=d.piece_mb, format=4, **examples,
     )
 
 

@@ -295,7 +295,9 @@ class Generator:
         self.template = template_for(self.tok)
 
     def complete(self, prompt: str, **sampling) -> str:
-        ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        # A control token's string in the prompt is ordinary text, as in training text.
+        ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False,
+                       split_special_tokens=True)["input_ids"]
         return self._sample(ids, **sampling)
 
     def answer(self, messages: list[dict[str, str]], **sampling) -> str:
