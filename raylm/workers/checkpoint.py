@@ -21,6 +21,7 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -37,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from pyarrow import fs as pafs
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from raylm import storage
 from raylm.model.build import WeightsError, reset_buffers
@@ -307,6 +309,8 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
     marker = verify(directory)
     check_compatible(marker, config, str(directory), adapters)
     sd = _state_dicts(model, optimizer)
+    # The metadata first, on its own: DCP would bury a refused one in its collective's error.
+    (RangeReader if storage.is_uri(directory) else SafeReader)(str(directory)).read_metadata()
     if storage.is_uri(directory):
         reader = RangeReader(str(directory))
         dcp.load(sd, storage_reader=reader)
@@ -314,7 +318,7 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
             fetched["bytes"] = reader.fetched
         log.info("restored from %s: fetched %d bytes", directory, reader.fetched)
     else:
-        dcp.load(sd, checkpoint_id=str(directory))
+        dcp.load(sd, storage_reader=SafeReader(str(directory)))
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -323,6 +327,44 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
         set_state_dict(model, optimizer, model_state_dict=_with_aliases(model, sd["model"]),
                        optim_state_dict=sd["optim"], options=_options(model))
     return marker["state"]
+
+
+# What DCP's metadata (a pickle) holds in a checkpoint raylm wrote: DCP's own records, torch's
+# sizes, dtypes, layouts and memory formats, and paths. Nothing else is unpickled.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+     ("torch.serialization", "_get_layout"), ("torch", "Size"),
+     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        value = getattr(torch, name, None) if module == "torch" else None
+        if (module, name) in _METADATA_CLASSES or isinstance(
+                value, (torch.dtype, torch.layout, torch.memory_format)):
+            return super().find_class(module, name)
+        raise CheckpointError(
+            f"checkpoint metadata refers to {module}.{name}, which no checkpoint raylm writes "
+            f"holds: refused unread (a planted pickle would run code). Remove the checkpoint, "
+            f"and see who can write under run.storage_path.")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's reader, reading the checkpoint's metadata with :class:`_MetadataUnpickler` rather
+    than ``pickle.load``: a checkpoint whose metadata names anything else is refused instead
+    of running it. (The tensor data DCP reads with ``torch.load(weights_only=True)``.)"""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 class _ArrowFiles(FileSystemBase):
@@ -367,7 +409,7 @@ class _ArrowFiles(FileSystemBase):
         raise NotImplementedError("read-only")
 
 
-class RangeReader(FileSystemReader):
+class RangeReader(SafeReader):
     """DCP's file reader for a checkpoint in object storage that reads only what this rank
     loads: each stored chunk its plan asks for is one ranged read (``read_at``) of exactly
     that chunk's bytes. DCP's own reader would stream each chunk through small seeks and

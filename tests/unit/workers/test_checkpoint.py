@@ -51,16 +51,12 @@ IDENTITY = {"data": "fp-a", "format": "chat", "tokenizer": "tok-a", "base_model"
 
 def saved(tmp_path, identity=IDENTITY):
     """A real checkpoint of a small model, its marker verified."""
-    from transformers import LlamaConfig
-
     from raylm.workers import checkpoint
 
     m = model()
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
-    config = LlamaConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1,
-                         num_attention_heads=2, intermediate_size=16)
-    checkpoint.save(tmp_path / "ck", model=m, optimizer=opt, state={"step": 3}, config=config,
-                    identity=identity)
+    checkpoint.save(tmp_path / "ck", model=m, optimizer=opt, state={"step": 3},
+                    config=saved_config(), identity=identity)
     return checkpoint.verify(tmp_path / "ck")
 
 
@@ -97,3 +93,41 @@ def test_a_marker_that_lists_no_files_does_not_verify(tmp_path):
     marker_path.write_text(json.dumps({**marker, "files": {}}))
     with pytest.raises(CheckpointError, match="lists no files"):
         verify(tmp_path / "ck")
+
+
+def test_a_planted_pickle_in_checkpoint_metadata_does_not_run(tmp_path):
+    """Whoever can write under run.storage_path could plant code in DCP's metadata (a pickle)
+    and rewrite the marker to match: the resume refuses it unread."""
+    import json
+    import pickle
+
+    from raylm.names import CHECKPOINT_MARKER
+    from raylm.workers import checkpoint
+
+    saved(tmp_path)
+    ck = tmp_path / "ck"
+    m = model()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    # A real checkpoint loads through the restricted reader.
+    assert checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(),
+                           adapters=None) == {"step": 3}
+    proof = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(proof)!r}, 'w').write('x')",))
+
+    (ck / ".metadata").write_bytes(pickle.dumps(Payload()))
+    marker = json.loads((ck / CHECKPOINT_MARKER).read_text())
+    marker["files"][".metadata"] = (ck / ".metadata").stat().st_size
+    (ck / CHECKPOINT_MARKER).write_text(json.dumps(marker))
+    with pytest.raises(checkpoint.CheckpointError, match=r"refers to builtins.exec.*refused"):
+        checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(), adapters=None)
+    assert not proof.exists()
+
+
+def saved_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1,
+                       num_attention_heads=2, intermediate_size=16)
