@@ -8,8 +8,8 @@ def ray_cluster():
     """One local Ray cluster for every module that needs a plain one (starting one takes ~10 s
     here); the modules that need another shape (several nodes, an autoscaler, a job server)
     run before these (pytest takes modules in name order: autoscaling, elastic, jobs, then
-    mlflow, notebooks, pipeline, sft, train, tune), in their own processes or shut theirs down: the
-    jobs module's `ray stop --force` would take this cluster down with its own."""
+    mlflow, notebooks, pipeline, sft, train, tune), in their own processes, and shut down only
+    what they started."""
     import ray
 
     # Four logical CPUs on this two-core machine: two training workers plus their readers and

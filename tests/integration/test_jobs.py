@@ -11,6 +11,7 @@ import secrets
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,20 +34,63 @@ def head(tmp_path_factory, tokenizer_dir):
            "PATH": f"{BIN}:{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     gcs, dashboard = free_port(), free_port()
-    subprocess.run(
-        [BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-         "--disable-usage-stats"],
-        env=env, check=True, capture_output=True)
+    # A session directory of its own (short: Ray's socket paths must fit 107 characters) and
+    # `ray start --block` in a process group of its own: at the end exactly this head's
+    # processes are stopped, never another Ray cluster on the machine (`ray stop` stops all).
+    temp = tempfile.mkdtemp(prefix="rayjobs-")
+    started = subprocess.Popen(
+        [BIN / "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+         f"--temp-dir={temp}", "--disable-usage-stats"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"http://127.0.0.1:{dashboard}"
+    wait_for_job_server(address, started)
     # The job settings every run here shares: the tiny config with the tests' small corpus and
     # tokenizer (the builtin corpus and a BPE trained on it take ~15 s to prepare here;
     # notebook 01 prepares those), in this test's own directories, a few steps. Prepared data
     # is cached in cache_dir, so only the first job prepares.
     overrides = [*tiny_run(root, tokenizer_dir), "--train.steps=10", "--train.log_every=5",
                  "--train.eval_every=10", "--checkpoint.every=10"]
-    yield {"address": f"http://127.0.0.1:{dashboard}", "gcs": f"127.0.0.1:{gcs}", "env": env,
+    yield {"address": address, "gcs": f"127.0.0.1:{gcs}", "env": env,
            "root": root, "overrides": overrides}
-    subprocess.run([BIN / "ray", "stop", "--force"], env=env, capture_output=True)
+    stop_own_head(started, temp)
+
+
+def wait_for_job_server(address: str, started: subprocess.Popen, timeout_s: float = 90) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"{address}/api/version", timeout=2).close()
+            return
+        except urllib.error.HTTPError:  # it answers (refusing an unauthenticated request)
+            return
+        except OSError as e:
+            if started.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the test's Ray head did not answer at {address} "
+                                   f"(ray start exited {started.poll()}): {e}") from None
+            time.sleep(0.5)
+
+
+def stop_own_head(started: subprocess.Popen, temp: str) -> None:
+    """This head's processes only: its process group, then whatever still runs from its
+    session directory (workers Ray started in groups of their own)."""
+    import shutil
+    import signal
+
+    import psutil
+
+    os.killpg(started.pid, signal.SIGTERM)
+    try:
+        started.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(started.pid, signal.SIGKILL)
+    for p in psutil.process_iter(["cmdline"]):
+        if any(temp in part for part in p.info["cmdline"] or ()):
+            p.kill()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def run(head, *args, timeout=300) -> subprocess.CompletedProcess:
