@@ -1,0 +1,59 @@
+"""Every private API raylm reaches into, in one list: an upgrade of Ray, torch or MLflow that
+moves or removes one fails here, by name, rather than as a quiet loss of a feature (a mistake
+retried as a fault, a drain notice never read, a planted pickle read without checks).
+
+The floors in pyproject.toml are the versions these were read from; where one falls, this file
+says what to look at."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+
+import pytest
+
+# (module, attribute or None, what raylm uses it for, where)
+PRIVATE = [
+    ("ray.train.v2._internal.execution.callback", "ControllerCallback",
+     "the run's end and restart decisions reach the record", "raylm/run/record.py"),
+    ("ray.train.v2._internal.execution.callback", "WorkerGroupCallback",
+     "a worker's mistake is seen in the poll status", "raylm/workers/faults.py"),
+    ("ray.train.v2._internal.execution.failure_handling", "FailureDecision",
+     "a retry is told from the end of a run", "raylm/workers/faults.py, raylm/run/record.py"),
+    ("ray.train.v2._internal.execution.context", "get_train_context",
+     "the node-drain notice with its deadline", "raylm/workers/preemption.py"),
+    ("ray._private.services", "find_bootstrap_address",
+     "the head `ray start` recorded on this machine", "raylm/run/cluster.py"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper",
+     "activation checkpointing of decoder blocks", "raylm/model/parallelize.py"),
+]
+
+
+@pytest.mark.parametrize(("module", "name", "use", "where"), PRIVATE,
+                         ids=[f"{m}.{n}" for m, n, _, _ in PRIVATE])
+def test_each_private_api_raylm_uses_is_there(module, name, use, where):
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(f"{module}.{name} is gone ({e}): {where} uses it for {use}")
+    assert found is not None
+
+
+def test_the_methods_raylm_overrides_or_calls_keep_their_shape():
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    # raylm.workers.checkpoint: SafeReader reads the metadata path DCP would, and RangeReader
+    # replaces how DCP slices a shard's bytes out of a file.
+    assert "rank" in inspect.signature(FileSystemReader._get_metadata_path).parameters
+    assert list(inspect.signature(FileSystemReader._slice_file).parameters) == [
+        "self", "file", "sinfo"]
+    # raylm.run.tracking: whether the monitor's sampling process is alive.
+    assert "_process" in SystemMetricsMonitor(run_id="x").__dict__
+    # raylm.workers.preemption: where Ray Train keeps the drain notice.
+    from ray.train.v2._internal.execution.context import TrainContext
+
+    fields = ({f.name for f in dataclasses.fields(TrainContext)}
+              if dataclasses.is_dataclass(TrainContext) else set(vars(TrainContext)))
+    assert "preemption_context" in fields
