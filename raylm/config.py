@@ -35,6 +35,11 @@ Attention = Literal["auto", "sdpa", "flex_attention", "flash_attention_2"]
 ATTENTIONS: tuple[str, ...] = typing.get_args(Attention)
 PipelineSchedule = Literal["gpipe", "1f1b"]
 PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
+# Bounds of the values that size what raylm allocates or loops over: far above any real run,
+# low enough that a typo (an extra zero or three) is refused instead of exhausting a machine.
+MAX_WORKERS = 100_000
+MAX_VOCAB = 1 << 20
+MAX_SHUFFLE_WINDOW = 4096
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -273,8 +278,11 @@ class DataConfig:
                "unset (automatic) or a number of megabytes > 0")
         _check(d.rows_per_row_group >= 1, "data.rows_per_row_group", d.rows_per_row_group,
                ">= 1")
-        _check(d.shuffle_window >= 1, "data.shuffle_window", d.shuffle_window, ">= 1")
-        _check(d.prefetch_batches >= 0, "data.prefetch_batches", d.prefetch_batches, ">= 0")
+        _check(1 <= d.shuffle_window <= MAX_SHUFFLE_WINDOW, "data.shuffle_window",
+               d.shuffle_window, f"1 to {MAX_SHUFFLE_WINDOW:,} (a reader caches that many row "
+               f"groups)")
+        _check(0 <= d.prefetch_batches <= 1024, "data.prefetch_batches", d.prefetch_batches,
+               "0 to 1,024")
         _check(d.reader_cpus is None or d.reader_cpus >= 0, "data.reader_cpus", d.reader_cpus,
                "unset (automatic) or a number >= 0")
         _check(d.first_batch_timeout_s > 0, "data.first_batch_timeout_s",
@@ -299,8 +307,8 @@ class TokenizerConfig:
     """Characters of the corpus (read deterministically from its start) used to train the BPE."""
 
     def __post_init__(self) -> None:
-        _check(self.vocab_size >= 300, "tokenizer.vocab_size", self.vocab_size,
-               ">= 300 (256 byte symbols plus merges and special tokens)")
+        _check(300 <= self.vocab_size <= MAX_VOCAB, "tokenizer.vocab_size", self.vocab_size,
+               f"300 (256 byte symbols plus merges and special tokens) to {MAX_VOCAB:,}")
         _check(self.min_frequency >= 1, "tokenizer.min_frequency", self.min_frequency, ">= 1")
         _check(self.train_chars >= 1000, "tokenizer.train_chars", self.train_chars, ">= 1000")
 
@@ -503,10 +511,11 @@ class ScalingConfig:
     def __post_init__(self) -> None:
         sc, nw = self, self.num_workers
         if isinstance(nw, list):
-            _check(len(nw) == 2 and 1 <= nw[0] <= nw[1], "scaling.num_workers", nw,
-                   "an integer >= 1 or [min, max] with 1 <= min <= max")
+            _check(len(nw) == 2 and 1 <= nw[0] <= nw[1] <= MAX_WORKERS, "scaling.num_workers",
+                   nw, f"an integer 1 to {MAX_WORKERS:,} or [min, max] with 1 <= min <= max")
         else:
-            _check(nw >= 1, "scaling.num_workers", nw, "an integer >= 1 or [min, max]")
+            _check(1 <= nw <= MAX_WORKERS, "scaling.num_workers", nw,
+                   f"an integer 1 to {MAX_WORKERS:,} or [min, max]")
         _check(sc.cpus_per_worker > 0, "scaling.cpus_per_worker", sc.cpus_per_worker, "> 0")
         for key in ("worker_resources", "data_resources"):
             res = getattr(sc, key)

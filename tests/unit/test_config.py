@@ -142,6 +142,16 @@ def test_a_run_name_is_a_safe_directory_and_url_name(name):
         load_config(None, [f"--run.name={name}"])
 
 
+@pytest.mark.parametrize(("override", "allowed"), [
+    ("--scaling.num_workers=[1, 1000000000]", "1 to 100,000"),
+    ("--tokenizer.vocab_size=100000000", "to 1,048,576"),
+    ("--data.shuffle_window=1000000", "1 to 4,096"),
+])
+def test_values_that_size_allocations_have_a_ceiling(override, allowed):
+    with pytest.raises(ConfigError, match=f"Allowed: .*{allowed}"):
+        load_config(None, [override])
+
+
 def test_duplicate_keys_are_refused_with_both_lines(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("train:\n  steps: 5\n  seed: 1\n  steps: 50\n")
