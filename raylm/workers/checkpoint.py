@@ -699,9 +699,11 @@ def remove_stale_staging() -> None:
     """Delete the staging directories of processes that are gone: a worker killed during a save
     leaves its directory behind, and the workers of the next group on the node clean up."""
     for path in Path(tempfile.gettempdir()).glob(f"{STAGING}*-step*"):
-        pid = int(path.name[len(STAGING):].split("-", 1)[0])
+        pid = path.name[len(STAGING):].split("-", 1)[0]
+        if not pid.isdigit() or not path.is_dir() or path.is_symlink():
+            continue  # not a staging directory raylm made: not raylm's to remove
         try:
-            os.kill(pid, 0)
+            os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(path, ignore_errors=True)
         except PermissionError:  # alive, another user's

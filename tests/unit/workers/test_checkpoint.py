@@ -131,3 +131,21 @@ def saved_config():
 
     return LlamaConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1,
                        num_attention_heads=2, intermediate_size=16)
+
+
+def test_only_raylms_own_stale_staging_directories_are_removed(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from raylm.workers import checkpoint
+
+    monkeypatch.setattr(checkpoint.tempfile, "gettempdir", lambda: str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f"raylm-ckpt-{gone}-step5-abc"
+    stale.mkdir()
+    others = [tmp_path / "raylm-ckpt-notes-step1", tmp_path / "raylm-ckpt-12-step3-file"]
+    others[0].mkdir()
+    others[1].write_text("someone's file")
+    checkpoint.remove_stale_staging()
+    assert not stale.exists() and all(p.exists() for p in others)
