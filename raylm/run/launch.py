@@ -1,12 +1,13 @@
-"""The driver side of ``raylm train``: check the request, prepare the data, build and fit the
-TorchTrainer, and finish the summary.
+"""The driver side of ``raylm train``: prepare the data, build and fit the TorchTrainer, and
+read the summary the run's record finished.
 
 Everything here runs in the driver process (the CLI, a job's entrypoint, a notebook, a Tune
-trial's function). What can be wrong with the request (sequence length, worker count against
-the cluster, a checkpoint for another model, too small a validation split) is refused before
-any worker starts; batch arithmetic was already checked with the config. While the run goes,
-the driver only waits: the workers (:mod:`raylm.workers.loop`) train and report, and the run's
-record (:mod:`raylm.run.record`, on the Ray Train controller) writes what the run says about itself.
+trial's function). What needs neither data nor the cluster was checked by the preflight
+(:mod:`raylm.run.preflight`) before Ray started; what needs them (worker count against the
+cluster, a checkpoint for another model or run, too small a validation split) is refused here,
+before any worker starts. While the run goes, the driver only waits: the workers
+(:mod:`raylm.workers.loop`) train and report, and the run's record (:mod:`raylm.run.record`,
+on the Ray Train controller) writes what the run says about itself, to its end.
 """
 
 from __future__ import annotations
