@@ -168,6 +168,7 @@ def train(run: Setup) -> None:
         save_and_report(run, metrics, save=todo.save,
                         wait=todo.preempted or state.step >= t.steps)
         if todo.preempted:
+            preemption.hand_over()
             notice = preemption.drain_notice()
             raise preemption.Preempted(
                 f"a worker was asked to stop ({cause}{': ' + notice if notice else ''}); "

@@ -20,7 +20,8 @@ install a signal handler, while Ray Train runs the training function in a thread
 worker actor. So the handler is installed by a task sent to the worker's own actor, which
 Ray runs on that main thread; it only records the request. The training loop asks at every
 step boundary whether any rank got one (one all-reduce of two integers, :class:`Vote`), and if
-so every rank saves and reports a checkpoint and then raises :class:`Preempted`: Ray Train
+so every rank saves and reports a checkpoint, waits until the controller has taken that report
+(:func:`hand_over`), and then raises :class:`Preempted`: Ray Train
 counts a worker-group failure and, within ``train.max_failures``, restarts from that
 checkpoint on the workers that are left, which loses no step. A second SIGTERM while the
 first is pending exits at once, as Ray would have.
@@ -108,6 +109,35 @@ def drain_notice() -> str | None:
         return f"node {nodes} is draining (no deadline given)"
     left = info.deadline_ms / 1000 - time.time()
     return f"node {nodes} is draining ({left:.0f} s to its deadline)"
+
+
+def hand_over(timeout_s: float = 60.0) -> None:
+    """Return once the controller has taken every report of every rank, so that the report of
+    the preemption checkpoint reaches the run's record, MLflow and Ray Train's checkpoint list
+    before the group stops.
+
+    Ray Train's controller takes one report per worker per poll (every 2 s) and joins them
+    once every rank has delivered; a rank that raises before its last report was taken ends
+    the group in that poll, and the other ranks' copy of the report is dropped with it. So
+    each rank waits until its own report queue is empty, then all ranks meet: after the
+    barrier every rank's last report has been taken, and the join happens in the poll that
+    took the last one. Outside a Ray Train worker this is only the barrier."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        reports = get_train_context().get_result_queue()
+    except (ImportError, AttributeError, RuntimeError):
+        reports = None
+    deadline = time.monotonic() + timeout_s
+    while reports is not None and reports.unfinished_tasks:
+        if time.monotonic() > deadline:
+            print(f"warning: the controller did not take this worker's last report within "
+                  f"{timeout_s:.0f} s; the group stops without it (the checkpoint is saved)",
+                  flush=True)
+            break
+        time.sleep(0.05)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 class Vote:

@@ -22,7 +22,8 @@ PRIVATE = [
     ("ray.train.v2._internal.execution.failure_handling", "FailureDecision",
      "a retry is told from the end of a run", "raylm/workers/faults.py, raylm/run/record.py"),
     ("ray.train.v2._internal.execution.context", "get_train_context",
-     "the node-drain notice with its deadline", "raylm/workers/preemption.py"),
+     "the node-drain notice with its deadline, and the queue of a worker's reports (a "
+     "preempted group stops once its last report is taken)", "raylm/workers/preemption.py"),
     ("ray._private.services", "find_bootstrap_address",
      "the head `ray start` recorded on this machine", "raylm/run/cluster.py"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper",
@@ -57,3 +58,6 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape():
     fields = ({f.name for f in dataclasses.fields(TrainContext)}
               if dataclasses.is_dataclass(TrainContext) else set(vars(TrainContext)))
     assert "preemption_context" in fields
+    # raylm.workers.preemption.hand_over: the queue of this worker's reports the controller
+    # takes them from, one per poll.
+    assert callable(TrainContext.get_result_queue)
