@@ -15,6 +15,11 @@ to connect to GCS" for minutes, saying nothing a user can act on. So raylm looks
    answer is named in the same line).
 
 Answering means accepting a TCP connection on the address's port, which a killed head does not.
+
+MLflow's credentials (:data:`FORWARDED`) set where raylm runs go with the run: a local cluster
+raylm starts inherits them, and a cluster it joins gets them as this job's environment, so
+the Train controller and the workers log with them. A job that ``ray job submit`` started has
+the environment the submission and the cluster's nodes gave it, which raylm leaves alone.
 """
 
 from __future__ import annotations
@@ -29,6 +34,16 @@ CONNECT_TIMEOUT_S = 10.0
 """How long an address may take to accept a connection before it counts as not answering."""
 RECORDED_TIMEOUT_S = 2.0
 """The same for the head recorded on this machine, which answers at once when it is up."""
+
+
+FORWARDED = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def forwarded_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
+    """The variables a joined cluster's processes get from this one (see the module doc)."""
+    if env.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # a submitted job's driver
+        return {}
+    return {k: env[k] for k in FORWARDED if env.get(k)}
 
 
 @dataclass(frozen=True)
@@ -117,5 +132,7 @@ def connect(address: str | None, *, log: Callable[[str], None],
         log(f"raylm: started a local Ray cluster with {cpus:g} CPUs, which stops when this "
             f"command ends{note}")
         return
-    ray.init(address=choice.address, logging_level=logging.WARNING, log_to_driver=True)
+    forwarded = forwarded_env(os.environ)
+    ray.init(address=choice.address, logging_level=logging.WARNING, log_to_driver=True,
+             runtime_env={"env_vars": forwarded} if forwarded else None)
     log(f"raylm: joined the Ray cluster at {choice.address} ({choice.origin})")

@@ -63,7 +63,9 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
         for workers in range(fewest, most + 1):
             lora.check_nf4_shapes(model, cfg.lora.target_modules, workers)
     if cfg.tracking.enabled and tracked:
-        tracking.resolve_uri(cfg)  # a store that cannot exist fails now, not after the data
+        # A store that cannot exist, or a server that refuses this client, fails now, not
+        # after the data is prepared.
+        tracking.check_access(cfg)
     return Checked(cfg=cfg, model_config=model_config)
 
 

@@ -429,11 +429,53 @@ def start(cfg: Config, *, log=print, parent: Tracker | None = None) -> Tracker:
     try:
         run_id = _find_or_create_run(cfg, uri, parent.run_id if parent else None)
     except Exception as e:  # MLflow raises many types for an unreachable or broken store
+        refused = refusal(e, uri, cfg.tracking.experiment)
+        if refused:
+            raise ValueError(refused) from None
         log(f"warning: MLflow at {storage.redact(uri)} is unavailable, training continues "
             f"untracked: {storage.redact(_first_line(e))}")
         return Tracker()
     log(f"raylm: MLflow run {run_id} at {storage.redact(uri)}")
     return MLflowTracker(run_id, uri, keep=cfg.checkpoint.keep)
+
+
+def check_access(cfg: Config) -> None:
+    """ValueError for a store that cannot exist, or a tracking server that answers but
+    refuses this client (see :func:`refusal`); one request, only to http(s) servers. A server
+    that does not answer is not a mistake here: :func:`start` says so and trains untracked."""
+    uri = resolve_uri(cfg)
+    if not uri.startswith(("http://", "https://")):
+        return
+    from mlflow import MlflowClient
+
+    _fail_fast()
+    try:
+        MlflowClient(tracking_uri=uri).get_experiment_by_name(cfg.tracking.experiment)
+    except Exception as e:  # unreachable, or refused
+        refused = refusal(e, uri, cfg.tracking.experiment)
+        if refused:
+            raise ValueError(refused) from None
+
+
+def refusal(e: Exception, uri: str, experiment: str) -> str | None:
+    """What to do about a server that answered but refused (credentials, permissions, Host
+    header), or None for any other failure. A refusal is a mistake in the setup, which no
+    retry mends: the run is refused rather than trained untracked."""
+    status = getattr(e, "get_http_status_code", lambda: None)()
+    where = storage.redact(uri)
+    if status == 401:
+        return (f"MLflow at {where} asks for credentials (401): set MLFLOW_TRACKING_USERNAME "
+                f"and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) where the run "
+                f"starts and on the Ray nodes (the cluster files read them from a Secret or "
+                f"the node's env file), or tracking.enabled=false.")
+    if status == 403 and "Host header" in str(e):
+        host = uri.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+        return (f"MLflow at {where} refuses the Host header {host!r} (403): add it to the "
+                f"server's --allowed-hosts (MLFLOW_ALLOWED_HOSTS for cluster/mlflow.sh).")
+    if status == 403:
+        return (f"MLflow at {where} refused this user (403): grant it EDIT on experiment "
+                f"{experiment!r}, or use an account that has it.")
+    return None
 
 
 def _find_or_create_run(cfg: Config, uri: str, parent_run_id: str | None) -> str:

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+MLFLOW_CREDENTIALS = {"MLFLOW_TRACKING_USERNAME": "raylm",
+                      "MLFLOW_TRACKING_PASSWORD": "loopback-only-9f3c2a"}
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
@@ -10,8 +13,13 @@ def ray_cluster():
     run before these (pytest takes modules in name order: autoscaling, elastic, jobs, then
     mlflow, notebooks, pipeline, sft, train, tune), in their own processes, and shut down only
     what they started."""
+    import os
+
     import ray
 
+    # Every process of the cluster holds the MLflow server's credentials in its environment,
+    # as the cluster files arrange (test_mlflow's server takes these as its admin account).
+    os.environ.update(MLFLOW_CREDENTIALS)
     # Four logical CPUs on this two-core machine: two training workers plus their readers and
     # the Train controller, which mostly wait. With the dashboard: Ray Train's placement-group
     # cleaner asks the state API whether the controller of a trial that Tune stopped is gone.

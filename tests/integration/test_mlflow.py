@@ -1,9 +1,10 @@
-"""Runs recorded on a real `mlflow server` (SQLite backend, artifacts served by the server) on
-loopback, read back through MLflow's client as a notebook would; and a server that dies while
-a run trains."""
+"""Runs recorded on a real `mlflow server` started as the cluster files start it (basic auth,
+allowed hosts, SQLite backend, artifacts served by the server) on loopback, read back through
+MLflow's client as a notebook would; and a server that dies while a run trains."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -21,6 +22,9 @@ from raylm.config import load_config
 from raylm.run.launch import train
 from tests.conftest import tiny_run
 from tests.integration import faults
+from tests.integration.conftest import MLFLOW_CREDENTIALS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
@@ -34,23 +38,29 @@ def base(tmp_path_factory, tokenizer_dir):
             "--optim.warmup_steps=2"]
 
 
+SERVICE_HOST = "raylm-mlflow:5000"
+"""The Host header of requests to the KubeRay Service (cluster/kuberay/raycluster.yaml)."""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`mlflow server` on a free loopback port, one for the module (it takes 10-15 s to start
-    here; the test that kills it runs last): its URI, and a function that kills it (the CLI
-    and the web server processes it starts, one process group). Its log is shown should it
-    fail to start."""
+    """`mlflow server` started as every cluster file starts it (cluster/mlflow.sh: basic auth,
+    allowed hosts, one process), on a free loopback port, one for the module (it takes
+    10-15 s to start here; the test that kills it runs last): its URI, and a function that
+    kills it (the script, the CLI and the web server it starts, one process group). Its log
+    is shown should it fail to start."""
     tmp_path = tmp_path_factory.mktemp("mlflow-server")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "server.log", "w")
+    env = {**os.environ, **MLFLOW_CREDENTIALS, "MLFLOW_ALLOWED_HOSTS": SERVICE_HOST,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-         "--artifacts-destination", str(tmp_path / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        ["bash", str(ROOT / "cluster" / "mlflow.sh"), "--host", "127.0.0.1",
+         "--port", str(port), "--store", f"sqlite:///{tmp_path}/server.db",
+         "--artifacts", str(tmp_path / "artifacts")],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
 
     def kill(sig=signal.SIGKILL) -> None:
@@ -73,6 +83,43 @@ def server(tmp_path_factory):
     yield uri, kill
     kill(signal.SIGTERM)
     log.close()
+
+
+def answer(uri: str, *, host: str, user: str | None = None, password: str | None = None) -> int:
+    """The HTTP status of an experiment search sent with ``host`` as the Host header."""
+    request = urllib.request.Request(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1",
+                                     headers={"Host": host})
+    if user is not None:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_the_cluster_server_answers_its_service_name_with_credentials_only(server, base,
+                                                                            monkeypatch):
+    uri, _ = server
+    user, password = (MLFLOW_CREDENTIALS[k] for k in ("MLFLOW_TRACKING_USERNAME",
+                                                      "MLFLOW_TRACKING_PASSWORD"))
+    assert answer(uri, host=SERVICE_HOST, user=user, password=password) == 200
+    assert answer(uri, host=SERVICE_HOST) == 401
+    assert answer(uri, host=SERVICE_HOST, user=user, password="guessed-password") == 401
+    # Another name (a rebound DNS name in someone's browser) is refused, credentials or not.
+    assert answer(uri, host="attacker.example:5000", user=user, password=password) == 403
+    # raylm refuses a run whose client the server refuses, before anything starts.
+    from raylm.run.preflight import preflight
+
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+    with pytest.raises(ValueError, match="asks for credentials.*MLFLOW_TRACKING_PASSWORD"):
+        preflight(load_config(None, [*base, f"--tracking.uri={uri}"]))
+    # Nor does it take a name the server does not answer to for an outage.
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+    other_name = uri.replace("127.0.0.1", "127.1")  # the same socket by a name not allowed
+    with pytest.raises(ValueError, match="refuses the Host header.*allowed-hosts"):
+        preflight(load_config(None, [*base, f"--tracking.uri={other_name}"]))
 
 
 def test_a_run_on_an_mlflow_server_reads_back_through_the_client(base, server, tmp_path,

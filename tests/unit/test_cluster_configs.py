@@ -5,6 +5,7 @@ package, and the KubeRay RayCluster translated as KubeRay's autoscaler translate
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import jsonschema
@@ -118,3 +119,130 @@ def test_job_configs_load_and_fit_their_batches(name):
 def test_entrypoints_show_their_commands(name):
     text = (ROOT / "jobs" / name).read_text()
     assert f"python jobs/{name}" in text and "ray job submit --working-dir ." in text
+
+
+def kuberay_docs() -> list[dict]:
+    return list(yaml.safe_load_all((ROOT / "cluster/kuberay/raycluster.yaml").read_text()))
+
+
+def containers(pod_spec: dict) -> list[dict]:
+    return pod_spec["containers"]
+
+
+def secret_env(container: dict) -> dict[str, tuple[str, str]]:
+    """The container's variables set from a Secret: name -> (secret, key)."""
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+    return {name: (ref["name"], ref["key"]) for name, ref in refs.items()}
+
+
+def test_cluster_files_are_closed_by_default():
+    """Authentication everywhere, MLflow answering only to the names the cluster uses, one
+    writer of its store, no world-writable directory, credentials never in a file here."""
+    files = {p.relative_to(ROOT).as_posix(): p.read_text()
+             for p in sorted((ROOT / "cluster").rglob("*")) if p.is_file()}
+    for name, text in files.items():
+        assert "chmod 777" not in text and "a+w" not in text and "0777" not in text, name
+        # The server starts only through the script that closes it.
+        if name != "cluster/mlflow.sh":
+            assert "mlflow server" not in text, name
+        assert not re.search(r"PASSWORD\s*[=:]\s*[\"']?\w{4,}", text), f"{name} holds a password"
+    script = files["cluster/mlflow.sh"]
+    for flag in ("--app-name basic-auth", "--allowed-hosts", "--workers 1",
+                 "default_permission = NO_PERMISSIONS"):
+        assert flag in script, flag
+
+    # Launcher files: the credentials file is mounted, read by every `ray start` and by the
+    # server's start, and the server runs through the script.
+    for name in LAUNCHER:
+        cfg = launcher(name)
+        assert cfg["file_mounts"]["~/.raylm/mlflow.env"] == "~/.raylm/mlflow.env"
+        head = cfg["head_start_ray_commands"]
+        (server,) = [c for c in head if "cluster/mlflow.sh" in c]
+        assert "MLFLOW_ALLOWED_HOSTS=" in server and ". ~/.raylm/mlflow.env" in server
+        for c in [*head, *cfg["worker_start_ray_commands"]]:
+            if "ray start" in c:
+                assert ". ~/.raylm/mlflow.env" in c and "RAY_AUTH_MODE=token" in c
+        assert any("[gpu,server]" in c for c in cfg["setup_commands"])
+
+    # KubeRay: token auth by the operator, the server behind basic auth with its service's
+    # names allowed, credentials from Secrets, one writer (Recreate, one replica, its own
+    # volume), network policies that admit only the cluster's pods.
+    docs = kuberay_docs()
+    by_kind = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    cluster = by_kind["RayCluster"][0]
+    assert cluster["spec"]["authOptions"]["mode"] == "token"
+    (deployment,) = by_kind["Deployment"]
+    (service,) = by_kind["Service"]
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    (mlflow,) = containers(deployment["spec"]["template"]["spec"])
+    assert mlflow["command"][:2] == ["bash", "cluster/mlflow.sh"]
+    allowed = next(e["value"] for e in mlflow["env"] if e["name"] == "MLFLOW_ALLOWED_HOSTS")
+    port = service["spec"]["ports"][0]["port"]
+    assert f"{service['metadata']['name']}:{port}" in allowed.split(",")
+    credentials = {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+    assert credentials <= set(secret_env(mlflow))
+    store_claim = deployment["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]
+    claim = next(d for d in by_kind["PersistentVolumeClaim"]
+                 if d["metadata"]["name"] == store_claim["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    tracking_uri = f"http://{service['metadata']['name']}:{port}"
+    pods = [cluster["spec"]["headGroupSpec"]["template"],
+            *(g["template"] for g in cluster["spec"]["workerGroupSpecs"])]
+    member = {"app.kubernetes.io/part-of": "raylm"}
+    for pod in pods:
+        assert member.items() <= pod["metadata"]["labels"].items()
+        for c in containers(pod["spec"]):
+            assert credentials <= set(secret_env(c))
+            assert {"name": "MLFLOW_TRACKING_URI", "value": tracking_uri} in c["env"]
+    policies = {tuple(sorted(p["spec"]["podSelector"]["matchLabels"].items())): p
+                for p in by_kind["NetworkPolicy"]}
+    for selected in ({"app": "raylm-mlflow"}, member):
+        policy = policies[tuple(sorted(selected.items()))]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert [f["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"]
+                for f in rule["from"]] == [member]
+    job = yaml.safe_load((ROOT / "cluster/kuberay/rayjob.yaml").read_text())
+    assert job["spec"]["submissionMode"] == "SidecarMode"  # the submitter is a member pod
+
+    # A local head: token auth whatever the caller's environment says.
+    assert "export RAY_AUTH_MODE=token" in files["cluster/local.sh"]
+
+
+@pytest.mark.parametrize("name", JOB_CONFIGS)
+def test_job_configs_restart_a_bounded_number_of_times(name):
+    cfg = load_config(str(ROOT / "jobs" / "configs" / name), [])
+    assert 0 <= cfg.train.max_failures <= 100
+    assert 1 <= cfg.train.max_failures_at_one_step <= 10
+
+
+def test_mlflow_credentials_travel_to_a_joined_cluster_but_not_into_a_submitted_job():
+    from raylm.run.cluster import forwarded_env
+
+    env = {"MLFLOW_TRACKING_USERNAME": "u", "MLFLOW_TRACKING_PASSWORD": "p",
+           "MLFLOW_TRACKING_URI": "http://h:5000", "AWS_SECRET_ACCESS_KEY": "x"}
+    assert forwarded_env(env) == {"MLFLOW_TRACKING_USERNAME": "u",
+                                  "MLFLOW_TRACKING_PASSWORD": "p"}
+    assert forwarded_env({**env, "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}) == {}
+
+
+@pytest.mark.parametrize(("env", "says"), [
+    ({}, "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD must be set"),
+    ({"MLFLOW_TRACKING_USERNAME": "raylm", "MLFLOW_TRACKING_PASSWORD": "short"},
+     "shorter than 12"),
+    ({"MLFLOW_TRACKING_USERNAME": "raylm", "MLFLOW_TRACKING_PASSWORD": "a-long-password"},
+     "MLFLOW_ALLOWED_HOSTS must name"),
+    ({"MLFLOW_TRACKING_USERNAME": "raylm", "MLFLOW_TRACKING_PASSWORD": "a-long-password",
+      "MLFLOW_ALLOWED_HOSTS": "raylm-mlflow:5000,*"}, "would answer any Host header"),
+])
+def test_the_mlflow_script_refuses_to_start_open(env, says):
+    import subprocess
+
+    out = subprocess.run(
+        ["bash", str(ROOT / "cluster/mlflow.sh"), "--store", "sqlite:////tmp/x/mlflow.db",
+         "--artifacts", "/tmp/x/artifacts"],
+        env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
