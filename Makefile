@@ -5,7 +5,7 @@ STAMP := $(VENV)/.raylm-installed
 
 .PHONY: env demo test bench-data
 
-$(STAMP): pyproject.toml scripts/env.sh
+$(STAMP): pyproject.toml constraints.txt scripts/env.sh
 	bash scripts/env.sh $(VENV)
 	touch $(STAMP)
 

@@ -22,14 +22,18 @@ UV=("$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/py
 # here. uv does not read pip's PIP_FIND_LINKS (where this machine keeps its wheels), so it is
 # passed on.
 # shellcheck disable=SC2086
-"${UV[@]}" ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} ${RAYLM_TORCH:-torch==2.13.0} \
-    || "$PIP" install --quiet --disable-pip-version-check ${RAYLM_TORCH:-torch==2.13.0}
+"${UV[@]}" ${PIP_FIND_LINKS:+--find-links "$PIP_FIND_LINKS"} -c constraints.txt \
+    ${RAYLM_TORCH:-torch==2.13.0} \
+    || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt \
+        ${RAYLM_TORCH:-torch==2.13.0}
 # The rest through uv too: the same versions as pip resolves, in 56 s instead of 104 s here
 # (parallel downloads); the torch installed above satisfies raylm's floor, so it stays. The
 # bytecode is compiled now, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI here) every
 # process would otherwise compile what it imports (4 s more for each Ray worker, which halved
 # the suite's speed). pip remains the fallback where uv cannot reach its index.
-"${UV[@]}" -e ".[dev]" || "$PIP" install --quiet --disable-pip-version-check -e ".[dev]"
+# Every version as constraints.txt fixes it (the set CI tests; scripts/lock.sh writes it).
+"${UV[@]}" -c constraints.txt -e ".[dev]" \
+    || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 # raylm's own modules too (an editable install is not compiled): every Ray worker, driver and
 # notebook kernel imports them, 0.3 s of compiling each where bytecode cannot be written.
 "$VENV/bin/python" -m compileall -q raylm > /dev/null
