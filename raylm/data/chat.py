@@ -33,6 +33,7 @@ plain-text fine-tuning format.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -257,6 +258,48 @@ def forged(messages: Sequence[dict[str, str]], pattern: re.Pattern | None) -> st
         if found:
             return found.group(0)
     return None
+
+
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters of text one token of ``tokenizer`` (a ``tokenizers.Tokenizer``)
+    stands for, or None when its normalizer may delete characters (then no number of
+    characters bounds the number of tokens from below). A vocabulary entry is written one
+    character per byte (byte-level BPE) or per character (SentencePiece), so its length bounds
+    the text it covers."""
+    normalizer = json.loads(tokenizer.to_str()).get("normalizer")
+    if not _keeps_characters(normalizer):
+        return None
+    return max(len(t) for t in tokenizer.get_vocab(with_added_tokens=True))
+
+
+def _keeps_characters(normalizer: dict[str, Any] | None) -> bool:
+    if normalizer is None:
+        return True
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_characters(n) for n in normalizer["normalizers"])
+    if kind == "Replace":
+        return bool(normalizer.get("content"))
+    return kind in ("NFC", "NFKC", "Prepend")
+
+
+def within_chars(messages: list[dict[str, str]], max_chars: int
+                 ) -> tuple[list[dict[str, str]], bool]:
+    """``messages`` cut so that their contents hold at most ``max_chars`` characters (the
+    message that crosses the limit shortened, those after it left out), and whether anything
+    was cut. With ``max_chars`` at least twice a block's tokens times
+    :func:`longest_token_chars`, what is cut lies past the block's end, so rendering the cut
+    conversation gives the block the whole one would, at a cost bounded by the block rather
+    than by the record."""
+    kept, left = [], max_chars
+    for m in messages:
+        if len(m["content"]) > left:
+            if left:
+                kept.append({**m, "content": m["content"][:left]})
+            return kept, True
+        kept.append(m)
+        left -= len(m["content"])
+    return kept, False
 
 
 def generation_prompt(messages: Sequence[dict[str, str]], tokenizer, template, *,

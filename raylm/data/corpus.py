@@ -32,14 +32,20 @@ from raylm.names import PREPARED_MANIFEST
 Format = Literal["text", "jsonl", "parquet", "arrow", "pydoc"]
 
 #: Why a record did not become a training document. Every record read gets exactly one outcome.
-DROP_REASONS = ("malformed", "missing_field", "empty", "duplicate", "undecodable", "too_short")
+DROP_REASONS = ("malformed", "missing_field", "empty", "duplicate", "undecodable", "too_short",
+                "too_long")
+#: The largest record read: a JSONL line, a text paragraph, line or file (text_unit), a table
+#: cell. A longer one is dropped as ``too_long`` while it is read, never held whole, so a
+#: newline-free multi-gigabyte file costs a pass over it, not its size in memory. No
+#: language-model document comes near it (64 MiB is about 16 million tokens).
+MAX_RECORD_BYTES = 64 << 20
 #: The further reasons of fine-tuning examples (``data.format`` chat or prompt_completion): a
-#: role other than system/user/assistant, a conversation without an assistant turn, one longer
-#: than a block (``data.long_examples: drop``), one left with no trained token once cut to a
-#: block (``truncate``).
+#: role other than system/user/assistant, a conversation without an assistant turn, one left
+#: with no trained token once cut to a block (``data.long_examples: truncate``), one whose text
+#: spells a control token. (``too_long``, above, is also one longer than a block under
+#: ``drop``.)
 ROLES = ("system", "user", "assistant")
-EXAMPLE_DROP_REASONS = ("unknown_role", "no_assistant", "too_long", "no_trained_tokens",
-                        "control_text")
+EXAMPLE_DROP_REASONS = ("unknown_role", "no_assistant", "no_trained_tokens", "control_text")
 #: Reasons that mean the input itself is broken (listed by file and line; fatal with
 #: ``on_bad_record: error``). The others are ordinary filtering.
 BAD_REASONS = frozenset({"malformed", "missing_field", "undecodable", "unknown_role",
@@ -306,46 +312,77 @@ def _table_rows(f: SourceFile) -> int:
     return rows
 
 
+def _lines(fh) -> Iterator[tuple[int, bytes | None]]:
+    """``(line number, line)`` for each line of a binary file, the line None when it is longer
+    than MAX_RECORD_BYTES (read past in pieces of that size, never held whole)."""
+    limit = MAX_RECORD_BYTES
+    lineno = 0
+    while True:
+        raw = fh.readline(limit + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            while (rest := fh.readline(limit)) and not rest.endswith(b"\n"):
+                pass
+            yield lineno, None
+            continue
+        yield lineno, raw
+
+
 def _text_records(f: SourceFile, *, text_unit: str, **_) -> Iterator[tuple]:
     with open(f.path, "rb") as fh:
         if text_unit == "file":
-            data = fh.read()
+            data = fh.read(MAX_RECORD_BYTES + 1)
+            if len(data) > MAX_RECORD_BYTES:
+                yield None, "too_long", 1
+                return
             try:
                 yield data.decode("utf-8-sig"), None, 1
             except UnicodeDecodeError:
                 yield None, "undecodable", 1
             return
         para: list[str] = []
-        start, bad = 0, False
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError:
-                line, bad_line = "\ufffd", True
+        size, start, bad = 0, 0, None
+        for lineno, raw in _lines(fh):
+            if raw is None:
+                line, bad_line = "\ufffd", "too_long"
             else:
-                bad_line = False
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError:
+                    line, bad_line = "\ufffd", "undecodable"
+                else:
+                    bad_line = None
             if text_unit == "line":
                 if line.strip():
-                    yield (None, "undecodable", lineno) if bad_line else (line, None, lineno)
+                    yield (None, bad_line, lineno) if bad_line else (line, None, lineno)
                 continue
             if not line.strip() and not bad_line:
                 if para:
-                    yield (None, "undecodable", start) if bad else ("".join(para), None, start)
-                para, bad = [], False
+                    yield (None, bad, start) if bad else ("".join(para), None, start)
+                para, size, bad = [], 0, None
                 continue
             if not para:
                 start = lineno
-            para.append(line)
+            size += len(raw or b"")
+            if size > MAX_RECORD_BYTES:
+                bad_line = "too_long"
+            # A paragraph already too long keeps only a placeholder until its blank line.
+            para.append(line if bad is None and bad_line is None else "")
             bad = bad or bad_line
         if para:
-            yield (None, "undecodable", start) if bad else ("".join(para), None, start)
+            yield (None, bad, start) if bad else ("".join(para), None, start)
 
 
 def _jsonl_objects(f: SourceFile) -> Iterator[tuple]:
     """``(object, None, line)`` for each JSON object line of a JSONL file, or ``(None, reason,
     line)`` for a line that is not one."""
     with open(f.path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
+        for lineno, raw in _lines(fh):
+            if raw is None:
+                yield None, "too_long", lineno
+                continue
             if not raw.strip():
                 continue  # blank lines separate nothing and hold no record
             try:
@@ -411,6 +448,8 @@ def _table_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
             row += 1
             if value is None:
                 yield None, "missing_field", row
+            elif len(value) > MAX_RECORD_BYTES // 4 and _utf8_size(value) > MAX_RECORD_BYTES:
+                yield None, "too_long", row
             elif isinstance(value, bytes):
                 try:
                     yield value.decode("utf-8"), None, row
@@ -420,6 +459,10 @@ def _table_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
                 yield None, "malformed", row
             else:
                 yield value, None, row
+
+
+def _utf8_size(value: str | bytes) -> int:
+    return len(value) if isinstance(value, bytes) else len(value.encode("utf-8", "replace"))
 
 
 _DOC_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)

@@ -178,9 +178,12 @@ class ExampleRenderer:
         self.template = JinjaTemplate(**chat_template) if chat_template else DefaultTemplate()
         self.block_length, self.long_examples = block_length, long_examples
         self.tok, self.eos_id = tokenizer, eos_id
-        from raylm.data.chat import control_text
+        from raylm.data.chat import control_text, longest_token_chars
 
         self.control = control_text(tokenizer)
+        # Contents longer than this cannot fit a block: cut before rendering (see within_chars).
+        longest = longest_token_chars(tokenizer)
+        self.max_chars = 2 * block_length * longest if longest else None
 
     def __call__(self, table: pa.Table) -> pa.Table:
         from raylm.data.chat import (
@@ -188,6 +191,7 @@ class ExampleRenderer:
             encode,
             forged,
             prompt_completion_segments,
+            within_chars,
         )
 
         texts = table.column("text").to_pylist()
@@ -201,6 +205,10 @@ class ExampleRenderer:
             if text is not None and len(messages) > self.block_length:
                 # Every turn renders to a token at least: longer than a block, unrendered.
                 reasons[i], text = "too_long", None
+            if text is not None and self.max_chars is not None:
+                messages, over = within_chars(messages, self.max_chars)
+                if over and self.long_examples == "drop":
+                    reasons[i], text = "too_long", None
             if text is not None:
                 segments = (prompt_completion_segments(messages)
                             if self.format == "prompt_completion" else
@@ -549,7 +557,9 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
         corpus_fp, tokenizer=tokenizer_id, seq_len=d.seq_len, min_chars=d.min_chars,
         dedup=d.dedup, val_fraction=d.val_fraction, text_field=d.text_field,
         text_unit=d.text_unit, rows_per_row_group=d.rows_per_row_group,
-        # format=4: special tokens' strings in text are text; control_text rows dropped.
+        # format=4: special tokens' strings in text are text; control_text rows dropped. (The
+        # record size limit, MAX_RECORD_BYTES, changes no corpus with records below 64 MiB, so
+        # it keeps the format: a run's resume does not see its data as changed.)
         piece_mb=d.piece_mb, format=4, **examples,
     )
 

@@ -4,10 +4,10 @@ environment the suite runs in is that pinned set (scripts/env.sh installs it).""
 
 from __future__ import annotations
 
-import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version

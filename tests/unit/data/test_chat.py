@@ -284,3 +284,60 @@ def test_a_control_tokens_string_in_running_text_is_text(tokenizer_dir):
     assert ids.to_pylist()[0].count(eos) == 1 and ids.to_pylist()[0][-1] == eos
     # The tokenizer as chat rendering uses it still reads its markers as control tokens.
     assert eos in _tokenizer_from_json(backend.to_str()).encode(doc).ids
+
+
+def test_a_conversation_far_longer_than_a_block_is_cut_before_it_is_rendered(tokenizer_dir):
+    """Contents that cannot fit a block are cut before rendering: under `drop` the row is
+    too_long at once; under `truncate` the block is the one the whole conversation renders
+    to, and the cost of rendering follows the block, not the record."""
+    import json
+
+    import pyarrow as pa
+
+    from raylm.data.chat import longest_token_chars, within_chars
+    from raylm.data.preparation import ExampleRenderer
+
+    hf = chatml(tokenizer_dir)
+    longest = longest_token_chars(hf.backend_tokenizer)
+    assert longest is not None and longest >= max(len(t) for t in hf.get_vocab())
+    block = 64
+    words = " ".join(f"w{i}" for i in range(4000))  # about 24k characters
+    long = [{"role": "user", "content": "Summarise: " + words},
+            {"role": "assistant", "content": words},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "no"}]
+    kept, cut = within_chars(long, 2 * block * longest)
+    assert cut and sum(len(m["content"]) for m in kept) == 2 * block * longest
+    assert within_chars(long[2:], 2 * block * longest) == (long[2:], False)
+
+    def render(long_examples, max_chars):
+        renderer = ExampleRenderer(
+            example_format="chat", messages_field="messages", prompt_field="prompt",
+            completion_field="completion",
+            chat_template={"source": hf.chat_template, "markers": FAMILIES["chatml"]["tokens"]},
+            loss_on="all", block_length=block, long_examples=long_examples,
+            tokenizer=hf.backend_tokenizer, eos_id=hf.eos_token_id)
+        if max_chars == "off":
+            renderer.max_chars = None
+        out = renderer(pa.table({"text": [json.dumps(long)],
+                                 "reason": pa.array([None], pa.string())}))
+        return (out.column("reason").to_pylist()[0], out.column("ids").to_pylist()[0],
+                out.column("loss_mask").to_pylist()[0], out.column("truncated").to_pylist()[0])
+
+    assert render("drop", None)[0] == "too_long"
+    cut_first = render("truncate", None)
+    assert cut_first == render("truncate", "off")
+    assert cut_first[0] is None and len(cut_first[1]) == block and cut_first[3]
+
+
+def test_a_tokenizer_whose_normalizer_deletes_text_has_no_character_bound(tokenizer_dir):
+    from tokenizers import normalizers
+
+    from raylm.data.chat import longest_token_chars
+
+    hf = chatml(tokenizer_dir)
+    tok = hf.backend_tokenizer
+    tok.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.StripAccents()])
+    assert longest_token_chars(tok) is None
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    assert longest_token_chars(tok) is not None

@@ -211,3 +211,40 @@ def test_examples_from_parquet_and_prompt_completion(tmp_path):
                                           "parquet, arrow files"):
         list(read_examples(SourceFile(str(tmp_path / "notes.txt"), "text"),
                            example_format="chat"))
+
+
+def test_a_record_over_the_size_limit_is_dropped_while_read_not_held(tmp_path, monkeypatch):
+    """A line, paragraph, file or cell over MAX_RECORD_BYTES is too_long; the records around it
+    are read as before, at their own line numbers (the limit is lowered to 1 kB here)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raylm.data import corpus
+
+    monkeypatch.setattr(corpus, "MAX_RECORD_BYTES", 1000)
+    big = "x" * 5000
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text(f'{{"text": "first"}}\n{{"text": "{big}"}}\n{{"text": "third"}}\n'
+                     f'{{"text": "{big}')  # the last line, without a newline
+    got = [(r.text, r.reason, r.line) for r in corpus.read_records(corpus.SourceFile(
+        str(jsonl), "jsonl"))]
+    assert got == [("first", None, 1), (None, "too_long", 2), ("third", None, 3),
+                   (None, "too_long", 4)]
+
+    text = tmp_path / "b.txt"
+    many_lines = "\n".join(["y" * 100] * 20)  # one paragraph of 2 kB in short lines
+    text.write_text(f"intro\n\n{big}\n\n{many_lines}\n\nend\n")
+    paragraphs = [(r.text, r.reason, r.line) for r in corpus.read_records(
+        corpus.SourceFile(str(text), "text"))]
+    assert paragraphs == [("intro", None, 1), (None, "too_long", 3), (None, "too_long", 5),
+                          ("end", None, 26)]
+    lines = [r.reason for r in corpus.read_records(corpus.SourceFile(str(text), "text"),
+                                                     text_unit="line")]
+    assert lines.count("too_long") == 1 and lines.count(None) == 22
+    (whole,) = corpus.read_records(corpus.SourceFile(str(text), "text"), text_unit="file")
+    assert whole.reason == "too_long"
+
+    table = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": ["ok", "z" * 5000]}), table)
+    assert [r.reason for r in corpus.read_records(corpus.SourceFile(str(table), "parquet"))] == [
+        None, "too_long"]
