@@ -18,6 +18,7 @@ import os
 import posixpath
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from pyarrow import fs as pafs
@@ -102,6 +103,16 @@ def read_bytes(path: str | os.PathLike) -> bytes:
         raise FileNotFoundError(str(path))
     with fs.open_input_file(p) as f:
         return f.read()
+
+
+def read_chunks(path: str | os.PathLike, size: int = 8 << 20) -> Iterator[bytes]:
+    """The file's bytes in pieces of ``size`` (for hashing a file larger than memory)."""
+    fs, p = _resolve(path)
+    if fs.get_file_info(p).type != pafs.FileType.File:
+        raise FileNotFoundError(str(path))
+    with fs.open_input_stream(p) as f:
+        while chunk := f.read(size):
+            yield chunk
 
 
 def read_text(path: str | os.PathLike) -> str:

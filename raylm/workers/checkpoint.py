@@ -3,10 +3,14 @@
 A checkpoint directory holds the DCP shards of model and optimizer (each rank writes its own
 files; DCP's metadata lets a different world size load and reshard them), the sample ledger
 ``samples.npy`` (see ``raylm.workers.ledger``), and ``raylm_checkpoint.json``, written last by
-rank 0: the train state (step, tokens seen, data position), the model's shape, and the name and size
-of every file of every rank. A directory counts as a checkpoint only if that marker exists and
-every file it lists is there at its size, so a save cut short (a killed worker, a full disk, an
-interrupted upload) is skipped with a warning and the one before it is used. Checkpoints
+rank 0: the train state (step, tokens seen, data position), the model's shape, and the name, size
+and BLAKE2b hash of every file of every rank. A directory counts as a checkpoint only if that
+marker exists and every file it lists is there at its size, and, for files up to
+:data:`HASHED_ON_RESUME` (DCP's metadata, the ledger, small shards), with its hash; so a save cut
+short (a killed worker, a full disk, an interrupted upload) or a small file changed in place is
+skipped with a warning and the one before it is used. Large shards are checked by size on
+resume (hashing them would read the whole checkpoint at every resume, which the ranged reads
+below exist to avoid); ``verify(..., every_hash=True)`` checks them all. Checkpoints
 may live in object storage (see ``raylm.storage``): they are verified there, and each resuming
 rank reads from there only what it loads (:class:`RangeReader`): the metadata, then one ranged
 read per stored chunk its shards overlap. A rank of N resuming a checkpoint that N ranks saved
@@ -17,6 +21,7 @@ function of the step, so it needs no state of its own.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -210,24 +215,46 @@ class AsyncSave:
         _write_marker(self.path, group=self.group, **self._marker)
 
 
+HASHED_ON_RESUME = 64 << 20
+"""Files up to this size are checked by hash whenever a checkpoint is verified."""
+
+
+def file_hash(read_chunks) -> str:
+    """BLAKE2b-128 of the bytes ``read_chunks`` yields, in hex."""
+    h = hashlib.blake2b(digest_size=16)
+    for chunk in read_chunks:
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _local_chunks(path: Path, size: int = 1 << 20):
+    with open(path, "rb") as f:
+        while chunk := f.read(size):
+            yield chunk
+
+
 def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndarray | None,
                   adapters: dict[str, Any] | None, group: dist.ProcessGroup | None = None,
                   identity: dict[str, str] | None = None) -> None:
-    """Rank 0 writes the ledger and then the marker naming every rank's files and sizes."""
+    """Rank 0 writes the ledger and then the marker naming every rank's files, their sizes
+    and hashes (each rank hashes its own, just written and still in the page cache)."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if samples is not None and rank0:
         np.save(path / CHECKPOINT_SAMPLES, samples)
-    mine = {p.name: p.stat().st_size for p in path.iterdir()
+    mine = {p.name: (p.stat().st_size, file_hash(_local_chunks(p))) for p in path.iterdir()
             if p.is_file() and p.name != CHECKPOINT_MARKER}
     everyone = [mine]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine, group=group)
     if rank0:
-        files: dict[str, int] = {}
+        found: dict[str, tuple[int, str]] = {}
         for f in everyone:
-            files.update(f)
+            found.update(f)
+        files = {name: size for name, (size, _) in found.items()}
+        hashes = {name: digest for name, (_, digest) in found.items()}
         marker = {"state": state, "model": model_shape(config), "files": files,
+                  "hashes": hashes,
                   "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                   "adapters": adapters or {}, "identity": identity or {}}
         tmp = path / f".{CHECKPOINT_MARKER}.tmp"
@@ -235,9 +262,10 @@ def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndar
         os.replace(tmp, path / CHECKPOINT_MARKER)
 
 
-def verify(directory: str | os.PathLike) -> dict[str, Any]:
+def verify(directory: str | os.PathLike, *, every_hash: bool = False) -> dict[str, Any]:
     """The marker of a complete checkpoint (a path or URI); :class:`CheckpointError` saying
-    what is wrong."""
+    what is wrong. Files are checked by size, and by hash up to :data:`HASHED_ON_RESUME` (all of
+    them with ``every_hash``). Checkpoints from before hashes were recorded have sizes only."""
     d = str(directory)
     try:
         marker = json.loads(storage.read_text(storage.join(d, CHECKPOINT_MARKER)))
@@ -253,6 +281,14 @@ def verify(directory: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(f"{d}: {name} is missing")
         if found != size:
             raise CheckpointError(f"{d}: {name} has {found} bytes, expected {size} (truncated)")
+    for name, digest in marker.get("hashes", {}).items():
+        if name not in marker["files"]:
+            raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} hashes {name}, which it does not "
+                                  f"list")
+        if every_hash or marker["files"][name] <= HASHED_ON_RESUME:
+            if file_hash(storage.read_chunks(storage.join(d, name))) != digest:
+                raise CheckpointError(f"{d}: {name} does not match its hash (changed or "
+                                      f"corrupted since it was written)")
     return marker
 
 

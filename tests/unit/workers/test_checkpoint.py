@@ -120,6 +120,7 @@ def test_a_planted_pickle_in_checkpoint_metadata_does_not_run(tmp_path):
     (ck / ".metadata").write_bytes(pickle.dumps(Payload()))
     marker = json.loads((ck / CHECKPOINT_MARKER).read_text())
     marker["files"][".metadata"] = (ck / ".metadata").stat().st_size
+    marker["hashes"][".metadata"] = checkpoint.file_hash([(ck / ".metadata").read_bytes()])
     (ck / CHECKPOINT_MARKER).write_text(json.dumps(marker))
     with pytest.raises(checkpoint.CheckpointError, match=r"refers to builtins.exec.*refused"):
         checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(), adapters=None)
@@ -149,3 +150,53 @@ def test_only_raylms_own_stale_staging_directories_are_removed(tmp_path, monkeyp
     others[1].write_text("someone's file")
     checkpoint.remove_stale_staging()
     assert not stale.exists() and all(p.exists() for p in others)
+
+
+def test_a_small_file_changed_in_place_does_not_verify(tmp_path):
+    """Same size, other bytes (bit rot, an overwrite): the hash in the marker tells."""
+    from raylm.workers.checkpoint import CheckpointError, verify
+
+    marker = saved(tmp_path)
+    assert set(marker["hashes"]) == set(marker["files"])
+    ledger = tmp_path / "ck" / ".metadata"
+    data = bytearray(ledger.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    ledger.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"\.metadata does not match its hash"):
+        verify(tmp_path / "ck")
+
+
+def test_a_full_disk_during_a_save_leaves_nothing_a_resume_would_take(tmp_path):
+    """A real ENOSPC (the kernel's, from writes into /dev/full) while a shard, and then while
+    the marker, is written: the save fails loudly, and the resume takes the checkpoint before."""
+    import errno
+    import os
+
+    from raylm.names import CHECKPOINT_MARKER
+    from raylm.workers import checkpoint
+
+    run = tmp_path / "run"
+    m = model()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+
+    def save(name: str, step: int) -> None:
+        checkpoint.save(run / name, model=m, optimizer=opt, state={"step": step},
+                        config=saved_config())
+
+    save("checkpoint_1", 1)
+    shards = [p.name for p in (run / "checkpoint_1").iterdir() if p.suffix == ".distcp"]
+    for name, full in [("checkpoint_2", shards[0]), ("checkpoint_3", f".{CHECKPOINT_MARKER}.tmp")]:
+        (run / name).mkdir()
+        os.symlink("/dev/full", run / name / full)
+        # DCP wraps a rank's failure in CheckpointException, a BaseException.
+        with pytest.raises(BaseException) as failed:
+            save(name, int(name[-1]))
+        chain = [failed.value, failed.value.__cause__, failed.value.__context__,
+                 *getattr(failed.value, "failures", {}).values()]
+        assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain
+                   if e is not None) or "No space left" in str(failed.value), failed.value
+    path, marker = checkpoint.latest_verified(run)
+    assert path.endswith("checkpoint_1") and marker["state"] == {"step": 1}
+    for name in ("checkpoint_2", "checkpoint_3"):
+        with pytest.raises(checkpoint.CheckpointError, match="save did not finish"):
+            checkpoint.verify(run / name)
