@@ -159,7 +159,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
 
 def train(cfg: Config, *, log=print, callbacks: list | None = None,
           tracking_parent: tracking.Tracker | None = None, bar: bool = False,
-          checked: Checked | None = None) -> dict[str, Any]:
+          checked: Checked | None = None, lease_owner: str | None = None) -> dict[str, Any]:
     """Prepare data if needed, fit, and finish ``RUN_DIR/summary.json``. Needs ``ray.init``.
 
     A sweep's trial adds Ray Train ``callbacks`` (its Tune reporter) and nests its MLflow run
@@ -167,9 +167,9 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     (:mod:`raylm.run.progress`) instead of the controller's lines. ``checked``: the
     preflight of ``cfg``, when the caller ran it (:mod:`raylm.run.preflight`). The run's
     lease is held throughout (:mod:`raylm.run.lease`): a second live driver of the same run
-    directory is refused."""
+    directory is refused, an earlier attempt of the same ``lease_owner`` waited out."""
     checked = checked or preflight(cfg, tracked=tracking_parent is None)
-    with hold(run_dir(checked.cfg)):
+    with hold(run_dir(checked.cfg), owner=lease_owner, log=log):
         return _train(checked.cfg, log=log, callbacks=callbacks,
                       tracking_parent=tracking_parent, bar=bar)
 

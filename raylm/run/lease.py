@@ -11,6 +11,12 @@ every :data:`BEAT_S` seconds. A lease not renewed for :data:`EXPIRES_S` seconds 
 died without giving it back: a killed driver, a lost node), or held by a process of this host
 that no longer exists, is taken over. Ray Train's own restarts happen inside the holder and
 need nothing from here.
+
+A Tune trial is restarted by Tune in a new process, often on another node when its node was
+lost: its lease names its owner (the trial), and a taker with the same owner finds its own
+earlier attempt there, on a host whose processes it cannot see. It waits for that lease to
+expire (at most :data:`EXPIRES_S` seconds, said in a line) instead of being refused; a lease
+still renewed after that is a live process, and refused.
 """
 
 from __future__ import annotations
@@ -56,12 +62,13 @@ def _expired(holder: dict[str, Any], now: float) -> bool:
 class Lease:
     """A lease on ``run_dir`` held by this process (see the module docstring)."""
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, *, owner: str | None = None, log=print) -> None:
         self.run_dir = storage.normalize(run_dir)
         self.path = storage.join(self.run_dir, LEASE)
+        self.log = log
         now = time.time()
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
-                       "beat": now, "token": uuid.uuid4().hex}
+                       "beat": now, "token": uuid.uuid4().hex, "owner": owner}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -92,11 +99,34 @@ class Lease:
             held = self._read()
             if held is None:
                 continue  # given back meanwhile
+            if not _expired(held, time.time()) and self._earlier_attempt(held):
+                held = self._wait_for_expiry(held)
             if not _expired(held, time.time()):
                 raise LeaseError(self._refusal(held))
             storage.remove(self.path)  # its holder is gone
         raise LeaseError(f"could not take the lease {self.path}: other processes keep taking "
                          f"it; is the same run started several times at once?")
+
+    def _earlier_attempt(self, held: dict[str, Any]) -> bool:
+        """Whether ``held`` is an earlier attempt of this lease's owner (a restarted trial)."""
+        owner = self.holder["owner"]
+        return owner is not None and held.get("owner") == owner
+
+    def _wait_for_expiry(self, held: dict[str, Any]) -> dict[str, Any]:
+        """The lease as it is once ``held`` expired, was given back, or was renewed past its
+        expiry (its holder lives)."""
+        deadline = float(held["beat"]) + EXPIRES_S + 1.0
+        self.log(f"raylm: the lease {self.path} is held by an earlier attempt of "
+                 f"{self.holder['owner']} (pid {held['pid']} on {held['host']}); waiting up to "
+                 f"{max(0.0, deadline - time.time()):.0f} s for it to expire")
+        while time.time() < deadline:
+            time.sleep(min(1.0, max(0.05, deadline - time.time())))
+            now = self._read()
+            if now is None:
+                return {**held, "beat": 0}  # given back: take it
+            if float(now["beat"]) > float(held["beat"]):  # renewed: its holder lives
+                return now
+        return self._read() or {**held, "beat": 0}
 
     def _refusal(self, held: dict[str, Any]) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(held["started"])))
@@ -138,15 +168,18 @@ class Lease:
 
 class hold:
     """``with hold(run_dir):`` the lease on ``run_dir`` for the block, taken here unless this
-    process holds it already (then the outer holder gives it back)."""
+    process holds it already (then the outer holder gives it back). ``owner``: what holds it
+    across processes (a Tune trial's id), whose earlier attempt is waited out."""
 
-    def __init__(self, run_dir: str) -> None:
+    def __init__(self, run_dir: str, *, owner: str | None = None, log=print) -> None:
         self.key = storage.normalize(run_dir)
+        self.owner, self.log = owner, log
         self.lease: Lease | None = None
 
     def __enter__(self) -> hold:
         if self.key not in _HELD:
-            self.lease = _HELD[self.key] = Lease(self.key).take()
+            self.lease = _HELD[self.key] = Lease(self.key, owner=self.owner,
+                                                 log=self.log).take()
         return self
 
     def __exit__(self, *exc: Any) -> None:

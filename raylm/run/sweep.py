@@ -96,8 +96,9 @@ def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: 
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(base, params, trials_dir=trials_dir, trial_id=trial_id,
                        prepared=prepared)
+    # A trial Tune restarts (its node lost) waits out its own earlier attempt's lease.
     train(cfg, callbacks=[TrialReporter()], tracking_parent=parent,
-          checked=checked.for_trial(cfg))
+          checked=checked.for_trial(cfg), lease_owner=f"trial {trial_id} of {trials_dir}")
 
 
 def trial_resources(cfg: Config, plan: ResourcePlan) -> dict[str, float]:

@@ -72,3 +72,38 @@ def test_the_heartbeat_renews_the_lease(tmp_path, monkeypatch):
         assert json.loads((tmp_path / LEASE).read_text())["beat"] > first
     finally:
         held.release()
+
+
+def test_a_restarted_trial_waits_out_its_earlier_attempts_lease_and_no_other(tmp_path):
+    """Tune restarts a trial on another node after its node was lost: the earlier attempt's
+    lease (another host, so its liveness is unknown here) is waited out, not refused; a
+    different owner is refused at once, and a lease still renewed is a live holder."""
+    path = tmp_path / LEASE
+    beat = time.time() - lease.EXPIRES_S + 1.5  # expires in 1.5 s
+    earlier = {"host": "lost-node", "pid": 7, "started": beat - 100, "beat": beat,
+               "token": "t0", "owner": "trial a1 of sweep"}
+    path.write_text(json.dumps(earlier))
+    with pytest.raises(LeaseError, match="in use by pid 7 on lost-node"):
+        Lease(str(tmp_path), owner="trial b2 of sweep").take()
+    said: list[str] = []
+    started = time.monotonic()
+    taken = Lease(str(tmp_path), owner="trial a1 of sweep", log=said.append).take()
+    try:
+        assert 1.0 < time.monotonic() - started < 10
+        assert "earlier attempt of trial a1 of sweep (pid 7 on lost-node)" in said[0]
+        assert json.loads(path.read_text())["token"] == taken.holder["token"]
+    finally:
+        taken.release()
+
+    # Renewed while waited for: alive, refused.
+    path.write_text(json.dumps({**earlier, "beat": time.time() - lease.EXPIRES_S + 1.0}))
+
+    def renew():
+        time.sleep(0.3)
+        path.write_text(json.dumps({**earlier, "beat": time.time()}))
+
+    import threading
+
+    threading.Thread(target=renew).start()
+    with pytest.raises(LeaseError, match="in use by pid 7 on lost-node"):
+        Lease(str(tmp_path), owner="trial a1 of sweep", log=said.append).take()
