@@ -55,7 +55,7 @@ def test_prepare_counts_add_up_and_blocks_are_the_token_stream(corpus, tokenizer
     assert m["documents_read"] == 44 + 30 + 32 + 20 + 1
     assert m["documents_kept"] == 120
     assert m["dropped"] == {"malformed": 1, "missing_field": 2, "empty": 2, "duplicate": 1,
-                            "undecodable": 1, "too_short": 0}
+                            "undecodable": 1, "too_short": 0, "too_long": 0}
     assert m["documents_read"] == m["documents_kept"] + sum(m["dropped"].values())
     assert m["tokens"] == m["blocks"] * m["block_length"] + m["tail_tokens_dropped"]
     assert sorted((b["file"].rsplit("/", 1)[1], b["line"], b["reason"])
