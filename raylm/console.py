@@ -8,9 +8,12 @@ its own switch, set here in every process that runs raylm code (driver, Train co
 workers): Ray Train's ``LoggingConfig`` (its console and app log; its system log keeps every
 line), Ray Data's console handler (``ray-data.log`` keeps every line), Tune's verbosity, and
 MLflow's ``MLFLOW_LOGGING_LEVEL``. Their warnings and errors (Ray Data's "may hang forever", a
-failed MLflow call) still print. Not reached: Ray's C++ core logs a line when an actor with
-large constructor arguments starts (one per worker group and reader), and the token
-authentication notice of ``ray.init``.
+failed MLflow call) still print. On the driver, :func:`tidy_driver_console` goes further with what Ray forwards there
+from the other processes: raylm's own lines lose Ray's ``(TrainController pid=N)`` prefix (the
+line says what it is), colour codes are left out where the console is not a terminal, and the
+lines in :data:`HARMLESS`, which every healthy run prints and which read as errors, are
+dropped (Ray's own log files keep them). Not reached: what Ray's C++ core writes straight to
+the driver's own stderr, and the token authentication notice of ``ray.init``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import sys
 import warnings
 from collections.abc import Iterator
+from typing import Any, TextIO
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -103,3 +109,71 @@ def tune_verbosity(verbose: bool) -> int:
     """Ray Tune's console output: its trial tables only when ``verbose`` (each trial prints
     raylm's own progress lines either way)."""
     return 2 if verbose else 0
+
+
+#: Lines Ray forwards to the driver that every healthy run prints and that read as errors,
+#: each with why it is left out of the console (Ray's logs under its session directory keep
+#: them). Matched against the message after Ray's process prefix.
+HARMLESS: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"core_worker\.cc:\d+.*has constructor arguments in the object store and "
+                r"max_restarts > 0"),
+     "Ray's core logs this at error level whenever an actor that may be restarted is made "
+     "with arguments in the object store: Ray Train's preemption watcher and Ray Data's map "
+     "workers, in every run. Their restart would fail only if those arguments were lost with "
+     "a node, and then the worker group is restarted whole, with new ones."),
+)
+
+# "(Name pid=N[, ip=A]) " and its colour codes, as Ray prefixes another process's line.
+_RAY_PREFIX = re.compile(r"^(?:\x1b\[[0-9;]*m)*\((?:[\w.:-]+ )?pid=\w+(?:, ip=[^)]*)?\)"
+                         r"(?:\x1b\[[0-9;]*m)* ")
+# raylm's own lines: progress, its notices and warnings.
+_RAYLM_LINE = re.compile(r"^(?:raylm[: ]|step \d+/\d+  |warning: raylm|tokenizer: )")
+
+
+def tidy_line(line: str) -> str | None:
+    """``line`` as the driver's console shows it (see the module doc), None to drop it."""
+    prefix = _RAY_PREFIX.match(line)
+    message = line[prefix.end():] if prefix else line
+    if prefix and any(pattern.search(message) for pattern, _ in HARMLESS):
+        return None
+    if prefix and _RAYLM_LINE.match(message):
+        return message
+    return line
+
+
+class _TidyStream:
+    """A text stream that passes every write through, except the lines Ray forwards (which
+    start with its prefix), which :func:`tidy_line` rewrites or drops. A write that starts
+    no such line (a progress bar's carriage return) goes through at once."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._line = ""
+
+    def write(self, text: str) -> int:
+        if not self._line and not text.startswith(("(", "\x1b")):
+            return self._stream.write(text)
+        self._line += text
+        while "\n" in self._line:
+            line, self._line = self._line.split("\n", 1)
+            shown = tidy_line(line)
+            if shown is not None:
+                self._stream.write(shown + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def tidy_driver_console() -> None:
+    """On the driver, once, before Ray forwards anything (see the module doc)."""
+    if not getattr(sys.stdout, "isatty", lambda: False)():
+        # Ray colours the prefixes it writes unless told not to; a log file gets none.
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, _TidyStream):
+            setattr(sys, name, _TidyStream(stream))

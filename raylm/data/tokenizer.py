@@ -106,13 +106,22 @@ def build_tokenizer(
     if (target / "tokenizer.json").is_file():
         log(f"tokenizer: reusing {target}")
         return target
-    log(f"tokenizer: training a byte-level BPE (vocab {vocab_size}) on "
-        f"{train_chars / 1e6:.1f}M characters")
+    read = {"documents": 0, "chars": 0}
+
+    def counted(texts: Iterator[str]) -> Iterator[str]:
+        for text in texts:
+            read["documents"] += 1
+            read["chars"] += len(text)
+            yield text
+
     tok = train_bpe(
-        sample_texts(files, num_chars=train_chars, text_field=text_field, text_unit=text_unit,
-                     examples=examples),
+        counted(sample_texts(files, num_chars=train_chars, text_field=text_field,
+                             text_unit=text_unit, examples=examples)),
         vocab_size=vocab_size, min_frequency=min_frequency,
     )
+    # What it was trained on, not the budget (tokenizer.train_chars caps it).
+    log(f"tokenizer: trained a byte-level BPE (vocab {vocab_size}) on {read['chars']:,} "
+        f"characters of {read['documents']:,} documents")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename, so a concurrent or killed run never sees half a
     # tokenizer directory.

@@ -121,6 +121,9 @@ def connect(address: str | None, *, log: Callable[[str], None],
 
     import ray
 
+    from raylm.console import tidy_driver_console
+
+    tidy_driver_console()
     if ray.is_initialized():
         return
     choice = choose(address, timeout_s=timeout_s)
