@@ -8,12 +8,15 @@ its own switch, set here in every process that runs raylm code (driver, Train co
 workers): Ray Train's ``LoggingConfig`` (its console and app log; its system log keeps every
 line), Ray Data's console handler (``ray-data.log`` keeps every line), Tune's verbosity, and
 MLflow's ``MLFLOW_LOGGING_LEVEL``. Their warnings and errors (Ray Data's "may hang forever", a
-failed MLflow call) still print. On the driver, :func:`tidy_driver_console` goes further with what Ray forwards there
-from the other processes: raylm's own lines lose Ray's ``(TrainController pid=N)`` prefix (the
-line says what it is), colour codes are left out where the console is not a terminal, and the
+failed MLflow call) still print.
+
+On the driver, :func:`tidy_driver_console` goes further with what Ray forwards there from the
+other processes: raylm's own lines lose Ray's ``(TrainController pid=N)`` prefix (the line
+says what it is), colour codes are left out where the console is not a terminal, and the
 lines in :data:`HARMLESS`, which every healthy run prints and which read as errors, are
-dropped (Ray's own log files keep them). Not reached: what Ray's C++ core writes straight to
-the driver's own stderr, and the token authentication notice of ``ray.init``.
+dropped (Ray's own log files keep them), as is ``ray.init``'s notice that token
+authentication is on (it is, and it asks nothing of the user; its warning when it is off
+stays). Not reached: what Ray's C++ core writes straight to the driver's own stderr.
 """
 
 from __future__ import annotations
@@ -168,8 +171,16 @@ class _TidyStream:
         return getattr(self._stream, name)
 
 
+class _NotTheTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
 def tidy_driver_console() -> None:
     """On the driver, once, before Ray forwards anything (see the module doc)."""
+    notices = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _NotTheTokenNotice) for f in notices.filters):
+        notices.addFilter(_NotTheTokenNotice())
     if not getattr(sys.stdout, "isatty", lambda: False)():
         # Ray colours the prefixes it writes unless told not to; a log file gets none.
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")

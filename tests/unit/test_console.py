@@ -39,3 +39,18 @@ def test_the_stream_rewrites_whole_lines_and_passes_a_bars_updates_at_once():
     stream.write("\n")
     stream.write("\rtraining:  40%|####      | 4/10")
     assert out.getvalue() == "raylm: checkpoint saved\n\rtraining:  40%|####      | 4/10"
+
+
+def test_the_token_notice_is_left_out_and_the_warning_that_auth_is_off_is_not(caplog):
+    import logging
+
+    from raylm.console import tidy_driver_console
+
+    tidy_driver_console()
+    tidy_driver_console()  # once is enough, twice does no harm
+    notices = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    with caplog.at_level(logging.WARNING, logger=notices.name):
+        notices.warning("Token authentication is enabled for this Ray cluster. Set ...")
+        notices.warning("Token authentication is disabled for this Ray cluster. Anyone ...")
+    assert [r.getMessage()[:40] for r in caplog.records] == [
+        "Token authentication is disabled for thi"]
