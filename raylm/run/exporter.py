@@ -25,7 +25,7 @@ import torch
 
 from raylm import storage
 from raylm.config import config_from_dict
-from raylm.console import quiet_torchao
+from raylm.console import quiet_model_io, quiet_torchao
 from raylm.model import lora
 from raylm.model.attention import AttentionChoice, fit_to_model
 from raylm.model.build import (
@@ -286,7 +286,8 @@ class Generator:
 
         src = storage.normalize(source)
         if storage.is_file(storage.join(src, RUN_INFO)):
-            self.model, tok_dir, _ = load_run_model(src)
+            with quiet_model_io():
+                self.model, tok_dir, _ = load_run_model(src)
         elif storage.is_file(storage.join(src, "config.json")) and not storage.is_uri(src):
             self.model, tok_dir = AutoModelForCausalLM.from_pretrained(str(src)).eval(), src
         else:
