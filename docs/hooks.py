@@ -63,8 +63,8 @@ def _type(annotation: str) -> str:
 def sections() -> list[tuple[str, type]]:
     from raylm.config import Config
 
-    return [(f.name, f.default_factory().__class__ if f.default_factory is not dataclasses.MISSING
-             else f.type) for f in dataclasses.fields(Config)]
+    # Each section is a field of Config whose default is an instance of the section's class.
+    return [(f.name, type(f.default_factory())) for f in dataclasses.fields(Config)]
 
 
 def reference() -> str:

@@ -227,12 +227,6 @@ def file_hash(read_chunks) -> str:
     return h.hexdigest()
 
 
-def _local_chunks(path: Path, size: int = 1 << 20):
-    with open(path, "rb") as f:
-        while chunk := f.read(size):
-            yield chunk
-
-
 def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndarray | None,
                   adapters: dict[str, Any] | None, group: dist.ProcessGroup | None = None,
                   identity: dict[str, str] | None = None) -> None:
@@ -241,8 +235,8 @@ def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndar
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if samples is not None and rank0:
         np.save(path / CHECKPOINT_SAMPLES, samples)
-    mine = {p.name: (p.stat().st_size, file_hash(_local_chunks(p))) for p in path.iterdir()
-            if p.is_file() and p.name != CHECKPOINT_MARKER}
+    mine = {p.name: (p.stat().st_size, file_hash(storage.read_chunks(str(p))))
+            for p in path.iterdir() if p.is_file() and p.name != CHECKPOINT_MARKER}
     everyone = [mine]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
