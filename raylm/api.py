@@ -103,8 +103,23 @@ class Run:
         for r in read(self.run_dir):
             if r["event"] == "progress":
                 rows[r["step"]] = {k: v for k, v in r.items() if k not in ("event",
-                                                                            "invocation")}
+                                                                            "invocation",
+                                                                            "clock")}
         return pd.DataFrame([rows[s] for s in sorted(rows)])
+
+    @property
+    def goodput(self) -> pd.DataFrame:
+        """Where the run's wall time went, every invocation (:mod:`raylm.run.goodput`): one
+        row per cause (``productive``, ``recomputed``, ``data_wait``, ``checkpoint``,
+        ``evaluation``, ``preemption``, ``resources``, ``startup``, ``restart``, ``other``)
+        with its ``seconds`` and ``share`` of the total; ``goodput`` is the ``productive``
+        share. Read from the run's records, so a running run's shows it so far."""
+        import pandas as pd
+
+        from raylm.run.goodput import goodput, table
+        from raylm.run.record import read
+
+        return pd.DataFrame(table(goodput(read(self.run_dir)))).set_index("cause")
 
 
 class Sweep:

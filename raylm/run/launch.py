@@ -32,7 +32,7 @@ from raylm.data.tokenizer import load_backend
 from raylm.model import lora
 from raylm.model.build import build_config
 from raylm.names import LAYOUT, PREPARED_MANIFEST, SUMMARY
-from raylm.run import tracking
+from raylm.run import goodput, tracking
 from raylm.run.exporter import write_run_info
 from raylm.run.lease import hold
 from raylm.run.preflight import Checked, preflight
@@ -253,6 +253,8 @@ def say_how_it_ended(cfg: Config, summary: dict[str, Any], *, error: Exception |
     rd = run_dir(cfg)
     summary_path = storage.join(rd, SUMMARY)
     mistake = faults.cause(error) if error is not None else None
+    if summary.get("goodput"):
+        log(f"raylm: {goodput.describe(summary['goodput'])}")
     if mistake is not None:
         log(f"raylm: stopped at step {summary['final_step']}, not retried: the run's input is "
             f"wrong, no machine failed. Summary: {summary_path}")

@@ -53,14 +53,15 @@ from typing import Any
 from raylm import storage
 from raylm.console import quiet_libraries
 from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
+from raylm.run.goodput import goodput
 from raylm.run.tracking import Tracker
 
 try:  # the controller-side callback base classes (Ray Train V2)
-    from ray.train.v2._internal.execution.callback import ControllerCallback
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.callback import UserCallback
 except ImportError:  # pragma: no cover - Ray without Train V2
-    UserCallback = ControllerCallback = object
+    UserCallback = ControllerCallback = WorkerGroupCallback = object
     FailureDecision = None
 
 # The reported figures each progress record keeps: the run's metric history (raylm.api reads
@@ -240,6 +241,8 @@ class RunRecord(UserCallback):
         self.furthest = -1  # the furthest step reported
         self.stuck_at = -1  # the furthest step when the failures counted below began
         self.failures_in_place = 0  # failures in a row without training past stuck_at
+        # The goodput ledger counts this invocation's wall time from here (raylm.run.goodput).
+        self._add("invocation", at=self.started)
 
     # Ray Train's hooks. An exception in a controller callback ends the whole run; the record
     # is not worth that, so each hook reports its own errors and returns.
@@ -270,13 +273,14 @@ class RunRecord(UserCallback):
                 self.resumed_from_step = m["resumed_from_step"]
             self.group = m["group_started"]
             self._add("group_start", at=m["group_started"], workers=m["workers"],
-                      from_step=m["resumed_from_step"] or 0)
+                      from_step=m["resumed_from_step"] or 0, setup_s=m.get("setup_s"))
             self.group_reported = False
         if m.get("event") == GROUP_START:
             return
         step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
-        self._add("progress", step=step, step_time=step_time,
-                  **{k: m[k] for k in HISTORY if m.get(k) is not None})
+        self._add("progress", step=step, step_time=step_time, clock=m.get("clock"),
+                  **{k: m[k] for k in HISTORY if m.get(k) is not None},
+                  **({"preempted": True} if m.get("preempted") else {}))
         if not self.group_reported:  # an interruption is complete at its group's first step
             self.group_reported = True
             self._announce(step)
@@ -334,9 +338,12 @@ class RunRecord(UserCallback):
         """The run ended (``failed``: Ray Train gave up on it): the final summary.json, and
         the MLflow run's final model, files and status."""
         try:
+            self._add("end", status="failed" if failed else "finished")
             self.log.flush()
             summary = {**self.summary(), "status": "failed" if failed else "finished",
-                       "wall_s": round(time.time() - self.started, 2), "samples": None}
+                       "wall_s": round(time.time() - self.started, 2), "samples": None,
+                       "goodput": self.goodput(every_invocation=True)}
+            self.tracker.log_goodput(summary["goodput"], self.furthest)
             e = self.ending
             if e is not None and self.checkpoint_path is not None:
                 summary["samples"] = sample_accounting(self.checkpoint_path, e)
@@ -356,6 +363,21 @@ class RunRecord(UserCallback):
         if written.get("invocation") != self.invocation or written.get("status") == "running":
             return None
         return written
+
+    def goodput(self, *, every_invocation: bool = False) -> dict[str, Any]:
+        """The goodput ledger (:mod:`raylm.run.goodput`) of this invocation, or of the whole
+        run (the earlier invocations' records are read once)."""
+        if every_invocation and self.earlier is None:
+            self.earlier = [r for r in read(self.run_dir) if r["invocation"] != self.invocation]
+        return goodput(self.earlier + self.records if every_invocation else self.records)
+
+    def placing(self) -> None:
+        """Ray Train starts placing a worker group."""
+        self._add("placing")
+
+    def placed(self, resources_s: float | None) -> None:
+        """The group is placed; its placement group waited ``resources_s`` for resources."""
+        self._add("placed", resources_s=resources_s)
 
     def summary(self) -> dict[str, Any]:
         """summary.json as the record knows it: where the run is now."""
@@ -391,6 +413,8 @@ class RunRecord(UserCallback):
             "changed_on_resume": sorted({c for r in self.records
                                          if r["event"] == "resumed_with_changes"
                                          for c in r["changed"]}),
+            # This invocation's while it runs; the whole run's in the final summary.
+            "goodput": self.goodput(),
         }
 
     def _add(self, event: str, *, at: float | None = None, **fields: Any) -> None:
@@ -442,12 +466,12 @@ class RepeatedFailure(RuntimeError):
     random, so restarting again would only repeat it."""
 
 
-class EndOfRun(ControllerCallback):
+class EndOfRun(ControllerCallback, WorkerGroupCallback):
     """The controller's calls the record needs beyond reports and worker errors (which Ray
-    Train alone gives user callbacks): the run's end, and each decision to restart, which it
-    refuses once ``max_failures_at_one_step`` failures came in a row without progress. Made
-    with the record and pickled with it in one list of callbacks, so both are one object on
-    the controller."""
+    Train alone gives user callbacks): the run's end; each decision to restart, which it
+    refuses once ``max_failures_at_one_step`` failures came in a row without progress; and
+    each worker group's placement, for the goodput ledger. Made with the record and pickled
+    with it in one list of callbacks, so both are one object on the controller."""
 
     def __init__(self, record: RunRecord, *, max_failures_at_one_step: int = 0) -> None:
         self.record = record
@@ -465,6 +489,25 @@ class EndOfRun(ControllerCallback):
 
     def after_controller_finish(self, result) -> None:
         self.record._safely(self.record.finish, result.error is not None)
+
+    def before_worker_group_start(self, worker_group_context) -> None:
+        self.record._safely(self.record.placing)
+
+    def after_worker_group_start(self, worker_group) -> None:
+        self.record._safely(lambda: self.record.placed(resource_wait(worker_group)))
+
+
+def resource_wait(worker_group) -> float | None:
+    """Seconds the worker group's placement group waited before it was created (Ray's own
+    measure, from the GCS); None when Ray does not say."""
+    import ray.util
+
+    try:
+        pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        stats = ray.util.placement_group_table(pg)["stats"]
+        return stats["end_to_end_creation_latency_ms"] / 1000
+    except Exception:  # noqa: BLE001 - a figure of the ledger, not worth failing a start for
+        return None
 
 
 def progress_line(m: dict[str, Any], *, total_steps: int, step_time: float,

@@ -94,6 +94,9 @@ class Tracker:
     def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None:
         pass
 
+    def log_goodput(self, ledger: dict[str, Any], step: int) -> None:
+        pass
+
     def start_node_monitor(self, node: str) -> None:
         pass
 
@@ -195,6 +198,28 @@ class MLflowTracker(Tracker):
         now = int(time.time() * 1000)
         client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
                                                for k, v in counts.items()])
+
+    def log_goodput(self, ledger: dict[str, Any], step: int) -> None:
+        """The goodput ledger (:mod:`raylm.run.goodput`): ``goodput`` and ``goodput_<cause>_s``
+        as metrics at the run's last step, and the table by cause as ``goodput.json``."""
+        self._guard("log the goodput ledger", self._log_goodput, ledger, step)
+
+    def _log_goodput(self, client, ledger, step) -> None:
+        from mlflow.entities import Metric
+
+        from raylm.run.goodput import table
+
+        if not ledger.get("total_s"):
+            return
+        now = int(time.time() * 1000)
+        values = {"goodput": ledger["goodput"], "goodput_total_s": ledger["total_s"],
+                  "goodput_recomputed_steps": ledger["recomputed_steps"],
+                  **{f"goodput_{k}_s": v for k, v in ledger["seconds"].items()}}
+        if ledger["energy_wasted_j"] is not None:
+            values["energy_wasted_j"] = ledger["energy_wasted_j"]
+        client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, max(step, 0))
+                                               for k, v in values.items()])
+        client.log_table(self.run_id, data=table(ledger), artifact_file="goodput.json")
 
     def start_node_monitor(self, node: str) -> None:
         """MLflow's system-metrics monitor for this node, logging as ``system/<node>/...``.

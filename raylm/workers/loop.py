@@ -111,7 +111,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             raise Mistake(f"worker setup: {type(e).__name__}: {e}") from e
         try:
             ray.train.report({**run.constant_metrics, "step": run.state.step,
-                              "event": GROUP_START})
+                              "event": GROUP_START,
+                              "setup_s": time.time() - group_started})
             train(run)
         finally:
             run.tracker.stop_node_monitor()
@@ -150,7 +151,8 @@ def train(run: Setup) -> None:
         if not todo.report:
             continue
         window = meter.window()
-        state.add_usage(joules=window.pop("energy_j"), gpu_seconds=window.pop("gpu_s"))
+        window_energy = window.pop("energy_j")
+        state.add_usage(joules=window_energy, gpu_seconds=window.pop("gpu_s"))
         # The only host-device synchronisations of the loop are here, at reports.
         metrics = {"step": state.step, "loss": float(loss), "lr": lr,
                    "grad_norm": float(grad_norm), "tokens_seen": state.tokens_seen,
@@ -162,7 +164,10 @@ def train(run: Setup) -> None:
             run.state_memory = state_memory(run)
         metrics.update(run.state_memory)
         if todo.evaluate:
+            t0 = time.perf_counter()
             metrics.update(validate(run))
+            meter.eval_s += time.perf_counter() - t0
+        metrics["clock"] = meter.clock(window_energy_j=window_energy)
         # The last checkpoint and a preemption's are written before the loop goes on (to its
         # end, or to stopping the group); the others in the background.
         save_and_report(run, metrics, save=todo.save,
@@ -216,6 +221,8 @@ class StepMeter:
         self.world_size, self.device = world_size, device
         self.run_t0 = time.perf_counter()
         self.busy_s = self.run_wait_s = 0.0
+        # Seconds since the group was set up, for the goodput ledger (raylm.run.goodput).
+        self.eval_s = self.checkpoint_s = 0.0
         self.energy = energy
         # (time, joules) where the first energy window starts: the group's setup by default.
         self.energy_t0, self.energy_j0 = energy_since or (
@@ -247,6 +254,15 @@ class StepMeter:
         self.window_tokens += tokens
         self.window_steps += 1
         self.busy_s += time.perf_counter() - self.step_t0
+
+    def clock(self, *, window_energy_j: float | None) -> dict[str, float | None]:
+        """What a report tells the goodput ledger: this rank's wall time, and the seconds
+        since the group was set up spent computing steps, waiting for data, evaluating and
+        blocked on checkpoints (a report's own checkpoint adds its write when it is made:
+        :meth:`raylm.workers.checkpoint.Checkpointer.save`); the window's joules."""
+        return {"t": time.time(), "compute_s": self.busy_s - self.run_wait_s,
+                "data_wait_s": self.run_wait_s, "eval_s": self.eval_s,
+                "checkpoint_s": self.checkpoint_s, "energy_j": window_energy_j}
 
     def window(self) -> dict[str, float]:
         """The figures of the window since the last report."""
@@ -316,12 +332,15 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
     if not save:
         run.checkpointer.report(metrics)
         return
+    t0 = time.perf_counter()
     run.checkpointer.wait()
     samples = run.ledger.collect(run.built.device)
+    metrics["clock"]["checkpoint_s"] += time.perf_counter() - t0
     run.checkpointer.save(metrics, step=run.state.step, wait=wait, model=run.built.model,
                           optimizer=run.optimizer, state=copy.deepcopy(run.state.state_dict()),
                           config=run.built.config, samples=samples,
                           adapters=lora_settings(run.cfg.lora), identity=run.identity)
+    run.meter.checkpoint_s += time.perf_counter() - t0
 
 
 def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:

@@ -18,7 +18,8 @@ PRIVATE = [
     ("ray.train.v2._internal.execution.callback", "ControllerCallback",
      "the run's end and restart decisions reach the record", "raylm/run/record.py"),
     ("ray.train.v2._internal.execution.callback", "WorkerGroupCallback",
-     "a worker's mistake is seen in the poll status", "raylm/workers/faults.py"),
+     "a worker's mistake is seen in the poll status; each group's placement is timed for the "
+     "goodput ledger", "raylm/workers/faults.py, raylm/run/record.py"),
     ("ray.train.v2._internal.execution.failure_handling", "FailureDecision",
      "a retry is told from the end of a run", "raylm/workers/faults.py, raylm/run/record.py"),
     ("ray.train.v2._internal.execution.context", "get_train_context",
@@ -61,3 +62,12 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape():
     # raylm.workers.preemption.hand_over: the queue of this worker's reports the controller
     # takes them from, one per poll.
     assert callable(TrainContext.get_result_queue)
+    # raylm.run.record.resource_wait: the placement group of a started worker group, and
+    # how long Ray says it waited for resources.
+    from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    assert callable(WorkerGroup.get_worker_group_state)
+    assert "placement_group_handle" in {f.name for f in dataclasses.fields(WorkerGroupState)}
+    assert "end_to_end_creation_latency_ms" in inspect.getsource(
+        importlib.import_module("ray._private.state").GlobalState._gen_placement_group_info)

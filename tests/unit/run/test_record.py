@@ -71,9 +71,9 @@ def test_restarts_and_resizes_come_from_the_reports(tmp_path, capsys):
     # Locally every record is appended as it happens, and read back in order.
     events = record.read(rd)
     assert [e["event"] for e in events] == [
-        "group_start", "progress", "progress", "failure", "group_start", "progress",
-        "progress", "group_start", "progress", "progress"]
-    assert events[4]["time"] == 200.0 and events[4]["from_step"] == 10
+        "invocation", "group_start", "progress", "progress", "failure", "group_start",
+        "progress", "progress", "group_start", "progress", "progress"]
+    assert events[5]["time"] == 200.0 and events[5]["from_step"] == 10
 
 
 def test_a_group_the_controller_never_heard_of_still_makes_a_restart(tmp_path):
@@ -119,7 +119,8 @@ def test_object_storage_gets_segments_at_checkpoints_and_linear_traffic(tmp_path
         assert storage.list_files(f"{rd}/events") == [
             f"{r.invocation}-{i:06d}.jsonl" for i in range(steps // 10)]
         assert not storage.is_file(f"{rd}/events.jsonl")
-        assert len(record.read(rd)) == steps + 1  # a group start and a progress per step
+        # The invocation, its group start and a progress per step.
+        assert len(record.read(rd)) == steps + 2
         return counted
 
     hundred, two_hundred = run(100), run(200)

@@ -1,0 +1,199 @@
+"""The goodput ledger: every second of a run's wall time, by what it was spent on.
+
+A pure function of the run's event records (:mod:`raylm.run.record`), over every invocation, so
+it survives restarts, resizes and new invocations without state of its own. What feeds it:
+
+- each worker group's first report (``group_start``: when the group began on the workers, and
+  ``setup_s``: building, restoring and waiting for the first batch);
+- each progress report's ``clock``: rank 0's wall time at the report and its counters since the
+  group was set up (seconds computing steps, waiting for data, evaluating, blocked on
+  checkpoints), and the energy the window drew where NVML reads it;
+- the controller's own records: each attempt to place a worker group (``placing``/``placed``,
+  with the seconds its placement group waited for resources), each failure, the invocation's
+  start and end.
+
+The wall time of each invocation (from the driver building the run to its end) is split into
+
+==================  =========================================================================
+``productive``      computing the steps the final model holds
+``recomputed``      steps trained and then lost: reported steps a later group resumed before,
+                    and the time from a lost group's last report to its loss
+``data_wait``       waiting for batches, on the steps that count
+``checkpoint``      the loop blocked on saving (staging, or the whole write when synchronous)
+``evaluation``      validation
+``preemption``      from a preempted group's checkpoint to its end (the drain)
+``resources``       placement groups waiting for CPUs/GPUs (Ray's own measure)
+``startup``         the first group of an invocation: starting processes, building, restoring
+``restart``         later groups: from a loss (or a resize) to the new group training again
+``other``           the rest: reporting, logging, the end of the run
+==================  =========================================================================
+
+``goodput`` is ``productive / total``. Steps trained again are not found by arithmetic on step
+numbers alone: a window of reported steps is "recomputed" in the share that a later group's
+``from_step`` cut off (the steps it trains again), so a rewind that goes back several groups
+counts each lost step once. Clocks: the workers' figures are rank 0's clock, the gaps between
+groups the controller's; on one node they are the same clock, across nodes NTP keeps them within
+milliseconds of each other, which is below the resolution this ledger is read at.
+
+Written by hand: neither Ray Train nor MLflow keeps such a ledger (MaxText's goodput package
+reads Google Cloud Logging, which a Ray cluster does not have).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+CAUSES = ("productive", "recomputed", "data_wait", "checkpoint", "evaluation", "preemption",
+          "resources", "startup", "restart", "other")
+
+
+@dataclass
+class _Window:
+    """The steps ``(first, last]`` one progress report covers, and what they cost."""
+
+    first: int
+    last: int
+    compute_s: float
+    wait_s: float
+    energy_j: float | None
+    alive_to: int = field(init=False)
+    """Steps up to here still count; beyond it a later group trained them again."""
+
+    def __post_init__(self) -> None:
+        self.alive_to = self.last
+
+    def cut(self, from_step: int) -> None:
+        self.alive_to = max(self.first, min(self.alive_to, from_step))
+
+    @property
+    def lost_share(self) -> float:
+        return (self.last - self.alive_to) / max(1, self.last - self.first)
+
+
+class _Ledger:
+    """Walks the records once, in order (see :func:`goodput`)."""
+
+    def __init__(self) -> None:
+        self.s = dict.fromkeys(CAUSES, 0.0)
+        self.total = 0.0
+        self.windows: list[_Window] = []
+        self.invocation: str | None = None
+        self.start = self.end = None  # the current invocation's span
+        self.group_seen = False  # in this invocation
+        self.gap_from: float | None = None  # when the time without a training group began
+        self.gap_resources = 0.0  # resource waits inside that gap
+        self.placing: float | None = None  # an attempt to place a group, not yet placed
+        self.clock: dict[str, float] | None = None  # the current group's last clock
+        self.step = 0  # the current group's last reported step
+
+    def close_invocation(self) -> None:
+        if self.start is not None and self.end is not None:
+            self.total += max(0.0, self.end - self.start)
+        self.start = self.end = None
+
+    def record(self, r: dict[str, Any]) -> None:
+        if r["invocation"] != self.invocation:
+            self.close_invocation()
+            self.invocation, self.group_seen = r["invocation"], False
+            self.start, self.gap_from, self.gap_resources = r["time"], r["time"], 0.0
+            self.clock, self.placing = None, None
+        self.end = max(self.end or r["time"], r["time"])
+        getattr(self, "on_" + r["event"], lambda r: None)(r)
+
+    def on_placing(self, r) -> None:
+        if self.placing is not None:  # the attempt before timed out waiting for resources
+            self.gap_resources += r["time"] - self.placing
+        self.placing = r["time"]
+
+    def on_placed(self, r) -> None:
+        self.placing = None
+        self.gap_resources += r.get("resources_s") or 0.0
+
+    def on_group_start(self, r) -> None:
+        ready = r["time"] + (r.get("setup_s") or 0.0)
+        for w in self.windows:
+            w.cut(r["from_step"])
+        if self.gap_from is None:  # a resize: the old group ended with its last report
+            self.gap_from = self.clock["t"] if self.clock else r["time"]
+        gap = max(0.0, ready - self.gap_from)
+        resources = min(self.gap_resources, gap)
+        self.s["resources"] += resources
+        self.s["restart" if self.group_seen else "startup"] += gap - resources
+        self.group_seen = True
+        self.gap_from, self.gap_resources = None, 0.0
+        self.clock = {"t": ready, "compute_s": 0.0, "data_wait_s": 0.0, "eval_s": 0.0,
+                      "checkpoint_s": 0.0}
+        self.step = r["from_step"]
+
+    def on_progress(self, r) -> None:
+        c = r.get("clock")
+        if c is None or self.clock is None:
+            return
+        d = {k: c[k] - self.clock[k] for k in self.clock}
+        self.windows.append(_Window(self.step, r["step"], d["compute_s"], d["data_wait_s"],
+                                    c.get("energy_j")))
+        self.s["evaluation"] += d["eval_s"]
+        self.s["checkpoint"] += d["checkpoint_s"]
+        self.clock, self.step = {k: c[k] for k in self.clock}, r["step"]
+
+    def on_failure(self, r) -> None:
+        if self.clock is not None and self.gap_from is None:
+            tail = max(0.0, r["time"] - self.clock["t"])
+            # A preempted group stops right after its checkpoint: the drain. Any other loss
+            # takes with it what was trained since the last report.
+            self.s["preemption" if "Preempted" in r.get("error", "") else "recomputed"] += tail
+        if self.gap_from is None:
+            self.gap_from = r["time"]
+
+    def finish(self) -> dict[str, Any]:
+        self.close_invocation()
+        steps_lost = 0.0
+        wasted_j = None
+        for w in self.windows:
+            lost = w.lost_share
+            self.s["productive"] += (1 - lost) * w.compute_s
+            self.s["data_wait"] += (1 - lost) * w.wait_s
+            self.s["recomputed"] += lost * (w.compute_s + w.wait_s)
+            steps_lost += w.last - w.alive_to
+            if w.energy_j is not None and lost:
+                wasted_j = (wasted_j or 0.0) + lost * w.energy_j
+        known = sum(v for k, v in self.s.items() if k != "other")
+        self.s["other"] = max(0.0, self.total - known)
+        return {"total_s": round(self.total, 2),
+                "goodput": round(self.s["productive"] / self.total, 4) if self.total else None,
+                "seconds": {k: round(v, 2) for k, v in self.s.items()},
+                "recomputed_steps": int(steps_lost),
+                "energy_wasted_j": wasted_j}
+
+
+def goodput(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ledger of a run's records (every invocation's, in the order they were written):
+    ``total_s``, ``goodput``, ``seconds`` by cause (:data:`CAUSES`), ``recomputed_steps``
+    (reported steps trained again) and ``energy_wasted_j`` (the energy of those steps' report
+    windows; None without an energy counter)."""
+    ledger = _Ledger()
+    for r in records:
+        ledger.record(r)
+    return ledger.finish()
+
+
+def describe(g: dict[str, Any]) -> str:
+    """The ledger in one line, largest causes first."""
+    if not g.get("total_s"):
+        return "goodput: nothing measured"
+    parts = sorted(((v, k) for k, v in g["seconds"].items() if k != "productive" and v >= 0.05),
+                   reverse=True)
+    rest = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for v, k in parts)
+    line = (f"goodput {100 * g['goodput']:.1f}% of {g['total_s']:.1f}s "
+            f"(productive {g['seconds']['productive']:.1f}s" + (f"; {rest}" if rest else "") + ")")
+    if g["recomputed_steps"]:
+        line += f"; {g['recomputed_steps']} steps trained twice"
+    return line
+
+
+def table(g: dict[str, Any]) -> dict[str, list]:
+    """The ledger as columns (cause, seconds, share of the total), for a table artifact."""
+    total = g["total_s"] or 1.0
+    return {"cause": list(CAUSES), "seconds": [g["seconds"][k] for k in CAUSES],
+            "share": [round(g["seconds"][k] / total, 4) for k in CAUSES]}
