@@ -394,6 +394,26 @@ class TrainConfig:
     """Keep in every checkpoint the stored rows each optimizer step trained on (4 bytes per
     sample) and account for them in summary.json: samples duplicated or skipped across
     restarts and resizes."""
+    on_nonfinite: Literal["skip", "rewind", "stop"] = "skip"
+    """A step whose loss or gradient norm is not finite never updates the weights. skip: the
+    run goes on (the step's samples are recorded as withheld); rewind: the run goes back to
+    its latest checkpoint and leaves that step's samples out of the order (each rewind is a
+    restart and uses one of train.max_failures); stop: the run ends, not retried."""
+    on_spike: Literal["off", "skip", "rewind", "stop"] = "off"
+    """A step whose loss exceeds train.spike_factor times the median loss of the last
+    train.spike_window steps (after optim.warmup_steps, once the window is full) is a fault,
+    handled as train.on_nonfinite's choices are; off: losses are not checked for spikes."""
+    spike_factor: float = 2.0
+    """How many times the running median loss a step's loss must exceed to be a spike."""
+    spike_window: int = 50
+    """Steps whose losses the running median is taken over."""
+    max_rewinds: int = 2
+    """Rewinds for faults at the same step before the run stops with their record: a fault
+    that comes back after its samples were left out is not in the data."""
+    skip_positions: list[list[int]] = field(default_factory=list)
+    """Ranges [start, end) of global sample positions to leave out of the training order
+    (a run's rewinds list those they left out in its skipped_samples.json): another run
+    given them trains on what that run trained on."""
 
     def __post_init__(self) -> None:
         tr = self
@@ -408,6 +428,17 @@ class TrainConfig:
         _check(tr.log_every >= 1, "train.log_every", tr.log_every, ">= 1")
         _check(tr.eval_every >= 1, "train.eval_every", tr.eval_every, ">= 1")
         _check(tr.eval_batches >= 1, "train.eval_batches", tr.eval_batches, ">= 1")
+        _check(tr.spike_factor > 1, "train.spike_factor", tr.spike_factor, "a number > 1")
+        _check(tr.spike_window >= 3, "train.spike_window", tr.spike_window, "an integer >= 3")
+        _check(tr.max_rewinds >= 1, "train.max_rewinds", tr.max_rewinds, "an integer >= 1")
+        _check(all(isinstance(r, (list, tuple)) and len(r) == 2
+                   and all(isinstance(v, int) for v in r) and 0 <= r[0] < r[1]
+                   for r in tr.skip_positions), "train.skip_positions", tr.skip_positions,
+               "a list of [start, end) ranges of sample positions, 0 <= start < end")
+        rewinds = "rewind" in (tr.on_nonfinite, tr.on_spike)
+        _check(not rewinds or tr.max_failures != 0, "train.max_failures", tr.max_failures,
+               ">= 1 (or -1) when train.on_nonfinite or train.on_spike is rewind: a rewind "
+               "restarts the worker group")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -235,6 +235,52 @@ class SampleOrder:
         return out
 
 
+class Skips:
+    """Global positions left out of the training order: sorted, disjoint ranges ``[start,
+    end)``. Training then reads the order with them removed: the k-th sample trained (its
+    "slot", ``step x global_batch + i``) is at the k-th position not left out, so every
+    worker count maps slots to the same positions, and a run that leaves a stretch out
+    trains what follows it one stretch earlier."""
+
+    def __init__(self, ranges: list[list[int]] | list[tuple[int, int]] = ()) -> None:
+        merged: list[list[int]] = []
+        for a, b in sorted((int(a), int(b)) for a, b in ranges):
+            if not 0 <= a < b:
+                raise ValueError(f"a range of sample positions to leave out must be [start, "
+                                 f"end) with 0 <= start < end; got [{a}, {b})")
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.ranges = merged
+        lengths = np.array([b - a for a, b in merged], dtype=np.int64)
+        self._cum = np.concatenate([[0], np.cumsum(lengths)])
+        # Where each range starts counted in slots (positions not left out before it).
+        self._slot_starts = np.array([a for a, _ in merged], dtype=np.int64) - self._cum[:-1]
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    def positions(self, slots: np.ndarray) -> np.ndarray:
+        """The global position of each slot."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if not self.ranges:
+            return slots
+        return slots + self._cum[np.searchsorted(self._slot_starts, slots, side="right")]
+
+    def add(self, ranges: list[list[int]]) -> "Skips":
+        return Skips([*self.ranges, *ranges])
+
+
+def as_ranges(positions: np.ndarray) -> list[list[int]]:
+    """Sorted positions as the fewest ``[start, end)`` ranges."""
+    p = np.unique(np.asarray(positions, dtype=np.int64))
+    if not len(p):
+        return []
+    breaks = np.flatnonzero(np.diff(p) != 1) + 1
+    return [[int(run[0]), int(run[-1]) + 1] for run in np.split(p, breaks)]
+
+
 def rank_share(global_batch: int, world_size: int) -> int:
     """Samples each rank takes of every global batch. The config guarantees every worker count
     the run may have divides the global batch (``train.global_batch_size``)."""
@@ -243,22 +289,32 @@ def rank_share(global_batch: int, world_size: int) -> int:
 
 
 def rank_positions(
-    local_index: np.ndarray, *, start_step: int, global_batch: int, rank: int, world_size: int
+    local_index: np.ndarray, *, start_step: int, global_batch: int, rank: int, world_size: int,
+    skips: Skips | None = None
 ) -> np.ndarray:
     """Global positions of the ``local_index``-th samples rank ``rank`` of ``world_size`` reads
-    from ``start_step`` on: it takes slice ``[rank*b, (rank+1)*b)`` of every global batch."""
+    from ``start_step`` on: it takes slice ``[rank*b, (rank+1)*b)`` of every global batch (of
+    the order less the positions ``skips`` leaves out)."""
     per_rank = rank_share(global_batch, world_size)
     step, j = np.divmod(np.asarray(local_index, dtype=np.int64), per_rank)
-    return (start_step + step) * global_batch + rank * per_rank + j
+    slots = (start_step + step) * global_batch + rank * per_rank + j
+    return skips.positions(slots) if skips else slots
+
+
+def step_positions(step: int, *, global_batch: int, skips: Skips | None = None) -> np.ndarray:
+    """The global positions optimizer step ``step`` (0-based) trains, every rank's."""
+    slots = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+    return skips.positions(slots) if skips else slots
 
 
 def check_positions(positions: np.ndarray, *, step: int, global_batch: int, rank: int,
-                    world_size: int) -> None:
+                    world_size: int, skips: Skips | None = None) -> None:
     """The samples a rank is about to train at ``step`` (0-based) must be its slice of that
     global batch. The stream starts where the restored train state says, so this holds unless
     a reader is broken; a mismatch would silently train on the wrong data."""
     want = rank_positions(np.arange(rank_share(global_batch, world_size)), start_step=step,
-                          global_batch=global_batch, rank=rank, world_size=world_size)
+                          global_batch=global_batch, rank=rank, world_size=world_size,
+                          skips=skips)
     if not np.array_equal(positions, want):
         raise RuntimeError(
             f"rank {rank}: the data stream is at positions {positions[:4].tolist()}... but step "

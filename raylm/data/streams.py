@@ -33,7 +33,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raylm.data.packing import SampleOrder, position_ids, rank_positions, rank_share
+from raylm.data.packing import (
+    SampleOrder,
+    Skips,
+    position_ids,
+    rank_positions,
+    rank_share,
+)
 from raylm.names import LAYOUT
 
 if TYPE_CHECKING:
@@ -135,10 +141,12 @@ class _ReadBlocks:
     footer is read once and its metadata kept. ``bytes_read`` counts every byte read."""
 
     def __init__(self, split: PackedSplit, *, mode: str, seed: int, window: int, rank: int,
-                 world_size: int, start_step: int = 0, global_batch: int = 1) -> None:
+                 world_size: int, start_step: int = 0, global_batch: int = 1,
+                 skips: list[list[int]] = ()) -> None:
         self.split = split
         self.mode, self.rank, self.world = mode, rank, world_size
         self.start_step, self.global_batch = start_step, global_batch
+        self.skips = Skips(skips)
         self.order = SampleOrder(split.row_group_sizes, seed=seed, window=window,
                                  global_batch=global_batch)
         self.locations = split.group_locations()
@@ -178,7 +186,7 @@ class _ReadBlocks:
         if self.mode == "train":
             positions = rank_positions(local, start_step=self.start_step,
                                        global_batch=self.global_batch, rank=self.rank,
-                                       world_size=self.world)
+                                       world_size=self.world, skips=self.skips)
             rows = self.order.rows(positions)
         else:  # evaluation: storage order, round robin over ranks
             positions = local * self.world + self.rank
@@ -237,11 +245,13 @@ READER_CPUS = 0.1
 
 def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: int,
                        start_step: int, num_steps: int, seed: int, window: int,
-                       global_batch: int, resources: dict[str, float]):
+                       global_batch: int, resources: dict[str, float],
+                       skips: list[list[int]] | None = None):
     """Rank ``rank``'s training stream, built by the worker itself once it has restored its
-    train state: the samples of steps ``[start_step, num_steps)`` in the global order, its
-    slice of each global batch. Its reader asks for ``resources`` (CPU and custom Ray resources,
-    as :func:`raylm.run.launch.plan_resources` decided)."""
+    train state: the samples of steps ``[start_step, num_steps)`` in the global order (less
+    the position ranges ``skips``), its slice of each global batch. Its reader asks for
+    ``resources`` (CPU and custom Ray resources, as :func:`raylm.run.launch.plan_resources`
+    decided)."""
     import ray
 
     train = PackedSplit.load(prepared, "train")
@@ -261,7 +271,7 @@ def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: in
         _ReadBlocks,
         fn_constructor_kwargs=dict(split=train, mode="train", seed=seed, window=window,
                                    rank=rank, world_size=world_size, start_step=start_step,
-                                   global_batch=global_batch),
+                                   global_batch=global_batch, skips=skips or []),
         batch_size=64,
         compute=ray.data.ActorPoolStrategy(size=1),
         num_cpus=resources.get("CPU", 0.0),

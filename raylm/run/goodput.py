@@ -86,6 +86,8 @@ class _Ledger:
         self.placing: float | None = None  # an attempt to place a group, not yet placed
         self.clock: dict[str, float] | None = None  # the current group's last clock
         self.step = 0  # the current group's last reported step
+        self.group: float | None = None  # the current group's start time
+        self.lost: dict[str, Any] | None = None  # the failure that ended the current group
 
     def close_invocation(self) -> None:
         if self.start is not None and self.end is not None:
@@ -94,10 +96,11 @@ class _Ledger:
 
     def record(self, r: dict[str, Any]) -> None:
         if r["invocation"] != self.invocation:
+            self.end_of_lost_group()
             self.close_invocation()
             self.invocation, self.group_seen = r["invocation"], False
             self.start, self.gap_from, self.gap_resources = r["time"], r["time"], 0.0
-            self.clock, self.placing = None, None
+            self.clock, self.placing, self.lost = None, None, None
         self.end = max(self.end or r["time"], r["time"])
         getattr(self, "on_" + r["event"], lambda r: None)(r)
 
@@ -112,6 +115,13 @@ class _Ledger:
 
     def on_group_start(self, r) -> None:
         ready = r["time"] + (r.get("setup_s") or 0.0)
+        saved = r.get("resumed_clock")
+        if (saved and self.clock is not None and saved.get("group") == self.group
+                and saved["t"] > self.clock["t"] and r["from_step"] > self.step):
+            # The checkpoint this group resumed from was saved by the group before after its
+            # last report the controller took: the steps up to it count.
+            self.on_progress({"step": r["from_step"], "clock": saved})
+        self.end_of_lost_group()
         for w in self.windows:
             w.cut(r["from_step"])
         if self.gap_from is None:  # a resize: the old group ended with its last report
@@ -124,7 +134,7 @@ class _Ledger:
         self.gap_from, self.gap_resources = None, 0.0
         self.clock = {"t": ready, "compute_s": 0.0, "data_wait_s": 0.0, "eval_s": 0.0,
                       "checkpoint_s": 0.0}
-        self.step = r["from_step"]
+        self.step, self.group = r["from_step"], r["time"]
 
     def on_progress(self, r) -> None:
         c = r.get("clock")
@@ -138,15 +148,23 @@ class _Ledger:
         self.clock, self.step = {k: c[k] for k in self.clock}, r["step"]
 
     def on_failure(self, r) -> None:
-        if self.clock is not None and self.gap_from is None:
-            tail = max(0.0, r["time"] - self.clock["t"])
-            # A preempted group stops right after its checkpoint: the drain. Any other loss
-            # takes with it what was trained since the last report.
-            self.s["preemption" if "Preempted" in r.get("error", "") else "recomputed"] += tail
         if self.gap_from is None:
             self.gap_from = r["time"]
+            if self.clock is not None:
+                self.lost = r
+
+    def end_of_lost_group(self) -> None:
+        """A preempted group stops right after its checkpoint: the drain. Any other loss
+        takes with it what was trained since its last report (or the checkpoint the next
+        group resumed from, when it was saved after that report)."""
+        if self.lost is not None:
+            tail = max(0.0, self.lost["time"] - self.clock["t"])
+            preempted = "Preempted" in self.lost.get("error", "")
+            self.s["preemption" if preempted else "recomputed"] += tail
+        self.lost = None
 
     def finish(self) -> dict[str, Any]:
+        self.end_of_lost_group()
         self.close_invocation()
         steps_lost = 0.0
         wasted_j = None

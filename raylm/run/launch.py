@@ -215,6 +215,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     feed = Feed(cfg.train.steps) if bar else None
     ending = Ending(row_group_sizes=layout["splits"]["train"]["row_group_sizes"],
                     seed=cfg.train.seed, window=cfg.data.shuffle_window,
+                    skip_positions=cfg.train.skip_positions,
                     final_model=(FinalModel(adapter=bool(cfg.lora.rank), run_name=cfg.run.name,
                                             register_as=cfg.tracking.register_as)
                                  if cfg.tracking.log_model and tracking_parent is None

@@ -61,7 +61,15 @@ try:  # the controller-side callback base classes (Ray Train V2)
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
     from ray.train.v2.api.callback import UserCallback
 except ImportError:  # pragma: no cover - Ray without Train V2
-    UserCallback = ControllerCallback = WorkerGroupCallback = object
+    class UserCallback:
+        pass
+
+    class ControllerCallback:
+        pass
+
+    class WorkerGroupCallback:
+        pass
+
     FailureDecision = None
 
 # The reported figures each progress record keeps: the run's metric history (raylm.api reads
@@ -208,6 +216,8 @@ class Ending:
     seed: int
     window: int
     final_model: FinalModel | None = None
+    skip_positions: list[list[int]] = ()
+    """train.skip_positions (the run's rewinds' ranges are read from its run directory)."""
 
 
 class RunRecord(UserCallback):
@@ -273,7 +283,8 @@ class RunRecord(UserCallback):
                 self.resumed_from_step = m["resumed_from_step"]
             self.group = m["group_started"]
             self._add("group_start", at=m["group_started"], workers=m["workers"],
-                      from_step=m["resumed_from_step"] or 0, setup_s=m.get("setup_s"))
+                      from_step=m["resumed_from_step"] or 0, setup_s=m.get("setup_s"),
+                      resumed_clock=m.get("resumed_clock"))
             self.group_reported = False
         if m.get("event") == GROUP_START:
             return
@@ -284,6 +295,8 @@ class RunRecord(UserCallback):
         if not self.group_reported:  # an interruption is complete at its group's first step
             self.group_reported = True
             self._announce(step)
+        for fault in m.get("numerical_faults") or ():
+            self._numerical_fault(fault)
         self.latest = m
         self.furthest = max(self.furthest, step)
         if "val_loss" in m:
@@ -310,19 +323,35 @@ class RunRecord(UserCallback):
         print(progress_line(m, total_steps=self.total_steps, step_time=step_time,
                             checkpoint=checkpoint), flush=True)
 
+    def _numerical_fault(self, fault: dict[str, Any]) -> None:
+        """A step the numerical check kept from the weights: in the events, said in a line,
+        and logged to MLflow with the run's other events."""
+        self._add("numerical_fault", **fault)
+        ranges = ", ".join(f"{a}-{b - 1}" for a, b in fault["positions"])
+        done = {"skip": "its update skipped", "rewind": "the run rewinds",
+                "stop": "the run stops"}[fault["action"]]
+        print(f"raylm: numerical fault at step {fault['step']}: {fault['cause']} (loss "
+              f"{fault['loss']:.4g}, grad norm {fault['grad_norm']:.4g}), samples {ranges}: "
+              f"{done}", flush=True)
+        if self.tracker:
+            self._log_events(fault["step"])
+
     def note(self, event: str, **fields: Any) -> None:
         """A record of something the driver saw before the run started (a moved schedule)."""
         self._add(event, **fields)
 
     def failure(self, worker_exceptions: dict[int, Exception]) -> None:
         from raylm.workers.faults import cause
+        from raylm.workers.health import Rewind
         from raylm.workers.preemption import Preempted
 
         error = next(iter(worker_exceptions.values()))
         if self.furthest > self.stuck_at:
             self.stuck_at, self.failures_in_place = self.furthest, 0
-        if not any(cause(e, Preempted) for e in worker_exceptions.values()):
-            self.failures_in_place += 1  # a preemption is the cloud's doing, wherever it falls
+        # A preemption is the cloud's doing, wherever it falls; a rewind is the run's own,
+        # limited by train.max_rewinds.
+        if not any(cause(e, Preempted) or cause(e, Rewind) for e in worker_exceptions.values()):
+            self.failures_in_place += 1
         text = str(error).strip().splitlines()
         self._add("failure", ranks=sorted(worker_exceptions),
                   error=f"{type(error).__name__}: {text[0] if text else ''}"[:300])
@@ -346,7 +375,8 @@ class RunRecord(UserCallback):
             self.tracker.log_goodput(summary["goodput"], self.furthest)
             e = self.ending
             if e is not None and self.checkpoint_path is not None:
-                summary["samples"] = sample_accounting(self.checkpoint_path, e)
+                summary["samples"] = sample_accounting(self.checkpoint_path, e,
+                                                       run_dir=self.run_dir)
             if not failed and e is not None and e.final_model is not None and self.tracker:
                 summary.update(log_final_model(self.run_dir, self.tracker, e.final_model) or {})
             storage.write_text(storage.join(self.run_dir, SUMMARY),
@@ -407,6 +437,8 @@ class RunRecord(UserCallback):
             **{k: m.get(k) for k in ("joules_per_token", "watts_per_gpu", "energy_kwh",
                                      "gpu_hours", "cost")},
             **summarize(self.records),
+            "numerical_faults": [{k: v for k, v in r.items() if k not in ("invocation", "event")}
+                                 for r in self.records if r["event"] == "numerical_fault"],
             "attention_backend": m.get("attention_backend"),
             "precision": m.get("precision"),
             # What this invocation resumed with although it changed (checkpoint.accept_changes).
@@ -454,11 +486,15 @@ class RunRecord(UserCallback):
         for r in self.earlier + self.records:
             by_invocation.setdefault(r["invocation"], []).append(r)
         parts = [summarize(rs) for rs in by_invocation.values()]
+        faults = [r for rs in by_invocation.values() for r in rs
+                  if r["event"] == "numerical_fault"]
         self.tracker.log_events(
             {"interruptions": [e for p in parts for e in p["interruptions"]],
              "failures": [r for rs in by_invocation.values() for r in rs
-                          if r["event"] == "failure"]},
-            {k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")}, step)
+                          if r["event"] == "failure"],
+             "numerical_faults": faults},
+            {**{k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")},
+             "numerical_faults": len(faults)}, step)
 
 
 class RepeatedFailure(RuntimeError):
@@ -523,16 +559,18 @@ def progress_line(m: dict[str, Any], *, total_steps: int, step_time: float,
     return line
 
 
-def sample_accounting(checkpoint_path: str, ending: Ending) -> dict[str, Any] | None:
-    """What the final checkpoint's sample ledger says was trained (see raylm.workers.ledger);
-    None when the run keeps no ledger."""
-    from raylm.workers import checkpoint, ledger
+def sample_accounting(checkpoint_path: str, ending: Ending, *, run_dir: str
+                      ) -> dict[str, Any] | None:
+    """What the final checkpoint's sample ledger says was trained (see raylm.workers.ledger),
+    against the order less the positions the run left out; None when it keeps no ledger."""
+    from raylm.workers import checkpoint, health, ledger
 
     rows = checkpoint.load_samples(checkpoint_path)
     if rows is None:
         return None
+    skips = health.read_manifest(run_dir)["ranges"] + list(ending.skip_positions)
     return ledger.account(rows, group_sizes=ending.row_group_sizes, seed=ending.seed,
-                          window=ending.window)
+                          window=ending.window, skips=skips)
 
 
 def log_final_model(run_dir: str, tracker: Tracker, final: FinalModel, *, log=print

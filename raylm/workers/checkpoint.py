@@ -32,7 +32,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Collection, Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -497,9 +497,13 @@ def candidates(run_dir: str | os.PathLike) -> list[str]:
     return sorted(dirs, key=lambda p: (step_of(p), p), reverse=True)
 
 
-def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning) -> tuple[str, dict] | None:
-    """The newest complete checkpoint of a run, skipping (and warning about) broken ones."""
+def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning,
+                    exclude: Collection[str] = ()) -> tuple[str, dict] | None:
+    """The newest complete checkpoint of a run, skipping (and warning about) broken ones, and
+    those named in ``exclude`` (checkpoint directory names)."""
     for path in candidates(run_dir):
+        if storage.name(path) in exclude:
+            continue
         try:
             return path, verify(path)
         except CheckpointError as e:

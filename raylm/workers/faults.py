@@ -25,7 +25,12 @@ try:
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
 except ImportError:  # Ray is optional for the step core
-    ControllerCallback = WorkerGroupCallback = object
+    class ControllerCallback:
+        pass
+
+    class WorkerGroupCallback:
+        pass
+
     FailureDecision = None
 
 # Errors in setup that no machine fault raises: the same input raises them again. Connection,

@@ -36,10 +36,17 @@ import ray.train
 import ray.train.torch
 import torch
 
+from raylm import storage
 from raylm.config import Config, batch_plan, config_from_dict
 from raylm.console import quiet_libraries
-from raylm.data.packing import check_positions
-from raylm.data.streams import FirstBatch, build_train_stream, read_val_blocks, reader_wait
+from raylm.data.packing import SampleOrder, Skips, check_positions, step_positions
+from raylm.data.streams import (
+    FirstBatch,
+    PackedSplit,
+    build_train_stream,
+    read_val_blocks,
+    reader_wait,
+)
 from raylm.model.lora import adapter_args
 from raylm.model.lora import settings as lora_settings
 from raylm.model.parallelize import Layout, ParallelPlan, layout_of
@@ -49,6 +56,15 @@ from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter, run_figures, window_figures
 from raylm.workers.faults import MISTAKES, Mistake, first_loss_check
+from raylm.workers.health import (
+    Fault,
+    Health,
+    NumericalFault,
+    Rewind,
+    decide,
+    read_manifest,
+    write_manifest,
+)
 from raylm.workers.ledger import Ledger
 from raylm.workers.metrics import (
     flops_per_token,
@@ -89,11 +105,21 @@ class Setup:
     tracker: NodeMonitor
     meter: StepMeter
     vote: preemption.Vote
+    health: Health
+    skips: Skips
+    """The position ranges the run leaves out of its order (its rewinds', train.skip_positions)."""
+    manifest: dict[str, Any]
+    """The run's skipped_samples.json as this group found it."""
+    resumed: tuple[str, int] | None
+    """The checkpoint this group resumed from: its directory name and step."""
+    order: SampleOrder
+    """The training order, for the stored rows of a faulty step's positions."""
     constant_metrics: dict[str, Any]
     """Reported with every step: the layout, the kernels that ran, where the group resumed."""
     checkpointer: ckpt.Checkpointer
     identity: dict[str, str]
     """What the run trains with, written into every checkpoint (data, tokenizer, base)."""
+    run_dir: str = ""
     state_memory: dict[str, float] | None = None
     """Parameter and optimizer-state memory of the rank holding most, once measured."""
 
@@ -112,7 +138,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         try:
             ray.train.report({**run.constant_metrics, "step": run.state.step,
                               "event": GROUP_START,
-                              "setup_s": time.time() - group_started})
+                              "setup_s": time.time() - group_started,
+                              "resumed_clock": run.state.clock})
             train(run)
         finally:
             run.tracker.stop_node_monitor()
@@ -130,14 +157,16 @@ def train(run: Setup) -> None:
         micro = meter.fetch(run.batches, run.accumulation)
         check_positions(torch.cat([b["sample_position"] for b in micro]).numpy(),
                         step=state.step, global_batch=t.global_batch_size,
-                        rank=run.layout.dp_rank, world_size=run.layout.dp_size)
+                        rank=run.layout.dp_rank, world_size=run.layout.dp_size,
+                        skips=run.skips)
         lr = lr_at(state.step, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
                    total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
                    cycle_steps=o.cycle_steps)
         set_lr(run.optimizer, lr)
         loss, grad_norm = train_step(run.built, run.optimizer, micro,
                                      accumulation=run.accumulation, grad_clip=o.grad_clip,
-                                     cross_document=run.cfg.data.across_documents)
+                                     cross_document=run.cfg.data.across_documents,
+                                     health=run.health)
         state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
         if state.step == 1 and run.cfg.model.path and run.built.pipeline is None:
             # Once, at the start of a run from pretrained weights (the loss is global).
@@ -163,6 +192,9 @@ def train(run: Setup) -> None:
         if run.state_memory is None:  # after a step: the optimizer's state exists
             run.state_memory = state_memory(run)
         metrics.update(run.state_memory)
+        faults = run.health.read()
+        if faults:
+            on_faults(run, faults, metrics)
         if todo.evaluate:
             t0 = time.perf_counter()
             metrics.update(validate(run))
@@ -179,6 +211,24 @@ def train(run: Setup) -> None:
                 f"a worker was asked to stop ({cause}{': ' + notice if notice else ''}); "
                 f"checkpoint saved at step {state.step}, the run resumes from it")
         meter.window_reset()
+
+
+def check_skips_kept(state: TrainState, skips: Skips) -> None:
+    """The positions left out of the order before a checkpoint's data position must be those
+    its run left out: other ranges would move what every later step trains."""
+    was = Skips(state.skipped or [])
+    trained_to = int(was.positions(np.array([state.data_position]))[0])
+    if clip_ranges(was.ranges, trained_to) != clip_ranges(skips.ranges, trained_to):
+        raise ckpt.CheckpointError(
+            f"the sample positions left out of the order below position {trained_to} "
+            f"({clip_ranges(skips.ranges, trained_to)}) are not those the checkpoint at step "
+            f"{state.step} trained without ({clip_ranges(was.ranges, trained_to)}); "
+            f"train.skip_positions may only leave out positions the run has not reached, or "
+            f"start a new run (run.name)")
+
+
+def clip_ranges(ranges: list[list[int]], end: int) -> list[list[int]]:
+    return [[a, min(b, end)] for a, b in ranges if a < end]
 
 
 def compile_blocks(setting: bool | str, device: torch.device) -> bool:
@@ -336,11 +386,39 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
     run.checkpointer.wait()
     samples = run.ledger.collect(run.built.device)
     metrics["clock"]["checkpoint_s"] += time.perf_counter() - t0
+    run.state.clock = {**metrics["clock"], "group": metrics["group_started"]}
+    run.state.skipped = run.skips.ranges
     run.checkpointer.save(metrics, step=run.state.step, wait=wait, model=run.built.model,
                           optimizer=run.optimizer, state=copy.deepcopy(run.state.state_dict()),
                           config=run.built.config, samples=samples,
                           adapters=lora_settings(run.cfg.lora), identity=run.identity)
     run.meter.checkpoint_s += time.perf_counter() - t0
+
+
+def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
+    """Act on the numerical faults of the window this report closes (every rank alike, see
+    :func:`raylm.workers.health.decide`): record them in the report; skipped steps' rows go
+    into the ledger as withheld; a rewind writes the run's skipped_samples.json (rank 0) and
+    a stop names the faults; both report, wait until the controller has the report and the
+    checkpoint in flight is written, and raise."""
+    t = run.cfg.train
+    decision = decide(
+        faults, policy={"nonfinite": t.on_nonfinite, "spike": t.on_spike},
+        positions_of=lambda step: step_positions(step, global_batch=t.global_batch_size,
+                                                 skips=run.skips),
+        rows_of=run.order.rows, manifest=run.manifest, max_rewinds=t.max_rewinds,
+        resumed=run.resumed)
+    metrics["numerical_faults"] = decision.records
+    if decision.action == "skip":
+        for r in decision.records:
+            run.ledger.withhold(run.state.step - r["step"])
+        return
+    run.checkpointer.wait()
+    if decision.manifest is not None and run.rank == 0:
+        write_manifest(run.run_dir, decision.manifest)
+    run.checkpointer.report(metrics)
+    preemption.hand_over()
+    raise (Rewind if decision.action == "rewind" else NumericalFault)(decision.message)
 
 
 def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
@@ -367,10 +445,12 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         splits=par.pipeline_microbatches if par.pipeline > 1 else 0)
     # The stream opens first, at the step of the checkpoint the restore below loads, so that
     # its reader starts while the model is built and restored.
-    found = ckpt.latest_verified(loop_config["run_dir"])
+    manifest = read_manifest(loop_config["run_dir"])
+    skips = Skips(manifest["ranges"] + t.skip_positions)
+    found = ckpt.latest_verified(loop_config["run_dir"], exclude=manifest["bad_checkpoints"])
     start_step = found[1]["state"]["step"] if found is not None else 0
     batches = open_stream(loop_config, cfg, layout=lay, start_step=start_step,
-                          micro_batch=micro_batch, device=device)
+                          micro_batch=micro_batch, device=device, skips=skips)
     fetching = FirstBatch(batches) if start_step < t.steps else None
     built = build_training_model(
         preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
@@ -383,7 +463,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=(o.beta1, o.beta2), device_type=device.type)
     state, ledger = restore(found, cfg, built=built, optimizer=optimizer, rank=rank,
-                            layout=lay)
+                            layout=lay, skips=skips)
     assert state.step == start_step, (state.step, start_step)
     if rank == 0:
         announce(cfg, built, world=world, step=state.step, micro_batch=micro_batch,
@@ -414,10 +494,19 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     meter = StepMeter(flops_per_token=flops_per_token(built.config, cfg.data.seq_len),
                       peak_flops=listed_peak(built, rank=rank), world_size=world,
                       device=device, energy=energy, energy_since=energy_since)
+    health = Health(device=device, start_step=state.step, report_every=t.log_every,
+                    spikes=t.on_spike != "off", factor=t.spike_factor, window=t.spike_window,
+                    spikes_from=cfg.optim.warmup_steps)
+    order = SampleOrder(PackedSplit.load(loop_config["prepared"], "train").row_group_sizes,
+                        seed=t.seed, window=cfg.data.shuffle_window,
+                        global_batch=t.global_batch_size)
     return Setup(cfg=cfg, rank=rank, world_size=world, layout=lay, built=built,
                  optimizer=optimizer, state=state, ledger=ledger, micro_batch=micro_batch,
                  accumulation=accumulation, batches=batches, val_batches=val_batches,
-                 tracker=tracker, meter=meter, vote=preemption.Vote(device),
+                 tracker=tracker, meter=meter, vote=preemption.Vote(device), health=health,
+                 skips=skips, manifest=manifest, order=order,
+                 resumed=(storage.name(found[0]), state.step) if found is not None else None,
+                 run_dir=loop_config["run_dir"],
                  constant_metrics=constant,
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
                                                 cfg.checkpoint.writer, device=built.device,
@@ -435,13 +524,15 @@ def worker_device(cfg: Config) -> torch.device:
 
 
 def open_stream(loop_config: dict[str, Any], cfg: Config, *, layout: Layout, start_step: int,
-                micro_batch: int, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+                micro_batch: int, device: torch.device, skips: Skips
+                ) -> Iterator[dict[str, torch.Tensor]]:
     """This data-parallel rank's micro-batches from ``start_step`` on."""
     d, t = cfg.data, cfg.train
     train_ds = build_train_stream(
         loop_config["prepared"], rank=layout.dp_rank, world_size=layout.dp_size,
         start_step=start_step, num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
-        global_batch=t.global_batch_size, resources=loop_config["reader_resources"])
+        global_batch=t.global_batch_size, resources=loop_config["reader_resources"],
+        skips=skips.ranges)
     # Batches stay on the host (the positions and rows are checked and logged there; in a
     # GPU worker Ray's default would move them to the GPU), pinned so that the step's copy
     # of the tokens to the GPU never waits for its queue.
@@ -501,7 +592,7 @@ def trainable_params(built: Built) -> int:
 
 
 def restore(found: tuple[str, dict] | None, cfg: Config, *, built: Built,
-            optimizer: torch.optim.Optimizer, rank: int, layout: Layout
+            optimizer: torch.optim.Optimizer, rank: int, layout: Layout, skips: Skips
             ) -> tuple[TrainState, Ledger]:
     """The train state of ``found``, the run's latest verified checkpoint and its marker
     (loaded into model and optimizer), and the sample ledger continuing its own; a fresh
@@ -516,6 +607,7 @@ def restore(found: tuple[str, dict] | None, cfg: Config, *, built: Built,
             raise ckpt.CheckpointError(
                 f"checkpoint data position {state.data_position} is not step {state.step} x "
                 f"train.global_batch_size={batch}; keep the global batch of the run.")
+        check_skips_kept(state, skips)
     # The ledger continues the checkpoint's; every rank decides alike (saving gathers).
     history = ckpt.load_samples(found[0]) if found is not None else np.zeros(
         (0, cfg.train.global_batch_size), np.int32)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from raylm.model.parallelize import (
 from raylm.model.pipeline import Pipeline, Stage
 from raylm.workers.checkpoint import load_pretrained_weights
 
+if TYPE_CHECKING:
+    from raylm.workers.health import Health
+
 
 @dataclass
 class TrainState:
@@ -58,6 +61,13 @@ class TrainState:
     CPUs or without NVML)."""
     gpu_s: float | None = None
     """GPU-seconds so far: each group's wall time x its GPUs (None on CPUs)."""
+    skipped: list[list[int]] | None = None
+    """The position ranges left out of the order when this was saved
+    (:class:`raylm.data.packing.Skips`)."""
+    clock: dict[str, Any] | None = None
+    """The saving group's report clock at this step (:meth:`raylm.workers.loop.StepMeter.clock`,
+    with the group's start time): the goodput ledger counts the steps up to a checkpoint the
+    controller saw no report of."""
 
     def advance(self, *, samples: int, tokens: int, lr: float | None = None) -> None:
         """One optimizer step over ``samples`` sequences holding ``tokens`` targets, at
@@ -84,6 +94,8 @@ class TrainState:
         self.lr = state.get("lr")
         self.energy_j = state.get("energy_j")
         self.gpu_s = state.get("gpu_s")
+        self.clock = state.get("clock")
+        self.skipped = state.get("skipped")
 
 
 # Targets that carry no loss (cross_entropy's ignore_index).
@@ -212,9 +224,27 @@ def clip_grad_norm(model: nn.Module, max_norm: float, *, pp_group=None) -> torch
     return norm
 
 
+def apply_update(optimizer: torch.optim.Optimizer, fault: torch.Tensor | None) -> None:
+    """``optimizer.step()`` unless ``fault`` (a 0-d device flag from
+    :meth:`raylm.workers.health.Health.check`) is set, then clear the gradients. A fused AdamW
+    takes the flag as its ``found_inf`` and skips on the device; any other optimizer reads it
+    (on CPUs, where raylm uses the foreach AdamW, that waits for nothing)."""
+    if fault is None:
+        optimizer.step()
+    elif all(group.get("fused") for group in optimizer.param_groups):
+        optimizer.found_inf = fault
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not fault.item():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def train_step(built: Built, optimizer: torch.optim.Optimizer,
                micro_batches: Iterable[dict[str, torch.Tensor]], *, accumulation: int,
-               grad_clip: float, cross_document: bool = True
+               grad_clip: float, cross_document: bool = True, health: Health | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over ``accumulation`` micro-batches; returns (loss averaged over the
     global batch, global gradient norm before clipping) as 0-d tensors on the device.
@@ -228,13 +258,16 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
     per-micro-batch means would weigh a target by how crowded its micro-batch is, so the update
     would change with the accumulation and the worker count. FSDP2 averages gradients over the
     data-parallel ranks, hence the factor of the world size: the ranks of a tensor-parallel
-    group count the same targets, so world / count is dp / (the dp ranks' targets)."""
+    group count the same targets, so world / count is dp / (the dp ranks' targets).
+
+    With ``health``, a step whose loss or norm fails its check does not reach the weights
+    (:mod:`raylm.workers.health`)."""
     micro_batches = list(micro_batches)
     if len(micro_batches) != accumulation:
         raise RuntimeError(f"expected {accumulation} micro-batches, got {len(micro_batches)}")
     if built.pipeline is not None:
         return pipeline_step(built, optimizer, micro_batches, grad_clip=grad_clip,
-                             cross_document=cross_document)
+                             cross_document=cross_document, health=health)
     total = torch.zeros((), device=built.device)
     if "loss_mask" in micro_batches[0]:
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -259,14 +292,14 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
         if dist.is_initialized():
             dist.all_reduce(mean, op=dist.ReduceOp.AVG)
     norm = clip_grad_norm(built.model, grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    apply_update(optimizer, health.check(mean, norm) if health is not None else None)
     return mean.detach(), norm.detach()
 
 
 def pipeline_step(built: Built, optimizer: torch.optim.Optimizer,
                   micro_batches: list[dict[str, torch.Tensor]], *, grad_clip: float,
-                  cross_document: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  cross_document: bool, health: Health | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`train_step` under pipeline parallelism: the micro-batches go through the schedule
     in one call, the last stage computes each one's loss scaled as :func:`train_step` scales
     it, and the loss is then shared with every stage (ranks report alike)."""
@@ -285,8 +318,7 @@ def pipeline_step(built: Built, optimizer: torch.optim.Optimizer,
     # tp times over a tensor-parallel group) to world / pp times the global mean.
     mean = shared_loss(built, scaled, float(world))
     norm = clip_grad_norm(built.model, grad_clip, pp_group=built.model.pp_group)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    apply_update(optimizer, health.check(mean, norm) if health is not None else None)
     return mean.detach(), norm.detach()
 
 

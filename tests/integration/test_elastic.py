@@ -167,4 +167,4 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     assert drained["steps_redone"] == 0
     assert drained["resumed_from_step"] == drained["at_step"] > grow["resumed_from_step"]
     assert s["samples"] == {"steps": 120, "trained": 960, "duplicated": 0, "skipped": 0,
-                            "in_order": True}
+                            "withheld": 0, "in_order": True, "left_out": 0}

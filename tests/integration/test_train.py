@@ -331,7 +331,8 @@ def run_and_interfere(base, args, *, acts):
 def assert_exact_samples(summary, steps):
     """The final checkpoint's ledger: every sample of the seed's order, once, in order."""
     assert summary["samples"] == {"steps": steps, "trained": 8 * steps, "duplicated": 0,
-                                  "skipped": 0, "in_order": True}
+                                  "skipped": 0, "withheld": 0, "in_order": True,
+                                  "left_out": 0}
 
 
 def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(base, trained):
@@ -361,6 +362,19 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
     assert "Preempted" in preempted["cause"] and preempted["steps_redone"] == 0
     assert preempted["resumed_from_step"] == preempted["at_step"] > lost["resumed_from_step"]
     assert_exact_samples(out, 30)
+    # The goodput ledger: the steps the lost group reported beyond the checkpoint the restart
+    # went back to were trained twice (the controller takes one report per poll, so the kill
+    # may come before it took some), and the time from that checkpoint, or the last report
+    # after it, to the loss is lost; the preempted group lost no step. Its seconds add up.
+    g = out["goodput"]
+    assert g["recomputed_steps"] == max(0, lost["at_step"] - lost["resumed_from_step"])
+    s = g["seconds"]
+    assert s["recomputed"] > 0 and s["restart"] > 0 and s["preemption"] > 0
+    assert s["productive"] > 0 and s["startup"] > 0 and 0 < g["goodput"] < 1
+    assert sum(s.values()) == pytest.approx(g["total_s"], abs=0.1)
+    assert g["total_s"] == pytest.approx(out["wall_s"], abs=0.5)
+    by_cause = raylm.Run(base_dir(base) / "faults").goodput
+    assert by_cause.loc["recomputed", "seconds"] == pytest.approx(s["recomputed"], abs=0.01)
     # MLflow has the restarts too: the event list, and the count at the steps that saw them.
     from mlflow import MlflowClient
 
@@ -374,6 +388,12 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
         out["mlflow_run_id"], "restarts"))
     values = [v for _, v in restarts]
     assert values == sorted(values) and values[-1] == 2.0, restarts
+    logged = client.get_run(out["mlflow_run_id"]).data.metrics
+    assert logged["goodput"] == pytest.approx(g["goodput"])
+    assert logged["goodput_recomputed_steps"] == g["recomputed_steps"]
+    table = json.loads(open(client.download_artifacts(out["mlflow_run_id"],
+                                                      "goodput.json")).read())
+    assert table["columns"] == ["cause", "seconds", "share"] and len(table["data"]) == 10
     assert min(s for s, v in restarts if v == 2.0) > preempted["at_step"]
     full = trained
     assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)

@@ -7,9 +7,16 @@ import pytest
 import torch
 
 from raylm.config import ConfigError, batch_plan, load_config
-from raylm.data.packing import SampleOrder, check_positions
+from raylm.data.packing import (
+    SampleOrder,
+    Skips,
+    as_ranges,
+    check_positions,
+    rank_positions,
+    step_positions,
+)
 from raylm.run.record import interruptions, summarize
-from raylm.workers.ledger import account, gather
+from raylm.workers.ledger import Ledger, account, gather
 
 
 def test_batch_plan_keeps_the_global_batch_for_every_worker_count():
@@ -78,7 +85,8 @@ def test_ledger_accounting_counts_duplicates_and_gaps():
     rows = order.rows(np.arange(5 * batch))
     ledger = rows.reshape(5, batch).astype(np.int32)
     got = account(ledger, group_sizes=sizes, seed=seed, window=window)
-    assert got == {"steps": 5, "trained": 20, "duplicated": 0, "skipped": 0, "in_order": True}
+    assert got == {"steps": 5, "trained": 20, "duplicated": 0, "skipped": 0, "withheld": 0,
+                   "in_order": True, "left_out": 0}
     # Step 4 trained on step 3's rows: 4 samples twice, 4 never.
     bad = ledger.copy()
     bad[3] = bad[2]
@@ -87,6 +95,49 @@ def test_ledger_accounting_counts_duplicates_and_gaps():
     # The same samples in another order are neither duplicated nor skipped, but not in order.
     got = account(ledger[::-1], group_sizes=sizes, seed=seed, window=window)
     assert (got["duplicated"], got["skipped"], got["in_order"]) == (0, 0, False)
+
+
+def test_ledger_accounting_of_withheld_steps_and_left_out_positions():
+    sizes, seed, window, batch = [4, 4, 4, 4, 4], 3, 2, 4
+    order = SampleOrder(sizes, seed=seed, window=window, global_batch=batch)
+    # Positions 6..9 left out: step 1 trains 4, 5, 10, 11, and the run ends at position 17.
+    skips = [[6, 10]]
+    rows = order.rows(Skips(skips).positions(np.arange(4 * batch))).reshape(4, batch)
+    ledger = rows.astype(np.int32)
+    got = account(ledger, group_sizes=sizes, seed=seed, window=window, skips=skips)
+    assert got == {"steps": 4, "trained": 16, "duplicated": 0, "skipped": 0, "withheld": 0,
+                   "in_order": True, "left_out": 4}
+    # Without the ranges, the same rows are out of order (and 4 samples trained early).
+    assert not account(ledger, group_sizes=sizes, seed=seed, window=window)["in_order"]
+    # Step 3's update kept from the weights: its rows stored as -1 - row.
+    held = Ledger(enabled=True, history=np.zeros((0, batch), np.int32))
+    for r in ledger:
+        held.add(r)
+    held.withhold(1)
+    got = account(held.collect(torch.device("cpu")), group_sizes=sizes, seed=seed,
+                  window=window, skips=skips)
+    assert (got["trained"], got["withheld"], got["skipped"], got["in_order"]) == (
+        12, 4, 4, True)
+
+
+def test_skips_map_slots_to_the_positions_left_in():
+    skips = Skips([[25, 30], [10, 20], [12, 15]])  # unsorted, overlapping: merged
+    assert skips.ranges == [[10, 20], [25, 30]]
+    slots = np.arange(30)
+    positions = skips.positions(slots)
+    kept = [p for p in range(45) if not (10 <= p < 20 or 25 <= p < 30)][:30]
+    assert positions.tolist() == kept
+    assert Skips().positions(slots).tolist() == slots.tolist()
+    assert as_ranges(np.array([3, 4, 5, 9, 11, 12])) == [[3, 6], [9, 10], [11, 13]]
+    # Every worker count reads the same positions at a step, rank slices in order.
+    for world in (1, 2, 4):
+        got = np.concatenate([rank_positions(np.arange(8 // world), start_step=2,
+                                             global_batch=8, rank=r, world_size=world,
+                                             skips=skips) for r in range(world)])
+        assert got.tolist() == step_positions(2, global_batch=8, skips=skips).tolist()
+        assert got.tolist() == kept[16:24]
+    with pytest.raises(ValueError, match=r"\[start, end\)"):
+        Skips([[5, 5]])
 
 
 def test_ledger_gather_on_one_process_keeps_each_steps_rows():

@@ -116,3 +116,26 @@ def test_a_group_lost_before_it_reported_and_a_placement_that_timed_out():
     assert s["resources"] == 34.0 and s["startup"] == 42.0 - 34.0
     assert s["recomputed"] == 0.0 and s["productive"] == 10.0
     assert sum(s.values()) == pytest.approx(52.0)
+
+
+def test_a_checkpoint_saved_after_the_last_report_the_controller_took_counts():
+    """The controller takes reports one per poll, so a group may be lost with reports it never
+    took. The next group resumes from a checkpoint saved after the last one it did take: the
+    checkpoint's clock says what the steps up to it cost, and only the time after it is lost."""
+    g = goodput(script(
+        "1",
+        ("invocation", 0.0, {}),
+        ("group_start", 1.0, {"workers": 2, "from_step": 0, "setup_s": 1.0}),  # ready at 2
+        progress(12.0, 5, clock(12.0, 9, 1)),
+        ("failure", 25.0, {"error": "ActorDiedError"}),
+        ("group_start", 27.0, {"workers": 2, "from_step": 6, "setup_s": 1.0,
+                               "resumed_clock": {**clock(15.0, 11, 1.5, checkpoint=0.5),
+                                                 "group": 1.0}}),
+        progress(35.0, 10, clock(35.0, 7, 1)),
+        ("end", 36.0, {}),
+    ))
+    s = g["seconds"]
+    assert s["productive"] == 11 + 7 and s["data_wait"] == 1.5 + 1
+    assert s["recomputed"] == 25 - 15 and g["recomputed_steps"] == 0
+    assert s["checkpoint"] == 0.5 and s["restart"] == 28 - 25
+    assert sum(s.values()) == pytest.approx(36.0)

@@ -156,11 +156,13 @@ def test_fault_counts_are_logged_from_the_first_step_even_when_zero(tmp_path, ca
     for step in (10, 20):
         rec.report(report(step, group=1.0), None)
     # A dashboard comparing runs sees zeros for a clean run, logged once.
-    assert tracker.counts == [(10, {"restarts": 0, "resizes": 0, "failures": 0})]
+    assert tracker.counts == [(10, {"restarts": 0, "resizes": 0, "failures": 0,
+                                    "numerical_faults": 0})]
     rec.failure({0: Boom("worker lost")})
     rec.report(announce(group=2.0, resumed=20), None)
     rec.report(report(30, group=2.0, resumed=20), None)
-    assert tracker.counts[1] == (30, {"restarts": 1, "resizes": 0, "failures": 1})
+    assert tracker.counts[1] == (30, {"restarts": 1, "resizes": 0, "failures": 1,
+                                      "numerical_faults": 0})
 
 
 class EndingTracker(Tracker):
