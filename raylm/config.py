@@ -410,6 +410,10 @@ class TrainConfig:
     max_rewinds: int = 2
     """Rewinds for faults at the same step before the run stops with their record: a fault
     that comes back after its samples were left out is not in the data."""
+    collective_timeout_s: float = 1800.0
+    """Longest any rank waits in a collective (an all-reduce, a barrier) for the others: past
+    it the collective fails on the ranks that came, naming it, and the group restarts (the
+    process group's timeout, set through Ray Train's TorchConfig)."""
     skip_positions: list[list[int]] = field(default_factory=list)
     """Ranges [start, end) of global sample positions to leave out of the training order
     (a run's rewinds list those they left out in its skipped_samples.json): another run
@@ -429,6 +433,8 @@ class TrainConfig:
         _check(tr.eval_every >= 1, "train.eval_every", tr.eval_every, ">= 1")
         _check(tr.eval_batches >= 1, "train.eval_batches", tr.eval_batches, ">= 1")
         _check(tr.spike_factor > 1, "train.spike_factor", tr.spike_factor, "a number > 1")
+        _check(tr.collective_timeout_s >= 1, "train.collective_timeout_s",
+               tr.collective_timeout_s, ">= 1")
         _check(tr.spike_window >= 3, "train.spike_window", tr.spike_window, "an integer >= 3")
         _check(tr.max_rewinds >= 1, "train.max_rewinds", tr.max_rewinds, "an integer >= 1")
         _check(all(isinstance(r, (list, tuple)) and len(r) == 2
@@ -503,10 +509,15 @@ class CheckpointConfig:
     corpus, preparation or data.format), with another tokenizer or another model.path is
     refused, unless this lists what may change (continued training on new data, on purpose;
     the summary records it)."""
+    timeout_s: float = 1800.0
+    """Longest a worker waits for a checkpoint to be read (the restore) or written (a save, or
+    the background save before the next): past it, the worker says which rank waited for what
+    and ends, and the group restarts (train.max_failures applies). 0: no bound."""
 
     def __post_init__(self) -> None:
         _check(self.every >= 1, "checkpoint.every", self.every, ">= 1")
         _check(self.keep >= 1, "checkpoint.keep", self.keep, ">= 1")
+        _check(self.timeout_s >= 0, "checkpoint.timeout_s", self.timeout_s, ">= 0 (0: none)")
 
 
 @dataclass(frozen=True, kw_only=True)

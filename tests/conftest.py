@@ -116,10 +116,12 @@ def save_tiny_llama(out: Path, *, vocab_size: int, seed: int = 0) -> Path:
     return out
 
 
-def save_tiny_qwen3(out: Path, *, vocab_size: int, seed: int = 0, zero: bool = False) -> Path:
+def save_tiny_qwen3(out: Path, *, vocab_size: int, seed: int = 0, zero: bool = False,
+                    poison: int | None = None) -> Path:
     """The tiny preset's shape as a Qwen3 (its own attention with per-head query and key norms):
     a family other than Llama, saved with save_pretrained. ``zero``: every weight 0, as a load
-    that set nothing leaves a model."""
+    that set nothing leaves a model. ``poison``: a token whose input embedding is NaN, so
+    that any block holding it has a NaN loss (the untied output head keeps the rest finite)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -129,10 +131,12 @@ def save_tiny_qwen3(out: Path, *, vocab_size: int, seed: int = 0, zero: bool = F
                          tie_word_embeddings=False, eos_token_id=0)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    if zero:
-        with torch.no_grad():
+    with torch.no_grad():
+        if zero:
             for p in model.parameters():
                 p.zero_()
+        if poison is not None:
+            model.model.embed_tokens.weight[poison] = float("nan")
     model.save_pretrained(str(out))
     return out
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from raylm import storage
 from raylm.config import Config, run_dir, storage_root
@@ -138,6 +138,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
     workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
     return TorchTrainer(
         train_loop_per_worker,
+        torch_config=TorchConfig(timeout_s=int(cfg.train.collective_timeout_s)),
         train_loop_config={"config": cfg.to_dict(), "run_dir": run_dir(cfg),
                            "prepared": prepared, "vocab_size": vocab_size, "eos_id": eos_id,
                            "tracker": record.tracker, "reader_resources": resources.reader,

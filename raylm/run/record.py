@@ -330,9 +330,9 @@ class RunRecord(UserCallback):
         ranges = ", ".join(f"{a}-{b - 1}" for a, b in fault["positions"])
         done = {"skip": "its update skipped", "rewind": "the run rewinds",
                 "stop": "the run stops"}[fault["action"]]
-        print(f"raylm: numerical fault at step {fault['step']}: {fault['cause']} (loss "
-              f"{fault['loss']:.4g}, grad norm {fault['grad_norm']:.4g}), samples {ranges}: "
-              f"{done}", flush=True)
+        loss, norm = (f"{float(v):.4g}" for v in (fault["loss"], fault["grad_norm"]))
+        print(f"raylm: numerical fault at step {fault['step']}: {fault['cause']} (loss {loss}, "
+              f"grad norm {norm}), samples {ranges}: {done}", flush=True)
         if self.tracker:
             self._log_events(fault["step"])
 

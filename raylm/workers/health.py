@@ -25,6 +25,7 @@ the norm back every step to decide).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,11 @@ class NumericalFault(Mistake):
     the same step: the run ends, not retried."""
 
 
+def _number(x: float) -> float | str:
+    """A figure for JSON files, which have no NaN or infinity: those as "nan", "inf"."""
+    return x if math.isfinite(x) else str(x)
+
+
 def empty_manifest() -> dict[str, Any]:
     return {"ranges": [], "faults": [], "bad_checkpoints": []}
 
@@ -154,17 +160,22 @@ class Decision:
 
 def decide(faults: list[Fault], *, policy: dict[str, str],
            positions_of: Callable[[int], np.ndarray], rows_of: Callable[[np.ndarray], np.ndarray],
-           manifest: dict[str, Any], max_rewinds: int,
-           resumed: tuple[str, int] | None) -> Decision:
-    """What to do about ``faults`` (pure: every rank computes the same). ``policy``: the
-    action per cause; ``positions_of(step)``: the global positions 0-based ``step`` trained;
+           manifest: dict[str, Any], max_rewinds: int, resumed: tuple[str, int] | None,
+           culprits_of: Callable[[int], np.ndarray | None] = lambda step: None) -> Decision:
+    """What to do about ``faults`` (every rank computes the same). ``policy``: the action
+    per cause; ``positions_of(step)``: the global positions 0-based ``step`` trained;
     ``rows_of``: their stored rows; ``manifest``: the run's so far; ``resumed``: the name and
-    step of the checkpoint this group resumed from.
+    step of the checkpoint this group resumed from; ``culprits_of(step)``: the positions of
+    that step whose loss alone is not finite (None: not known; every rank calls it, in the
+    same order).
 
-    A rewind leaves out the samples of every step of the window whose action is rewind. A
-    non-finite loss at the first step after a restore marks that checkpoint bad instead (the
-    rewind then takes the one before it, leaving no data out): if the data was at fault after
-    all, the fault comes back at a later step of the retrained stretch, which leaves it out.
+    A rewind leaves out the samples of every step of the window whose action is rewind: for
+    a non-finite step, the samples that are not finite on their own when there are such (a
+    bad record is one sample), else the whole step (a spike, or a fault no sample makes
+    alone). A non-finite loss at the first step after a restore marks that checkpoint bad
+    instead (the rewind then takes the one before it, leaving no data out): if the data was at
+    fault after all, the fault comes back at a later step of the retrained stretch, which
+    leaves it out.
     A fault at a step where ``max_rewinds`` rewinds already left samples out stops the run:
     leaving data out did not help."""
     records = []
@@ -172,13 +183,13 @@ def decide(faults: list[Fault], *, policy: dict[str, str],
     for f in faults:
         act = policy[f.cause]
         positions = positions_of(f.step - 1)
-        records.append({"step": f.step, "cause": f.cause, "loss": f.loss,
-                        "grad_norm": f.grad_norm, "action": act,
+        records.append({"step": f.step, "cause": f.cause, "loss": _number(f.loss),
+                        "grad_norm": _number(f.grad_norm), "action": act,
                         "positions": as_ranges(positions),
                         "rows": rows_of(positions).tolist()})
         action = max(action, act, key=SEVERITY.index)
-    said = "; ".join(f"step {r['step']}: {r['cause']} (loss {r['loss']:.4g}, grad norm "
-                     f"{r['grad_norm']:.4g})" for r in records)
+    said = "; ".join(f"step {f.step}: {f.cause} (loss {f.loss:.4g}, grad norm "
+                     f"{f.grad_norm:.4g})" for f in faults)
     if action == "stop":
         keys = " and ".join(f"train.on_{c}=stop" for c in sorted(
             {r["cause"] for r in records if r["action"] == "stop"}))
@@ -204,9 +215,15 @@ def decide(faults: list[Fault], *, policy: dict[str, str],
             f"numerical fault at step {first['step']} again after {before} rewinds left its "
             f"samples out (train.max_rewinds={max_rewinds}): not in the data; {said}"))
     for r in rewound:
-        new["faults"].append({**r, "left_out": r["positions"]})
-        new["ranges"].extend(r["positions"])
+        culprits = culprits_of(r["step"]) if r["cause"] == "nonfinite" else None
+        if culprits is not None and len(culprits):
+            r["culprits"] = as_ranges(culprits)
+        left_out = r.get("culprits", r["positions"])
+        new["faults"].append({**r, "left_out": left_out})
+        new["ranges"].extend(left_out)
     new["ranges"] = Skips(new["ranges"]).ranges
+    left = [f"{a}-{b - 1}" for r in new["faults"][len(manifest["faults"]):]
+            for a, b in r["left_out"]]
     return Decision("rewind", records, new, message=(
-        f"{said}: the run goes back to its latest checkpoint and leaves out positions "
-        f"{', '.join(f'{a}-{b - 1}' for r in rewound for a, b in r['positions'])}"))
+        f"{said}: the run goes back to its latest checkpoint and leaves out sample positions "
+        f"{', '.join(left)}"))

@@ -24,6 +24,7 @@ the controller's record (:mod:`raylm.run.record`) learns of restarts and resizes
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import time
@@ -49,7 +50,7 @@ from raylm.data.streams import (
 )
 from raylm.model.lora import adapter_args
 from raylm.model.lora import settings as lora_settings
-from raylm.model.parallelize import Layout, ParallelPlan, layout_of
+from raylm.model.parallelize import Layout, ParallelPlan, layout_of, loss_context
 from raylm.model.pipeline import describe_split
 from raylm.names import GROUP_START
 from raylm.workers import checkpoint as ckpt
@@ -74,7 +75,16 @@ from raylm.workers.metrics import (
     state_memory_bytes,
 )
 from raylm.workers.optim import build_optimizer, lr_at, set_lr
-from raylm.workers.step import Built, TrainState, build_training_model, evaluate, train_step
+from raylm.workers.step import (
+    Built,
+    TrainState,
+    batch_loss,
+    build_training_model,
+    evaluate,
+    plain,
+    train_step,
+)
+from raylm.workers.watchdog import bounded
 
 
 class NodeMonitor(Protocol):
@@ -114,6 +124,9 @@ class Setup:
     """The checkpoint this group resumed from: its directory name and step."""
     order: SampleOrder
     """The training order, for the stored rows of a faulty step's positions."""
+    recent: collections.deque
+    """(step, micro-batches) of the steps since the last report: a rewind finds the samples
+    of a faulty step that are at fault on their own in them. On the host, a few MB."""
     constant_metrics: dict[str, Any]
     """Reported with every step: the layout, the kernels that ran, where the group resumed."""
     checkpointer: ckpt.Checkpointer
@@ -173,6 +186,7 @@ def train(run: Setup) -> None:
             first_loss_check(float(loss), vocab_size=run.built.config.vocab_size,
                              model_path=run.cfg.model.path)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
+        run.recent.append((state.step, micro))
         meter.step_ends(tokens_per_step)
         # Every rank takes part in the vote, every step.
         cause = run.vote()
@@ -192,6 +206,7 @@ def train(run: Setup) -> None:
         if run.state_memory is None:  # after a step: the optimizer's state exists
             run.state_memory = state_memory(run)
         metrics.update(run.state_memory)
+        metrics["clock"] = meter.clock(window_energy_j=window_energy)
         faults = run.health.read()
         if faults:
             on_faults(run, faults, metrics)
@@ -199,7 +214,7 @@ def train(run: Setup) -> None:
             t0 = time.perf_counter()
             metrics.update(validate(run))
             meter.eval_s += time.perf_counter() - t0
-        metrics["clock"] = meter.clock(window_energy_j=window_energy)
+            metrics["clock"] = meter.clock(window_energy_j=window_energy)
         # The last checkpoint and a preemption's are written before the loop goes on (to its
         # end, or to stopping the group); the others in the background.
         save_and_report(run, metrics, save=todo.save,
@@ -383,15 +398,21 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
         run.checkpointer.report(metrics)
         return
     t0 = time.perf_counter()
-    run.checkpointer.wait()
+    c = run.cfg.checkpoint
+    with bounded(f"the checkpoint before step {run.state.step} to be written",
+                 timeout_s=c.timeout_s, rank=run.rank, setting="checkpoint.timeout_s"):
+        run.checkpointer.wait()
     samples = run.ledger.collect(run.built.device)
     metrics["clock"]["checkpoint_s"] += time.perf_counter() - t0
     run.state.clock = {**metrics["clock"], "group": metrics["group_started"]}
     run.state.skipped = run.skips.ranges
-    run.checkpointer.save(metrics, step=run.state.step, wait=wait, model=run.built.model,
-                          optimizer=run.optimizer, state=copy.deepcopy(run.state.state_dict()),
-                          config=run.built.config, samples=samples,
-                          adapters=lora_settings(run.cfg.lora), identity=run.identity)
+    with bounded(f"the checkpoint of step {run.state.step} to be {'written' if wait else 'staged'}",
+                 timeout_s=c.timeout_s, rank=run.rank, setting="checkpoint.timeout_s"):
+        run.checkpointer.save(metrics, step=run.state.step, wait=wait, model=run.built.model,
+                              optimizer=run.optimizer,
+                              state=copy.deepcopy(run.state.state_dict()),
+                              config=run.built.config, samples=samples,
+                              adapters=lora_settings(run.cfg.lora), identity=run.identity)
     run.meter.checkpoint_s += time.perf_counter() - t0
 
 
@@ -402,12 +423,15 @@ def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
     a stop names the faults; both report, wait until the controller has the report and the
     checkpoint in flight is written, and raise."""
     t = run.cfg.train
+    batches = dict(run.recent)
     decision = decide(
         faults, policy={"nonfinite": t.on_nonfinite, "spike": t.on_spike},
         positions_of=lambda step: step_positions(step, global_batch=t.global_batch_size,
                                                  skips=run.skips),
         rows_of=run.order.rows, manifest=run.manifest, max_rewinds=t.max_rewinds,
-        resumed=run.resumed)
+        resumed=run.resumed,
+        culprits_of=lambda step: culprits(run.built, batches[step],
+                                          cross_document=run.cfg.data.across_documents))
     metrics["numerical_faults"] = decision.records
     if decision.action == "skip":
         for r in decision.records:
@@ -419,6 +443,32 @@ def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
     run.checkpointer.report(metrics)
     preemption.hand_over()
     raise (Rewind if decision.action == "rewind" else NumericalFault)(decision.message)
+
+
+@torch.no_grad()
+def culprits(built: Built, micro: list[dict[str, torch.Tensor]], *, cross_document: bool
+             ) -> np.ndarray | None:
+    """The global positions among a step's samples whose loss, each on its own, is not finite
+    on the current weights, every rank's (all ranks call it: each runs its samples one by one
+    in step with the others); None under pipeline parallelism, whose schedule runs whole
+    micro-batches."""
+    if built.pipeline is not None:
+        return None
+    built.model.eval()
+    mine = []
+    for batch in micro:
+        for i in range(len(batch["input_ids"])):
+            one = {k: v[i:i + 1] for k, v in batch.items()}
+            with loss_context(built.plan):
+                loss = plain(batch_loss(built, one, cross_document=cross_document))
+            if not torch.isfinite(loss):
+                mine.append(int(batch["sample_position"][i]))
+    built.model.train()
+    every = [mine]
+    if torch.distributed.is_initialized():
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, mine)
+    return np.array(sorted({p for part in every for p in part}), dtype=np.int64)
 
 
 def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
@@ -445,9 +495,13 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         splits=par.pipeline_microbatches if par.pipeline > 1 else 0)
     # The stream opens first, at the step of the checkpoint the restore below loads, so that
     # its reader starts while the model is built and restored.
-    manifest = read_manifest(loop_config["run_dir"])
+    reading = dict(timeout_s=cfg.checkpoint.timeout_s, rank=rank, setting="checkpoint.timeout_s")
+    with bounded(f"the checkpoints of {loop_config['run_dir']} to be listed and verified",
+                 **reading):
+        manifest = read_manifest(loop_config["run_dir"])
+        found = ckpt.latest_verified(loop_config["run_dir"],
+                                     exclude=manifest["bad_checkpoints"])
     skips = Skips(manifest["ranges"] + t.skip_positions)
-    found = ckpt.latest_verified(loop_config["run_dir"], exclude=manifest["bad_checkpoints"])
     start_step = found[1]["state"]["step"] if found is not None else 0
     batches = open_stream(loop_config, cfg, layout=lay, start_step=start_step,
                           micro_batch=micro_batch, device=device, skips=skips)
@@ -462,8 +516,9 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     o = cfg.optim
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=(o.beta1, o.beta2), device_type=device.type)
-    state, ledger = restore(found, cfg, built=built, optimizer=optimizer, rank=rank,
-                            layout=lay, skips=skips)
+    with bounded(f"checkpoint {found and found[0]} to be read", **reading):
+        state, ledger = restore(found, cfg, built=built, optimizer=optimizer, rank=rank,
+                                layout=lay, skips=skips)
     assert state.step == start_step, (state.step, start_step)
     if rank == 0:
         announce(cfg, built, world=world, step=state.step, micro_batch=micro_batch,
@@ -505,6 +560,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  accumulation=accumulation, batches=batches, val_batches=val_batches,
                  tracker=tracker, meter=meter, vote=preemption.Vote(device), health=health,
                  skips=skips, manifest=manifest, order=order,
+                 recent=collections.deque(maxlen=t.log_every),
                  resumed=(storage.name(found[0]), state.step) if found is not None else None,
                  run_dir=loop_config["run_dir"],
                  constant_metrics=constant,

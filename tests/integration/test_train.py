@@ -400,6 +400,92 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
     assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
 
 
+def planted(base, root: Path, tokenizer_dir, *, steps: int, batch: int
+            ) -> tuple[list[str], int, int]:
+    """A corpus whose one document ends in " ~", a token no other document holds: the data
+    args (corpus and a train.seed whose order puts that document's block in the middle of
+    the run's first ``steps``), the token and the block's position."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    from raylm.data.packing import SampleOrder
+    from raylm.data.preparation import prepared_dir
+    from raylm.data.streams import PackedSplit
+    from tests.conftest import make_docs, write_jsonl
+
+    token = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).encode(" ~").ids[-1]
+
+    def blocks(prepared, split):
+        s = PackedSplit.load(prepared, split)
+        return s, np.concatenate([np.stack(pq.read_table(Path(s.directory) / f)
+                                           .column("input_ids").to_pylist()) for f in s.files])
+
+    for k in range(10):  # the marked document must fall in the train split
+        docs = make_docs(400)
+        docs[k] += " ~"
+        args = [f"--data.source={write_jsonl(root / f'marked-{k}.jsonl', docs)}"]
+        prepared = str(prepared_dir(load_config(None, [*base, *args]), log=lambda m: None))
+        train_split, train_blocks = blocks(prepared, "train")
+        if token in blocks(prepared, "val")[1]:
+            continue
+        (row,) = np.flatnonzero((train_blocks == token).any(axis=1))
+        for seed in range(1000):
+            order = SampleOrder(train_split.row_group_sizes, seed=seed, window=8,
+                                global_batch=batch)
+            at = np.flatnonzero(order.rows(np.arange((steps + 1) * batch)) == row)
+            if len(at) == 1 and 4 * batch <= at[0] < (steps - 2) * batch:
+                return [*args, f"--train.seed={seed}", "--data.shuffle_window=8"], token, int(at[0])
+    raise AssertionError("no corpus and seed put the marked block in the run")
+
+
+def test_a_planted_bad_record_is_rewound_left_out_exactly_and_never_loops(
+        base, tmp_path_factory, tokenizer_dir):
+    """A pretrained model whose embedding of one token is NaN, and a corpus where one
+    document holds that token: the one training block holding it has a NaN loss (a bad
+    record). Under train.on_nonfinite=rewind the step that meets it never updates the
+    weights; the run goes back to its latest checkpoint and leaves out exactly that block's
+    position, recorded in skipped_samples.json and the summary, and ends. A second run of the
+    model without the poison, told to leave out that position, ends at the same losses."""
+    from raylm.workers.health import read_manifest
+    from tests.conftest import save_tiny_qwen3, tokenizer_vocab
+
+    steps, batch = 12, 8
+    root = tmp_path_factory.mktemp("poisoned")
+    data, token, position = planted(base, root, tokenizer_dir, steps=steps, batch=batch)
+    vocab = tokenizer_vocab(tokenizer_dir)
+    poisoned = save_tiny_qwen3(root / "poisoned", vocab_size=vocab, poison=token)
+    clean = save_tiny_qwen3(root / "clean", vocab_size=vocab)
+    args = [*data, f"--train.steps={steps}", "--checkpoint.every=2", "--train.log_every=2",
+            "--optim.warmup_steps=2", "--tracking.enabled=false"]
+    logs: list[str] = []
+    out = train(load_config(None, [*base, *args, "--run.name=rewound",
+                                   f"--model.path={poisoned}", "--train.on_nonfinite=rewind"]),
+                log=logs.append)
+    assert out["status"] == "finished" and out["final_step"] == steps
+    bad_step = position // batch + 1
+    (fault,) = out["numerical_faults"]
+    assert (fault["step"], fault["cause"], fault["action"]) == (bad_step, "nonfinite", "rewind")
+    assert fault["culprits"] == [[position, position + 1]]
+    manifest = read_manifest(str(base_dir(base) / "rewound"))
+    assert manifest["ranges"] == [[position, position + 1]]
+    assert manifest["faults"][0]["left_out"] == [[position, position + 1]]
+    (rewind,) = out["interruptions"]
+    assert "Rewind" in rewind["cause"] and rewind["resumed_from_step"] < bad_step
+    assert out["samples"] == {"steps": steps, "trained": steps * batch, "duplicated": 0,
+                              "skipped": 0, "withheld": 0, "in_order": True, "left_out": 1}
+    # The steps after the checkpoint the rewind went back to were trained twice.
+    assert out["goodput"]["recomputed_steps"] == rewind["at_step"] - rewind["resumed_from_step"]
+    assert out["goodput"]["seconds"]["recomputed"] > 0
+    # The same model without the poison, told to leave out that position, trains the same.
+    again = train(load_config(None, [*base, *args, "--run.name=told", f"--model.path={clean}",
+                                     f"--train.skip_positions=[[{position},{position + 1}]]"]),
+                  log=lambda m: None)
+    assert again["restarts"] == 0 and again["samples"]["left_out"] == 1
+    assert again["train_loss"] == pytest.approx(out["train_loss"], abs=1e-5)
+    assert again["val_loss"] == pytest.approx(out["val_loss"], abs=1e-5)
+
+
 def test_resume_on_another_layout_past_a_truncated_checkpoint(trained, relaid):
     """The run of ``relaid``: 10 steps at (dp 2, tp 2), the newest checkpoint cut short, on to
     30 at (pp 2) on half the ranks from the step-5 checkpoint. The same samples per step

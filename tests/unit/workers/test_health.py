@@ -55,11 +55,13 @@ def test_a_spike_over_the_running_median_after_warmup_and_a_full_window():
 B = 4
 
 
-def decide_for(faults, *, policy, manifest=None, resumed=None, skips=Skips(), max_rewinds=2):
+def decide_for(faults, *, policy, manifest=None, resumed=None, skips=None, max_rewinds=2,
+               culprits=None):
     return decide(faults, policy=policy,
-                  positions_of=lambda s: step_positions(s, global_batch=B, skips=skips),
+                  positions_of=lambda s: step_positions(s, global_batch=B, skips=skips or Skips()),
                   rows_of=lambda p: np.asarray(p) * 10, manifest=manifest or empty_manifest(),
-                  max_rewinds=max_rewinds, resumed=resumed)
+                  max_rewinds=max_rewinds, resumed=resumed,
+                  culprits_of=lambda step: (culprits or {}).get(step))
 
 
 NAN = Fault(step=7, cause="nonfinite", loss=math.nan, grad_norm=math.nan)
@@ -103,3 +105,14 @@ def test_a_non_finite_first_step_after_a_restore_marks_the_checkpoint_bad():
 def test_stop_names_the_setting_and_the_step():
     d = decide_for([SPIKE], policy={"nonfinite": "skip", "spike": "stop"})
     assert d.action == "stop" and "train.on_spike=stop" in d.message and "step 9" in d.message
+
+
+def test_a_rewind_leaves_out_only_the_samples_at_fault_on_their_own():
+    d = decide_for([NAN, SPIKE], policy={"nonfinite": "rewind", "spike": "rewind"},
+                   culprits={7: np.array([25, 27])})
+    assert d.manifest["ranges"] == [[25, 26], [27, 28], [32, 36]]  # the spike: its step
+    assert d.records[0]["culprits"] == [[25, 26], [27, 28]]
+    assert "leaves out sample positions 25-25, 27-27, 32-35" in d.message
+    # No sample at fault on its own (a fault of the whole batch): the step is left out.
+    d = decide_for([NAN], policy=BOTH, culprits={7: np.array([], dtype=np.int64)})
+    assert d.manifest["ranges"] == [[24, 28]] and "culprits" not in d.records[0]
