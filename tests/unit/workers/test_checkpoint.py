@@ -197,6 +197,10 @@ def test_a_full_disk_during_a_save_leaves_nothing_a_resume_would_take(tmp_path):
                    if e is not None) or "No space left" in str(failed.value), failed.value
     path, marker = checkpoint.latest_verified(run)
     assert path.endswith("checkpoint_1") and marker["state"] == {"step": 1}
+    # A checkpoint a rewind marked bad is passed over as a broken one is.
+    save("checkpoint_0", 0)
+    path, _ = checkpoint.latest_verified(run, exclude=["checkpoint_1"])
+    assert path.endswith("checkpoint_0")
     for name in ("checkpoint_2", "checkpoint_3"):
         with pytest.raises(checkpoint.CheckpointError, match="save did not finish"):
             checkpoint.verify(run / name)
