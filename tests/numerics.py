@@ -38,7 +38,7 @@ def packed_blocks() -> tuple[np.ndarray, list[int]]:
 
     docs = [np.frombuffer(d.encode(), dtype=np.uint8).astype(np.int32) for d in make_docs(120)]
     docs = [np.append(d, EOS) for d in docs]
-    blocks, _ = Packer(SEQ_LEN + 1).add(docs)
+    blocks = Packer(SEQ_LEN + 1).add(docs)[0]
     n = len(blocks)
     sizes = [GROUP_ROWS] * (n // GROUP_ROWS) + ([n % GROUP_ROWS] if n % GROUP_ROWS else [])
     return blocks, sizes

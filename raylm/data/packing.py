@@ -36,55 +36,97 @@ from collections import OrderedDict
 
 import numpy as np
 
+UNKNOWN_SOURCE = -1
+
+
+def source_key(file_id: int | np.ndarray, line: int | np.ndarray) -> int | np.ndarray:
+    """Where a document comes from, as one int64: its file's index in the corpus and its line
+    (or row) in that file (lines below 2^40, files below 2^23)."""
+    return (np.int64(file_id) << 40) | np.int64(line)
+
+
+def source_of(key: int) -> tuple[int, int] | None:
+    """(file index, line) of a :func:`source_key`; None for an unknown source."""
+    key = int(key)
+    return None if key < 0 else (key >> 40, key & ((1 << 40) - 1))
+
+
+def _lead(starts: np.ndarray, sources: np.ndarray, before: int) -> tuple[np.ndarray, np.ndarray]:
+    """A block's document starts and the sources of its segments: one per start, and first
+    the source of the document it continues (``before``) when none starts at 0."""
+    if len(starts) and starts[0] == 0:
+        return starts, sources
+    return starts, np.concatenate([[before], sources]).astype(np.int64)
+
 
 class Packer:
-    """Streams documents in, full blocks out; holds less than one block between calls."""
+    """Streams documents in, full blocks out; holds less than one block between calls. Each
+    block comes with where documents start in it and where each of its segments came from
+    (:func:`source_key`; :data:`UNKNOWN_SOURCE` when not given)."""
 
     def __init__(self, block_length: int) -> None:
         self.block_length = block_length
         self._rest = np.zeros(0, dtype=np.int32)
         self._rest_starts = np.zeros(0, dtype=np.int64)
+        self._rest_sources = np.zeros(0, dtype=np.int64)
+        self._carry = UNKNOWN_SOURCE  # the source of the document _rest begins inside
         self.tokens_in = 0
         self.blocks_out = 0
 
-    def add(self, docs: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Append ``docs``; return the blocks completed, shape (n, block_length), and for each
-        block the offsets inside it where a document starts."""
+    def add(self, docs: list[np.ndarray], sources: np.ndarray | None = None
+            ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """Append ``docs`` (from ``sources``, one key each); return the blocks completed,
+        shape (n, block_length), for each block the offsets inside it where a document starts,
+        and the sources of its segments (see :meth:`add_stream`)."""
         lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
         tokens = np.concatenate([np.zeros(0, np.int32),
                                  *[np.asarray(d, dtype=np.int32) for d in docs]])
-        return self.add_stream(tokens, np.cumsum(lengths) - lengths)
+        return self.add_stream(tokens, np.cumsum(lengths) - lengths, sources)
 
-    def add_stream(self, tokens: np.ndarray, starts: np.ndarray
-                   ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Append a run of ``tokens`` in which documents start at ``starts``; as :meth:`add`."""
+    def add_stream(self, tokens: np.ndarray, starts: np.ndarray,
+                   sources: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """Append a run of ``tokens`` in which documents start at ``starts`` (from
+        ``sources``); as :meth:`add`. A block's segments are its document starts, preceded by
+        position 0 when a document continues into it."""
         L = self.block_length
         self.tokens_in += len(tokens)
+        if sources is None:
+            sources = np.full(len(starts), UNKNOWN_SOURCE, dtype=np.int64)
         stream = np.concatenate([self._rest, np.asarray(tokens, dtype=np.int32)])
         starts = np.concatenate([self._rest_starts,
                                  len(self._rest) + np.asarray(starts, dtype=np.int64)])
+        sources = np.concatenate([self._rest_sources, np.asarray(sources, dtype=np.int64)])
         n = len(stream) // L
         blocks = stream[: n * L].reshape(n, L)
         cut = np.searchsorted(starts, np.arange(n + 1) * L)
-        doc_starts = [starts[cut[i] : cut[i + 1]] - i * L for i in range(n)]
+
+        def before(i: int) -> int:  # the source of the document running at cut i
+            return int(sources[cut[i] - 1]) if cut[i] > 0 else self._carry
+
+        segments = [_lead(starts[cut[i]:cut[i + 1]] - i * L, sources[cut[i]:cut[i + 1]],
+                          before(i)) for i in range(n)]
+        self._carry = before(n)
         self._rest = stream[n * L :].copy()
         self._rest_starts = starts[cut[n] :] - n * L
+        self._rest_sources = sources[cut[n] :]
         self.blocks_out += n
-        return blocks, doc_starts
+        return blocks, [a for a, _ in segments], [b for _, b in segments]
 
     @property
     def tail_tokens(self) -> int:
         """Tokens that did not fill a block (dropped when the stream ends)."""
         return len(self._rest)
 
-    def tail(self) -> tuple[np.ndarray, np.ndarray]:
-        """The tokens that did not fill a block, and where documents start among them; its
-        first token counts as a start (it may continue a document whose beginning is in the
-        last block: on its own, it is the start of what is left of it)."""
-        starts = self._rest_starts
+    def tail(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The tokens that did not fill a block, where documents start among them, and their
+        sources; its first token counts as a start (it may continue a document whose beginning
+        is in the last block: on its own, it is the start of what is left of it)."""
+        starts, sources = self._rest_starts, self._rest_sources
         if len(self._rest) and (not len(starts) or starts[0] != 0):
             starts = np.concatenate([[0], starts])
-        return self._rest.copy(), starts.astype(np.int64)
+            sources = np.concatenate([[self._carry], sources])
+        return self._rest.copy(), starts.astype(np.int64), sources.astype(np.int64)
 
 
 class ExamplePacker:
@@ -99,61 +141,67 @@ class ExamplePacker:
         self.block_length, self.pad_id = block_length, pad_id
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
+        self._sources: list[int] = []
         self._used = 0
         self.tokens_in = self.blocks_out = self.padding_tokens = self.trained_tokens = 0
 
-    def add(self, examples: list[tuple[np.ndarray, np.ndarray]]
-            ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
-        """Append ``(ids, mask)`` examples; return the blocks completed (n, block_length), the
-        example starts inside each, and their loss masks (n, block_length; 1: a trained
-        target)."""
-        blocks, starts, masks = [], [], []
-        for ids, mask in examples:
+    def add(self, examples: list[tuple[np.ndarray, np.ndarray]],
+            sources: np.ndarray | None = None
+            ) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[np.ndarray]]:
+        """Append ``(ids, mask)`` examples (from ``sources``, one :func:`source_key` each);
+        return the blocks completed (n, block_length), the example starts inside each, their
+        loss masks (n, block_length; 1: a trained target) and the sources of their segments
+        (the padding's unknown)."""
+        if sources is None:
+            sources = np.full(len(examples), UNKNOWN_SOURCE, dtype=np.int64)
+        blocks, starts, masks, block_sources = [], [], [], []
+        for (ids, mask), source in zip(examples, sources, strict=True):
             n = len(ids)
             assert 0 < n <= self.block_length and len(mask) == n
             if self._used + n > self.block_length:
-                block, start, block_mask = self._close()
-                blocks.append(block)
-                starts.append(start)
-                masks.append(block_mask)
+                closed = self._close()
+                for out, part in zip((blocks, starts, masks, block_sources), closed,
+                                     strict=True):
+                    out.append(part)
             mask = np.asarray(mask, dtype=np.uint8).copy()
             mask[0] = 0
             self._ids.append(np.asarray(ids, dtype=np.int32))
             self._mask.append(mask)
+            self._sources.append(int(source))
             self._used += n
             self.tokens_in += n
             self.trained_tokens += int(mask.sum())
-        return self._stack(blocks, starts, masks)
+        return self._stack(blocks, starts, masks, block_sources)
 
     tail_tokens = 0
     """Nothing is dropped at the end: :meth:`finish` pads out the last block."""
 
-    def finish(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    def finish(self) -> tuple[np.ndarray, list[np.ndarray], np.ndarray, list[np.ndarray]]:
         """The last, partly filled block (padded), if any."""
         if not self._ids:
-            return self._stack([], [], [])
-        block, start, mask = self._close()
-        return self._stack([block], [start], [mask])
+            return self._stack([], [], [], [])
+        return self._stack(*([part] for part in self._close()))
 
-    def _close(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _close(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         L = self.block_length
         lengths = [len(i) for i in self._ids]
         starts = np.cumsum([0, *lengths])[:-1]
         pad = L - self._used
         ids = np.concatenate([*self._ids, np.full(pad, self.pad_id, np.int32)])
         mask = np.concatenate([*self._mask, np.zeros(pad, np.uint8)])
+        sources = np.array(self._sources + ([UNKNOWN_SOURCE] if pad else []), dtype=np.int64)
         if pad:
             starts = np.concatenate([starts, [self._used]])
         self.padding_tokens += pad
         self.blocks_out += 1
-        self._ids, self._mask, self._used = [], [], 0
-        return ids, starts.astype(np.int64), mask
+        self._ids, self._mask, self._sources, self._used = [], [], [], 0
+        return ids, starts.astype(np.int64), mask, sources
 
-    def _stack(self, blocks, starts, masks):
+    def _stack(self, blocks, starts, masks, sources):
         L = self.block_length
         if not blocks:
-            return np.zeros((0, L), np.int32), [], np.zeros((0, L), np.uint8)
-        return np.stack(blocks), starts, np.stack(masks)
+            return np.zeros((0, L), np.int32), [], np.zeros((0, L), np.uint8), []
+        return np.stack(blocks), starts, np.stack(masks), sources
 
 
 def position_ids(doc_starts: np.ndarray, block_length: int) -> np.ndarray:

@@ -72,7 +72,7 @@ from raylm.data.corpus import (
     read_records,
     resolve_sources,
 )
-from raylm.data.packing import ExamplePacker, Packer
+from raylm.data.packing import ExamplePacker, Packer, source_key
 from raylm.data.tokenizer import build_tokenizer, chat_template, load_backend, tokenizer_fingerprint
 from raylm.names import LAYOUT, SPLITS
 from raylm.outputs import check_output, discard, publish, staging
@@ -250,7 +250,10 @@ class BlockWriter:
     """Writes blocks of one split as Parquet files ``{prefix}-{k:05d}.parquet``, in row groups of
     exactly ``group_rows`` rows (the last may be short) so that row groups are the unit
     :class:`raylm.data.packing.SampleOrder` permutes. Each file is written under a temporary name
-    and renamed when complete, so a piece task that is retried leaves no half file."""
+    and renamed when complete, so a piece task that is retried leaves no half file. Besides the
+    tokens and document starts, each block keeps where its segments came from (``doc_sources``:
+    :func:`raylm.data.packing.source_key` of file and line, 8 bytes per document), so that a
+    sample a run leaves out can be traced to its records."""
 
     def __init__(self, directory: Path, *, block_length: int, group_rows: int,
                  loss_mask: bool = False, prefix: str = "part") -> None:
@@ -259,7 +262,8 @@ class BlockWriter:
         self.block_length = block_length
         self.group_rows = group_rows
         self.prefix = prefix
-        fields = [("input_ids", pa.list_(pa.int32())), ("doc_starts", pa.list_(pa.int32()))]
+        fields = [("input_ids", pa.list_(pa.int32())), ("doc_starts", pa.list_(pa.int32())),
+                  ("doc_sources", pa.list_(pa.int64()))]
         if loss_mask:
             fields.append(("loss_mask", pa.list_(pa.uint8())))
         self.schema = pa.schema(fields)
@@ -267,6 +271,7 @@ class BlockWriter:
         self._blocks: list[np.ndarray] = []
         self._masks: list[np.ndarray] = []
         self._starts: list[np.ndarray] = []
+        self._sources: list[np.ndarray] = []
         self._pending = 0
         self._writer: pq.ParquetWriter | None = None
         self._groups_in_file = 0
@@ -277,13 +282,14 @@ class BlockWriter:
         opening every file's footer."""
 
     def add(self, blocks: np.ndarray, doc_starts: list[np.ndarray],
-            masks: np.ndarray | None = None) -> None:
-        assert (masks is not None) == self.loss_mask
+            sources: list[np.ndarray], masks: np.ndarray | None = None) -> None:
+        assert (masks is not None) == self.loss_mask and len(sources) == len(blocks)
         if len(blocks):
             self._blocks.append(blocks)
             if masks is not None:
                 self._masks.append(masks)
             self._starts.extend(doc_starts)
+            self._sources.extend(sources)
             self._pending += len(blocks)
         while self._pending >= self.group_rows:
             self._flush(self.group_rows)
@@ -292,6 +298,7 @@ class BlockWriter:
         stacked = np.concatenate(self._blocks)
         rows, rest = stacked[:n], stacked[n:]
         starts, self._starts = self._starts[:n], self._starts[n:]
+        sources, self._sources = self._sources[:n], self._sources[n:]
         self._blocks = [rest] if len(rest) else []
         columns = []
         if self.loss_mask:
@@ -310,7 +317,8 @@ class BlockWriter:
         s_off = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
         flat = np.concatenate(starts).astype(np.int32) if starts else np.zeros(0, np.int32)
         doc = pa.ListArray.from_arrays(s_off, pa.array(flat, type=pa.int32()))
-        self._writer.write_table(pa.table([ids, doc, *columns], schema=self.schema),
+        src = _list_array(sources, pa.int64())
+        self._writer.write_table(pa.table([ids, doc, src, *columns], schema=self.schema),
                                  row_group_size=n)
         self._groups_in_file += 1
         self.group_sizes.append(n)
@@ -478,6 +486,7 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
             masks, mask_offsets = mask_list.values.to_numpy(), mask_list.offsets.to_numpy()
             cut = table.column("truncated").to_numpy(zero_copy_only=False)
         docs: dict[str, list] = {s: [] for s in SPLITS}
+        keys: dict[str, list] = {s: [] for s in SPLITS}
         for i, reason in enumerate(reasons):
             res.read += 1
             if reason is not None:
@@ -500,12 +509,13 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
                 res.truncated += int(cut[i])
                 doc = (doc, masks[mask_offsets[i]:mask_offsets[i + 1]])
             docs[split].append(doc)
+            keys[split].append(source_key(int(file_ids[i]), int(lines[i])))
         for s in SPLITS:
             if docs[s]:
-                writers[s].add(*packers[s].add(docs[s]))
+                _write(writers[s], packers[s].add(docs[s], np.array(keys[s], np.int64)))
     for s in SPLITS:
         if renderer:
-            writers[s].add(*packers[s].finish())
+            _write(writers[s], packers[s].finish())
         writers[s].close()
         p = packers[s]
         res.splits[s] = {
@@ -679,7 +689,8 @@ def _prepare_into(out: Path, cfg: Config, files: list[SourceFile], *,
         lambda i: pack_task.remote(i, _piece_files(files, starts, i), *duplicates[i],
                                    **settings),
         n, limit=d.tokenize_concurrency, log=log, t0=t0)
-    return _finish(out, results, cfg=cfg, eos=eos, tok_path=tok_path, fp=fp, log=log, t0=t0)
+    return _finish(out, results, cfg=cfg, eos=eos, tok_path=tok_path, fp=fp, log=log, t0=t0,
+                   sources=[str(f.path) for f in files])
 
 
 def _run_pieces(submit: Callable[[int], Any], n: int, *, limit: int,
@@ -705,6 +716,18 @@ def _run_pieces(submit: Callable[[int], Any], n: int, *, limit: int,
     return [_get(r) for r in refs]
 
 
+def _write(writer: BlockWriter, packed: tuple) -> None:
+    """A packer's output into ``writer``: (blocks, starts, sources) from
+    :class:`~raylm.data.packing.Packer`, (blocks, starts, masks, sources) from
+    :class:`~raylm.data.packing.ExamplePacker`."""
+    if len(packed) == 3:
+        blocks, starts, sources = packed
+        writer.add(blocks, starts, sources)
+    else:
+        blocks, starts, masks, sources = packed
+        writer.add(blocks, starts, sources, masks)
+
+
 def _pack_tails(out: Path, results: list[PieceResult], *, block_length: int,
                 group_rows: int) -> dict[str, dict[str, Any]]:
     """Pack the pieces' tails (each under a block per split), in piece order, into the blocks
@@ -716,7 +739,7 @@ def _pack_tails(out: Path, results: list[PieceResult], *, block_length: int,
                              prefix=f"part-{len(results):05d}")
         packer = Packer(block_length)
         for r in results:
-            writer.add(*packer.add_stream(*r.splits[s]["tail"]))
+            _write(writer, packer.add_stream(*r.splits[s]["tail"]))
         writer.close()
         packed[s] = {"files": writer.files, "row_group_sizes": writer.group_sizes,
                      "file_groups": writer.file_groups,
@@ -725,9 +748,10 @@ def _pack_tails(out: Path, results: list[PieceResult], *, block_length: int,
 
 
 def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok_path: Path,
-            fp: str, log: Callable[[str], None], t0: float) -> dict[str, Any]:
-    """Sum the pieces' counts, pack their tails, check the invariants, write layout.json and
-    manifest.json."""
+            fp: str, log: Callable[[str], None], t0: float, sources: list[str]
+            ) -> dict[str, Any]:
+    """Sum the pieces' counts, pack their tails, check the invariants, write layout.json (with
+    the corpus files by index: ``sources``) and manifest.json."""
     d = cfg.data
     L = d.seq_len + 1
     tails = (None if d.examples else
@@ -784,6 +808,7 @@ def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok
         "eos_id": eos,
         "seq_len": d.seq_len,
         "loss_mask": d.examples,
+        "sources": sources,
         "splits": {s: {"blocks": total(s, "blocks"),
                        "tail_tokens_dropped": total(s, "tail_tokens"),
                        "files": listed(s, "files"),

@@ -39,6 +39,7 @@ from raylm.data.packing import (
     position_ids,
     rank_positions,
     rank_share,
+    source_of,
 )
 from raylm.names import LAYOUT
 
@@ -66,6 +67,8 @@ class PackedSplit:
     block_length: int
     loss_mask: bool = False
     """Blocks of fine-tuning examples carry a loss mask (1: a trained target)."""
+    sources: list[str] | None = None
+    """The corpus files by index (None: prepared before blocks kept their sources)."""
 
     @classmethod
     def load(cls, prepared: str | os.PathLike, split: str) -> "PackedSplit":
@@ -76,7 +79,30 @@ class PackedSplit:
             raise ValueError(f"The prepared data in {root} has no {split} blocks; use a larger "
                              f"corpus, a smaller data.seq_len, or a larger data.val_fraction.")
         return cls(str(root / split), info["files"], info["row_group_sizes"],
-                   info["file_groups"], layout["block_length"], layout.get("loss_mask", False))
+                   info["file_groups"], layout["block_length"], layout.get("loss_mask", False),
+                   layout.get("sources"))
+
+    def documents(self, rows: np.ndarray) -> list[dict[str, object]] | None:
+        """The records (corpus file and line, or row) whose tokens the stored ``rows`` hold,
+        each once, in order; None when the blocks do not keep their sources. Reads only the
+        sources column of the row groups holding them: for a few rows, at a fault."""
+        if self.sources is None:
+            return None
+        offsets = np.concatenate([[0], np.cumsum(self.row_group_sizes)])
+        locations = self.group_locations()
+        seen: dict[int, dict[str, object]] = {}
+        cells: dict[int, list] = {}
+        for row in np.asarray(rows, dtype=np.int64).tolist():
+            g = int(np.searchsorted(offsets, row, side="right") - 1)
+            if g not in cells:
+                path, idx = locations[g]
+                cells[g] = pq.ParquetFile(path).read_row_group(
+                    idx, columns=["doc_sources"]).column("doc_sources").to_pylist()
+            for key in cells[g][row - offsets[g]]:
+                found = source_of(key)
+                if found is not None and key not in seen:
+                    seen[key] = {"file": self.sources[found[0]], "line": found[1]}
+        return list(seen.values())
 
     @property
     def num_blocks(self) -> int:

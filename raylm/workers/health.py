@@ -161,13 +161,17 @@ class Decision:
 def decide(faults: list[Fault], *, policy: dict[str, str],
            positions_of: Callable[[int], np.ndarray], rows_of: Callable[[np.ndarray], np.ndarray],
            manifest: dict[str, Any], max_rewinds: int, resumed: tuple[str, int] | None,
-           culprits_of: Callable[[int], np.ndarray | None] = lambda step: None) -> Decision:
+           culprits_of: Callable[[int], np.ndarray | None] = lambda step: None,
+           documents_of: Callable[[np.ndarray], list[dict] | None] = lambda rows: None
+           ) -> Decision:
     """What to do about ``faults`` (every rank computes the same). ``policy``: the action
     per cause; ``positions_of(step)``: the global positions 0-based ``step`` trained;
     ``rows_of``: their stored rows; ``manifest``: the run's so far; ``resumed``: the name and
     step of the checkpoint this group resumed from; ``culprits_of(step)``: the positions of
     that step whose loss alone is not finite (None: not known; every rank calls it, in the
-    same order).
+    same order); ``documents_of(rows)``: the corpus records stored rows hold. Each record
+    names the documents of the samples at fault (the culprits, else the step's), at most
+    :data:`DOCUMENTS_LISTED` of them.
 
     A rewind leaves out the samples of every step of the window whose action is rewind: for
     a non-finite step, the samples that are not finite on their own when there are such (a
@@ -190,6 +194,30 @@ def decide(faults: list[Fault], *, policy: dict[str, str],
         action = max(action, act, key=SEVERITY.index)
     said = "; ".join(f"step {f.step}: {f.cause} (loss {f.loss:.4g}, grad norm "
                      f"{f.grad_norm:.4g})" for f in faults)
+    for r in records:
+        if action == "rewind" and r["action"] == "rewind" and r["cause"] == "nonfinite":
+            culprits = culprits_of(r["step"])
+            if culprits is not None and len(culprits):
+                r["culprits"] = as_ranges(culprits)
+        at_fault = (np.concatenate([np.arange(a, b) for a, b in r["culprits"]])
+                    if "culprits" in r else None)
+        documents = documents_of(rows_of(at_fault) if at_fault is not None
+                                 else np.asarray(r["rows"]))
+        if documents is not None:
+            r["documents"] = documents[:DOCUMENTS_LISTED]
+            r["documents_total"] = len(documents)
+    return _decide(records, action, said, manifest=manifest, max_rewinds=max_rewinds,
+                   resumed=resumed)
+
+
+# The documents a fault record lists (a step of 512 blocks of 2,048 tokens holds thousands).
+DOCUMENTS_LISTED = 32
+
+
+def _decide(records: list[dict[str, Any]], action: str, said: str, *,
+            manifest: dict[str, Any], max_rewinds: int, resumed: tuple[str, int] | None
+            ) -> Decision:
+    """:func:`decide` once the records are made."""
     if action == "stop":
         keys = " and ".join(f"train.on_{c}=stop" for c in sorted(
             {r["cause"] for r in records if r["action"] == "stop"}))
@@ -215,9 +243,6 @@ def decide(faults: list[Fault], *, policy: dict[str, str],
             f"numerical fault at step {first['step']} again after {before} rewinds left its "
             f"samples out (train.max_rewinds={max_rewinds}): not in the data; {said}"))
     for r in rewound:
-        culprits = culprits_of(r["step"]) if r["cause"] == "nonfinite" else None
-        if culprits is not None and len(culprits):
-            r["culprits"] = as_ranges(culprits)
         left_out = r.get("culprits", r["positions"])
         new["faults"].append({**r, "left_out": left_out})
         new["ranges"].extend(left_out)

@@ -124,6 +124,8 @@ class Setup:
     """The checkpoint this group resumed from: its directory name and step."""
     order: SampleOrder
     """The training order, for the stored rows of a faulty step's positions."""
+    split: PackedSplit
+    """The stored training blocks, for the records a faulty step's rows hold."""
     recent: collections.deque
     """(step, micro-batches) of the steps since the last report: a rewind finds the samples
     of a faulty step that are at fault on their own in them. On the host, a few MB."""
@@ -431,7 +433,8 @@ def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
         rows_of=run.order.rows, manifest=run.manifest, max_rewinds=t.max_rewinds,
         resumed=run.resumed,
         culprits_of=lambda step: culprits(run.built, batches[step],
-                                          cross_document=run.cfg.data.across_documents))
+                                          cross_document=run.cfg.data.across_documents),
+        documents_of=run.split.documents)
     metrics["numerical_faults"] = decision.records
     if decision.action == "skip":
         for r in decision.records:
@@ -552,14 +555,14 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     health = Health(device=device, start_step=state.step, report_every=t.log_every,
                     spikes=t.on_spike != "off", factor=t.spike_factor, window=t.spike_window,
                     spikes_from=cfg.optim.warmup_steps)
-    order = SampleOrder(PackedSplit.load(loop_config["prepared"], "train").row_group_sizes,
-                        seed=t.seed, window=cfg.data.shuffle_window,
+    split = PackedSplit.load(loop_config["prepared"], "train")
+    order = SampleOrder(split.row_group_sizes, seed=t.seed, window=cfg.data.shuffle_window,
                         global_batch=t.global_batch_size)
     return Setup(cfg=cfg, rank=rank, world_size=world, layout=lay, built=built,
                  optimizer=optimizer, state=state, ledger=ledger, micro_batch=micro_batch,
                  accumulation=accumulation, batches=batches, val_batches=val_batches,
                  tracker=tracker, meter=meter, vote=preemption.Vote(device), health=health,
-                 skips=skips, manifest=manifest, order=order,
+                 skips=skips, manifest=manifest, order=order, split=split,
                  recent=collections.deque(maxlen=t.log_every),
                  resumed=(storage.name(found[0]), state.step) if found is not None else None,
                  run_dir=loop_config["run_dir"],

@@ -401,10 +401,11 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
 
 
 def planted(base, root: Path, tokenizer_dir, *, steps: int, batch: int
-            ) -> tuple[list[str], int, int]:
+            ) -> tuple[list[str], int, int, dict]:
     """A corpus whose one document ends in " ~", a token no other document holds: the data
     args (corpus and a train.seed whose order puts that document's block in the middle of
-    the run's first ``steps``), the token and the block's position."""
+    the run's first ``steps``), the token, the block's position and the document (its file
+    and line)."""
     import numpy as np
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
@@ -424,7 +425,8 @@ def planted(base, root: Path, tokenizer_dir, *, steps: int, batch: int
     for k in range(10):  # the marked document must fall in the train split
         docs = make_docs(400)
         docs[k] += " ~"
-        args = [f"--data.source={write_jsonl(root / f'marked-{k}.jsonl', docs)}"]
+        corpus = write_jsonl(root / f"marked-{k}.jsonl", docs)
+        args = [f"--data.source={corpus}"]
         prepared = str(prepared_dir(load_config(None, [*base, *args]), log=lambda m: None))
         train_split, train_blocks = blocks(prepared, "train")
         if token in blocks(prepared, "val")[1]:
@@ -435,7 +437,8 @@ def planted(base, root: Path, tokenizer_dir, *, steps: int, batch: int
                                 global_batch=batch)
             at = np.flatnonzero(order.rows(np.arange((steps + 1) * batch)) == row)
             if len(at) == 1 and 4 * batch <= at[0] < (steps - 2) * batch:
-                return [*args, f"--train.seed={seed}", "--data.shuffle_window=8"], token, int(at[0])
+                return ([*args, f"--train.seed={seed}", "--data.shuffle_window=8"], token,
+                        int(at[0]), {"file": str(corpus), "line": k + 1})
     raise AssertionError("no corpus and seed put the marked block in the run")
 
 
@@ -452,7 +455,8 @@ def test_a_planted_bad_record_is_rewound_left_out_exactly_and_never_loops(
 
     steps, batch = 12, 8
     root = tmp_path_factory.mktemp("poisoned")
-    data, token, position = planted(base, root, tokenizer_dir, steps=steps, batch=batch)
+    data, token, position, document = planted(base, root, tokenizer_dir, steps=steps,
+                                              batch=batch)
     vocab = tokenizer_vocab(tokenizer_dir)
     poisoned = save_tiny_qwen3(root / "poisoned", vocab_size=vocab, poison=token)
     clean = save_tiny_qwen3(root / "clean", vocab_size=vocab)
@@ -467,6 +471,8 @@ def test_a_planted_bad_record_is_rewound_left_out_exactly_and_never_loops(
     (fault,) = out["numerical_faults"]
     assert (fault["step"], fault["cause"], fault["action"]) == (bad_step, "nonfinite", "rewind")
     assert fault["culprits"] == [[position, position + 1]]
+    # The record names the corpus document the block came from (with any it shares it with).
+    assert document in fault["documents"] and fault["documents_total"] <= 3
     manifest = read_manifest(str(base_dir(base) / "rewound"))
     assert manifest["ranges"] == [[position, position + 1]]
     assert manifest["faults"][0]["left_out"] == [[position, position + 1]]

@@ -21,8 +21,8 @@ def test_packing_has_no_padding_and_exact_accounting():
     L = 8
     docs = docs_of([3, 5, 9, 1, 4, 7])  # 29 tokens incl. one EOS each
     p = Packer(L)
-    blocks1, starts1 = p.add(docs[:2])
-    blocks2, starts2 = p.add(docs[2:])
+    blocks1, starts1, _ = p.add(docs[:2])
+    blocks2, starts2, _ = p.add(docs[2:])
     blocks = np.concatenate([blocks1, blocks2])
     assert blocks.shape == (3, L)
     assert p.tokens_in == 29 == blocks.size + p.tail_tokens
@@ -36,9 +36,9 @@ def test_packing_has_no_padding_and_exact_accounting():
 
 def test_packer_with_empty_calls_and_long_documents():
     p = Packer(4)
-    b, s = p.add([])
+    b, s, _ = p.add([])
     assert b.shape == (0, 4) and s == []
-    b, s = p.add(docs_of([10]))
+    b, s, _ = p.add(docs_of([10]))
     assert b.shape == (2, 4) and [x.tolist() for x in s] == [[0], []]
     assert p.tail_tokens == 2
 
@@ -144,16 +144,43 @@ def test_example_packer_keeps_examples_whole_and_masks_padding_and_starts():
     ex = [(np.array([1, 2, 3]), np.array([0, 1, 1])),
           (np.array([4, 5, 6, 7]), np.array([0, 0, 1, 1])),
           (np.array([8, 9]), np.array([1, 1])), (np.array([10] * 8), np.array([1] * 8))]
-    blocks, starts, masks = p.add(ex)
+    blocks, starts, masks, sources = p.add(ex, np.array([11, 12, 13, 14]))
     # [1 2 3 4 5 6 7 pad] | [8 9 pad x6] | [10 x8] still open
     assert blocks.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0], [8, 9, 0, 0, 0, 0, 0, 0]]
     assert [s.tolist() for s in starts] == [[0, 3, 7], [0, 2]]
     # Each example's first token is never a target; padding never is.
     assert masks.tolist() == [[0, 1, 1, 0, 0, 1, 1, 0], [0, 1, 0, 0, 0, 0, 0, 0]]
-    last, last_starts, last_mask = p.finish()
+    # Each segment's source; the padding's unknown (-1).
+    assert [x.tolist() for x in sources] == [[11, 12, -1], [13, -1]]
+    last, last_starts, last_mask, last_sources = p.finish()
+    assert last_sources[0].tolist() == [14]
     assert last.tolist() == [[10] * 8] and last_starts[0].tolist() == [0]
     assert last_mask.tolist() == [[0] + [1] * 7]
     assert p.blocks_out == 3 and p.tokens_in == 17 and p.padding_tokens == 7
     assert p.tokens_in + p.padding_tokens == p.blocks_out * 8
     assert p.trained_tokens == 4 + 1 + 7 == int(masks.sum() + last_mask.sum())
     assert p.finish()[0].shape == (0, 8)
+
+
+def test_each_block_knows_the_documents_its_segments_came_from():
+    """Sources follow documents across block boundaries, calls and the tail a piece leaves
+    for the driver to pack on."""
+    from raylm.data.packing import source_key, source_of
+
+    L = 8
+    docs = docs_of([3, 5, 9, 1, 4, 7])  # documents start at 0, 3, 8, 17, 18, 22
+    keys = source_key(np.zeros(6, np.int64), np.arange(1, 7))
+    p = Packer(L)
+    b1, s1, src1 = p.add(docs[:2], keys[:2])
+    b2, s2, src2 = p.add(docs[2:], keys[2:])
+    lines = [[source_of(k)[1] for k in x] for x in src1 + src2]
+    # Block 0: documents 1 and 2 start in it; block 1: document 3 starts at its beginning;
+    # block 2 continues document 3, then documents 4, 5 and 6 start at 1, 2 and 6.
+    assert [x.tolist() for x in s1 + s2] == [[0, 3], [0], [1, 2, 6]]
+    assert lines == [[1, 2], [3], [3, 4, 5, 6]]
+    tokens, starts, sources = p.tail()  # 29 - 24 = 5 tokens: the rest of document 6
+    assert starts.tolist() == [0] and [source_of(k)[1] for k in sources] == [6]
+    q = Packer(4)
+    _, qs, qsrc = q.add_stream(tokens, starts, sources)
+    assert qs[0].tolist() == [0] and [source_of(k)[1] for k in qsrc[0]] == [6]
+    assert source_of(source_key(3, 12345)) == (3, 12345) and source_of(-1) is None

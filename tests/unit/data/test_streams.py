@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from raylm.data.packing import rank_positions
+from raylm.data.packing import rank_positions, source_key
 from raylm.data.preparation import BlockWriter
 from raylm.data.streams import PackedSplit, _ReadBlocks, rank_reads
 
@@ -21,7 +21,9 @@ def split(tmp_path_factory):
     writer = BlockWriter(root, block_length=L, group_rows=GROUP_ROWS)
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 32_000, size=(5990, L), dtype=np.int32)
-    writer.add(blocks, [np.array([0, 40]) for _ in blocks])
+    # Block i holds the end of the record on line i of file 0 and the start of line i + 1.
+    writer.add(blocks, [np.array([40]) for _ in blocks],
+               [source_key(0, np.array([i, i + 1])) for i in range(len(blocks))])
     writer.close()
     return PackedSplit(str(root), writer.files, writer.group_sizes, writer.file_groups, L), blocks
 
@@ -60,3 +62,13 @@ def test_the_reader_returns_the_stored_blocks_of_its_positions(split):
     footers = sum(pq.ParquetFile(path).metadata.serialized_size + 8 for path in reader.metadata)
     assert len(reader.cache) < len(train.row_group_sizes)  # not everything
     assert reader.bytes_read == chunks + footers
+
+
+def test_a_block_names_the_records_it_holds(split):
+    from dataclasses import replace
+
+    train, _ = split
+    assert train.documents(np.array([5])) is None  # a split whose layout lists no sources
+    named = replace(train, sources=["a.jsonl"])
+    got = named.documents(np.array([4000, 5, 6]))
+    assert got == [{"file": "a.jsonl", "line": line} for line in (4000, 4001, 5, 6, 7)]

@@ -61,7 +61,9 @@ def decide_for(faults, *, policy, manifest=None, resumed=None, skips=None, max_r
                   positions_of=lambda s: step_positions(s, global_batch=B, skips=skips or Skips()),
                   rows_of=lambda p: np.asarray(p) * 10, manifest=manifest or empty_manifest(),
                   max_rewinds=max_rewinds, resumed=resumed,
-                  culprits_of=lambda step: (culprits or {}).get(step))
+                  culprits_of=lambda step: (culprits or {}).get(step),
+                  # Row r holds line r of c.jsonl.
+                  documents_of=lambda rows: [{"file": "c.jsonl", "line": int(r)} for r in rows])
 
 
 NAN = Fault(step=7, cause="nonfinite", loss=math.nan, grad_norm=math.nan)
@@ -112,6 +114,9 @@ def test_a_rewind_leaves_out_only_the_samples_at_fault_on_their_own():
                    culprits={7: np.array([25, 27])})
     assert d.manifest["ranges"] == [[25, 26], [27, 28], [32, 36]]  # the spike: its step
     assert d.records[0]["culprits"] == [[25, 26], [27, 28]]
+    # The documents of the samples at fault; of the whole step where none is known.
+    assert [x["line"] for x in d.records[0]["documents"]] == [250, 270]
+    assert d.records[1]["documents_total"] == 4 and d.manifest["faults"][0]["documents"]
     assert "leaves out sample positions 25-25, 27-27, 32-35" in d.message
     # No sample at fault on its own (a fault of the whole batch): the step is left out.
     d = decide_for([NAN], policy=BOTH, culprits={7: np.array([], dtype=np.int64)})
