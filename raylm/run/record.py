@@ -290,8 +290,7 @@ class RunRecord(UserCallback):
             return
         step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
         self._add("progress", step=step, step_time=step_time, clock=m.get("clock"),
-                  **{k: m[k] for k in HISTORY if m.get(k) is not None},
-                  **({"preempted": True} if m.get("preempted") else {}))
+                  **{k: m[k] for k in HISTORY if m.get(k) is not None})
         if not self.group_reported:  # an interruption is complete at its group's first step
             self.group_reported = True
             self._announce(step)

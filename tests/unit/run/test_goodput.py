@@ -72,7 +72,7 @@ def test_preemption_resize_and_a_later_invocation_that_goes_back():
         "1",
         ("invocation", 0.0, {}),
         ("group_start", 1.0, {"workers": 2, "from_step": 0, "setup_s": 1.0}),  # ready at 2
-        progress(12.0, 5, clock(12.0, 10), preempted=True),
+        progress(12.0, 5, clock(12.0, 10)),
         ("failure", 15.0, {"error": "Preempted: a worker was asked to stop (SIGTERM)"}),
         ("group_start", 17.0, {"workers": 2, "from_step": 5, "setup_s": 1.0}),  # ready at 18
         progress(28.0, 10, clock(28.0, 10)),
