@@ -120,7 +120,12 @@ def test_a_run_in_two_invocations_keeps_one_summary(base, relaid):
         "trainable_params", "peak_memory_gb", "param_memory_gb", "optimizer_memory_gb",
         "data_parallel", "tensor_parallel", "pipeline_parallel",
         "joules_per_token", "watts_per_gpu",
-        "energy_kwh", "gpu_hours", "cost"}
+        "energy_kwh", "gpu_hours", "cost", "goodput", "numerical_faults"}
+    # The goodput ledger spans both invocations (not the time between them); steps 6-10, which
+    # the first reported and the second trained again from step 5, were recomputed.
+    assert summary["goodput"]["total_s"] == pytest.approx(first["wall_s"] + resumed["wall_s"],
+                                                          abs=1.0)
+    assert summary["goodput"]["recomputed_steps"] == 5 and summary["numerical_faults"] == []
     # Nothing measures energy on a CPU: no figure, rather than a zero.
     assert [summary[k] for k in ("joules_per_token", "energy_kwh", "gpu_hours", "cost")] == [
         None] * 4
