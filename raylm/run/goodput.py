@@ -167,15 +167,16 @@ class _Ledger:
         self.end_of_lost_group()
         self.close_invocation()
         steps_lost = 0.0
-        wasted_j = None
+        # Zero where every report window was measured, None where none was (CPUs).
+        wasted_j = 0.0 if any(w.energy_j is not None for w in self.windows) else None
         for w in self.windows:
             lost = w.lost_share
             self.s["productive"] += (1 - lost) * w.compute_s
             self.s["data_wait"] += (1 - lost) * w.wait_s
             self.s["recomputed"] += lost * (w.compute_s + w.wait_s)
             steps_lost += w.last - w.alive_to
-            if w.energy_j is not None and lost:
-                wasted_j = (wasted_j or 0.0) + lost * w.energy_j
+            if w.energy_j is not None:
+                wasted_j += lost * w.energy_j
         known = sum(v for k, v in self.s.items() if k != "other")
         self.s["other"] = max(0.0, self.total - known)
         return {"total_s": round(self.total, 2),

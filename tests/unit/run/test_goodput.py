@@ -118,6 +118,17 @@ def test_a_group_lost_before_it_reported_and_a_placement_that_timed_out():
     assert sum(s.values()) == pytest.approx(52.0)
 
 
+def test_energy_wasted_is_zero_when_measured_and_nothing_was_lost():
+    g = goodput(script(
+        "1",
+        ("invocation", 0.0, {}),
+        ("group_start", 1.0, {"workers": 1, "from_step": 0, "setup_s": 1.0}),
+        progress(12.0, 5, clock(12.0, 10, energy=500.0)),
+        ("end", 13.0, {}),
+    ))
+    assert g["energy_wasted_j"] == 0.0 and g["recomputed_steps"] == 0
+
+
 def test_a_checkpoint_saved_after_the_last_report_the_controller_took_counts():
     """The controller takes reports one per poll, so a group may be lost with reports it never
     took. The next group resumes from a checkpoint saved after the last one it did take: the
