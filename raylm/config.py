@@ -316,7 +316,7 @@ class TokenizerConfig:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     preset: str = "tiny"
-    """Named architecture: tiny, 125m, 350m or 1b."""
+    """Named architecture: tiny, 125m, 350m, 1b or 3b."""
     path: str | None = None
     """Pretrained model: a local directory, or a Hugging Face hub id (org/name, optionally
     @revision) fetched into the hub cache on the driver before Ray starts (HF_HUB_OFFLINE=1:
@@ -332,6 +332,13 @@ class ModelConfig:
     """torch.compile each decoder block. auto: on for CUDA workers (1b preset on an H100:
     47.8% MFU compiled against 33.8% eager, 40 GB peak against 52), off on CPUs, where the
     compilation (tens of seconds per group) outweighs the short runs and tests."""
+    float8: Literal["off", "tensorwise", "rowwise"] = "off"
+    """Run the decoder blocks' linear layers' matmuls in float8 (torchao's float8 training:
+    inputs, weights and gradients cast to float8 with dynamic scales, one per tensor or one per
+    row; weights, gradients and optimizer state stay as train.precision keeps them, so
+    checkpoints are unchanged). The output head stays in bf16. CUDA GPUs of compute capability
+    8.9 or later (H100, H200, L4, RTX 4090); full training only (not with LoRA) and without
+    tensor parallelism. Compile (model.compile) is what makes it fast: the casts fuse."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -919,6 +926,16 @@ def validate(cfg: Config) -> Config:
         _check(sc.use_gpu, "lora.base_quantization", lo.base_quantization,
                "none on CPU workers: NF4 bases run on CUDA (set scaling.use_gpu=true on a "
                "cluster with GPUs, or train the adapters on an unquantized base)")
+    if cfg.model.float8 != "off":
+        _check(sc.use_gpu, "model.float8", cfg.model.float8,
+               "off on CPU workers: float8 matmuls need CUDA GPUs of compute capability 8.9+ "
+               "(set scaling.use_gpu=true)")
+        _check(not lo.rank, "model.float8", cfg.model.float8,
+               "off with LoRA (lora.rank > 0): the frozen base and the small adapter matmuls "
+               "gain nothing from float8 training")
+        _check(cfg.parallel.tensor == 1, "model.float8", cfg.model.float8,
+               "off with parallel.tensor > 1 (float8 under tensor parallelism is not "
+               "supported); use data or pipeline parallelism")
     _check(not tu.lora_ranks or bool(cfg.model.path), "tune.lora_ranks", tu.lora_ranks,
            "ranks >= 1, with model.path naming the pretrained model they adapt")
     _check_layout(cfg)

@@ -5,6 +5,8 @@
     lora      LoRA (and QLoRA) vs full fine-tuning of one model, a Llama preset or a
               published family's shape: parameters, checkpoint, memory, speed
     mfu       one GPU: tokens/s, MFU, memory, J/token of raylm's step vs a bare loop
+    float8    one GPU: raylm's step with float8 linears (tensorwise, rowwise) vs bf16:
+              tokens/s, memory, loss after the same steps
     layouts   per-rank memory and step time under FSDP2, tensor and pipeline layouts
     scale     preparation driver at 1x and 8x; bytes each rank reads per epoch; checkpoint
               bytes each resuming rank fetches; training time lost to a synchronous and an
@@ -81,6 +83,17 @@ def _add_layouts_and_scale(sub) -> None:
                     help="preset to time per-document attention kernels on")
     mf.add_argument("--synced", action="store_true",
                     help="also time raylm's step reading loss and grad norm back every step")
+    f8 = sub.add_parser("float8", help="one GPU: raylm step with float8 linears vs bf16 "
+                                       "(torch, transformers, torchao)")
+    f8.add_argument("--output", required=True)
+    f8.add_argument("--presets", default="1b,3b")
+    f8.add_argument("--recipes", default="tensorwise,rowwise")
+    f8.add_argument("--seq-len", type=int, default=2048)
+    f8.add_argument("--micro-batch", type=int, default=8,
+                    help="first micro batch to try; halves while bf16 runs out of memory")
+    f8.add_argument("--warmup", type=int, default=8)
+    f8.add_argument("--steps", type=int, default=40)
+    f8.add_argument("--log-every", type=int, default=8)
     la = sub.add_parser("layouts", help="per-rank parameter, optimizer and peak memory and "
                                         "step time of one model under each parallel layout "
                                         "(torch + transformers only)")
@@ -163,6 +176,12 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
                      micro_batch=args.micro_batch, warmup=args.warmup, steps=args.steps,
                      log_every=args.log_every, profile_preset=args.profile,
                      per_document_preset=args.per_document, synced=args.synced)
+    elif args.name == "float8":
+        from raylm.bench.float8 import run
+
+        result = run(presets=args.presets.split(","), recipes=args.recipes.split(","),
+                     seq_len=args.seq_len, micro_batch=args.micro_batch, warmup=args.warmup,
+                     steps=args.steps, log_every=args.log_every, output=args.output)
     elif args.name == "layouts":
         from raylm.bench.layouts import run
 

@@ -102,6 +102,7 @@ def raylm_side(preset: str, *, micro_batch: int, seq_len: int, plan: ParallelPla
     vote = preemption.Vote(device)
     total = warmup + steps
     losses: list[float] = []
+    loss_at: dict[int, float] = {}
 
     def step(i: int) -> None:
         set_lr(opt, lr_at(i, schedule="cosine", peak=3e-4, warmup=10, total=total))
@@ -112,12 +113,14 @@ def raylm_side(preset: str, *, micro_batch: int, seq_len: int, plan: ParallelPla
             float(loss), float(norm)
         if (i + 1) % log_every == 0:
             losses.append(float(loss))
+            loss_at[i + 1] = losses[-1]
 
     out = timed(step, warmup=warmup, steps=steps, device=device)
     out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
     out["params"] = sum(p.numel() for p in built.model.parameters())
     out["attention_backend"] = built.attention.backend
     out["losses"] = [round(v, 4) for v in losses]
+    out["loss_at_step"] = {k: round(v, 5) for k, v in loss_at.items()}
     out["breakdown_ms"] = breakdown(built, opt, batches)
     return out | {"built": built, "optimizer": opt}
 

@@ -39,6 +39,7 @@ PRESETS: dict[str, Preset] = {
     "125m": Preset(768, 12, 12, 12, 2048, 2048),
     "350m": Preset(1024, 24, 16, 16, 2816, 2048),
     "1b": Preset(2048, 16, 32, 8, 8192, 4096, tie_embeddings=True),
+    "3b": Preset(3072, 28, 24, 8, 8192, 4096, tie_embeddings=True),
 }
 INIT_STD = 0.02
 

@@ -53,6 +53,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from raylm.model.build import decoder_layers
+from raylm.model.float8 import to_float8
 from raylm.model.pipeline import Stage, owned_blocks
 
 
@@ -69,6 +70,9 @@ class ParallelPlan:
     """Tensor-parallel degree: ranks that split every block's weights and activations."""
     pipeline: int = 1
     """Pipeline-parallel degree: ranks that each hold a contiguous run of blocks."""
+    float8: str = "off"
+    """Float8 matmuls in the blocks' linear layers: off, tensorwise or rowwise (see
+    :mod:`raylm.model.float8`)."""
 
 
 DATA_PARALLEL = ParallelPlan()
@@ -203,6 +207,9 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
     # An NF4 base arrives in bf16 already, and ``.to(dtype)`` would dequantize it.
     if precision == "bf16-true" and any(p.dtype != torch.bfloat16 for p in model.parameters()):
         model.to(torch.bfloat16)
+    if plan.float8 != "off" and plan.tensor > 1:
+        raise ValueError("model.float8 does not run under tensor parallelism; set "
+                         "parallel.tensor=1 or model.float8=off")
     mesh = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         mesh = build_mesh(device_type, plan)
@@ -217,6 +224,8 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
         # all-reduces instead of one: a scalar per step, not worth a flattened mesh.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     blocks = decoder_blocks(model)
+    if plan.float8 != "off":
+        to_float8(model, plan.float8, blocks=blocks, device_type=device_type)
     for i, block in owned_blocks(model):
         if plan.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=False)

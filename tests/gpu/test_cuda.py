@@ -1,8 +1,9 @@
 """The CUDA path on a real GPU: bf16 mixed precision, FSDP2's parameter dtypes, the attention
 kernel that is recorded, per-document attention, fused AdamW, compile and activation
-checkpointing, checkpoints moving between GPU and CPU, and the NVML energy counter.
+checkpointing, float8 linears, checkpoints moving between GPU and CPU, and the NVML energy
+counter.
 
-Needs torch and transformers only (no Ray, MLflow or datasets): ``python -m pytest -m gpu
+Needs torch and transformers only (torchao for the float8 test) (no Ray, MLflow or datasets): ``python -m pytest -m gpu
 tests/gpu`` on any machine with a CUDA GPU; skipped elsewhere (tests/conftest.py).
 """
 
@@ -176,6 +177,21 @@ def test_compile_and_activation_checkpointing_leave_the_loss_unchanged():
                         for b in batches]
     for name, curve in curves.items():
         assert curve == pytest.approx(curves["plain"], rel=1e-2), (name, curves)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="float8 matmuls need compute capability 8.9+")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_linears_compile_and_train_close_to_bf16(recipe):
+    pytest.importorskip("torchao")
+    batches = [batch(seed=s) for s in range(4)]
+    curves = {}
+    for name in ("off", recipe):
+        built = build(plan=ParallelPlan(compile=True, float8=name))
+        opt = optimizer(built)
+        curves[name] = [float(train_step(built, opt, [b], accumulation=1, grad_clip=1.0)[0])
+                        for b in batches]
+    assert curves[recipe] == pytest.approx(curves["off"], rel=2e-2), curves
 
 
 def test_a_checkpoint_saved_on_gpu_resumes_on_cpu_and_back(tmp_path):

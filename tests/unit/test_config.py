@@ -241,6 +241,21 @@ def test_an_nf4_base_is_refused_on_cpu_workers_before_ray_starts(capsys, ray_nev
     assert load_config(None, [*qlora, "--scaling.use_gpu=true"]).lora.base_quantization == "nf4"
 
 
+def test_float8_is_refused_where_it_cannot_run_before_ray_starts(capsys, ray_never_starts):
+    assert main(["train", "--model.float8=tensorwise", "--tracking.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raylm: error: Invalid value for 'model.float8': 'tensorwise'. "
+                          "Allowed: off on CPU workers") and err.count("\n") == 1
+    gpu = ["--model.float8=rowwise", "--scaling.use_gpu=true"]
+    with pytest.raises(ConfigError, match="off with LoRA"):
+        load_config(None, [*gpu, "--model.path=/models/base", "--lora.rank=8"])
+    with pytest.raises(ConfigError, match="off with parallel.tensor > 1"):
+        load_config(None, [*gpu, "--parallel.tensor=2", "--scaling.num_workers=2"])
+    with pytest.raises(ConfigError, match="Expected one of 'off', 'tensorwise', 'rowwise'"):
+        load_config(None, ["--model.float8=e4m3"])
+    assert load_config(None, gpu).model.float8 == "rowwise"
+
+
 def test_a_relative_model_path_travels_absolute(tmp_path, monkeypatch):
     """Workers, Tune trials and exports run in other directories than the command."""
     monkeypatch.chdir(tmp_path)

@@ -25,7 +25,7 @@ def tiny(vocab=300, cross_document=True, seed=0):
 
 
 @pytest.mark.parametrize("preset, millions", [("tiny", 4.2), ("125m", 134), ("350m", 374),
-                                              ("1b", 1039)])
+                                              ("1b", 1039), ("3b", 2917)])
 def test_preset_sizes_on_meta(preset, millions):
     cfg = build_config(preset=preset, path=None, vocab_size=32000, eos_id=0,
                        attn_implementation="sdpa")
@@ -42,7 +42,7 @@ def test_unknown_preset_and_bad_path(tmp_path):
     with pytest.raises(ValueError, match="holds no config.json"):
         build_config(preset=None, path=str(tmp_path), vocab_size=10, eos_id=0,
                      attn_implementation="sdpa")
-    assert set(PRESETS) == {"tiny", "125m", "350m", "1b"}
+    assert set(PRESETS) == {"tiny", "125m", "350m", "1b", "3b"}
 
 
 def test_init_depends_on_seed_and_name_only():
