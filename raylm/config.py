@@ -169,10 +169,12 @@ class DataConfig:
     """Corpus: 'builtin', a file, directory or glob of .txt/.md/.jsonl/.parquet/.arrow files, a
     `datasets` save_to_disk directory, 'hf:NAME[:CONFIG]' for a Hugging Face hub dataset, a
     directory written by `raylm prepare`, or a list of these."""
-    format: Literal["text", "chat", "prompt_completion"] = "text"
+    format: Literal["text", "chat", "prompt_completion", "preference"] = "text"
     """What a record is: running text (pretraining), a conversation (a list of {role, content}
-    messages in data.messages_field; roles system, user, assistant) or a prompt/completion
-    pair. The last two read JSONL, Parquet, Arrow or saved datasets."""
+    messages in data.messages_field; roles system, user, assistant), a prompt/completion pair,
+    or a preference pair for train.objective=dpo (a prompt, string or conversation, with a
+    chosen and a rejected answer, each a string or a list of assistant turns). All but text
+    read JSONL, Parquet, Arrow or saved datasets."""
     text_field: str = "text"
     """Field holding the document text in JSONL, Parquet and Hugging Face datasets."""
     messages_field: str = "messages"
@@ -181,13 +183,19 @@ class DataConfig:
     """format prompt_completion: the field holding the prompt."""
     completion_field: str = "completion"
     """format prompt_completion: the field holding the completion."""
+    chosen_field: str = "chosen"
+    """format preference: the field holding the preferred answer (the prompt is in
+    data.prompt_field)."""
+    rejected_field: str = "rejected"
+    """format preference: the field holding the answer not preferred."""
     loss_on: Literal["assistant", "all"] | None = None
     """Which targets carry loss: assistant (the assistant turns, each with the EOS or end-of-
     turn markup that ends it; for prompt_completion, the completion and its EOS) or all.
     Unset: assistant for chat and prompt_completion; text always trains every token."""
     long_examples: Literal["drop", "truncate"] = "drop"
     """An example longer than a block (data.seq_len + 1 tokens) is dropped, or cut to a block
-    (kept only if a trained token is left); each is counted."""
+    (kept only if a trained token is left); each is counted. A preference pair (both its
+    halves in one block) is never cut: one that does not fit is dropped."""
     text_unit: Literal["paragraph", "line", "file"] = "paragraph"
     """What one document is in a plain text file: a blank-line separated paragraph, a line, or
     the whole file."""
@@ -383,6 +391,11 @@ class TrainConfig:
     """Seeds the model initialisation and the global sample order."""
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16-true"] = "auto"
     """'auto' is bf16-mixed on CUDA devices with bf16 and fp32 elsewhere."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: next-token cross-entropy (pretraining and supervised fine-tuning); dpo: preference
+    tuning on data.format=preference pairs with the dpo section's loss, averaged over every
+    pair in the step's train.global_batch_size blocks (a block holds as many whole pairs as
+    fit in data.seq_len + 1 tokens)."""
     max_failures: int = 3
     """Worker-group restarts allowed after failures (a lost worker or node, a preempted worker)
     before the run fails; -1 for no limit. Each restart resumes from the latest checkpoint."""
@@ -452,6 +465,28 @@ class TrainConfig:
         _check(not rewinds or tr.max_failures != 0, "train.max_failures", tr.max_failures,
                ">= 1 (or -1) when train.on_nonfinite or train.on_spike is rewind: a rewind "
                "restarts the worker group")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpoConfig:
+    beta: float = 0.1
+    """Strength of the preference objective: how far the policy's log-probability ratios to
+    the reference are pushed (DPO, IPO), or the scale of the mean log-probabilities (SimPO,
+    where 2.0 to 2.5 is usual)."""
+    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    """sigmoid: DPO; ipo: IPO's squared loss on length-normalized log-ratios; simpo: SimPO,
+    on the answers' mean log-probabilities with a margin and no reference model. sigmoid and
+    ipo take the reference from the base model with the LoRA adapters switched off, so they
+    need lora.rank >= 1."""
+    label_smoothing: float = 0.0
+    """Share of pairs assumed mislabeled (conservative DPO; sigmoid and simpo), 0 <= x < 0.5."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (beta x mean log-probability units)."""
+
+    def __post_init__(self) -> None:
+        _check(self.beta > 0, "dpo.beta", self.beta, "a number > 0")
+        _check(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing,
+               "0 <= x < 0.5")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -691,6 +726,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
@@ -914,6 +950,30 @@ def _check_pipeline_batches(cfg: Config) -> None:
             f"(or more), lower train.micro_batch_size, or raise train.global_batch_size.")
 
 
+def _check_preference(cfg: Config) -> None:
+    """train.objective=dpo and data.format=preference go together, on what the step supports."""
+    dpo = cfg.train.objective == "dpo"
+    _check(dpo or cfg.data.format != "preference", "data.format", cfg.data.format,
+           "chat, prompt_completion or text with train.objective=sft; preference pairs train "
+           "with train.objective=dpo")
+    if not dpo:
+        return
+    d = cfg.data
+    _check(d.format == "preference", "train.objective", "dpo",
+           f"sft with data.format={d.format}; dpo trains on data.format=preference")
+    _check(d.trains_on == "assistant", "data.loss_on", d.loss_on,
+           "assistant (or unset) with train.objective=dpo: the loss scores the answers only")
+    _check(not d.across_documents, "data.cross_document_attention",
+           d.cross_document_attention, "false (or unset) with train.objective=dpo: a pair's "
+           "two halves share a block and must not see each other")
+    _check(cfg.dpo.loss == "simpo" or bool(cfg.lora.rank), "dpo.loss", cfg.dpo.loss,
+           "simpo (no reference model) for full fine-tuning, or set lora.rank >= 1: sigmoid "
+           "and ipo take the reference from the base with the adapters switched off")
+    _check(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1, "train.objective", "dpo",
+           "sft with tensor or pipeline parallelism (parallel.tensor, parallel.pipeline > 1); "
+           "dpo runs on data-parallel FSDP2 workers")
+
+
 def validate(cfg: Config) -> Config:
     """Check the rules that span sections (each section checks its own fields when it is
     made); return ``cfg`` unchanged."""
@@ -938,6 +998,7 @@ def validate(cfg: Config) -> Config:
                "supported); use data or pipeline parallelism")
     _check(not tu.lora_ranks or bool(cfg.model.path), "tune.lora_ranks", tu.lora_ranks,
            "ranks >= 1, with model.path naming the pretrained model they adapt")
+    _check_preference(cfg)
     _check_layout(cfg)
     _check_batch_shares(cfg.train.global_batch_size, sc.num_workers, sc.worker_range,
                         group=model_parallel_group(cfg)[0])

@@ -211,6 +211,18 @@ def conversation_segments(template: DefaultTemplate | JinjaTemplate,
     return template.segments(messages)
 
 
+def answer_segments(template: DefaultTemplate | JinjaTemplate,
+                    prompt: Sequence[dict[str, str]], answer: Sequence[dict[str, str]]
+                    ) -> list[Segment]:
+    """A preference pair's half: the prompt and one answer rendered as one conversation, with
+    only the answer's turns trained (assistant turns inside the prompt are context)."""
+    segments = template.segments([*prompt, *answer])
+    trained = [i for i, s in enumerate(segments) if s.trained]
+    keep = set(trained[len(trained) - len(answer):])
+    return [s if i in keep or not s.trained else Segment(s.text, False, s.eos)
+            for i, s in enumerate(segments)]
+
+
 def prompt_completion_segments(messages: Sequence[dict[str, str]]) -> list[Segment]:
     """A prompt/completion pair, untemplated: the prompt as it is, then the completion and EOS."""
     user, assistant = messages

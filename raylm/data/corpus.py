@@ -42,14 +42,15 @@ MAX_RECORD_BYTES = 64 << 20
 #: The further reasons of fine-tuning examples (``data.format`` chat or prompt_completion): a
 #: role other than system/user/assistant, a conversation without an assistant turn, one left
 #: with no trained token once cut to a block (``data.long_examples: truncate``), one whose text
-#: spells a control token. (``too_long``, above, is also one longer than a block under
-#: ``drop``.)
+#: spells a control token, a preference pair whose chosen and rejected answers are the same.
+#: (``too_long``, above, is also one longer than a block under ``drop``.)
 ROLES = ("system", "user", "assistant")
-EXAMPLE_DROP_REASONS = ("unknown_role", "no_assistant", "no_trained_tokens", "control_text")
+EXAMPLE_DROP_REASONS = ("unknown_role", "no_assistant", "no_trained_tokens", "control_text",
+                        "identical_answers")
 #: Reasons that mean the input itself is broken (listed by file and line; fatal with
 #: ``on_bad_record: error``). The others are ordinary filtering.
 BAD_REASONS = frozenset({"malformed", "missing_field", "undecodable", "unknown_role",
-                         "no_assistant"})
+                         "no_assistant", "identical_answers"})
 #: File formats that hold fine-tuning examples (fields of a row, not running text).
 EXAMPLE_FORMATS = ("jsonl", "parquet", "arrow")
 
@@ -253,7 +254,8 @@ def read_records(
 
 
 def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "messages",
-                  prompt_field: str = "prompt", completion_field: str = "completion"
+                  prompt_field: str = "prompt", completion_field: str = "completion",
+                  chosen_field: str = "chosen", rejected_field: str = "rejected"
                   ) -> Iterator[Record]:
     """Every fine-tuning example of one JSONL/Parquet/Arrow file, once: its text is the checked,
     normalized conversation as JSON (what is hashed for deduplication and the split, and
@@ -261,8 +263,8 @@ def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "
     if f.format not in EXAMPLE_FORMATS:
         raise SourceError(f"data.format={example_format} reads examples from "
                           f"{', '.join(EXAMPLE_FORMATS)} files; {f.path} is {f.format}.")
-    fields = ([messages_field] if example_format == "chat"
-              else [prompt_field, completion_field])
+    fields = {"chat": [messages_field], "prompt_completion": [prompt_field, completion_field],
+              "preference": [prompt_field, chosen_field, rejected_field]}[example_format]
     n = 0
     for row, reason, line in _rows(f, fields):
         n += 1
@@ -272,6 +274,8 @@ def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "
                 value = row[messages_field]
                 messages, reason = ((None, "missing_field") if value is None
                                     else parse_messages(value))
+            elif example_format == "preference":
+                messages, reason = parse_preference(*(row[k] for k in fields))
             else:
                 messages, reason = parse_prompt_completion(row[prompt_field],
                                                            row[completion_field])
@@ -486,7 +490,8 @@ def _pydoc_records(f: SourceFile, **_) -> Iterator[tuple]:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_messages(value: Any) -> tuple[list[dict[str, str]] | None, str | None]:
+def parse_messages(value: Any, *, needs_assistant: bool = True
+                   ) -> tuple[list[dict[str, str]] | None, str | None]:
     """``(messages, None)`` for a valid conversation, normalized; ``(None, reason)`` otherwise:
     ``malformed`` (not a non-empty list of ``{role, content}`` with string values),
     ``unknown_role`` (a role other than system, user, assistant), ``no_assistant`` (nothing
@@ -501,7 +506,7 @@ def parse_messages(value: Any) -> tuple[list[dict[str, str]] | None, str | None]
         if m["role"] not in ROLES:
             return None, "unknown_role"
         messages.append({"role": m["role"], "content": normalize(m["content"])})
-    if not any(m["role"] == "assistant" for m in messages):
+    if needs_assistant and not any(m["role"] == "assistant" for m in messages):
         return None, "no_assistant"
     return messages, None
 
@@ -520,3 +525,37 @@ def parse_prompt_completion(prompt: Any, completion: Any
         return None, "empty"
     return [{"role": "user", "content": normalize(prompt)},
             {"role": "assistant", "content": completion}], None
+
+
+def parse_preference(prompt: Any, chosen: Any, rejected: Any
+                     ) -> tuple[dict[str, list[dict[str, str]]] | None, str | None]:
+    """A preference pair as ``{prompt, chosen, rejected}`` message lists, normalized, or
+    ``(None, reason)``. The prompt is a string (one user turn) or a conversation that does not
+    end with an assistant turn; each answer is a string or a list of assistant turns.
+    Reasons: ``missing_field``, ``malformed``, ``unknown_role``, ``empty`` (an answer with
+    nothing to train on), ``identical_answers`` (nothing to prefer)."""
+    if prompt is None or chosen is None or rejected is None:
+        return None, "missing_field"
+    if isinstance(prompt, str):
+        turns = [{"role": "user", "content": normalize(prompt)}]
+    else:
+        turns, reason = parse_messages(prompt, needs_assistant=False)
+        if reason is not None:
+            return None, reason
+        if turns[-1]["role"] == "assistant":
+            return None, "malformed"
+    pair = {"prompt": turns}
+    for name, value in (("chosen", chosen), ("rejected", rejected)):
+        if isinstance(value, str):
+            value = [{"role": "assistant", "content": value}]
+        answer, reason = parse_messages(value)
+        if reason is not None:
+            return None, reason
+        if any(m["role"] != "assistant" for m in answer):
+            return None, "malformed"
+        if not all(m["content"] for m in answer):
+            return None, "empty"
+        pair[name] = answer
+    if pair["chosen"] == pair["rejected"]:
+        return None, "identical_answers"
+    return pair, None

@@ -135,13 +135,17 @@ class ExamplePacker:
     the rest of a block is padding, masked out and a document of its own. Every example's first
     token is masked as a target too: it would be predicted from the example before it, which
     it cannot see. Examples must be at most ``block_length`` tokens (the caller drops or cuts
-    longer ones). Holds at most one block between calls; :meth:`finish` pads out the last."""
+    longer ones). A preference pair is one example of two documents, ``(ids, mask, split)``:
+    the prompt and chosen answer, then from ``split`` on the prompt and rejected answer, so
+    both halves always share a block. Holds at most one block between calls; :meth:`finish`
+    pads out the last."""
 
     def __init__(self, block_length: int, *, pad_id: int) -> None:
         self.block_length, self.pad_id = block_length, pad_id
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
         self._sources: list[int] = []
+        self._splits: list[int] = []
         self._used = 0
         self.tokens_in = self.blocks_out = self.padding_tokens = self.trained_tokens = 0
 
@@ -155,22 +159,24 @@ class ExamplePacker:
         if sources is None:
             sources = np.full(len(examples), UNKNOWN_SOURCE, dtype=np.int64)
         blocks, starts, masks, block_sources = [], [], [], []
-        for (ids, mask), source in zip(examples, sources, strict=True):
+        for example, source in zip(examples, sources, strict=True):
+            ids, mask, split = example if len(example) == 3 else (*example, 0)
             n = len(ids)
-            assert 0 < n <= self.block_length and len(mask) == n
+            assert 0 < n <= self.block_length and len(mask) == n and 0 <= split < n
             if self._used + n > self.block_length:
                 closed = self._close()
                 for out, part in zip((blocks, starts, masks, block_sources), closed,
                                      strict=True):
                     out.append(part)
             mask = np.asarray(mask, dtype=np.uint8).copy()
-            mask[0] = 0
+            mask[0] = mask[split] = 0
             self._ids.append(np.asarray(ids, dtype=np.int32))
             self._mask.append(mask)
             self._sources.append(int(source))
+            self._splits.append(int(split))
             self._used += n
             self.tokens_in += n
-            self.trained_tokens += int(mask.sum())
+            self.trained_tokens += int(np.count_nonzero(mask))
         return self._stack(blocks, starts, masks, block_sources)
 
     tail_tokens = 0
@@ -185,16 +191,21 @@ class ExamplePacker:
     def _close(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         L = self.block_length
         lengths = [len(i) for i in self._ids]
-        starts = np.cumsum([0, *lengths])[:-1]
+        firsts = np.cumsum([0, *lengths])[:-1]
+        starts, sources = [], []
+        for first, split, source in zip(firsts, self._splits, self._sources, strict=True):
+            starts += [first, first + split] if split else [first]
+            sources += [source, source] if split else [source]
         pad = L - self._used
         ids = np.concatenate([*self._ids, np.full(pad, self.pad_id, np.int32)])
         mask = np.concatenate([*self._mask, np.zeros(pad, np.uint8)])
-        sources = np.array(self._sources + ([UNKNOWN_SOURCE] if pad else []), dtype=np.int64)
         if pad:
-            starts = np.concatenate([starts, [self._used]])
+            starts.append(self._used)
+            sources.append(UNKNOWN_SOURCE)
+        starts, sources = np.array(starts, np.int64), np.array(sources, np.int64)
         self.padding_tokens += pad
         self.blocks_out += 1
-        self._ids, self._mask, self._sources, self._used = [], [], [], 0
+        self._ids, self._mask, self._sources, self._splits, self._used = [], [], [], [], 0
         return ids, starts.astype(np.int64), mask, sources
 
     def _stack(self, blocks, starts, masks, sources):

@@ -171,7 +171,8 @@ class ExampleRenderer:
 
     def __init__(self, *, example_format: str, messages_field: str, prompt_field: str,
                  completion_field: str, chat_template: dict[str, Any] | None, loss_on: str,
-                 block_length: int, long_examples: str, tokenizer, eos_id: int) -> None:
+                 block_length: int, long_examples: str, tokenizer, eos_id: int,
+                 chosen_field: str | None = None, rejected_field: str | None = None) -> None:
         from raylm.data.chat import DefaultTemplate, JinjaTemplate
 
         self.format, self.loss_on = example_format, loss_on
@@ -194,6 +195,8 @@ class ExampleRenderer:
             within_chars,
         )
 
+        if self.format == "preference":
+            return self._pairs(table)
         texts = table.column("text").to_pylist()
         reasons = table.column("reason").to_pylist()
         ids_out, masks_out, truncated = [], [], []
@@ -227,11 +230,55 @@ class ExampleRenderer:
             ids_out.append(ids)
             masks_out.append(mask)
             truncated.append(cut)
-        return (table.drop_columns(["text", "reason"])
-                .append_column("reason", pa.array(reasons, pa.string()))
-                .append_column("ids", _list_array(ids_out, pa.int32()))
-                .append_column("loss_mask", _list_array(masks_out, pa.uint8()))
-                .append_column("truncated", pa.array(truncated, pa.bool_())))
+        return self._table(table, reasons, ids_out, masks_out, truncated)
+
+    @staticmethod
+    def _table(table: pa.Table, reasons: list, ids: list, masks: list, truncated: list,
+               splits: list | None = None) -> pa.Table:
+        out = (table.drop_columns(["text", "reason"])
+               .append_column("reason", pa.array(reasons, pa.string()))
+               .append_column("ids", _list_array(ids, pa.int32()))
+               .append_column("loss_mask", _list_array(masks, pa.uint8()))
+               .append_column("truncated", pa.array(truncated, pa.bool_())))
+        if splits is not None:
+            out = out.append_column("split", pa.array(splits, pa.int32()))
+        return out
+
+    def _pairs(self, table: pa.Table) -> pa.Table:
+        """Preference pairs: the chosen half (answer targets marked 1) then the rejected half
+        (marked 2) as one example, and where the second half starts. A pair is never cut: one
+        that does not fit a block whole is dropped (``too_long``)."""
+        from raylm.data.chat import answer_segments, encode, forged, within_chars
+
+        reasons = table.column("reason").to_pylist()
+        ids_out, masks_out, splits = [], [], []
+        for i, text in enumerate(table.column("text").to_pylist()):
+            ids, mask, split = np.zeros(0, np.int32), np.zeros(0, np.uint8), 0
+            pair = json.loads(text) if text is not None else None
+            if pair is not None and forged([*pair["prompt"], *pair["chosen"], *pair["rejected"]],
+                                           self.control):
+                reasons[i], pair = "control_text", None
+            if pair is not None and self.max_chars is not None and any(
+                    within_chars([*pair["prompt"], *pair[a]], self.max_chars)[1]
+                    for a in ("chosen", "rejected")):
+                reasons[i], pair = "too_long", None
+            if pair is not None:
+                halves = [encode(answer_segments(self.template, pair["prompt"], pair[a]),
+                                 self.tok, eos_id=self.eos_id, loss_on="assistant")
+                          for a in ("chosen", "rejected")]
+                (c_ids, c_mask), (r_ids, r_mask) = halves
+                if len(c_ids) + len(r_ids) > self.block_length:
+                    reasons[i] = "too_long"
+                elif not c_mask[1:].any() or not r_mask[1:].any():
+                    reasons[i] = "no_trained_tokens"
+                else:
+                    ids = np.concatenate([c_ids, r_ids])
+                    mask = np.concatenate([c_mask, 2 * r_mask]).astype(np.uint8)
+                    split = len(c_ids)
+            ids_out.append(ids)
+            masks_out.append(mask)
+            splits.append(split)
+        return self._table(table, reasons, ids_out, masks_out, [False] * len(splits), splits)
 
 
 def _list_array(pieces: list[np.ndarray], value_type) -> pa.ListArray:
@@ -485,6 +532,8 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
             mask_list = table.column("loss_mask").combine_chunks()
             masks, mask_offsets = mask_list.values.to_numpy(), mask_list.offsets.to_numpy()
             cut = table.column("truncated").to_numpy(zero_copy_only=False)
+            pair_splits = (table.column("split").to_numpy()
+                           if "split" in table.column_names else None)
         docs: dict[str, list] = {s: [] for s in SPLITS}
         keys: dict[str, list] = {s: [] for s in SPLITS}
         for i, reason in enumerate(reasons):
@@ -508,6 +557,8 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
             if renderer:
                 res.truncated += int(cut[i])
                 doc = (doc, masks[mask_offsets[i]:mask_offsets[i + 1]])
+                if pair_splits is not None:  # a preference pair: two documents
+                    doc = (*doc, int(pair_splits[i]))
             docs[split].append(doc)
             keys[split].append(source_key(int(file_ids[i]), int(lines[i])))
         for s in SPLITS:
@@ -593,8 +644,11 @@ def example_fields(d) -> dict[str, str] | None:
     text."""
     if not d.examples:
         return None
-    return dict(example_format=d.format, messages_field=d.messages_field,
-                prompt_field=d.prompt_field, completion_field=d.completion_field)
+    fields = dict(example_format=d.format, messages_field=d.messages_field,
+                  prompt_field=d.prompt_field, completion_field=d.completion_field)
+    if d.format == "preference":  # only here: the other formats' fingerprints stay as they were
+        fields |= dict(chosen_field=d.chosen_field, rejected_field=d.rejected_field)
+    return fields
 
 
 def _as_list(refs, n: int) -> list:

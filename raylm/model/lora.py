@@ -26,6 +26,7 @@ FSDP2 shards them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch
@@ -245,3 +246,26 @@ def load_quantized_base(model: nn.Module, path: str, device: torch.device, *,
                                  else buf.to(device))
     reset_buffers(model)
     return quantized
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """Run ``model`` as its base inside the block: every LoRA layer skips its adapters (the
+    reference model of preference tuning, without a second copy of the weights).
+
+    Sets the flag peft's ``enable_adapters`` sets, but not through it: that method also turns
+    the adapters' ``requires_grad`` off and on, and FSDP2 fixes an unsharded parameter's
+    ``requires_grad`` when it first all-gathers it, so a first forward with the adapters
+    disabled would leave them untrained for the rest of the run."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    if not layers:
+        raise ValueError("adapters_off: the model holds no LoRA adapters")
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._disable_adapters = False

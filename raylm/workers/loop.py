@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
@@ -75,6 +76,7 @@ from raylm.workers.metrics import (
     state_memory_bytes,
 )
 from raylm.workers.optim import build_optimizer, lr_at, set_lr
+from raylm.workers.preference import Objective, preference_evaluate, preference_step
 from raylm.workers.step import (
     Built,
     TrainState,
@@ -135,6 +137,8 @@ class Setup:
     identity: dict[str, str]
     """What the run trains with, written into every checkpoint (data, tokenizer, base)."""
     run_dir: str = ""
+    objective: Objective | None = None
+    """The preference objective (train.objective=dpo); None for next-token training."""
     state_memory: dict[str, float] | None = None
     """Parameter and optimizer-state memory of the rank holding most, once measured."""
 
@@ -178,12 +182,19 @@ def train(run: Setup) -> None:
                    total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
                    cycle_steps=o.cycle_steps)
         set_lr(run.optimizer, lr)
-        loss, grad_norm = train_step(run.built, run.optimizer, micro,
-                                     accumulation=run.accumulation, grad_clip=o.grad_clip,
-                                     cross_document=run.cfg.data.across_documents,
-                                     health=run.health)
+        figures: dict[str, torch.Tensor] = {}
+        if run.objective is not None:
+            loss, grad_norm, figures = preference_step(
+                run.built, run.optimizer, micro, accumulation=run.accumulation,
+                objective=run.objective, grad_clip=o.grad_clip, health=run.health)
+        else:
+            loss, grad_norm = train_step(run.built, run.optimizer, micro,
+                                         accumulation=run.accumulation, grad_clip=o.grad_clip,
+                                         cross_document=run.cfg.data.across_documents,
+                                         health=run.health)
         state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
-        if state.step == 1 and run.cfg.model.path and run.built.pipeline is None:
+        if (state.step == 1 and run.cfg.model.path and run.built.pipeline is None
+                and run.objective is None):
             # Once, at the start of a run from pretrained weights (the loss is global).
             first_loss_check(float(loss), vocab_size=run.built.config.vocab_size,
                              model_path=run.cfg.model.path)
@@ -202,6 +213,7 @@ def train(run: Setup) -> None:
         metrics = {"step": state.step, "loss": float(loss), "lr": lr,
                    "grad_norm": float(grad_norm), "tokens_seen": state.tokens_seen,
                    "preempted": todo.preempted, **window,
+                   **{f"dpo_{k}": float(v) for k, v in figures.items()},
                    **run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
                                  gpu_hour_price=run.cfg.tracking.gpu_hour_price),
                    **run.constant_metrics}
@@ -388,6 +400,8 @@ def state_memory(run: Setup) -> dict[str, float]:
 
 
 def validate(run: Setup) -> dict[str, float]:
+    if run.objective is not None:
+        return preference_evaluate(run.built, run.val_batches, run.objective)
     val = evaluate(run.built, run.val_batches,
                    cross_document=run.cfg.data.across_documents)
     return {"val_loss": val, "val_perplexity": float(np.exp(val))}
@@ -566,6 +580,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  recent=collections.deque(maxlen=t.log_every),
                  resumed=(storage.name(found[0]), state.step) if found is not None else None,
                  run_dir=loop_config["run_dir"],
+                 objective=(Objective(**dataclasses.asdict(cfg.dpo))
+                            if t.objective == "dpo" else None),
                  constant_metrics=constant,
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
                                                 cfg.checkpoint.writer, device=built.device,

@@ -15,19 +15,39 @@ reward* of an answer is ``beta * (logp - ref_logp)``, and
             log-probability of the answer, ``g``: the margin ``simpo_gamma`` (no reference)
 ==========  ======================================================================================
 
-Every function returns per-pair values: the caller sums them and divides by the number of pairs
-in the *global* batch, so that accumulation and worker counts give the same update.
+Every function returns per-pair values: :func:`preference_step` sums them and divides by the
+number of pairs in the *global* batch, so that accumulation and worker counts give the same
+update.
+
+Pairs arrive packed (:mod:`raylm.data.packing`): each pair is two consecutive documents of a
+block, the prompt and chosen answer then the prompt and rejected answer, with the chosen
+answer's trained targets marked 1 in the loss mask and the rejected answer's 2. Documents do
+not attend to each other, so one forward scores both answers of every pair in the block.
+
+The reference model is the policy with its LoRA adapters switched off (one model in memory,
+:func:`raylm.model.lora.adapters_off`); SimPO needs none.
 
 Written by hand (a few lines each): TRL computes these inside its trainers' loss methods, which
-need its whole trainer; tests check these against TRL's on the same figures.
+need its whole trainer and a second model; tests check these against TRL's on the same
+figures.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from raylm.model.lora import adapters_off
+from raylm.model.parallelize import autocast
+from raylm.workers.step import Built, apply_update, clip_grad_norm
+
+if TYPE_CHECKING:
+    from raylm.workers.health import Health
 
 LOSSES = ("sigmoid", "ipo", "simpo")
 NEEDS_REFERENCE = {"sigmoid": True, "ipo": True, "simpo": False}
@@ -94,3 +114,132 @@ def answer_logps(logits: torch.Tensor, targets: torch.Tensor, segments: torch.Te
     index, values = segments[trained], token[trained]
     zeros = torch.zeros(num_segments, dtype=torch.float32, device=logits.device)
     return zeros.index_add(0, index, values), zeros.index_add(0, index, torch.ones_like(values))
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What :func:`preference_step` optimizes (the config's ``dpo`` section)."""
+
+    loss: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.0
+
+    @property
+    def needs_reference(self) -> bool:
+        return NEEDS_REFERENCE[self.loss]
+
+
+# Per-pair figures reported, as global means over the step's pairs.
+FIGURES = ("chosen_reward", "rejected_reward", "margin", "accuracy", "chosen_logp",
+           "rejected_logp")
+
+
+def answer_segments(position_ids: torch.Tensor, loss_mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, int]:
+    """For each target of a batch of packed pairs (``[:, 1:]`` of the blocks), the index of
+    the answer it belongs to (``2 p`` for pair ``p``'s chosen answer, ``2 p + 1`` for its
+    rejected one, pairs numbered across the batch) or -1; and the number of pairs. The blocks'
+    documents are pairs' halves, chosen then rejected (the padding closing a block is a
+    document of its own with no trained target)."""
+    starts = (position_ids == 0).to(torch.int64)
+    doc = starts.cumsum(dim=1) - 1
+    pair_in_row = doc // 2
+    rows = int(position_ids.size(0))
+    mask = loss_mask.to(torch.int64)
+    pairs_per_row = torch.where(mask > 0, pair_in_row + 1, 0).amax(dim=1)
+    offset = torch.cumsum(pairs_per_row, 0) - pairs_per_row
+    segment = 2 * (pair_in_row + offset.view(rows, 1)) + (mask - 1)
+    segment = torch.where(mask > 0, segment, -1)
+    return segment[:, 1:], int(pairs_per_row.sum())
+
+
+def global_pairs(batches: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """Pairs in ``batches``, summed over every rank (all call it)."""
+    local = sum(answer_segments(b["position_ids"], b["loss_mask"])[1] for b in batches)
+    n = torch.full((), local, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(n)
+    return n
+
+
+def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,
+           pairs: int) -> Answers:
+    """The model's summed log-probabilities of each pair's answers in ``batch``."""
+    tokens = batch["input_ids"].to(built.device, non_blocking=True)
+    positions = batch["position_ids"][:, :-1].to(built.device, non_blocking=True)
+    with built.attention.context(), autocast(built.precision, built.device.type):
+        logits = built.model(input_ids=tokens[:, :-1], position_ids=positions).logits
+    sums, counts = answer_logps(logits, tokens[:, 1:], segments.to(built.device),
+                                num_segments=2 * pairs)
+    return Answers(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
+
+
+def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objective
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The summed loss of ``batch``'s pairs (with its graph) and the sums of their figures."""
+    segments, pairs = answer_segments(batch["position_ids"], batch["loss_mask"])
+    reference = None
+    if objective.needs_reference:
+        with torch.no_grad(), adapters_off(built.model):
+            reference = scored(built, batch, segments, pairs)
+    policy = scored(built, batch, segments, pairs)
+    losses, figures = pair_losses(policy, reference, loss=objective.loss, beta=objective.beta,
+                                  label_smoothing=objective.label_smoothing,
+                                  simpo_gamma=objective.simpo_gamma)
+    figures = figures | {"chosen_logp": policy.chosen.detach(),
+                         "rejected_logp": policy.rejected.detach()}
+    return losses.sum(), {k: v.sum() for k, v in figures.items()}
+
+
+def preference_step(built: Built, optimizer: torch.optim.Optimizer,
+                    micro_batches: Iterable[dict[str, torch.Tensor]], *, accumulation: int,
+                    objective: Objective, grad_clip: float, health: Health | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One optimizer step over ``accumulation`` micro-batches of packed pairs; returns (the
+    loss averaged over the global batch's pairs, the gradient norm before clipping, each of
+    :data:`FIGURES` averaged over those pairs) as 0-d device tensors, nothing read back.
+
+    Each micro-batch's summed pair losses are scaled by world / (the global batch's pairs)
+    before its backward: FSDP2 averages gradients over the ranks, so the update is the mean
+    over every pair of the step whatever the accumulation and worker count."""
+    micro_batches = list(micro_batches)
+    if len(micro_batches) != accumulation:
+        raise RuntimeError(f"expected {accumulation} micro-batches, got {len(micro_batches)}")
+    if built.pipeline is not None:
+        raise ValueError("train.objective=dpo does not run under pipeline parallelism")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    count = global_pairs(micro_batches, built.device).float()
+    total = torch.zeros(1 + len(FIGURES), device=built.device)
+    for batch in micro_batches:
+        loss_sum, figures = pair_terms(built, batch, objective)
+        with built.attention.context():  # activation checkpointing recomputes here
+            (loss_sum * world / count).backward()
+        total += torch.stack([loss_sum.detach(), *(figures[k] for k in FIGURES)])
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    means = total / count
+    norm = clip_grad_norm(built.model, grad_clip)
+    apply_update(optimizer, health.check(means[0], norm) if health is not None else None)
+    return means[0].detach(), norm.detach(), dict(zip(FIGURES, means[1:], strict=True))
+
+
+@torch.no_grad()
+def preference_evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]],
+                        objective: Objective) -> dict[str, float]:
+    """The loss and :data:`FIGURES` averaged over every pair of ``batches`` on every rank
+    (all call it): ``val_loss``, ``val_accuracy`` (the share of pairs whose chosen answer has
+    the higher reward) ... ; NaN where the validation split holds no pair."""
+    built.model.eval()
+    total = torch.zeros(2 + len(FIGURES), device=built.device)
+    for batch in batches:
+        loss_sum, figures = pair_terms(built, batch, objective)
+        pairs = answer_segments(batch["position_ids"], batch["loss_mask"])[1]
+        total += torch.stack([loss_sum, *(figures[k] for k in FIGURES),
+                              torch.tensor(float(pairs), device=built.device)])
+    built.model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    n = float(total[-1])
+    values = (total[:-1] / n).tolist() if n else [float("nan")] * (1 + len(FIGURES))
+    return {f"val_{k}": v for k, v in zip(("loss", *FIGURES), values, strict=True)}

@@ -1,6 +1,6 @@
 """FSDP2 over 2 gloo processes matches a single-process reference (fp32, CPU), no Ray: full
-training, float8 linears, masked fine-tuning steps, LoRA adapters and LoRA on an
-NF4-quantized base."""
+training, float8 linears, masked fine-tuning steps, LoRA adapters, LoRA on an NF4-quantized
+base, and DPO steps on LoRA adapters."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from tests.pairs import pair_blocks
 from tests.ranks import free_port, run_ranks
 
 VOCAB, SEQ, BATCH, STEPS = 300, 33, 4, 3
@@ -119,6 +120,23 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
         out[f"lora_{base}_losses"] = [
             float(train_step(adapted, opt, [mine(masked_data())], accumulation=1, grad_clip=1.0)[0])
             for _ in range(STEPS)]
+    # DPO on the LoRA model, the reference being its base with the adapters off: the loss
+    # is averaged over the global batch's pairs, which the ranks hold unequally.
+    from raylm.workers.preference import FIGURES, Objective, preference_step
+
+    pairs = pair_blocks(BATCH, seq=SEQ - 1, vocab=VOCAB, seed=5)
+    dpo = build_training_model(preset=None, path=pretrained, vocab_size=VOCAB, eos_id=0,
+                               device=torch.device("cpu"), precision="fp32", seed=0,
+                               lora=LORA)
+    dpo_opt = build_optimizer(dpo.model, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
+                              device_type="cpu")
+    steps = [preference_step(dpo, dpo_opt, [mine(pairs)], accumulation=1,
+                             objective=Objective(loss="sigmoid", beta=0.5), grad_clip=1.0)
+             for _ in range(STEPS)]
+    out["dpo"] = [[float(loss), float(norm), *(float(f[k]) for k in FIGURES)]
+                  for loss, norm, f in steps]
+    out["dpo_adapters"] = adapters(dpo.model)
+
     # The NF4 run's checkpoint (adapters and their Adam state; the NF4 base is not in it)
     # restores into a fresh NF4 model, whose next step is the continuing run's.
     from raylm.workers import checkpoint
@@ -215,6 +233,17 @@ def test_float8_linears_train_under_fsdp2_as_in_one_process(results):
     assert got == pytest.approx(want, rel=2e-2)
     assert got[-1] < got[0] - 0.5
     assert got[0] != pytest.approx(fsdp["losses"][0], rel=1e-6)  # the matmuls ran in float8
+
+
+def test_dpo_steps_average_over_the_global_batchs_pairs(results):
+    fsdp, ref = results
+    assert fsdp["dpo"][0][0] == pytest.approx(0.6931472, abs=1e-6)  # ln 2: policy = reference
+    for got, want in zip(fsdp["dpo"], ref["dpo"], strict=True):
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
+    assert fsdp["dpo"][-1][0] < fsdp["dpo"][0][0]
+    for name, p in ref["dpo_adapters"].items():
+        torch.testing.assert_close(fsdp["dpo_adapters"][name], p, atol=5e-5, rtol=1e-4,
+                                   msg=name)
 
 
 def test_masked_steps_average_over_the_global_batchs_trained_targets(results):

@@ -51,6 +51,12 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape():
     assert "rank" in inspect.signature(FileSystemReader._get_metadata_path).parameters
     assert list(inspect.signature(FileSystemReader._slice_file).parameters) == [
         "self", "file", "sinfo"]
+    # raylm.model.lora.adapters_off: the flag a LoRA layer's forward reads to skip its
+    # adapters.
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    assert BaseTunerLayer._disable_adapters is False
+    assert isinstance(BaseTunerLayer.disable_adapters, property)
     # raylm.run.tracking: whether the monitor's sampling process is alive.
     assert "_process" in SystemMetricsMonitor(run_id="x").__dict__
     # raylm.workers.preemption: where Ray Train keeps the drain notice.

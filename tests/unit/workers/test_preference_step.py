@@ -1,0 +1,116 @@
+"""The preference step (raylm.workers.preference) on packed pairs: which targets belong to
+which answer, the reference as the base with the adapters off, and a loss averaged over the
+global batch's pairs whatever the accumulation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from raylm.model.lora import adapters_off
+from raylm.workers.preference import (
+    FIGURES,
+    Objective,
+    answer_segments,
+    pair_terms,
+    preference_evaluate,
+    preference_step,
+)
+from raylm.workers.step import build_training_model
+from tests.pairs import pair_blocks
+
+VOCAB, SEQ = 96, 64
+LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+
+
+def build(lora: dict | None = LORA):
+    return build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
+                                device=torch.device("cpu"), precision="fp32", seed=0,
+                                lora=lora)
+
+
+def test_each_trained_target_is_numbered_by_its_pair_and_answer():
+    # Block 0: a pair (positions 0-3 chosen half, 4-7 rejected half), a second pair, padding.
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 0, 1],
+                        [0, 1, 2, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 2, 2, 0, 1, 1, 0, 2, 2, 0, 0],
+                         [0, 1, 1, 0, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])
+    segments, pairs = answer_segments(pos, mask)
+    assert pairs == 3
+    assert segments.tolist() == [
+        [-1, 0, 0, -1, -1, 1, 1, -1, 2, 2, -1, 3, 3, -1, -1],
+        [0 + 4, 4, -1, 5, 5, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1]]
+
+
+def test_the_reference_is_the_base_and_the_first_dpo_loss_is_ln2():
+    built = build()
+    batch = pair_blocks(2, seq=SEQ, vocab=VOCAB)
+    objective = Objective(loss="sigmoid", beta=0.1)
+    # Adapters start as the identity (B = 0): the policy is its reference, every reward 0.
+    loss, figures = pair_terms(built, batch, objective)
+    pairs = answer_segments(batch["position_ids"], batch["loss_mask"])[1]
+    assert loss.item() / pairs == pytest.approx(math.log(2), abs=1e-6)
+    assert figures["margin"].item() == 0.0
+    # With trained adapters, switching them off gives the base model's outputs exactly.
+    with torch.no_grad():
+        for name, p in built.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ids = batch["input_ids"][:, :-1]
+    base = build(lora=None).model
+    with torch.no_grad(), adapters_off(built.model):
+        off = built.model(input_ids=ids).logits
+    torch.testing.assert_close(off, base(input_ids=ids).logits, rtol=0, atol=0)
+    assert not torch.allclose(built.model(input_ids=ids).logits, off)
+    with pytest.raises(ValueError, match="no LoRA adapters"), adapters_off(base):
+        pass
+
+
+@pytest.mark.parametrize("lora, loss", [(LORA, "sigmoid"), (LORA, "ipo"), (None, "simpo")])
+def test_accumulation_gives_the_update_of_one_micro_batch(lora, loss):
+    """Micro-batches hold different numbers of pairs: the step averages over all of them."""
+    batch = pair_blocks(4, seq=SEQ, vocab=VOCAB, seed=1)
+    halves = [{k: v[:1] for k, v in batch.items()}, {k: v[1:] for k, v in batch.items()}]
+    counts = [answer_segments(h["position_ids"], h["loss_mask"])[1] for h in halves]
+    assert counts[0] * 3 != counts[1]  # unequal shares: a mean of means would differ
+    objective = Objective(loss=loss, beta=0.5 if loss != "simpo" else 2.0)
+    results = []
+    for micro in ([batch], halves):
+        built = build(lora)
+        trained = [p for p in built.model.parameters() if p.requires_grad]
+        sgd = torch.optim.SGD(trained, lr=1.0)
+        # The second step: LoRA's B starts at zero, so A's first gradient is zero.
+        preference_step(built, sgd, micro, accumulation=len(micro), objective=objective,
+                        grad_clip=0.0)
+        before = [p.detach().clone() for p in trained]
+        loss_value, norm, figures = preference_step(built, sgd, micro,
+                                                    accumulation=len(micro),
+                                                    objective=objective, grad_clip=0.0)
+        results.append((loss_value, norm, figures,
+                        [b - p.detach() for b, p in zip(before, trained, strict=True)]))
+    (l1, n1, f1, d1), (l2, n2, f2, d2) = results
+    assert float(l2) == pytest.approx(float(l1), rel=1e-5)
+    assert float(n2) == pytest.approx(float(n1), rel=1e-5)
+    assert set(f1) == set(FIGURES)
+    for k in FIGURES:
+        assert float(f2[k]) == pytest.approx(float(f1[k]), rel=1e-5, abs=1e-6), k
+    for a, b in zip(d1, d2, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_dpo_steps_teach_the_preference_and_evaluation_reports_it():
+    built = build()
+    batch = pair_blocks(2, seq=SEQ, vocab=VOCAB, seed=2)
+    objective = Objective(loss="sigmoid", beta=0.5)
+    opt = torch.optim.AdamW([p for p in built.model.parameters() if p.requires_grad], lr=1e-2)
+    before = preference_evaluate(built, [batch], objective)
+    assert before["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for _ in range(8):
+        preference_step(built, opt, [batch], accumulation=1, objective=objective,
+                        grad_clip=1.0)
+    after = preference_evaluate(built, [batch], objective)
+    assert after["val_loss"] < before["val_loss"] - 0.2
+    assert after["val_accuracy"] == 1.0 and after["val_margin"] > 0
+    assert set(after) == {"val_loss", *(f"val_{k}" for k in FIGURES)}
