@@ -527,6 +527,31 @@ def parse_prompt_completion(prompt: Any, completion: Any
             {"role": "assistant", "content": completion}], None
 
 
+def parse_prompt(prompt: Any) -> tuple[list[dict[str, str]] | None, str | None]:
+    """A preference prompt as messages: a string is one user turn; a conversation must not end
+    with an assistant turn (the answer comes next)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": normalize(prompt)}], None
+    turns, reason = parse_messages(prompt, needs_assistant=False)
+    if reason is None and turns[-1]["role"] == "assistant":
+        return None, "malformed"
+    return turns, reason
+
+
+def parse_answer(value: Any) -> tuple[list[dict[str, str]] | None, str | None]:
+    """A preference answer as assistant turns: a string is one."""
+    if isinstance(value, str):
+        value = [{"role": "assistant", "content": value}]
+    answer, reason = parse_messages(value, needs_assistant=False)
+    if reason is not None:
+        return None, reason
+    if any(m["role"] != "assistant" for m in answer):
+        return None, "malformed"
+    if not all(m["content"] for m in answer):
+        return None, "empty"
+    return answer, None
+
+
 def parse_preference(prompt: Any, chosen: Any, rejected: Any
                      ) -> tuple[dict[str, list[dict[str, str]]] | None, str | None]:
     """A preference pair as ``{prompt, chosen, rejected}`` message lists, normalized, or
@@ -536,26 +561,12 @@ def parse_preference(prompt: Any, chosen: Any, rejected: Any
     nothing to train on), ``identical_answers`` (nothing to prefer)."""
     if prompt is None or chosen is None or rejected is None:
         return None, "missing_field"
-    if isinstance(prompt, str):
-        turns = [{"role": "user", "content": normalize(prompt)}]
-    else:
-        turns, reason = parse_messages(prompt, needs_assistant=False)
+    pair: dict[str, list[dict[str, str]]] = {}
+    for name, value, parse in (("prompt", prompt, parse_prompt), ("chosen", chosen, parse_answer),
+                               ("rejected", rejected, parse_answer)):
+        pair[name], reason = parse(value)
         if reason is not None:
             return None, reason
-        if turns[-1]["role"] == "assistant":
-            return None, "malformed"
-    pair = {"prompt": turns}
-    for name, value in (("chosen", chosen), ("rejected", rejected)):
-        if isinstance(value, str):
-            value = [{"role": "assistant", "content": value}]
-        answer, reason = parse_messages(value)
-        if reason is not None:
-            return None, reason
-        if any(m["role"] != "assistant" for m in answer):
-            return None, "malformed"
-        if not all(m["content"] for m in answer):
-            return None, "empty"
-        pair[name] = answer
     if pair["chosen"] == pair["rejected"]:
         return None, "identical_answers"
     return pair, None

@@ -3,6 +3,7 @@
     python -m raylm.examples.reverse_words write --output data/reverse --train 4000 --heldout 200
     python -m raylm.examples.reverse_words model --data data/reverse --output runs/reverse-init
     python -m raylm.examples.reverse_words score runs/sft --data data/reverse/heldout.jsonl
+    python -m raylm.examples.reverse_words prefer runs/dpo --data data/reverse/heldout_pairs.jsonl
 
 The task: "Reverse the words: river mill bread" -> "bread mill river". The answer is a
 deterministic function of the question, so accuracy is exact match of the greedy answer, and
@@ -88,6 +89,29 @@ def conversation(words: list[str]) -> list[dict[str, str]]:
             {"role": "assistant", "content": answer(words)}]
 
 
+def near_miss(words: list[str], rng: random.Random) -> str:
+    """A wrong answer close to the right one, of the kinds a model that half learned the task
+    gives: the words as asked (copied, not reversed), the reversal with two neighbours
+    swapped, or with one word replaced by another of the task's words."""
+    right = list(reversed(words))
+    kind = rng.choice(("copied", "swapped", "replaced"))
+    if kind == "copied":
+        wrong = list(words)
+    elif kind == "swapped":
+        i = rng.randrange(len(right) - 1)
+        wrong = right[:i] + [right[i + 1], right[i]] + right[i + 2:]
+    else:
+        i = rng.randrange(len(right))
+        wrong = right[:i] + [rng.choice([w for w in WORDS if w not in words])] + right[i + 1:]
+    return " ".join(wrong)
+
+
+def pair(words: list[str], rng: random.Random) -> dict:
+    """A preference pair: the question, the right reversal chosen, a near miss rejected."""
+    return {"prompt": conversation(words)[:2], "chosen": answer(words),
+            "rejected": near_miss(words, rng)}
+
+
 def make_split(*, train: int, heldout: int, seed: int = 0, min_words: int = 2,
                max_words: int = 4) -> tuple[list[list[str]], list[list[str]]]:
     """Distinct word sequences: ``train`` for training, ``heldout`` that no training one
@@ -105,18 +129,24 @@ def make_split(*, train: int, heldout: int, seed: int = 0, min_words: int = 2,
 
 def write(output: str | Path, *, train: int, heldout: int, pretrain: int = 20000,
           seed: int = 0) -> dict[str, str]:
-    """``output/train.jsonl`` and ``output/heldout.jsonl`` in raylm's chat format, and
-    ``output/pretrain.jsonl``, text for the model fine-tuned on them (``{"text": ...}`` rows)."""
+    """``output/train.jsonl`` and ``output/heldout.jsonl`` in raylm's chat format, the same
+    questions as preference pairs (``train_pairs.jsonl``, ``heldout_pairs.jsonl``: the right
+    reversal chosen, a near miss rejected), and ``output/pretrain.jsonl``, text for the model
+    fine-tuned on them (``{"text": ...}`` rows)."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     tr, ho = make_split(train=train, heldout=heldout, seed=seed)
     paths = {"pretrain": str(out / "pretrain.jsonl")}
     Path(paths["pretrain"]).write_text("".join(
         json.dumps({"text": t}) + "\n" for t in pretraining_text(pretrain, seed=seed)))
+    rng = random.Random(seed)
     for name, rows in (("train", tr), ("heldout", ho)):
         path = out / f"{name}.jsonl"
         path.write_text("".join(json.dumps({"messages": conversation(w)}) + "\n" for w in rows))
         paths[name] = str(path)
+        pairs = out / f"{name}_pairs.jsonl"
+        pairs.write_text("".join(json.dumps(pair(w, rng)) + "\n" for w in rows))
+        paths[f"{name}_pairs"] = str(pairs)
     return paths
 
 
@@ -137,6 +167,23 @@ def score(source: str | Path, data: str | Path, *, limit: int | None = None,
         got = model.answer(asked, temperature=0, max_new_tokens=max_new_tokens)
         correct += " ".join(got.split()) == " ".join(want.split())
     return {"examples": len(rows), "exact_match": correct / len(rows) if rows else 0.0}
+
+
+def preference(source: str | Path, data: str | Path, *, limit: int | None = None
+               ) -> dict[str, float]:
+    """Preference accuracy of ``source`` on the pairs of ``data``: the share of pairs whose
+    chosen answer the model gives the higher log-probability (summed over the answer's tokens
+    as training scores them), and the mean margin between the two."""
+    from raylm.run.exporter import Generator
+
+    rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
+    rows = rows[:limit] if limit else rows
+    model = Generator(source)
+    margins = [model.answer_logp(r["prompt"], r["chosen"])
+               - model.answer_logp(r["prompt"], r["rejected"]) for r in rows]
+    n = max(len(rows), 1)
+    return {"pairs": len(rows), "preference_accuracy": sum(m > 0 for m in margins) / n,
+            "mean_logp_margin": sum(margins) / n}
 
 
 def model(output: str | Path, data: str | Path, *, layers: int = 4, hidden: int = 128,
@@ -187,12 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("source", help="a run directory or a model directory")
     s.add_argument("--data", required=True)
     s.add_argument("--limit", type=int, default=None)
+    f = sub.add_parser("prefer", help="held-out preference accuracy: how often the chosen "
+                                      "answer is the more likely")
+    f.add_argument("source", help="a run directory or a model directory")
+    f.add_argument("--data", required=True, help="a pairs file (heldout_pairs.jsonl)")
+    f.add_argument("--limit", type=int, default=None)
     args = p.parse_args(argv)
     if args.command == "write":
         print(json.dumps(write(args.output, train=args.train, heldout=args.heldout,
                                pretrain=args.pretrain, seed=args.seed)))
     elif args.command == "model":
         print(model(args.output, args.data, seed=args.seed))
+    elif args.command == "prefer":
+        print(json.dumps(preference(args.source, args.data, limit=args.limit)))
     else:
         print(json.dumps(score(args.source, args.data, limit=args.limit)))
     return 0

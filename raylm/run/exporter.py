@@ -312,6 +312,27 @@ class Generator:
         return self._sample(torch.from_numpy(ids.astype("int64"))[None], **sampling)
 
     @torch.no_grad()
+    def answer_logp(self, prompt: list[dict[str, str]] | str,
+                    answer: list[dict[str, str]] | str) -> float:
+        """The summed log-probability of ``answer``'s trained tokens after ``prompt``, rendered
+        as preference training renders a pair's half (:func:`raylm.data.chat.answer_segments`);
+        strings stand for one user turn and one assistant turn."""
+        from raylm.data.chat import answer_segments, encode
+        from raylm.data.corpus import parse_answer, parse_prompt
+
+        (turns, bad), (reply, wrong) = parse_prompt(prompt), parse_answer(answer)
+        if bad or wrong:
+            raise ValueError(f"answer_logp: the {'prompt' if bad else 'answer'} is "
+                             f"{bad or wrong}")
+        ids, mask = encode(answer_segments(self.template, turns, reply),
+                           self.tok.backend_tokenizer, eos_id=self.tok.eos_token_id,
+                           loss_on="assistant")
+        tokens = torch.from_numpy(ids.astype("int64"))[None]
+        logp = torch.log_softmax(self.model(input_ids=tokens[:, :-1]).logits.float(), dim=-1)
+        picked = logp[0].gather(-1, tokens[0, 1:, None])[:, 0]
+        return float(picked[torch.from_numpy(mask[1:].astype(bool))].sum())
+
+    @torch.no_grad()
     def _sample(self, ids: torch.Tensor, *, max_new_tokens: int = 64, temperature: float = 0.8,
                 top_k: int = 50, seed: int = 0) -> str:
         if ids.shape[1] == 0:

@@ -73,10 +73,12 @@ except ImportError:  # pragma: no cover - Ray without Train V2
     FailureDecision = None
 
 # The reported figures each progress record keeps: the run's metric history (raylm.api reads
-# it back as a DataFrame), whether or not MLflow is on.
+# it back as a DataFrame), whether or not MLflow is on. Also every figure named with one of
+# HISTORY_PREFIXES: preference tuning's (dpo_margin, val_accuracy ...).
 HISTORY = ("loss", "val_loss", "val_perplexity", "lr", "grad_norm", "tokens_per_s", "mfu",
            "data_wait_fraction", "peak_memory_gb", "workers", "joules_per_token",
            "watts_per_gpu", "energy_kwh")
+HISTORY_PREFIXES = ("dpo_", "val_")
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,6 +245,7 @@ class RunRecord(UserCallback):
         self.resumed_from_step: int | None = None  # where this invocation's first group began
         self.latest: dict[str, Any] = {}
         self.val_loss: float | None = None
+        self.val_figures: dict[str, float] = {}
         self.checkpoint_path: str | None = None
         self.tracking_lost: dict[str, Any] | None = None  # step and cause, once MLflow failed
         self.announced = 0  # interruptions printed and logged so far
@@ -290,7 +293,8 @@ class RunRecord(UserCallback):
             return
         step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
         self._add("progress", step=step, step_time=step_time, clock=m.get("clock"),
-                  **{k: m[k] for k in HISTORY if m.get(k) is not None})
+                  **{k: v for k, v in m.items() if v is not None
+                     and (k in HISTORY or k.startswith(HISTORY_PREFIXES))})
         if not self.group_reported:  # an interruption is complete at its group's first step
             self.group_reported = True
             self._announce(step)
@@ -300,6 +304,9 @@ class RunRecord(UserCallback):
         self.furthest = max(self.furthest, step)
         if "val_loss" in m:
             self.val_loss = m["val_loss"]
+            # Preference tuning's evaluation figures besides the loss (val_accuracy ...).
+            self.val_figures = {k: v for k, v in m.items() if k.startswith("val_")
+                                and k not in ("val_loss", "val_perplexity")}
         path = None
         if checkpoint_name is not None:
             path = self.checkpoint_path = storage.join(self.run_dir, checkpoint_name)
@@ -417,6 +424,7 @@ class RunRecord(UserCallback):
             "final_step": m.get("step"),
             "train_loss": m.get("loss"),
             "val_loss": self.val_loss,
+            **self.val_figures,
             "tokens_per_s": m.get("tokens_per_s"),
             "mfu": m.get("mfu"),
             "data_wait_fraction": m.get("data_wait_fraction_run"),
@@ -551,8 +559,12 @@ def progress_line(m: dict[str, Any], *, total_steps: int, step_time: float,
     line = (f"step {step}/{total_steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
             f"{m['tokens_per_s']:,.0f} tok/s  data wait {100 * m['data_wait_fraction']:.1f}%  "
             f"ETA {step_time * (total_steps - step):.0f}s")
+    if "dpo_accuracy" in m:
+        line += f"  margin {m['dpo_margin']:.3f}  acc {m['dpo_accuracy']:.2f}"
     if "val_loss" in m:
         line += f"  val {m['val_loss']:.4f}"
+    if "val_accuracy" in m:
+        line += f" (acc {m['val_accuracy']:.3f})"
     if checkpoint is not None:
         line += f"  checkpoint {checkpoint}"
     return line

@@ -1,5 +1,6 @@
-"""Fine-tuning data end to end on a local Ray cluster: chat and prompt/completion examples
-prepared (counted, rendered, masked, packed whole) and trained on 2 workers."""
+"""Fine-tuning data end to end on a local Ray cluster: chat and prompt/completion examples and
+preference pairs prepared (counted, rendered, masked, packed whole) and trained on 2 workers,
+with supervised fine-tuning and with DPO."""
 
 from __future__ import annotations
 
@@ -247,6 +248,83 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
         torch.testing.assert_close(int8(input_ids=ids).logits, merged(input_ids=ids).logits,
                                    atol=0.05, rtol=0)
 
+
+
+def near_miss(words: list[str], rng: random.Random) -> str:
+    wrong = list(reversed(words))
+    i = rng.randrange(len(wrong) - 1)
+    wrong[i], wrong[i + 1] = wrong[i + 1], wrong[i]
+    return " ".join(wrong)
+
+
+@pytest.fixture(scope="module")
+def preference_pairs(tmp_path_factory):
+    """160 pairs (the right reversal chosen, two words swapped rejected), then one of each bad
+    kind (lines 161-165)."""
+    rng = random.Random(2)
+    rows = []
+    for _ in range(160):
+        words = rng.sample(WORDS, rng.randint(3, 4))
+        prompt = [{"role": "system", "content": "Answer with the words in reverse order."},
+                  {"role": "user", "content": "Reverse: " + " ".join(words)}]
+        rows.append({"prompt": prompt if rng.random() < 0.5 else prompt[1]["content"],
+                     "chosen": " ".join(reversed(words)), "rejected": near_miss(words, rng)})
+    rows += [{"prompt": "Reverse: a b", "chosen": "b a"},
+             {"prompt": "Reverse: a b", "chosen": "b a", "rejected": " b a"},
+             {"prompt": "Reverse: a b", "chosen": ["b a"], "rejected": "a b"},
+             {"prompt": "Reverse: a b", "chosen": "b a " * 60, "rejected": "a b"},
+             {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant",
+                                                            "content": "hello"}],
+              "chosen": "b a", "rejected": "a b"}]
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenizer_dir,
+                                                      pretrained, tmp_path):
+    """Preference pairs prepared (every bad row counted and listed, each pair whole in a
+    block), then DPO on the LoRA model, 2 workers: a run that loses a worker after its step-6
+    checkpoint ends where the uninterrupted run ends, with the preference figures in its
+    history and summary."""
+    from raylm import api
+    from raylm.run.launch import train
+
+    args = [f"--data.source={preference_pairs}", "--data.format=preference",
+            "--train.objective=dpo", "--dpo.beta=0.5",
+            *lora_run(preference_pairs, tokenizer_dir, pretrained, tmp_path)[2:],
+            "--scaling.num_workers=2", "--train.log_every=3",
+            "--train.eval_every=6", "--checkpoint.every=3", "--train.steps=9"]
+    cfg = load_config(None, [*args, "--run.name=whole"])
+    m = prepare(cfg, tmp_path / "prepared", log=lambda s: None)
+    assert m["format"] == "preference" and m["documents_read"] == 165
+    assert sorted((b["line"], b["reason"]) for b in m["bad_records"]) == [
+        (161, "missing_field"), (162, "identical_answers"), (163, "malformed"),
+        (165, "malformed")]
+    # Line 163's chosen answer is a list of strings, not of assistant turns; line 165's
+    # prompt ends with an answer.
+    assert m["dropped"]["too_long"] == 1 and m["truncated"] == 0
+    blocks = pq.read_table(str(tmp_path / "prepared" / "train")).to_pydict()
+    for ids, starts, mask in zip(blocks["input_ids"], blocks["doc_starts"],
+                                 blocks["loss_mask"], strict=True):
+        # Pairs, then the padding: the halves alternate chosen (1) and rejected (2).
+        marks = [sorted(set(mask[a:b]) - {0}) for a, b in zip(starts, [*starts[1:], len(ids)])]
+        assert marks[:-1] == [[1], [2]] * ((len(marks) - 1) // 2) and marks[-1] in ([], [2])
+    whole = train(cfg, log=print)
+    killed = []
+    split = faults.run_and_interfere(
+        lambda: train(load_config(None, [*args, "--run.name=split"]), log=print),
+        tmp_path / "runs" / "split", acts=[(6, lambda: killed.append(faults.kill_a_worker()))])
+    assert whole["status"] == split["status"] == "finished"
+    assert killed and split["restarts"] == 1
+    assert split["train_loss"] == pytest.approx(whole["train_loss"], abs=1e-5)
+    assert split["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-5)
+    assert split["val_accuracy"] == pytest.approx(whole["val_accuracy"], abs=1e-6)
+    assert split["samples"]["duplicated"] == 0 and split["samples"]["skipped"] == 0
+    history = api.Run(str(tmp_path / "runs" / "whole")).history
+    # The first step's policy is its reference (adapters start as the identity): ln 2.
+    assert history["loss"].iloc[-1] < 0.6931
+    assert {"dpo_margin", "dpo_accuracy", "dpo_chosen_logp", "val_accuracy"} <= set(history)
 
 
 def test_weights_that_did_not_load_end_the_run_at_once(chats, tokenizer_dir, tmp_path,
