@@ -76,7 +76,12 @@ from raylm.workers.metrics import (
     state_memory_bytes,
 )
 from raylm.workers.optim import build_optimizer, lr_at, set_lr
-from raylm.workers.preference import Objective, preference_evaluate, preference_step
+from raylm.workers.preference import (
+    NEEDS_REFERENCE,
+    Objective,
+    preference_evaluate,
+    preference_step,
+)
 from raylm.workers.step import (
     Built,
     TrainState,
@@ -563,7 +568,10 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         "resumed_from_step": state.step if state.step else None,
         "group_started": group_started, "data_startup_s": time.perf_counter() - t0,
     }
-    meter = StepMeter(flops_per_token=flops_per_token(built.config, cfg.data.seq_len),
+    flops = flops_per_token(built.config, cfg.data.seq_len)
+    if t.objective == "dpo" and NEEDS_REFERENCE[cfg.dpo.loss]:
+        flops *= 4 / 3  # the reference's forward pass: 2 of the 6 FLOPs per parameter again
+    meter = StepMeter(flops_per_token=flops,
                       peak_flops=listed_peak(built, rank=rank), world_size=world,
                       device=device, energy=energy, energy_since=energy_since)
     health = Health(device=device, start_step=state.step, report_every=t.log_every,
