@@ -686,6 +686,10 @@ class TuneConfig:
     """LoRA ranks to choose among (each >= 1; needs model.path); empty keeps lora.rank."""
     lora_alphas: list[float] = field(default_factory=list)
     """LoRA alphas to choose among; empty keeps lora.alpha."""
+    dpo_betas: list[float] = field(default_factory=list)
+    """train.objective=dpo: dpo.beta values to choose among; empty keeps dpo.beta. A DPO
+    sweep ranks its trials by held-out preference accuracy (val_accuracy), which, unlike the
+    DPO loss, does not move with beta."""
     num_samples: int = 8
     """Trials in the sweep (random and optuna); grid runs every combination once."""
     lr_points: int = 3
@@ -712,6 +716,8 @@ class TuneConfig:
         _check(all(r >= 1 for r in tu.lora_ranks), "tune.lora_ranks", tu.lora_ranks,
                "ranks >= 1, with model.path naming the pretrained model they adapt")
         _check(all(a > 0 for a in tu.lora_alphas), "tune.lora_alphas", tu.lora_alphas,
+               "numbers > 0")
+        _check(all(b > 0 for b in tu.dpo_betas), "tune.dpo_betas", tu.dpo_betas,
                "numbers > 0")
         bad = [s for s in tu.schedules if s not in SCHEDULES]
         _check(bool(tu.schedules) and not bad, "tune.schedules", tu.schedules,
@@ -953,6 +959,8 @@ def _check_pipeline_batches(cfg: Config) -> None:
 def _check_preference(cfg: Config) -> None:
     """train.objective=dpo and data.format=preference go together, on what the step supports."""
     dpo = cfg.train.objective == "dpo"
+    _check(dpo or not cfg.tune.dpo_betas, "tune.dpo_betas", cfg.tune.dpo_betas,
+           "empty unless train.objective=dpo")
     _check(dpo or cfg.data.format != "preference", "data.format", cfg.data.format,
            "chat, prompt_completion or text with train.objective=sft; preference pairs train "
            "with train.objective=dpo")

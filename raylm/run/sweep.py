@@ -44,6 +44,14 @@ from raylm.workers import checkpoint
 METRIC = "val_loss"
 
 
+def ranking(cfg: Config) -> tuple[str, str]:
+    """The validation figure trials are ranked by, and ``min`` or ``max``: the loss, or for
+    train.objective=dpo the preference accuracy (the held-out share of pairs whose chosen
+    answer has the higher reward), since the DPO loss moves with dpo.beta, which a sweep may
+    vary, and the accuracy does not."""
+    return ("val_accuracy", "max") if cfg.train.objective == "dpo" else (METRIC, "min")
+
+
 def search_space(cfg: Config) -> dict[str, Any]:
     """The Tune param space, keyed by config key (``optim.lr``, ...)."""
     tu, o = cfg.tune, cfg.optim
@@ -53,6 +61,8 @@ def search_space(cfg: Config) -> dict[str, Any]:
                "optim.weight_decay": tu.weight_decays or [o.weight_decay],
                "lora.rank": tu.lora_ranks or [cfg.lora.rank],
                "lora.alpha": tu.lora_alphas or [cfg.lora.alpha]}
+    if cfg.train.objective == "dpo":
+        choices["dpo.beta"] = tu.dpo_betas or [cfg.dpo.beta]
     if tu.search == "grid":
         n = tu.lr_points
         # Largest first, so that ASHA has records to compare the smallest (slowest) against.
@@ -157,6 +167,7 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
         from ray.tune.search.optuna import OptunaSearch
 
         searcher = OptunaSearch(seed=t.seed)
+    metric, mode = ranking(cfg)
     if tune.Tuner.can_restore(rd):
         log(f"raylm: resuming the sweep in {rd}")
         tuner = tune.Tuner.restore(rd, trainable, resume_errored=True)
@@ -167,7 +178,7 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
             trainable,
             param_space=search_space(cfg),
             tune_config=tune.TuneConfig(
-                metric=METRIC, mode="min", scheduler=scheduler, search_alg=searcher,
+                metric=metric, mode=mode, scheduler=scheduler, search_alg=searcher,
                 num_samples=1 if cfg.tune.search == "grid" else cfg.tune.num_samples,
                 max_concurrent_trials=concurrent),
             run_config=tune.RunConfig(name=cfg.run.name, storage_path=storage_root(cfg),
@@ -190,11 +201,17 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
 def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
     rd = run_dir(cfg)
     trials = []
+    metric, mode = ranking(cfg)
+    better = min if mode == "min" else max
     for r in results:
         df = r.metrics_dataframe
-        history = [] if df is None or METRIC not in df else [
-            [int(s), float(v)] for s, v in zip(df["step"], df[METRIC], strict=True)
-            if not math.isnan(v)]
+
+        def curve(name: str) -> list[list[float]]:
+            return [] if df is None or name not in df else [
+                [int(s), float(v)] for s, v in zip(df["step"], df[name], strict=True)
+                if not math.isnan(v)]
+
+        history, ranked = curve(METRIC), curve(metric)
         steps = max((s for s, _ in history), default=0)
         trial_id = r.metrics.get("trial_id")  # Tune adds it to every result
         found = checkpoint.latest_verified(storage.join(rd, "trials", str(trial_id)),
@@ -203,19 +220,22 @@ def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
             "trial_id": trial_id,
             "config": {k: v for k, v in r.config.items()},
             "val_loss": min((v for _, v in history), default=None),
+            metric: better((v for _, v in ranked), default=None),
             "steps": steps,
             "stopped_early": r.error is None and steps < cfg.train.steps,
             "error": str(r.error).splitlines()[0] if r.error else None,
             "checkpoint_path": str(found[0]) if found else None,
             "history": history,
         })
-    done = [t for t in trials if t["val_loss"] is not None]
-    best = min(done, key=lambda t: t["val_loss"]) if done else None
+    done = [t for t in trials if t[metric] is not None]
+    best = better(done, key=lambda t: t[metric]) if done else None
     return {
         "trials": trials,
+        "metric": metric,
         "best": None if best is None else {
             "trial_id": best["trial_id"], "config": best["config"],
-            "val_loss": best["val_loss"], "checkpoint_path": best["checkpoint_path"]},
+            **{k: best[k] for k in dict.fromkeys((METRIC, metric))},
+            "checkpoint_path": best["checkpoint_path"]},
         "mlflow_parent_run_id": parent.run_id,
         "mlflow_tracking_uri": parent.uri,
         "trials_dir": storage.join(rd, "trials"),
@@ -227,6 +247,7 @@ def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print,
     """tune_summary.json, best.yaml and val_loss.png into RUN_DIR (the plot is drawn at
     ``plot_path`` first, when given, and copied)."""
     rd = run_dir(cfg)
+    metric = summary.get("metric", METRIC)
     storage.write_text(storage.join(rd, "tune_summary.json"), json.dumps(summary, indent=2))
     if summary["best"]:
         tree = cfg.to_dict()
@@ -236,8 +257,8 @@ def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print,
         tree["run"]["name"] = f"{cfg.run.name}-best"
         storage.write_text(
             storage.join(rd, "best.yaml"),
-            f"# Best trial {summary['best']['trial_id']} of sweep {cfg.run.name}: val_loss "
-            f"{summary['best']['val_loss']:.4f}\n" + yaml.safe_dump(tree, sort_keys=False))
+            f"# Best trial {summary['best']['trial_id']} of sweep {cfg.run.name}: {metric} "
+            f"{summary['best'][metric]:.4f}\n" + yaml.safe_dump(tree, sort_keys=False))
     with tempfile.TemporaryDirectory(prefix="raylm-plot-") as tmp:
         drawn = plot_path or Path(tmp) / "val_loss.png"
         plot(summary, drawn, total_steps=cfg.train.steps)
@@ -249,15 +270,19 @@ def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print,
 
 def table(summary: dict[str, Any]) -> str:
     keys = sorted({k for t in summary["trials"] for k in t["config"]})
-    head = ["trial", *[k.split(".")[1] for k in keys], "val_loss", "steps", "stopped"]
+    metric = summary.get("metric", METRIC)
+    figures = list(dict.fromkeys((METRIC, metric)))
+    head = ["trial", *[k.split(".")[1] for k in keys], *figures, "steps", "stopped"]
     rows = []
-    for t in sorted(summary["trials"], key=lambda t: (t["val_loss"] is None, t["val_loss"])):
+    sign = -1 if metric != METRIC else 1  # the best first: a higher accuracy, a lower loss
+    for t in sorted(summary["trials"],
+                    key=lambda t: (t[metric] is None, sign * (t[metric] or 0))):
         cells = [str(t["trial_id"])]
         for k in keys:
             v = t["config"].get(k)
             cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
-        cells += [f"{t['val_loss']:.4f}" if t["val_loss"] is not None else "-",
-                  str(t["steps"]), "early" if t["stopped_early"] else ""]
+        cells += [f"{t[f]:.4f}" if t[f] is not None else "-" for f in figures]
+        cells += [str(t["steps"]), "early" if t["stopped_early"] else ""]
         rows.append(cells)
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))

@@ -274,8 +274,10 @@ class MLflowTracker(Tracker):
             return
         # Tags, not params: a resumed sweep may find a better trial, and MLflow params never
         # change once logged.
-        client.log_batch(self.run_id, metrics=[Metric("best_val_loss", best["val_loss"],
-                                                      int(time.time() * 1000), 0)],
+        ranked = {k: best[k] for k in ("val_loss", summary.get("metric", "val_loss"))
+                  if best.get(k) is not None}
+        client.log_batch(self.run_id, metrics=[Metric(f"best_{k}", v, int(time.time() * 1000), 0)
+                                               for k, v in ranked.items()],
                          tags=[RunTag(f"raylm.best.{k}", _param_value(v))
                                for k, v in best["config"].items()])
         child = (saved_run_id(storage.parent(best["checkpoint_path"]))

@@ -93,3 +93,31 @@ def test_lora_ranks_and_alphas_are_swept_beside_the_schedule(tmp_path):
     assert search_space(load_config(None, model))["lora.rank"].categories == [8]
     with pytest.raises(ConfigError, match="tune.lora_ranks"):
         load_config(None, ["--tune.lora_ranks=[4]"])  # no model.path to adapt
+
+
+def test_a_dpo_sweep_varies_beta_and_ranks_trials_by_preference_accuracy(tmp_path):
+    from raylm.config import ConfigError
+    from raylm.run.sweep import ranking, table
+
+    dpo = ["--model.path=/models/base", "--lora.rank=8", "--train.objective=dpo",
+           "--data.format=preference"]
+    cfg = load_config(None, [*dpo, "--tune.dpo_betas=[0.05, 0.5]", "--tune.search=grid"])
+    assert search_space(cfg)["dpo.beta"]["grid_search"] == [0.05, 0.5]
+    assert ranking(cfg) == ("val_accuracy", "max")
+    trial = trial_config(cfg.to_dict(), {"optim.lr": 1e-3, "dpo.beta": 0.5},
+                         trials_dir=str(tmp_path), trial_id="t_00001", prepared="/data/p")
+    assert trial.dpo.beta == 0.5
+    # The loss moves with beta; the accuracy decides, the best first.
+    summary = {"metric": "val_accuracy", "trials": [
+        {"trial_id": "a", "config": {"dpo.beta": 0.5}, "val_loss": 0.2, "val_accuracy": 0.7,
+         "steps": 10, "stopped_early": False},
+        {"trial_id": "b", "config": {"dpo.beta": 0.05}, "val_loss": 0.6, "val_accuracy": 0.9,
+         "steps": 10, "stopped_early": False}]}
+    lines = table(summary).splitlines()
+    assert lines[0].split() == ["trial", "beta", "val_loss", "val_accuracy", "steps", "stopped"]
+    assert lines[1].startswith("b ")
+    # Next-token sweeps neither vary nor show beta.
+    assert "dpo.beta" not in search_space(load_config(None, []))
+    assert ranking(load_config(None, [])) == ("val_loss", "min")
+    with pytest.raises(ConfigError, match="tune.dpo_betas"):
+        load_config(None, ["--tune.dpo_betas=[0.1]"])
