@@ -170,7 +170,8 @@ def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,
     positions = batch["position_ids"][:, :-1].to(built.device, non_blocking=True)
     with built.attention.context(), autocast(built.precision, built.device.type):
         logits = built.model(input_ids=tokens[:, :-1], position_ids=positions).logits
-    sums, counts = answer_logps(logits, tokens[:, 1:], segments.to(built.device),
+    sums, counts = answer_logps(logits, tokens[:, 1:],
+                                segments.to(built.device, non_blocking=True),
                                 num_segments=2 * pairs)
     return Answers(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
 
@@ -179,6 +180,10 @@ def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objectiv
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The summed loss of ``batch``'s pairs (with its graph) and the sums of their figures."""
     segments, pairs = answer_segments(batch["position_ids"], batch["loss_mask"])
+    if built.device.type == "cuda":
+        # Computed on the host (the pair count is needed there); a copy from pageable memory
+        # could wait for the GPU's queue to drain.
+        segments = segments.pin_memory()
     reference = None
     if objective.needs_reference:
         with torch.no_grad(), adapters_off(built.model):
@@ -236,7 +241,7 @@ def preference_evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]]
         loss_sum, figures = pair_terms(built, batch, objective)
         pairs = answer_segments(batch["position_ids"], batch["loss_mask"])[1]
         total += torch.stack([loss_sum, *(figures[k] for k in FIGURES),
-                              torch.tensor(float(pairs), device=built.device)])
+                              torch.full((), float(pairs), device=built.device)])
     built.model.train()
     if dist.is_initialized():
         dist.all_reduce(total)

@@ -113,11 +113,14 @@ def pretrained(tmp_path_factory, tokenizer_dir):
                            vocab_size=tokenizer_vocab(tokenizer_dir))
 
 
-def test_an_interrupted_lora_sweep_resumes_its_trial_from_its_checkpoint(base, pretrained):
-    """`raylm tune` of a LoRA trial, stopped with Ctrl-C once the trial has a checkpoint; the
-    same sweep run again goes on with that trial from its newest checkpoint rather than from
-    the start. The trial's adapters have the rank the sweep gave it (2), not the config's (4):
-    the trial's settings reached its workers."""
+def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
+        base, pretrained, tmp_path):
+    """`raylm tune` of a DPO trial on LoRA adapters (the sweep choosing dpo.beta and the
+    rank), stopped with Ctrl-C once the trial has a checkpoint; the same sweep run again goes
+    on with that trial from its newest checkpoint rather than from the start, and ranks it by
+    its preference accuracy. The trial's adapters have the rank the sweep gave it (2), not
+    the config's (4): the trial's settings reached its workers."""
+    import random
     import os
     import signal
     import subprocess
@@ -131,9 +134,20 @@ def test_an_interrupted_lora_sweep_resumes_its_trial_from_its_checkpoint(base, p
     from raylm.workers import checkpoint
 
     root = Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
+    rng = random.Random(0)
+    words = "river mill grain window letter winter village market bread garden".split()
+    pairs = tmp_path / "pairs.jsonl"
+    with pairs.open("w") as f:
+        for _ in range(200):
+            w = rng.sample(words, 3)
+            f.write(json.dumps({"prompt": "Reverse: " + " ".join(w),
+                                "chosen": " ".join(reversed(w)), "rejected": " ".join(w)})
+                    + "\n")
     args = [sys.executable, "-m", "raylm", "tune", *base, "--run.name=resumed",
             f"--model.path={pretrained}", "--lora.rank=4", "--tune.lr_points=1",
-            "--tune.lora_ranks=[2]", "--tune.max_concurrent=1"]
+            "--tune.lora_ranks=[2]", "--tune.max_concurrent=1", f"--data.source={pairs}",
+            "--data.format=preference", "--data.seq_len=95", "--train.objective=dpo",
+            "--tune.dpo_betas=[0.3]"]
     # The interrupted driver joins the suite's cluster (a local one would take ~10 s to start);
     # what its trial holds goes with it. Ray Train's default poll (2 s, one report each) paces
     # the trial at a 5-step report per 2 s, so it is still training when the interrupt comes.
@@ -166,6 +180,8 @@ def test_an_interrupted_lora_sweep_resumes_its_trial_from_its_checkpoint(base, p
     summary = json.loads((root / "resumed" / "tune_summary.json").read_text())
     (trial,) = summary["trials"]
     assert trial["trial_id"] == trial_dir.name and trial["config"]["lora.rank"] == 2
+    assert trial["config"]["dpo.beta"] == 0.3 and summary["metric"] == "val_accuracy"
+    assert summary["best"]["val_accuracy"] == trial["val_accuracy"] > 0.5
     assert trial["steps"] == 30 and not trial["stopped_early"]
     ran = json.loads((trial_dir / "summary.json").read_text())
     assert ran["status"] == "finished" and ran["resumed_from_step"] == interrupted_at
