@@ -272,7 +272,7 @@ def preference_pairs(tmp_path_factory):
     rows += [{"prompt": "Reverse: a b", "chosen": "b a"},
              {"prompt": "Reverse: a b", "chosen": "b a", "rejected": " b a"},
              {"prompt": "Reverse: a b", "chosen": ["b a"], "rejected": "a b"},
-             {"prompt": "Reverse: a b", "chosen": "b a " * 60, "rejected": "a b"},
+             {"prompt": "Reverse: a b", "chosen": "b a " * 150, "rejected": "a b"},
              {"prompt": [{"role": "user", "content": "hi"}, {"role": "assistant",
                                                             "content": "hello"}],
               "chosen": "b a", "rejected": "a b"}]
@@ -293,7 +293,7 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
     args = [f"--data.source={preference_pairs}", "--data.format=preference",
             "--train.objective=dpo", "--dpo.beta=0.5",
             *lora_run(preference_pairs, tokenizer_dir, pretrained, tmp_path)[2:],
-            "--scaling.num_workers=2", "--train.log_every=3",
+            "--data.seq_len=255", "--scaling.num_workers=2", "--train.log_every=3",
             "--train.eval_every=6", "--checkpoint.every=3", "--train.steps=9"]
     cfg = load_config(None, [*args, "--run.name=whole"])
     m = prepare(cfg, tmp_path / "prepared", log=lambda s: None)
@@ -307,9 +307,11 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
     blocks = pq.read_table(str(tmp_path / "prepared" / "train")).to_pydict()
     for ids, starts, mask in zip(blocks["input_ids"], blocks["doc_starts"],
                                  blocks["loss_mask"], strict=True):
-        # Pairs, then the padding: the halves alternate chosen (1) and rejected (2).
+        # Whole pairs, then any padding: the halves alternate chosen (1) and rejected (2).
         marks = [sorted(set(mask[a:b]) - {0}) for a, b in zip(starts, [*starts[1:], len(ids)])]
-        assert marks[:-1] == [[1], [2]] * ((len(marks) - 1) // 2) and marks[-1] in ([], [2])
+        if marks[-1] == []:
+            marks.pop()
+        assert marks == [[1], [2]] * (len(marks) // 2) and marks
     whole = train(cfg, log=print)
     killed = []
     split = faults.run_and_interfere(
