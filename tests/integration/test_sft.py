@@ -143,11 +143,12 @@ def lora_run(chats, tokenizer_dir, pretrained, tmp_path) -> list[str]:
             "--optim.warmup_steps=2", "--optim.schedule=constant", "--tracking.enabled=false"]
 
 
-def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_dir,
-                                                                pretrained, tmp_path, capsys):
-    """LoRA adapters on a saved pretrained model, 2 FSDP2 workers, chat data: a run that loses
-    a worker after its step-15 checkpoint restarts from that checkpoint of the adapters and
-    ends where an uninterrupted 20-step run ends; its exports (adapter, merged, int8) agree."""
+def test_lora_on_two_workers_logs_registers_and_exports_its_adapters(
+        chats, tokenizer_dir, pretrained, tmp_path, capsys):
+    """LoRA adapters on a saved pretrained model, 2 FSDP2 workers, chat data: MLflow holds and
+    registers the final adapter, the checkpoint holds the adapters only, and the exports
+    (adapter, merged, int8) agree. (A LoRA run on 2 workers that loses one and resumes exactly
+    is the DPO test below: the same adapters' checkpoints, another loss.)"""
     from raylm.run.launch import train
 
     args = [*lora_run(chats, tokenizer_dir, pretrained, tmp_path), "--scaling.num_workers=2",
@@ -157,6 +158,7 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
                                     "--tracking.enabled=true", f"--tracking.uri={store}",
                                     "--tracking.register_as=reverse-words"]),
                  log=print)
+    assert full["status"] == "finished" and full["workers"] == 2
     # MLflow holds the run's final adapter as peft writes it: the run's output model at its
     # last step, registered as version 1.
     from mlflow import MlflowClient
@@ -171,25 +173,11 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
     assert (version.source, version.run_id) == (logged.artifact_location, full["mlflow_run_id"])
     assert version.tags["raylm.model_id"] == logged.model_id
     logged_adapter = logged.artifact_location  # a local directory in a SQLite store
-    # A worker SIGKILLed after the step-15 checkpoint: the group restarts from a checkpoint
-    # of the adapters.
-    killed = []
-    split = faults.run_and_interfere(
-        lambda: train(load_config(None, [*args, "--run.name=split", "--train.steps=20",
-                                         "--checkpoint.every=5"]), log=print),
-        tmp_path / "runs" / "split", acts=[(15, lambda: killed.append(faults.kill_a_worker()))])
-    assert full["status"] == split["status"] == "finished"
-    assert killed and split["restarts"] == 1
-    (restart,) = [i for i in split["interruptions"] if i["event"] == "restart"]
-    assert restart["resumed_from_step"] == 15 and restart["to_workers"] == 2
-    assert full["workers"] == 2
-    assert split["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
-    assert split["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
-    assert split["samples"]["duplicated"] == 0 and split["samples"]["skipped"] == 0
+    assert full["samples"]["duplicated"] == 0 and full["samples"]["skipped"] == 0
     # The 2 ranks' checkpoint holds the adapters (and their Adam state), not the base.
     import torch.distributed.checkpoint as dcp
 
-    keys = dcp.FileSystemReader(split["checkpoint_path"]).read_metadata().state_dict_metadata
+    keys = dcp.FileSystemReader(full["checkpoint_path"]).read_metadata().state_dict_metadata
     tensors = [k for k in keys if k.startswith(("model.", "optim.state."))]
     assert tensors and all(".lora_" in k for k in tensors)
 
@@ -198,7 +186,7 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
     from raylm.cli import main
 
     capsys.readouterr()
-    assert main(["generate", str(tmp_path / "runs" / "split"), "--chat",
+    assert main(["generate", str(tmp_path / "runs" / "whole"), "--chat",
                  "Reverse: river mill bread", "--temperature=0", "--max-new-tokens=24"]) == 0
     answer = capsys.readouterr().out
     assert not any(m in answer for m in ("User:", "Assistant:", "System:")), answer
@@ -209,7 +197,7 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run_dir = str(tmp_path / "runs" / "split")
+    run_dir = str(tmp_path / "runs" / "whole")
     assert main(["export", run_dir, "--output", str(tmp_path / "adapter")]) == 0
     assert main(["export", run_dir, "--output", str(tmp_path / "merged"), "--merge"]) == 0
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
@@ -217,15 +205,14 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
                                         str(tmp_path / "adapter")).eval()
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
     ids = torch.randint(1, 300, (2, 40), generator=torch.Generator().manual_seed(0))
-    # The adapter MLflow holds (of the uninterrupted run, which reached the same loss) loads
-    # the same way.
+    # The adapter MLflow holds loads the same way.
     from_mlflow = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(str(pretrained)), logged_adapter).eval()
     with torch.no_grad():
         torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits,
                                    atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(from_mlflow(input_ids=ids).logits,
-                                   merged(input_ids=ids).logits, atol=1e-3, rtol=1e-3)
+                                   merged(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
         base = AutoModelForCausalLM.from_pretrained(str(pretrained)).eval()
         assert not torch.allclose(base(input_ids=ids).logits, merged(input_ids=ids).logits)
 
@@ -239,7 +226,7 @@ def test_lora_on_two_workers_resumes_exactly_and_answers_chats(chats, tokenizer_
     assert "int8 weight-only" in capsys.readouterr().out
     report = json.loads((tmp_path / "int8" / "raylm_export.json").read_text())
     assert report["bytes"] < report["unquantized_bytes"]
-    assert report["unquantized_val_loss"] == pytest.approx(split["val_loss"], abs=1e-4)
+    assert report["unquantized_val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
     assert abs(report["val_loss"] - report["unquantized_val_loss"]) < 0.05
     int8 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "int8")).eval()
     assert isinstance(int8.model.layers[0].mlp.down_proj.weight, Int8Tensor)
@@ -284,9 +271,9 @@ def preference_pairs(tmp_path_factory):
 def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenizer_dir,
                                                       pretrained, tmp_path):
     """Preference pairs prepared (every bad row counted and listed, each pair whole in a
-    block), then DPO on the LoRA model, 2 workers: a run that loses a worker after its step-6
-    checkpoint ends where the uninterrupted run ends, with the preference figures in its
-    history and summary."""
+    block), then DPO on the LoRA model, 2 workers: a run that loses a worker (SIGKILL) after
+    its step-6 checkpoint restarts from that checkpoint of the adapters and ends where the
+    uninterrupted run ends, with the preference figures in its history and summary."""
     from raylm import api
     from raylm.run.launch import train
 
@@ -319,6 +306,8 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
         tmp_path / "runs" / "split", acts=[(6, lambda: killed.append(faults.kill_a_worker()))])
     assert whole["status"] == split["status"] == "finished"
     assert killed and split["restarts"] == 1
+    (restart,) = [i for i in split["interruptions"] if i["event"] == "restart"]
+    assert 6 <= restart["resumed_from_step"] < 9 and restart["to_workers"] == 2
     assert split["train_loss"] == pytest.approx(whole["train_loss"], abs=1e-5)
     assert split["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-5)
     assert split["val_accuracy"] == pytest.approx(whole["val_accuracy"], abs=1e-6)
