@@ -568,10 +568,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         "resumed_from_step": state.step if state.step else None,
         "group_started": group_started, "data_startup_s": time.perf_counter() - t0,
     }
-    flops = flops_per_token(built.config, cfg.data.seq_len)
-    if t.objective == "dpo" and NEEDS_REFERENCE[cfg.dpo.loss]:
-        flops *= 4 / 3  # the reference's forward pass: 2 of the 6 FLOPs per parameter again
-    meter = StepMeter(flops_per_token=flops,
+    meter = StepMeter(flops_per_token=step_flops(cfg, built),
                       peak_flops=listed_peak(built, rank=rank), world_size=world,
                       device=device, energy=energy, energy_since=energy_since)
     health = Health(device=device, start_step=state.step, report_every=t.log_every,
@@ -588,13 +585,26 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  recent=collections.deque(maxlen=t.log_every),
                  resumed=(storage.name(found[0]), state.step) if found is not None else None,
                  run_dir=loop_config["run_dir"],
-                 objective=(Objective(**dataclasses.asdict(cfg.dpo))
-                            if t.objective == "dpo" else None),
+                 objective=preference_objective(cfg),
                  constant_metrics=constant,
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
                                                 cfg.checkpoint.writer, device=built.device,
                                                 model=built.model),
                  identity=loop_config.get("identity") or {})
+
+
+def preference_objective(cfg: Config) -> Objective | None:
+    """The dpo section as the step takes it, for train.objective=dpo."""
+    return Objective(**dataclasses.asdict(cfg.dpo)) if cfg.train.objective == "dpo" else None
+
+
+def step_flops(cfg: Config, built: Built) -> float:
+    """Model FLOPs per trained token: forward and backward, and the reference's forward
+    where a preference loss scores one (2 of the 6 FLOPs per parameter again)."""
+    flops = flops_per_token(built.config, cfg.data.seq_len)
+    if cfg.train.objective == "dpo" and NEEDS_REFERENCE[cfg.dpo.loss]:
+        flops *= 4 / 3
+    return flops
 
 
 def worker_device(cfg: Config) -> torch.device:
