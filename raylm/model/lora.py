@@ -253,10 +253,11 @@ def adapters_off(model: nn.Module):
     """Run ``model`` as its base inside the block: every LoRA layer skips its adapters (the
     reference model of preference tuning, without a second copy of the weights).
 
-    Sets the flag peft's ``enable_adapters`` sets, but not through it: that method also turns
-    the adapters' ``requires_grad`` off and on, and FSDP2 fixes an unsharded parameter's
-    ``requires_grad`` when it first all-gathers it, so a first forward with the adapters
-    disabled would leave them untrained for the rest of the run."""
+    Sets the flag the LoRA layers' forward reads, which peft's ``enable_adapters`` also sets,
+    but not through that method: it also switches the adapters' ``requires_grad`` off and back
+    on (for whichever parameter objects the modules hold at that moment, FSDP2's sharded or
+    unsharded ones), twice a step, where the reference pass, run under ``no_grad``, needs only
+    the flag."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
