@@ -107,11 +107,23 @@ def answer_logps(logits: torch.Tensor, targets: torch.Tensor, segments: torch.Te
                  num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed log-probability of each answer's trained targets, and their count.
     ``segments`` (B, T): for each target, the index of the answer it belongs to across the
-    batch, or -1 for a target that is not trained (prompt, padding). fp32 log-softmax."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    token = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    trained = segments >= 0
-    index, values = segments[trained], token[trained]
+    batch, or -1 for a target that is not trained (prompt, padding). fp32 log-softmax, of the
+    trained positions' logits only (answers are a part of a block: the prompts' and the
+    padding's rows of the vocabulary-wide logits are never copied to fp32).
+
+    Which positions are trained is worked out where ``segments`` is (the host, in training):
+    selecting by a mask on the GPU would wait for it to count the mask."""
+    flat = segments.reshape(-1)
+    at = torch.nonzero(flat >= 0).squeeze(1)
+    index = flat[at]
+    if logits.device != segments.device:
+        if logits.device.type == "cuda":
+            at, index = at.pin_memory(), index.pin_memory()
+        at = at.to(logits.device, non_blocking=True)
+        index = index.to(logits.device, non_blocking=True)
+    rows = logits.reshape(-1, logits.size(-1)).index_select(0, at).float()
+    picked = targets.reshape(-1).to(logits.device, non_blocking=True).index_select(0, at)
+    values = rows.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1)
     zeros = torch.zeros(num_segments, dtype=torch.float32, device=logits.device)
     return zeros.index_add(0, index, values), zeros.index_add(0, index, torch.ones_like(values))
 
@@ -170,9 +182,8 @@ def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,
     positions = batch["position_ids"][:, :-1].to(built.device, non_blocking=True)
     with built.attention.context(), autocast(built.precision, built.device.type):
         logits = built.model(input_ids=tokens[:, :-1], position_ids=positions).logits
-    sums, counts = answer_logps(logits, tokens[:, 1:],
-                                segments.to(built.device, non_blocking=True),
-                                num_segments=2 * pairs)
+    # The segments stay on the host: answer_logps sends the trained positions over itself.
+    sums, counts = answer_logps(logits, tokens[:, 1:], segments, num_segments=2 * pairs)
     return Answers(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
 
 
@@ -180,10 +191,6 @@ def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objectiv
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The summed loss of ``batch``'s pairs (with its graph) and the sums of their figures."""
     segments, pairs = answer_segments(batch["position_ids"], batch["loss_mask"])
-    if built.device.type == "cuda":
-        # Computed on the host (the pair count is needed there); a copy from pageable memory
-        # could wait for the GPU's queue to drain.
-        segments = segments.pin_memory()
     reference = None
     if objective.needs_reference:
         with torch.no_grad(), adapters_off(built.model):

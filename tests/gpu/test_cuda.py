@@ -1,7 +1,7 @@
 """The CUDA path on a real GPU: bf16 mixed precision, FSDP2's parameter dtypes, the attention
 kernel that is recorded, per-document attention, fused AdamW, compile and activation
-checkpointing, float8 linears, checkpoints moving between GPU and CPU, and the NVML energy
-counter.
+checkpointing, float8 linears, a DPO step on LoRA adapters, checkpoints moving between GPU
+and CPU, and the NVML energy counter.
 
 Needs torch and transformers only (torchao for the float8 test) (no Ray, MLflow or datasets): ``python -m pytest -m gpu
 tests/gpu`` on any machine with a CUDA GPU; skipped elsewhere (tests/conftest.py).
@@ -192,6 +192,25 @@ def test_float8_linears_compile_and_train_close_to_bf16(recipe):
         curves[name] = [float(train_step(built, opt, [b], accumulation=1, grad_clip=1.0)[0])
                         for b in batches]
     assert curves[recipe] == pytest.approx(curves["off"], rel=2e-2), curves
+
+
+def test_a_dpo_step_on_lora_trains_in_bf16_with_its_base_as_reference():
+    from raylm.workers.preference import Objective, preference_evaluate, preference_step
+    from tests.pairs import pair_blocks
+
+    lora = {"rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    built = build(lora=lora)
+    trained = [p for p in built.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-2)
+    pairs = pair_blocks(4, seq=128, vocab=VOCAB)
+    objective = Objective(loss="sigmoid", beta=0.5)
+    # The same bf16 kernels score the policy and its reference: the first loss is ln 2.
+    assert preference_evaluate(built, [pairs], objective)["val_loss"] == pytest.approx(
+        0.6931472, abs=1e-6)
+    for _ in range(10):
+        loss, norm, figures = preference_step(built, opt, [pairs], accumulation=1,
+                                              objective=objective, grad_clip=1.0)
+    assert loss.is_cuda and float(loss) < 0.5 and float(figures["accuracy"]) > 0.9
 
 
 def test_a_checkpoint_saved_on_gpu_resumes_on_cpu_and_back(tmp_path):
