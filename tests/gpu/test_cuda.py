@@ -3,8 +3,9 @@ kernel that is recorded, per-document attention, fused AdamW, compile and activa
 checkpointing, float8 linears, a DPO step on LoRA adapters, checkpoints moving between GPU
 and CPU, and the NVML energy counter.
 
-Needs torch and transformers only (torchao for the float8 test) (no Ray, MLflow or datasets): ``python -m pytest -m gpu
-tests/gpu`` on any machine with a CUDA GPU; skipped elsewhere (tests/conftest.py).
+Needs torch and transformers (torchao for the float8 test, peft for the DPO one), not Ray,
+MLflow or datasets: ``python -m pytest -m gpu tests/gpu`` on any machine with a CUDA GPU;
+skipped elsewhere (tests/conftest.py).
 """
 
 from __future__ import annotations

@@ -273,7 +273,8 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
     """Preference pairs prepared (every bad row counted and listed, each pair whole in a
     block), then DPO on the LoRA model, 2 workers: a run that loses a worker (SIGKILL) after
     its step-6 checkpoint restarts from that checkpoint of the adapters and ends where the
-    uninterrupted run ends, with the preference figures in its history and summary."""
+    uninterrupted run ends, with the preference figures in MLflow, its history and its
+    summary."""
     from raylm import api
     from raylm.run.launch import train
 
@@ -299,7 +300,14 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
         if marks[-1] == []:
             marks.pop()
         assert marks == [[1], [2]] * (len(marks) // 2) and marks
-    whole = train(cfg, log=print)
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    whole = train(load_config(None, [*args, "--run.name=whole", "--tracking.enabled=true",
+                                     f"--tracking.uri={store}"]), log=print)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(store)
+    for name in ("dpo_margin", "dpo_accuracy", "dpo_chosen_logp", "val_accuracy"):
+        assert client.get_metric_history(whole["mlflow_run_id"], name), name
     killed = []
     split = faults.run_and_interfere(
         lambda: train(load_config(None, [*args, "--run.name=split"]), log=print),
