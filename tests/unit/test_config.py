@@ -256,6 +256,29 @@ def test_float8_is_refused_where_it_cannot_run_before_ray_starts(capsys, ray_nev
     assert load_config(None, gpu).model.float8 == "rowwise"
 
 
+def test_dpo_settings_that_cannot_train_are_refused_before_ray_starts(capsys, ray_never_starts):
+    dpo = ["--train.objective=dpo", "--data.format=preference", "--model.path=/models/base",
+           "--lora.rank=8"]
+    assert load_config(None, dpo).dpo.loss == "sigmoid"
+    for extra, message in [
+        (["--data.format=chat"], "dpo trains on data.format=preference"),
+        (["--data.loss_on=all"], "the loss scores the answers only"),
+        (["--data.cross_document_attention=true"], "must not see each other"),
+        (["--lora.rank=0"], r"simpo \(no reference model\) for full fine-tuning"),
+        (["--parallel.tensor=2", "--scaling.num_workers=2"], "dpo runs on data-parallel"),
+        (["--dpo.beta=0"], "'dpo.beta': 0"),
+        (["--dpo.label_smoothing=0.5"], "0 <= x < 0.5"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [*dpo, *extra])
+    # SimPO needs no reference: full fine-tuning is fine.
+    assert load_config(None, [*dpo, "--lora.rank=0", "--dpo.loss=simpo"]).lora.rank == 0
+    with pytest.raises(ConfigError, match="preference pairs train with train.objective=dpo"):
+        load_config(None, ["--data.format=preference"])
+    assert main(["train", *dpo[:2], "--tracking.enabled=false"]) == 2
+    assert "Invalid value for 'dpo.loss'" in capsys.readouterr().err
+
+
 def test_a_relative_model_path_travels_absolute(tmp_path, monkeypatch):
     """Workers, Tune trials and exports run in other directories than the command."""
     monkeypatch.chdir(tmp_path)
