@@ -74,6 +74,23 @@ PAIRS = {
 }
 
 
+def trl_step(policy, reference, tok, *, loss: str, output_dir):
+    """TRL's DPOTrainer on :data:`PAIRS` (beta 0.1, fp32, CPU): its trainer, first batch, and
+    loss on that batch, whose backward has run (the policy holds TRL's gradients)."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(output_dir), per_device_train_batch_size=4, beta=0.1,
+                     loss_type=[loss], report_to=[], use_cpu=True, bf16=False,
+                     disable_dropout=True, dataset_num_proc=None)
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
+                         train_dataset=Dataset.from_dict(PAIRS), processing_class=tok)
+    batch = next(iter(trainer.get_train_dataloader()))
+    value = trainer.compute_loss(trainer.model, batch)
+    value.backward()
+    return trainer, batch, value
+
+
 def tiny_llama(vocab: int, seed: int):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -90,9 +107,7 @@ def test_dpo_and_ipo_equal_trls_loss_and_gradients(tokenizer_dir, tmp_path, loss
     sequences through raylm's functions give the same loss and the same gradients (fp32)."""
     import copy
 
-    from datasets import Dataset
     from transformers import AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.pad_token = tok.eos_token
@@ -104,14 +119,8 @@ def test_dpo_and_ipo_equal_trls_loss_and_gradients(tokenizer_dir, tmp_path, loss
         for p in reference.parameters():
             p.add_(0.02 * torch.randn_like(p))
     ours = copy.deepcopy(policy)
-    args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, beta=0.1,
-                     loss_type=[trl_loss], report_to=[], use_cpu=True, bf16=False,
-                     disable_dropout=True, dataset_num_proc=None)
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
-                         train_dataset=Dataset.from_dict(PAIRS), processing_class=tok)
-    batch = next(iter(trainer.get_train_dataloader()))
-    trl_loss_value = trainer.compute_loss(trainer.model, batch)
-    trl_loss_value.backward()
+    trainer, batch, trl_loss_value = trl_step(policy, reference, tok, loss=trl_loss,
+                                              output_dir=tmp_path)
 
     ids, completion = batch["input_ids"], batch["completion_mask"]
     pairs = len(ids) // 2  # TRL's batch: the chosen sequences, then the rejected
@@ -163,11 +172,8 @@ def test_raylms_packed_lora_step_equals_trls_dpo_trainer(tokenizer_dir, tmp_path
     the reference; TRL is given the same adapted model and the base as its reference model.
     The loss and every adapter's gradient agree (fp32)."""
     import numpy as np
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
-
     from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from raylm.data.packing import ExamplePacker, position_ids
     from raylm.workers.preference import Objective, answer_segments, pair_terms
@@ -193,14 +199,8 @@ def test_raylms_packed_lora_step_equals_trls_dpo_trainer(tokenizer_dir, tmp_path
     for name, p in policy.named_parameters():
         p.requires_grad_(".lora_" in name)
     reference = AutoModelForCausalLM.from_pretrained(base_dir)
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, beta=0.1,
-                     loss_type=[loss], report_to=[], use_cpu=True, bf16=False,
-                     disable_dropout=True, dataset_num_proc=None)
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
-                         train_dataset=Dataset.from_dict(PAIRS), processing_class=tok)
-    batch = next(iter(trainer.get_train_dataloader()))
-    theirs = trainer.compute_loss(trainer.model, batch)
-    theirs.backward()
+    trainer, batch, theirs = trl_step(policy, reference, tok, loss=loss,
+                                      output_dir=tmp_path / "trl")
 
     # TRL's rows: the chosen sequences, then the rejected, right-padded.
     ids, keep, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
