@@ -166,9 +166,13 @@ def answer_segments(position_ids: torch.Tensor, loss_mask: torch.Tensor
     return segment[:, 1:], int(pairs_per_row.sum())
 
 
-def global_pairs(batches: list[dict[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """Pairs in ``batches``, summed over every rank (all call it)."""
-    local = sum(answer_segments(b["position_ids"], b["loss_mask"])[1] for b in batches)
+def numbered(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """:func:`answer_segments` of a batch of packed pairs."""
+    return answer_segments(batch["position_ids"], batch["loss_mask"])
+
+
+def global_pairs(local: int, device: torch.device) -> torch.Tensor:
+    """``local`` pairs summed over every rank (all call it)."""
     n = torch.full((), local, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(n)
@@ -187,10 +191,12 @@ def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,
     return Answers(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
 
 
-def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objective
+def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objective, *,
+               segments: tuple[torch.Tensor, int] | None = None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The summed loss of ``batch``'s pairs (with its graph) and the sums of their figures."""
-    segments, pairs = answer_segments(batch["position_ids"], batch["loss_mask"])
+    """The summed loss of ``batch``'s pairs (with its graph) and the sums of their figures;
+    ``segments``: the batch's :func:`numbered`, where the caller has it already."""
+    segments, pairs = segments if segments is not None else numbered(batch)
     reference = None
     if objective.needs_reference:
         with torch.no_grad(), adapters_off(built.model):
@@ -221,10 +227,11 @@ def preference_step(built: Built, optimizer: torch.optim.Optimizer,
     if built.pipeline is not None:
         raise ValueError("train.objective=dpo does not run under pipeline parallelism")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    count = global_pairs(micro_batches, built.device).float()
+    each = [numbered(batch) for batch in micro_batches]
+    count = global_pairs(sum(pairs for _, pairs in each), built.device).float()
     total = torch.zeros(1 + len(FIGURES), device=built.device)
-    for batch in micro_batches:
-        loss_sum, figures = pair_terms(built, batch, objective)
+    for batch, segments in zip(micro_batches, each, strict=True):
+        loss_sum, figures = pair_terms(built, batch, objective, segments=segments)
         with built.attention.context():  # activation checkpointing recomputes here
             (loss_sum * world / count).backward()
         total += torch.stack([loss_sum.detach(), *(figures[k] for k in FIGURES)])
@@ -245,8 +252,9 @@ def preference_evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]]
     built.model.eval()
     total = torch.zeros(2 + len(FIGURES), device=built.device)
     for batch in batches:
-        loss_sum, figures = pair_terms(built, batch, objective)
-        pairs = answer_segments(batch["position_ids"], batch["loss_mask"])[1]
+        segments = numbered(batch)
+        loss_sum, figures = pair_terms(built, batch, objective, segments=segments)
+        pairs = segments[1]
         total += torch.stack([loss_sum, *(figures[k] for k in FIGURES),
                               torch.full((), float(pairs), device=built.device)])
     built.model.train()
