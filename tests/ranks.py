@@ -12,11 +12,20 @@ what a spawned rank computes: the recorded losses (tests/losses.json) are unchan
 The server keeps the environment of the moment it starts (the first ``run_ranks`` call):
 ranks get their rendezvous (MASTER_ADDR, MASTER_PORT) as arguments, not from the
 environment.
+
+Forking is only safe from a process with one thread, and pyarrow (raylm.storage imports its
+filesystems) starts jemalloc's background purging thread when it loads. The server is started
+with that thread switched off, and every rank checks that its server had one thread, so an
+import that starts a thread fails here by name instead of as a rare heap corruption in a rank.
+A rank that dies on a signal prints every thread's Python stack first (faulthandler).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
+import multiprocessing.forkserver
+import os
 import socket
 from collections.abc import Callable
 
@@ -51,8 +60,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# jemalloc's run-time options as pyarrow's copy reads them.
+ARROW_JEMALLOC = "JE_ARROW_MALLOC_CONF"
+
+
+def _start_server() -> None:
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    before = os.environ.get(ARROW_JEMALLOC)
+    os.environ[ARROW_JEMALLOC] = "background_thread:false"
+    try:
+        # Does nothing once the server runs; the option reaches the server only, not Ray's
+        # processes that later tests start from this one.
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ[ARROW_JEMALLOC]
+        else:
+            os.environ[ARROW_JEMALLOC] = before
+
+
+def _rank(rank: int, fn: Callable, args: tuple) -> None:
+    threads = os.listdir(f"/proc/{os.getppid()}/task")
+    if len(threads) != 1:
+        names = sorted(open(f"/proc/{os.getppid()}/task/{t}/comm").read().strip()
+                       for t in threads)
+        raise RuntimeError(f"the rank server has {len(threads)} threads ({', '.join(names)}): "
+                           "a module in PRELOAD starts a thread; fork from it is unsafe")
+    faulthandler.enable(all_threads=True)
+    fn(rank, *args)
+
+
 def run_ranks(fn: Callable, *, args: tuple, world: int) -> None:
     """``fn(rank, *args)`` on ``world`` processes; raises what a rank raised."""
-    # Takes effect when the server starts, so every call names the same list.
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    mp.start_processes(fn, args=args, nprocs=world, join=True, start_method="forkserver")
+    _start_server()
+    mp.start_processes(_rank, args=(fn, args), nprocs=world, join=True,
+                       start_method="forkserver")
