@@ -476,8 +476,9 @@ class DpoConfig:
     loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
     """sigmoid: DPO; ipo: IPO's squared loss on length-normalized log-ratios; simpo: SimPO,
     on the answers' mean log-probabilities with a margin and no reference model. sigmoid and
-    ipo take the reference from the base model with the LoRA adapters switched off, so they
-    need lora.rank >= 1."""
+    ipo compare with the pretrained model.path: with LoRA, the base with the adapters
+    switched off; a full fine-tune scores every pair with the starting weights once before
+    training and reads the figures beside the blocks (run.cache_dir/reference)."""
     label_smoothing: float = 0.0
     """Share of pairs assumed mislabeled (conservative DPO; sigmoid and simpo), 0 <= x < 0.5."""
     simpo_gamma: float = 0.5
@@ -974,9 +975,9 @@ def _check_preference(cfg: Config) -> None:
     _check(not d.across_documents, "data.cross_document_attention",
            d.cross_document_attention, "false (or unset) with train.objective=dpo: a pair's "
            "two halves share a block and must not see each other")
-    _check(cfg.dpo.loss == "simpo" or bool(cfg.lora.rank), "dpo.loss", cfg.dpo.loss,
-           "simpo (no reference model) for full fine-tuning, or set lora.rank >= 1: sigmoid "
-           "and ipo take the reference from the base with the adapters switched off")
+    _check(cfg.dpo.loss == "simpo" or bool(cfg.model.path), "dpo.loss", cfg.dpo.loss,
+           "simpo (no reference model) when training from scratch; sigmoid and ipo compare "
+           "the policy with the pretrained model it starts from: set model.path")
     _check(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1, "train.objective", "dpo",
            "sft with tensor or pipeline parallelism (parallel.tensor, parallel.pipeline > 1); "
            "dpo runs on data-parallel FSDP2 workers")

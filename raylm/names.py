@@ -8,6 +8,11 @@ PREPARED_MANIFEST = "manifest.json"   # counts, sources, tokenizer, fingerprint
 LAYOUT = "layout.json"                # the packed blocks of each split
 SPLITS = ("train", "val")             # one folder of block files each
 
+# A reference directory (raylm.run.reference): per split, a file beside each block file with
+# the same row groups, holding the starting model's log-probability of every trained target.
+REFERENCE_INFO = "reference.json"     # what it was computed from, and when
+REFERENCE_COLUMN = "ref_logp"         # its column, and the batches' key in the stream
+
 # A run directory.
 RUN_INFO = "run.json"                 # the run's config and tokenizer, for export and resume
 SUMMARY = "summary.json"              # the run's figures; the controller's record writes it

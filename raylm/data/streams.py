@@ -41,7 +41,7 @@ from raylm.data.packing import (
     rank_share,
     source_of,
 )
-from raylm.names import LAYOUT
+from raylm.names import LAYOUT, REFERENCE_COLUMN
 
 if TYPE_CHECKING:
     import torch
@@ -69,9 +69,13 @@ class PackedSplit:
     """Blocks of fine-tuning examples carry a loss mask (1: a trained target)."""
     sources: list[str] | None = None
     """The corpus files by index (None: prepared before blocks kept their sources)."""
+    reference: str | None = None
+    """The folder of this split's reference files (:mod:`raylm.run.reference`: the same file
+    names and row groups as the blocks), read beside them; None: no stored reference."""
 
     @classmethod
-    def load(cls, prepared: str | os.PathLike, split: str) -> "PackedSplit":
+    def load(cls, prepared: str | os.PathLike, split: str, *,
+             reference: str | os.PathLike | None = None) -> "PackedSplit":
         root = Path(prepared)
         layout = json.loads((root / LAYOUT).read_text())
         info = layout["splits"][split]
@@ -80,7 +84,8 @@ class PackedSplit:
                              f"corpus, a smaller data.seq_len, or a larger data.val_fraction.")
         return cls(str(root / split), info["files"], info["row_group_sizes"],
                    info["file_groups"], layout["block_length"], layout.get("loss_mask", False),
-                   layout.get("sources"))
+                   layout.get("sources"),
+                   None if reference is None else os.path.join(reference, split))
 
     def documents(self, rows: np.ndarray) -> list[dict[str, object]] | None:
         """The records (corpus file and line, or row) whose tokens the stored ``rows`` hold,
@@ -159,6 +164,17 @@ def _footer(f: io.RawIOBase) -> pq.FileMetaData:
     return pq.read_metadata(pa.BufferReader(b"PAR1" + f.read(size) + tail))
 
 
+@dataclass(frozen=True)
+class Group:
+    """One row group's blocks as a reader keeps them."""
+
+    tokens: np.ndarray
+    doc_starts: list
+    loss_mask: np.ndarray | None
+    reference: np.ndarray | None
+    """(blocks, block_length - 1): the stored reference log-probability of each target."""
+
+
 class _ReadBlocks:
     """A rank's local sample indices in, its blocks out (in order): the map function of each
     training stream's Ray Data actor, and called directly for the validation blocks.
@@ -176,7 +192,7 @@ class _ReadBlocks:
         self.order = SampleOrder(split.row_group_sizes, seed=seed, window=window,
                                  global_batch=global_batch)
         self.locations = split.group_locations()
-        self.cache: OrderedDict[int, tuple[np.ndarray, list, np.ndarray | None]] = OrderedDict()
+        self.cache: OrderedDict[int, Group] = OrderedDict()
         self.cache_size = window + 1
         self.metadata: OrderedDict[str, pq.FileMetaData] = OrderedDict()
         self.bytes_read = 0
@@ -192,16 +208,20 @@ class _ReadBlocks:
         self.bytes_read += f.bytes_read
         return table
 
-    def _group(self, g: int) -> tuple[np.ndarray, list, np.ndarray | None]:
+    def _group(self, g: int) -> Group:
         if g not in self.cache:
             path, idx = self.locations[g]
             t = self._read(path, idx)
             L = self.split.block_length
             tokens = t.column("input_ids").combine_chunks().values.to_numpy().reshape(-1, L)
-            masks = None
+            masks = reference = None
             if self.split.loss_mask:
                 masks = t.column("loss_mask").combine_chunks().values.to_numpy().reshape(-1, L)
-            self.cache[g] = (tokens, t.column("doc_starts").to_pylist(), masks)
+            if self.split.reference is not None:
+                beside = os.path.join(self.split.reference, os.path.basename(path))
+                reference = (self._read(beside, idx).column(REFERENCE_COLUMN).combine_chunks()
+                             .flatten().to_numpy().reshape(-1, L - 1))
+            self.cache[g] = Group(tokens, t.column("doc_starts").to_pylist(), masks, reference)
             while len(self.cache) > self.cache_size:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(g)
@@ -222,17 +242,23 @@ class _ReadBlocks:
         tokens = np.empty((len(rows), L), dtype=np.int64)
         pos_ids = np.empty((len(rows), L), dtype=np.int64)
         masks = np.empty((len(rows), L), dtype=np.uint8) if self.split.loss_mask else None
+        reference = (np.empty((len(rows), L - 1), dtype=np.float32)
+                     if self.split.reference is not None else None)
         for i, (row, g) in enumerate(zip(rows, groups, strict=True)):
-            block, starts, mask = self._group(int(g))
+            group = self._group(int(g))
             r = int(row - self.order.group_offsets[g])
-            tokens[i] = block[r]
-            pos_ids[i] = position_ids(np.asarray(starts[r]), L)
+            tokens[i] = group.tokens[r]
+            pos_ids[i] = position_ids(np.asarray(group.doc_starts[r]), L)
             if masks is not None:
-                masks[i] = mask[r]
+                masks[i] = group.loss_mask[r]
+            if reference is not None:
+                reference[i] = group.reference[r]
         out = {"input_ids": tokens, "position_ids": pos_ids, "sample_position": positions,
                "row": rows}
         if masks is not None:
             out["loss_mask"] = masks
+        if reference is not None:
+            out[REFERENCE_COLUMN] = reference
         return out
 
 
@@ -272,15 +298,16 @@ READER_CPUS = 0.1
 def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: int,
                        start_step: int, num_steps: int, seed: int, window: int,
                        global_batch: int, resources: dict[str, float],
-                       skips: list[list[int]] | None = None):
+                       skips: list[list[int]] | None = None, reference: str | None = None):
     """Rank ``rank``'s training stream, built by the worker itself once it has restored its
     train state: the samples of steps ``[start_step, num_steps)`` in the global order (less
     the position ranges ``skips``), its slice of each global batch. Its reader asks for
     ``resources`` (CPU and custom Ray resources, as :func:`raylm.run.launch.plan_resources`
-    decided)."""
+    decided). ``reference``: the run's reference directory, whose figures come with each
+    block (``ref_logp``)."""
     import ray
 
-    train = PackedSplit.load(prepared, "train")
+    train = PackedSplit.load(prepared, "train", reference=reference)
     num_samples = max(0, num_steps - start_step) * rank_share(global_batch, world_size)
     # Sample indices as in-memory blocks of 256. No remote task may be needed to make them:
     # a read, and even from_arrow's metadata task, asks for a whole CPU, which training
@@ -306,12 +333,12 @@ def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: in
 
 
 def read_val_blocks(prepared: str | os.PathLike, *, rank: int, world_size: int,
-                    eval_samples: int) -> dict[str, np.ndarray]:
+                    eval_samples: int, reference: str | None = None) -> dict[str, np.ndarray]:
     """Rank ``rank``'s validation blocks, read in this process: up to ``eval_samples`` (the same
     count on every rank, as collectives need), round robin in storage order. They are few (8 x
     8 blocks of 2,049 tokens, 1 MB, with the defaults) and read once per worker group, where a
     Ray Data stream would start a reader actor for them (about 2 s here)."""
-    val = PackedSplit.load(prepared, "val")
+    val = PackedSplit.load(prepared, "val", reference=reference)
     n = eval_samples_per_rank(val, world_size, eval_samples)
     reader = _ReadBlocks(val, mode="eval", seed=0, window=1, rank=rank, world_size=world_size)
     return reader({"id": np.arange(n, dtype=np.int64)})

@@ -37,6 +37,7 @@ from raylm.run.exporter import write_run_info
 from raylm.run.lease import hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
+from raylm.run.reference import stored_reference
 from raylm.run.record import Ending, EndOfRun, FinalModel, RunRecord
 from raylm.workers import checkpoint, faults
 from raylm.workers.faults import EndOnMistake
@@ -131,9 +132,11 @@ def _check_fits(cfg: Config, plan: ResourcePlan, capacity: dict[str, float]) -> 
 
 def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
                   record: RunRecord, resources: ResourcePlan, callbacks: list | None = None,
-                  identity: dict[str, str] | None = None) -> TorchTrainer:
+                  identity: dict[str, str] | None = None, reference: str | None = None
+                  ) -> TorchTrainer:
     """The run's TorchTrainer. ``identity``: what the run trains with, written into every
-    checkpoint's marker (:func:`raylm.workers.checkpoint.check_same_run`)."""
+    checkpoint's marker (:func:`raylm.workers.checkpoint.check_same_run`); ``reference``: the
+    stored reference of a DPO full fine-tune (:mod:`raylm.run.reference`)."""
     sc = cfg.scaling
     workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
     return TorchTrainer(
@@ -142,7 +145,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
         train_loop_config={"config": cfg.to_dict(), "run_dir": run_dir(cfg),
                            "prepared": prepared, "vocab_size": vocab_size, "eos_id": eos_id,
                            "tracker": record.tracker, "reader_resources": resources.reader,
-                           "identity": identity},
+                           "identity": identity, "reference": reference},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
                                      resources_per_worker=resources.worker,
                                      elastic_resize_monitor_interval_s=sc.resize_interval_s),
@@ -206,6 +209,8 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
         raise ValueError(f"the validation split has {val_blocks} blocks, fewer than the "
                          f"{max_workers} workers that evaluate it; raise data.val_fraction "
                          f"(now {cfg.data.val_fraction}) or use a larger corpus.")
+    reference = stored_reference(cfg, prepared, identity=identity, resources=resources.worker,
+                                 vocab_size=vocab, eos_id=eos, log=log)
     log(f"raylm: training {cfg.model.path or cfg.model.preset} on "
         f"{layout['splits']['train']['blocks']:,} blocks of {layout['seq_len']} tokens, run dir "
         f"{storage.redact(rd)}")
@@ -230,7 +235,8 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     error = None
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
-                      resources=resources, callbacks=callbacks, identity=identity).fit()
+                      resources=resources, callbacks=callbacks, identity=identity,
+                      reference=reference).fit()
     except Exception as e:  # Ray Train raises once max_failures is used up
         error = e
     finally:

@@ -600,9 +600,10 @@ def preference_objective(cfg: Config) -> Objective | None:
 
 def step_flops(cfg: Config, built: Built) -> float:
     """Model FLOPs per trained token: forward and backward, and the reference's forward
-    where a preference loss scores one (2 of the 6 FLOPs per parameter again)."""
+    where a preference loss scores one in the step (2 of the 6 FLOPs per parameter again;
+    a full fine-tune's reference was scored before training)."""
     flops = flops_per_token(built.config, cfg.data.seq_len)
-    if cfg.train.objective == "dpo" and NEEDS_REFERENCE[cfg.dpo.loss]:
+    if cfg.train.objective == "dpo" and NEEDS_REFERENCE[cfg.dpo.loss] and cfg.lora.rank:
         flops *= 4 / 3
     return flops
 
@@ -625,7 +626,7 @@ def open_stream(loop_config: dict[str, Any], cfg: Config, *, layout: Layout, sta
         loop_config["prepared"], rank=layout.dp_rank, world_size=layout.dp_size,
         start_step=start_step, num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
         global_batch=t.global_batch_size, resources=loop_config["reader_resources"],
-        skips=skips.ranges)
+        skips=skips.ranges, reference=loop_config.get("reference"))
     # Batches stay on the host (the positions and rows are checked and logged there; in a
     # GPU worker Ray's default would move them to the GPU), pinned so that the step's copy
     # of the tokens to the GPU never waits for its queue.
@@ -640,7 +641,8 @@ def validation_batches(loop_config: dict[str, Any], cfg: Config, *, layout: Layo
     mb = cfg.train.micro_batch_size
     val = {k: torch.from_numpy(v) for k, v in read_val_blocks(
         loop_config["prepared"], rank=layout.dp_rank, world_size=layout.dp_size,
-        eval_samples=cfg.train.eval_batches * mb).items()}
+        eval_samples=cfg.train.eval_batches * mb,
+        reference=loop_config.get("reference")).items()}
     return [{k: v[i:i + mb] for k, v in val.items()}
             for i in range(0, len(val["input_ids"]), mb)]
 

@@ -24,8 +24,11 @@ block, the prompt and chosen answer then the prompt and rejected answer, with th
 answer's trained targets marked 1 in the loss mask and the rejected answer's 2. Documents do
 not attend to each other, so one forward scores both answers of every pair in the block.
 
-The reference model is the policy with its LoRA adapters switched off (one model in memory,
-:func:`raylm.model.lora.adapters_off`); SimPO needs none.
+The reference model is never a second copy in memory. With LoRA it is the policy with its
+adapters switched off (:func:`raylm.model.lora.adapters_off`); a full fine-tune reads the
+starting weights' log-probabilities of every trained target, computed once before training
+by the reference pass (:mod:`raylm.run.reference`, :func:`reference_logps`) and streamed
+beside the blocks. SimPO needs none.
 
 Written by hand (a few lines each): TRL computes these inside its trainers' loss methods, which
 need its whole trainer and a second model; tests check these against TRL's on the same
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 
 from raylm.model.lora import adapters_off
 from raylm.model.parallelize import autocast
+from raylm.names import REFERENCE_COLUMN
 from raylm.workers.step import Built, apply_update, clip_grad_norm
 
 if TYPE_CHECKING:
@@ -103,29 +107,46 @@ def smoothed(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return out
 
 
+def target_logps(logits: torch.Tensor, targets: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The log-probability of the target at each flat position ``at`` of a (B, T) batch: fp32
+    log-softmax of those positions' logits only (answers are a part of a block: the prompts'
+    and the padding's rows of the vocabulary-wide logits are never copied to fp32)."""
+    if logits.device != at.device:
+        if logits.device.type == "cuda":
+            at = at.pin_memory()
+        at = at.to(logits.device, non_blocking=True)
+    rows = logits.reshape(-1, logits.size(-1)).index_select(0, at).float()
+    picked = targets.reshape(-1).to(logits.device, non_blocking=True).index_select(0, at)
+    return rows.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+
+
+def trained(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat positions of a batch's trained targets, and the answer each belongs to."""
+    flat = segments.reshape(-1)
+    at = torch.nonzero(flat >= 0).squeeze(1)
+    return at, flat[at]
+
+
+def segment_sums(values: torch.Tensor, index: torch.Tensor, *, num_segments: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per answer: the sum of its targets' ``values`` and their count."""
+    index = index.to(values.device, non_blocking=True)
+    zeros = torch.zeros(num_segments, dtype=torch.float32, device=values.device)
+    return zeros.index_add(0, index, values), zeros.index_add(0, index, torch.ones_like(values))
+
+
 def answer_logps(logits: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor, *,
                  num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed log-probability of each answer's trained targets, and their count.
     ``segments`` (B, T): for each target, the index of the answer it belongs to across the
-    batch, or -1 for a target that is not trained (prompt, padding). fp32 log-softmax, of the
-    trained positions' logits only (answers are a part of a block: the prompts' and the
-    padding's rows of the vocabulary-wide logits are never copied to fp32).
+    batch, or -1 for a target that is not trained (prompt, padding).
 
     Which positions are trained is worked out where ``segments`` is (the host, in training):
     selecting by a mask on the GPU would wait for it to count the mask."""
-    flat = segments.reshape(-1)
-    at = torch.nonzero(flat >= 0).squeeze(1)
-    index = flat[at]
-    if logits.device != segments.device:
-        if logits.device.type == "cuda":
-            at, index = at.pin_memory(), index.pin_memory()
-        at = at.to(logits.device, non_blocking=True)
-        index = index.to(logits.device, non_blocking=True)
-    rows = logits.reshape(-1, logits.size(-1)).index_select(0, at).float()
-    picked = targets.reshape(-1).to(logits.device, non_blocking=True).index_select(0, at)
-    values = rows.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1)
-    zeros = torch.zeros(num_segments, dtype=torch.float32, device=logits.device)
-    return zeros.index_add(0, index, values), zeros.index_add(0, index, torch.ones_like(values))
+    at, index = trained(segments)
+    if logits.device.type == "cuda" and index.device.type == "cpu":
+        index = index.pin_memory()
+    return segment_sums(target_logps(logits, targets, at), index, num_segments=num_segments)
 
 
 @dataclass(frozen=True)
@@ -179,28 +200,63 @@ def global_pairs(local: int, device: torch.device) -> torch.Tensor:
     return n
 
 
-def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,
-           pairs: int) -> Answers:
-    """The model's summed log-probabilities of each pair's answers in ``batch``."""
+def _logits(built: Built, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     tokens = batch["input_ids"].to(built.device, non_blocking=True)
     positions = batch["position_ids"][:, :-1].to(built.device, non_blocking=True)
     with built.attention.context(), autocast(built.precision, built.device.type):
-        logits = built.model(input_ids=tokens[:, :-1], position_ids=positions).logits
+        return built.model(input_ids=tokens[:, :-1], position_ids=positions).logits
+
+
+def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,
+           pairs: int) -> Answers:
+    """The model's summed log-probabilities of each pair's answers in ``batch``."""
+    logits = _logits(built, batch)
     # The segments stay on the host: answer_logps sends the trained positions over itself.
-    sums, counts = answer_logps(logits, tokens[:, 1:], segments, num_segments=2 * pairs)
+    sums, counts = answer_logps(logits, batch["input_ids"][:, 1:], segments,
+                                num_segments=2 * pairs)
     return Answers(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
+
+
+def stored_reference(ref_logp: torch.Tensor, segments: torch.Tensor, pairs: int, *,
+                     device: torch.device) -> Answers:
+    """The reference's summed log-probabilities of each pair's answers, from the per-target
+    figures the reference pass stored beside the blocks (``ref_logp``, (B, T) on the host,
+    beside ``segments``): summed as :func:`scored` sums the policy's."""
+    at, index = trained(segments)
+    sums, counts = segment_sums(ref_logp.reshape(-1).index_select(0, at).float(), index,
+                                num_segments=2 * pairs)
+    sums, counts = sums.to(device, non_blocking=True), counts.to(device, non_blocking=True)
+    return Answers(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
+
+
+@torch.no_grad()
+def reference_logps(built: Built, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What the reference pass stores for a batch of packed pairs: (B, T) fp32 on the host,
+    each trained target's log-probability under ``built`` (0 for the others)."""
+    segments = batch["loss_mask"][:, 1:].to(torch.int64) - 1
+    at, _ = trained(segments)
+    values = target_logps(_logits(built, batch), batch["input_ids"][:, 1:], at).cpu()
+    out = torch.zeros(segments.numel(), dtype=torch.float32)
+    out[at] = values
+    return out.view(segments.shape)
 
 
 def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objective, *,
                segments: tuple[torch.Tensor, int] | None = None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The summed loss of ``batch``'s pairs (with its graph) and the sums of their figures;
-    ``segments``: the batch's :func:`numbered`, where the caller has it already."""
+    ``segments``: the batch's :func:`numbered`, where the caller has it already. The reference
+    is the stored one where the batch carries it (``ref_logp``: full fine-tuning), else the
+    model with its adapters switched off."""
     segments, pairs = segments if segments is not None else numbered(batch)
     reference = None
     if objective.needs_reference:
-        with torch.no_grad(), adapters_off(built.model):
-            reference = scored(built, batch, segments, pairs)
+        if REFERENCE_COLUMN in batch:
+            reference = stored_reference(batch[REFERENCE_COLUMN], segments, pairs,
+                                         device=built.device)
+        else:
+            with torch.no_grad(), adapters_off(built.model):
+                reference = scored(built, batch, segments, pairs)
     policy = scored(built, batch, segments, pairs)
     losses, figures = pair_losses(policy, reference, loss=objective.loss, beta=objective.beta,
                                   label_smoothing=objective.label_smoothing,

@@ -326,6 +326,46 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
     assert {"dpo_margin", "dpo_accuracy", "dpo_chosen_logp", "val_accuracy"} <= set(history)
 
 
+def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
+        preference_pairs, tokenizer_dir, pretrained, tmp_path):
+    """DPO without adapters, 2 workers: the reference pass (Ray Data actors with the starting
+    weights) stores every answer token's log-probability beside the blocks, before the worker
+    group starts; the workers hold the policy alone, their first loss is ln 2 (the policy is
+    its reference) and training lowers it. A second run of the same data and model reads the
+    same copy."""
+    from raylm import api
+    from raylm.run.launch import train
+    from raylm.run.reference import stored_reference
+
+    args = [f"--data.source={preference_pairs}", "--data.format=preference",
+            "--train.objective=dpo", "--dpo.beta=0.5",
+            *lora_run(preference_pairs, tokenizer_dir, pretrained, tmp_path)[2:],
+            "--lora.rank=0", "--optim.lr=1e-3", "--data.seq_len=255",
+            "--scaling.num_workers=2", "--train.log_every=1", "--train.eval_every=6",
+            "--checkpoint.every=6", "--train.steps=6", "--run.name=full"]
+    logged: list[str] = []
+    summary = train(load_config(None, args), log=lambda m: (logged.append(m), print(m)))
+    assert summary["status"] == "finished"
+    (folder,) = (tmp_path / "cache" / "reference").iterdir()
+    info = json.loads((folder / "reference.json").read_text())
+    (prepared,) = (tmp_path / "cache" / "prepared").glob("*/layout.json")
+    layout = json.loads(prepared.read_text())
+    assert info["blocks"] == sum(s["blocks"] for s in layout["splits"].values())
+    assert info["targets"] > 0 and info["model"] == str(pretrained)
+    assert [f.name for f in (folder / "train").iterdir()] == layout["splits"]["train"]["files"]
+    assert any("scoring the prepared pairs" in m for m in logged)
+    history = api.Run(str(tmp_path / "runs" / "full")).history
+    assert history["loss"].iloc[0] == pytest.approx(np.log(2), abs=1e-4)
+    assert history["loss"].iloc[-1] < np.log(2) - 0.01
+    assert summary["val_accuracy"] >= 0 and "dpo_margin" in history
+    again: list[str] = []
+    cfg = load_config(None, args)
+    assert stored_reference(cfg, prepared.parent, identity=info["identity"],
+                            resources={"CPU": 1.0}, vocab_size=0, eos_id=0,
+                            log=again.append) == str(folder)
+    assert again == [f"raylm: reference log-probabilities of {pretrained} from {folder}"]
+
+
 def test_weights_that_did_not_load_end_the_run_at_once(chats, tokenizer_dir, tmp_path,
                                                        capsys):
     """A pretrained model whose first loss is ln(vocab) predicts every token alike: its

@@ -264,19 +264,22 @@ def test_dpo_settings_that_cannot_train_are_refused_before_ray_starts(capsys, ra
         (["--data.format=chat"], "dpo trains on data.format=preference"),
         (["--data.loss_on=all"], "the loss scores the answers only"),
         (["--data.cross_document_attention=true"], "must not see each other"),
-        (["--lora.rank=0"], r"simpo \(no reference model\) for full fine-tuning"),
         (["--parallel.tensor=2", "--scaling.num_workers=2"], "dpo runs on data-parallel"),
         (["--dpo.beta=0"], "'dpo.beta': 0"),
         (["--dpo.label_smoothing=0.5"], "0 <= x < 0.5"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*dpo, *extra])
-    # SimPO needs no reference: full fine-tuning is fine.
+    # Full fine-tuning: SimPO needs no reference, DPO's is the pretrained model.path (scored
+    # before training); from scratch, only SimPO has something to compare with.
     assert load_config(None, [*dpo, "--lora.rank=0", "--dpo.loss=simpo"]).lora.rank == 0
+    assert load_config(None, [*dpo, "--lora.rank=0", "--dpo.loss=ipo"]).dpo.loss == "ipo"
+    assert load_config(None, [*dpo[:2], "--dpo.loss=simpo"]).model.path is None
     with pytest.raises(ConfigError, match="preference pairs train with train.objective=dpo"):
         load_config(None, ["--data.format=preference"])
     assert main(["train", *dpo[:2], "--tracking.enabled=false"]) == 2
-    assert "Invalid value for 'dpo.loss'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Invalid value for 'dpo.loss'" in err and "set model.path" in err
 
 
 def test_a_relative_model_path_travels_absolute(tmp_path, monkeypatch):

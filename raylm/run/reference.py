@@ -1,0 +1,100 @@
+"""The reference pass of a DPO or IPO full fine-tune: before training, a Ray Data
+batch-inference pass scores every prepared pair with the starting weights
+(:class:`raylm.workers.reference.ReferenceScorer` as its actors) and stores each trained
+target's log-probability beside the blocks; the workers then hold one model, the policy.
+
+Stored under ``run.cache_dir/reference/<key>``, where the key digests what the figures depend
+on: the prepared data, the tokenizer, the base model's config and weight files, the precision,
+the attention kernel and the device kind. A resumed run, a resized one, a second run on the
+same data and model and every trial of a sweep read the same copy; the pass runs again only
+when one of those changes. The directory is built under a temporary name and renamed into
+place (:mod:`raylm.outputs`): of two drivers computing it at once, the first to finish
+publishes and the other's copy is dropped.
+
+The pass places the training workers' own resources (one GPU each on a GPU cluster): it runs
+before they start, on what they will use, with at most as many actors as the run's fewest
+workers and as there are block files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from raylm.config import Config, cache_dir
+from raylm.names import LAYOUT, REFERENCE_INFO, SPLITS
+from raylm.outputs import discard, publish, staging
+from raylm.workers.preference import NEEDS_REFERENCE
+from raylm.workers.reference import ReferenceScorer
+
+
+def needs_stored_reference(cfg: Config) -> bool:
+    """A preference loss with a reference model, on a model without adapters to switch off."""
+    return (cfg.train.objective == "dpo" and NEEDS_REFERENCE[cfg.dpo.loss]
+            and not cfg.lora.rank)
+
+
+def reference_key(cfg: Config, identity: dict[str, str]) -> str:
+    """What the stored figures depend on, digested (``identity``: the run's data, tokenizer
+    and base model, :func:`raylm.run.launch.run_identity`)."""
+    what = {"identity": identity, "precision": cfg.train.precision,
+            "attention": cfg.model.attention, "gpu": cfg.scaling.use_gpu}
+    return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, str],
+                     resources: dict[str, float], vocab_size: int, eos_id: int,
+                     log=print) -> str | None:
+    """The run's reference directory, computed first if no earlier run left it; None when
+    the run needs none (:func:`needs_stored_reference`). ``resources``: one training
+    worker's, given to each actor of the pass. Needs ``ray.init``."""
+    if not needs_stored_reference(cfg):
+        return None
+    out = cache_dir(cfg) / "reference" / reference_key(cfg, identity)
+    if (out / REFERENCE_INFO).is_file():
+        log(f"raylm: reference log-probabilities of {cfg.model.path} from {out}")
+        return str(out)
+    layout = json.loads((Path(prepared) / LAYOUT).read_text())
+    files = [{"split": split, "file": name} for split in SPLITS
+             for name in layout["splits"][split]["files"]]
+    actors = max(1, min(len(files), cfg.scaling.worker_range[0]))
+    log(f"raylm: scoring the prepared pairs with the starting weights of {cfg.model.path} "
+        f"(the DPO reference, once; {len(files)} block files, {actors} actor"
+        f"{'s' if actors > 1 else ''})")
+    tmp = staging(out)
+    t0 = time.perf_counter()
+    try:
+        ds = ray.data.from_items(files)
+        ds.context.enable_progress_bars = False
+        done = ds.map_batches(
+            ReferenceScorer,
+            fn_constructor_kwargs=dict(config=cfg.to_dict(), prepared=str(prepared),
+                                       out=str(tmp), vocab_size=vocab_size, eos_id=eos_id,
+                                       block_length=layout["block_length"]),
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=actors),
+            num_cpus=resources.get("CPU", 0.0),
+            num_gpus=resources.get("GPU", 0.0),
+            resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")} or None,
+        ).take_all()
+        info: dict[str, Any] = {
+            "model": cfg.model.path, "identity": identity, "precision": cfg.train.precision,
+            "attention": cfg.model.attention, "gpu": cfg.scaling.use_gpu,
+            "blocks": sum(int(r["blocks"]) for r in done),
+            "targets": sum(int(r["targets"]) for r in done),
+            "seconds": round(time.perf_counter() - t0, 1)}
+        if len(done) != len(files):
+            raise RuntimeError(f"the reference pass scored {len(done)} of {len(files)} files")
+        (tmp / REFERENCE_INFO).write_text(json.dumps(info, indent=2))
+    except BaseException:
+        discard(tmp)
+        raise
+    publish(tmp, out, same=True)
+    log(f"raylm: reference log-probabilities of {info['targets']:,} answer tokens in "
+        f"{info['blocks']:,} blocks, {info['seconds']:g} s, in {out}")
+    return str(out)

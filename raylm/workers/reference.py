@@ -1,0 +1,95 @@
+"""The reference pass's scorer: the starting model's log-probability of every trained target of
+packed preference pairs, written beside the blocks.
+
+A DPO or IPO full fine-tune compares the policy with the model it started from. Holding that
+model on every worker beside the policy would double the weights in memory (and under FSDP2
+add a second set of all-gathers to every step); scoring the pairs with it once, before
+training, costs one forward per pair for the whole run and 4 bytes per token of disk. The
+driver (:mod:`raylm.run.reference`) runs this class as the actors of a Ray Data batch-inference
+pass; each actor builds the model once and scores whole block files, so that what it writes
+mirrors a block file row group for row group and a reader finds a block's figures at the same
+(file, row group, row).
+
+The scorer builds the model as a training worker does (:func:`raylm.workers.step.build_training_model`,
+one process, the run's precision and attention) and sums nothing: it stores each target's
+log-probability, and the step sums them with the same segments as the policy's
+(:func:`raylm.workers.preference.stored_reference`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from raylm.config import config_from_dict
+from raylm.data.packing import position_ids
+from raylm.names import REFERENCE_COLUMN
+from raylm.workers.preference import reference_logps
+from raylm.workers.step import build_training_model
+
+
+class ReferenceScorer:
+    """A Ray Data actor: ``{"split", "file"}`` rows in (block files of ``prepared``), each
+    file's reference figures written to ``out/{split}/{file}``; ``{"split", "file",
+    "blocks", "targets"}`` out."""
+
+    def __init__(self, *, config: dict[str, Any], prepared: str, out: str, vocab_size: int,
+                 eos_id: int, block_length: int) -> None:
+        cfg = config_from_dict(config)
+        self.prepared, self.out, self.block_length = prepared, out, block_length
+        self.micro_batch = cfg.train.micro_batch_size
+        if torch.cuda.is_available():
+            device = torch.device("cuda", 0)
+        else:
+            device = torch.device("cpu")
+            torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
+        self.built = build_training_model(
+            preset=cfg.model.preset, path=cfg.model.path, vocab_size=vocab_size, eos_id=eos_id,
+            device=device, precision=cfg.train.precision, attention=cfg.model.attention,
+            cross_document=cfg.data.across_documents, seed=cfg.train.seed)
+        self.built.model.eval()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        counts = [self.score_file(str(split), str(name))
+                  for split, name in zip(batch["split"], batch["file"], strict=True)]
+        return {"split": batch["split"], "file": batch["file"],
+                "blocks": np.array([c[0] for c in counts], dtype=np.int64),
+                "targets": np.array([c[1] for c in counts], dtype=np.int64)}
+
+    def score_file(self, split: str, name: str) -> tuple[int, int]:
+        """Write ``name``'s figures under the same name, one row group per block row group;
+        returns (blocks, trained targets) scored."""
+        L = self.block_length
+        source = pq.ParquetFile(os.path.join(self.prepared, split, name))
+        folder = os.path.join(self.out, split)
+        os.makedirs(folder, exist_ok=True)
+        schema = pa.schema([(REFERENCE_COLUMN, pa.list_(pa.float32(), L - 1))])
+        blocks = targets = 0
+        with pq.ParquetWriter(os.path.join(folder, name), schema) as writer:
+            for g in range(source.num_row_groups):
+                t = source.read_row_group(g, columns=["input_ids", "doc_starts", "loss_mask"])
+                tokens = t.column("input_ids").combine_chunks().flatten().to_numpy()
+                masks = t.column("loss_mask").combine_chunks().flatten().to_numpy()
+                tokens, masks = tokens.reshape(-1, L), masks.reshape(-1, L)
+                starts = t.column("doc_starts").to_pylist()
+                figures = []
+                for i in range(0, len(tokens), self.micro_batch):
+                    rows = slice(i, i + self.micro_batch)
+                    figures.append(reference_logps(self.built, {
+                        "input_ids": torch.from_numpy(tokens[rows].astype(np.int64)),
+                        "position_ids": torch.from_numpy(np.stack(
+                            [position_ids(np.asarray(s), L) for s in starts[rows]])),
+                        "loss_mask": torch.tensor(masks[rows])}).numpy())
+                flat = np.concatenate(figures).reshape(-1)
+                column = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.float32()),
+                                                           L - 1)
+                writer.write_table(pa.table([column], schema=schema),
+                                   row_group_size=len(tokens))
+                blocks += len(tokens)
+                targets += int((masks[:, 1:] > 0).sum())
+        return blocks, targets
