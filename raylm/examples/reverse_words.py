@@ -173,16 +173,18 @@ def preference(source: str | Path, data: str | Path, *, limit: int | None = None
                ) -> dict[str, float]:
     """Preference accuracy of ``source`` on the pairs of ``data``: the share of pairs whose
     chosen answer the model gives the higher log-probability (summed over the answer's tokens
-    as training scores them), and the mean margin between the two."""
+    as training scores them), the answers' mean log-probabilities and the mean margin."""
     from raylm.run.exporter import Generator
 
     rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
     rows = rows[:limit] if limit else rows
     model = Generator(source)
-    margins = [model.answer_logp(r["prompt"], r["chosen"])
-               - model.answer_logp(r["prompt"], r["rejected"]) for r in rows]
+    chosen = [model.answer_logp(r["prompt"], r["chosen"]) for r in rows]
+    rejected = [model.answer_logp(r["prompt"], r["rejected"]) for r in rows]
+    margins = [c - r for c, r in zip(chosen, rejected, strict=True)]
     n = max(len(rows), 1)
     return {"pairs": len(rows), "preference_accuracy": sum(m > 0 for m in margins) / n,
+            "mean_chosen_logp": sum(chosen) / n, "mean_rejected_logp": sum(rejected) / n,
             "mean_logp_margin": sum(margins) / n}
 
 

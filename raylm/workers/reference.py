@@ -27,10 +27,9 @@ import pyarrow.parquet as pq
 import torch
 
 from raylm.config import config_from_dict
+from raylm.console import quiet_libraries
 from raylm.data.packing import position_ids
 from raylm.names import REFERENCE_COLUMN
-from raylm.workers.preference import reference_logps
-from raylm.workers.step import build_training_model
 
 
 class ReferenceScorer:
@@ -41,6 +40,11 @@ class ReferenceScorer:
     def __init__(self, *, config: dict[str, Any], prepared: str, out: str, vocab_size: int,
                  eos_id: int, block_length: int) -> None:
         cfg = config_from_dict(config)
+        # Before the model code is imported: its libraries' import-time lines (torchao's about
+        # its installation) are quieted as in a training worker.
+        quiet_libraries(cfg.run.verbose)
+        from raylm.workers.step import build_training_model
+
         self.prepared, self.out, self.block_length = prepared, out, block_length
         self.micro_batch = cfg.train.micro_batch_size
         if torch.cuda.is_available():
@@ -64,6 +68,8 @@ class ReferenceScorer:
     def score_file(self, split: str, name: str) -> tuple[int, int]:
         """Write ``name``'s figures under the same name, one row group per block row group;
         returns (blocks, trained targets) scored."""
+        from raylm.workers.preference import reference_logps
+
         L = self.block_length
         source = pq.ParquetFile(os.path.join(self.prepared, split, name))
         folder = os.path.join(self.out, split)
