@@ -37,8 +37,8 @@ from raylm.run.exporter import write_run_info
 from raylm.run.lease import hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
-from raylm.run.reference import stored_reference
 from raylm.run.record import Ending, EndOfRun, FinalModel, RunRecord
+from raylm.run.reference import needs_stored_reference, stored_reference
 from raylm.workers import checkpoint, faults
 from raylm.workers.faults import EndOnMistake
 from raylm.workers.loop import train_loop_per_worker
@@ -253,6 +253,18 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                            f"finishing its record; see its log")
     say_how_it_ended(cfg, summary, error=error, tracker=tracker, log=log)
     return summary
+
+
+def reference_before_trials(cfg: Config, prepared: str, *, log=print) -> None:
+    """A sweep's stored DPO reference (:mod:`raylm.run.reference`), scored once by its driver
+    so that trials running at once do not each score it; they read it."""
+    if not needs_stored_reference(cfg):
+        return
+    manifest = json.loads((Path(prepared) / PREPARED_MANIFEST).read_text())
+    backend, eos = load_backend(manifest["tokenizer_path"])
+    stored_reference(cfg, prepared, identity=run_identity(cfg, manifest, backend),
+                     resources=plan_resources(cfg, None).worker,
+                     vocab_size=backend.get_vocab_size(), eos_id=eos, log=log)
 
 
 def say_how_it_ended(cfg: Config, summary: dict[str, Any], *, error: Exception | None,

@@ -35,7 +35,13 @@ from raylm.console import quiet_libraries, tune_verbosity
 from raylm.data.preparation import prepared_dir
 from raylm.names import GROUP_START
 from raylm.run import tracking
-from raylm.run.launch import ResourcePlan, cluster_capacity, plan_resources, train
+from raylm.run.launch import (
+    ResourcePlan,
+    cluster_capacity,
+    plan_resources,
+    reference_before_trials,
+    train,
+)
 from raylm.run.lease import hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.tracking import Tracker
@@ -150,6 +156,7 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
     rd = run_dir(cfg)
     # Prepared once here, rather than by every trial at once.
     prepared = str(prepared_dir(cfg, log=log))
+    reference_before_trials(cfg, prepared, log=log)
     parent = tracking.start(cfg, log=log)
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=cfg.to_dict(), trials_dir=storage.join(rd, "trials"),

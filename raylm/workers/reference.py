@@ -10,10 +10,10 @@ pass; each actor builds the model once and scores whole block files, so that wha
 mirrors a block file row group for row group and a reader finds a block's figures at the same
 (file, row group, row).
 
-The scorer builds the model as a training worker does (:func:`raylm.workers.step.build_training_model`,
-one process, the run's precision and attention) and sums nothing: it stores each target's
-log-probability, and the step sums them with the same segments as the policy's
-(:func:`raylm.workers.preference.stored_reference`).
+The scorer builds the model as a training worker does
+(:func:`raylm.workers.step.build_training_model`, one process, the run's precision and
+attention) and sums nothing: it stores each target's log-probability, and the step sums them
+with the same segments as the policy's (:func:`raylm.workers.preference.stored_reference`).
 """
 
 from __future__ import annotations
