@@ -57,6 +57,8 @@ def _add_data_and_training(sub) -> None:
                          "(qwen3-tiny, gemma3-tiny: the same families at a test size)")
     lo.add_argument("--rank", type=int, default=16)
     lo.add_argument("--qlora", action="store_true", help="also QLoRA (the base in NF4)")
+    lo.add_argument("--sides", default="full,lora",
+                    help="the sides to run, of full, lora, qlora (ratios need full)")
     lo.add_argument("--seq-len", type=int, default=127)
     lo.add_argument("--compile", default="auto", help="model.compile: auto (on for CUDA), "
                                                       "true or false")
@@ -167,7 +169,7 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
         result = run(preset=args.preset, family=args.family, rank=args.rank, qlora=args.qlora,
                      steps=args.steps, workers=args.workers, micro_batch=args.micro_batch,
                      seq_len=args.seq_len, compile=args.compile, output=Path(args.output),
-                     workdir=args.workdir)
+                     workdir=args.workdir, sides=tuple(args.sides.split(",")))
     elif args.name == "mfu":
         from raylm.bench.mfu import run
 

@@ -8,7 +8,8 @@ chat data (:mod:`raylm.examples.reverse_words`), with the same workers, batch, p
 through ``raylm train``. Per side: trainable parameters, the newest checkpoint's size on disk, the
 peak memory of a worker (rank 0's peak RSS on CPU, the CUDA allocator's peak on GPUs) and
 steady-state tokens/s. ``ratio``: LoRA / full for each figure (``ratio_qlora``: QLoRA / full). The
-JSON is rewritten after each side, so a run cut short keeps what it measured.
+JSON is rewritten after each side, so a run cut short keeps what it measured; ``--sides`` runs
+some of them (a full fine-tune of a 2B model and its checkpoint take minutes of their own).
 """
 
 from __future__ import annotations
@@ -92,13 +93,23 @@ def dir_bytes(path: str) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
+SIDES = ("full", "lora", "qlora")
+
+
 def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, workers: int,
         micro_batch: int, seq_len: int, compile: str, output: Path,
-        workdir: str | None) -> dict[str, Any]:
+        workdir: str | None, sides: tuple[str, ...] = ("full", "lora")) -> dict[str, Any]:
+    """``sides``: which of :data:`SIDES` run, in that order (``qlora`` adds its side); the
+    ratios need the full side."""
     import ray
 
     use_gpu = torch.cuda.is_available()
-    if qlora and not use_gpu:
+    chosen = [name for name in SIDES if name in sides or (name == "qlora" and qlora)]
+    unknown = set(sides) - set(SIDES)
+    if unknown or not chosen:
+        raise SystemExit(f"--sides: {', '.join(sorted(unknown)) or 'none given'}; choose from "
+                         f"{', '.join(SIDES)}")
+    if "qlora" in chosen and not use_gpu:
         raise SystemExit("--qlora: NF4 bases train on CUDA only; run it on a GPU machine or "
                          "leave --qlora out.")
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raylm-bench-"))
@@ -123,9 +134,9 @@ def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, 
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},
     }
-    sides = [("full", 0, "none"), ("lora", rank, "none")] + (
-        [("qlora", rank, "nf4")] if qlora else [])
-    for name, lora_rank, quant in sides:
+    settings = {"full": (0, "none"), "lora": (rank, "none"), "qlora": (rank, "nf4")}
+    for name in chosen:
+        lora_rank, quant = settings[name]
         cfg = load_config(None, [
             f"--run.storage_path={root}/runs", f"--run.cache_dir={root}/cache",
             f"--run.name={name}", f"--data.source={data['train']}", "--data.format=chat",
@@ -148,7 +159,7 @@ def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, 
             "train_loss": summary["train_loss"],
             "precision": summary["precision"],
         }
-        if name != "full":
+        if name != "full" and "full" in result:
             key = "ratio" if name == "lora" else f"ratio_{name}"
             result[key] = {k: round(result[name][k] / result["full"][k], 4)
                            for k in ("trainable_params", "checkpoint_bytes",
