@@ -1,7 +1,7 @@
 """The CUDA path on a real GPU: bf16 mixed precision, FSDP2's parameter dtypes, the attention
 kernel that is recorded, per-document attention, fused AdamW, compile and activation
-checkpointing, float8 linears, a DPO step on LoRA adapters, checkpoints moving between GPU
-and CPU, and the NVML energy counter.
+checkpointing, float8 linears, DPO steps on LoRA adapters and on stored reference figures,
+checkpoints moving between GPU and CPU, and the NVML energy counter.
 
 Needs torch and transformers (torchao for the float8 test, peft for the DPO one), not Ray,
 MLflow or datasets: ``python -m pytest -m gpu tests/gpu`` on any machine with a CUDA GPU;
@@ -212,6 +212,38 @@ def test_a_dpo_step_on_lora_trains_in_bf16_with_its_base_as_reference():
         loss, norm, figures = preference_step(built, opt, [pairs], accumulation=1,
                                               objective=objective, grad_clip=1.0)
     assert loss.is_cuda and float(loss) < 0.5 and float(figures["accuracy"]) > 0.9
+
+
+def test_a_full_dpo_step_on_stored_reference_figures_starts_at_ln2_in_bf16():
+    """The reference pass's figures (scored in bf16 on the GPU, stored on the host) summed
+    beside the policy's: the first loss is ln 2 within bf16's batch-to-batch noise, and the
+    step trains."""
+    from raylm.names import REFERENCE_COLUMN
+    from raylm.workers.preference import (
+        Objective,
+        preference_evaluate,
+        preference_step,
+        reference_logps,
+    )
+    from tests.pairs import pair_blocks
+
+    built = build()
+    pairs = pair_blocks(4, seq=128, vocab=VOCAB)
+    built.model.eval()
+    # Scored two blocks at a time, as the pass's micro-batches cut them.
+    stored = torch.cat([reference_logps(built, {k: v[i:i + 2] for k, v in pairs.items()})
+                        for i in (0, 2)])
+    built.model.train()
+    assert stored.device.type == "cpu" and stored.dtype == torch.float32
+    pairs[REFERENCE_COLUMN] = stored
+    objective = Objective(loss="sigmoid", beta=0.5)
+    assert preference_evaluate(built, [pairs], objective)["val_loss"] == pytest.approx(
+        0.6931472, abs=2e-3)
+    opt = optimizer(built)
+    for _ in range(10):
+        loss, _, figures = preference_step(built, opt, [pairs], accumulation=1,
+                                           objective=objective, grad_clip=1.0)
+    assert loss.is_cuda and float(loss) < 0.6 and float(figures["accuracy"]) > 0.9
 
 
 def test_a_checkpoint_saved_on_gpu_resumes_on_cpu_and_back(tmp_path):
