@@ -10,7 +10,8 @@
 # 2. The wheel set (scripts/gpu_wheels.py) installed offline, without dependency resolution,
 #    by scripts/gpu_run.sh exactly as on the GPU machine; Ray started by it.
 # 3. Through it: `raylm train` (tiny, 2 workers, 10 steps with checkpoints, then on to 20 as a
-#    resume), a LoRA chat run from a saved model, a 2-trial `raylm tune`, and
+#    resume), a LoRA chat run from a saved model, DPO as a full fine-tune of that model (its
+#    reference pass first), a 2-trial `raylm tune`, and
 #    `python -m raylm.bench mfu --help`. Each command's output is in WORK_DIR/out/N.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,10 +50,15 @@ LORA="python -m raylm.examples.reverse_words write --output $WORK/data --train 4
 --data.source=$WORK/data/train.jsonl --data.format=chat --data.seq_len=63 --lora.rank=8 \
 --train.steps=10 --train.global_batch_size=8 --train.micro_batch_size=8 \
 --train.precision=fp32 --train.log_every=5 --checkpoint.every=5"
+# DPO as a full fine-tune of the same model: the reference pass (Ray Data actors) first.
+DPO="python -m raylm train $COMMON --run.name=dpo-full --model.path=$WORK/runs/reverse-init \
+--data.source=$WORK/data/train_pairs.jsonl --data.format=preference --train.objective=dpo \
+--data.seq_len=127 --train.steps=6 --train.global_batch_size=8 --train.micro_batch_size=8 \
+--train.precision=fp32 --train.log_every=3 --checkpoint.every=3 --optim.lr=1e-5"
 TUNE="python -m raylm tune --config jobs/configs/cpu_tiny.yaml $COMMON \
 --data.builtin_packages=[peft,transformers] --run.name=sweep --tune.num_samples=2 \
 --train.steps=6 --train.log_every=3 --train.eval_every=3 --checkpoint.every=3"
 RAYLM_WHEELS="$WORK/wheels" RAYLM_SITE="$WORK/site" PYTHON="$WORK/venv/bin/python" \
     PATH="$WORK/venv/bin:$PATH" \
     bash scripts/gpu_run.sh "$WORK/out" "$TINY --train.steps=10" "$TINY --train.steps=20" \
-    "$LORA" "$TUNE" "python -m raylm.bench mfu --help"
+    "$LORA" "$DPO" "$TUNE" "python -m raylm.bench mfu --help"
