@@ -205,20 +205,20 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
     return summary
 
 
+def curve(df, name: str) -> list[list[float]]:
+    """A trial's ``[step, value]`` points of ``name`` from its metrics dataframe."""
+    return [] if df is None or name not in df else [
+        [int(s), float(v)] for s, v in zip(df["step"], df[name], strict=True)
+        if not math.isnan(v)]
+
+
 def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
     rd = run_dir(cfg)
     trials = []
     metric, mode = ranking(cfg)
     better = min if mode == "min" else max
     for r in results:
-        df = r.metrics_dataframe
-
-        def curve(name: str) -> list[list[float]]:
-            return [] if df is None or name not in df else [
-                [int(s), float(v)] for s, v in zip(df["step"], df[name], strict=True)
-                if not math.isnan(v)]
-
-        history, ranked = curve(METRIC), curve(metric)
+        history, ranked = (curve(r.metrics_dataframe, name) for name in (METRIC, metric))
         steps = max((s for s, _ in history), default=0)
         trial_id = r.metrics.get("trial_id")  # Tune adds it to every result
         found = checkpoint.latest_verified(storage.join(rd, "trials", str(trial_id)),

@@ -296,7 +296,8 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
     for ids, starts, mask in zip(blocks["input_ids"], blocks["doc_starts"],
                                  blocks["loss_mask"], strict=True):
         # Whole pairs, then any padding: the halves alternate chosen (1) and rejected (2).
-        marks = [sorted(set(mask[a:b]) - {0}) for a, b in zip(starts, [*starts[1:], len(ids)])]
+        ends = [*starts[1:], len(ids)]
+        marks = [sorted(set(mask[a:b]) - {0}) for a, b in zip(starts, ends, strict=True)]
         if marks[-1] == []:
             marks.pop()
         assert marks == [[1], [2]] * (len(marks) // 2) and marks

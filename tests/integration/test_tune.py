@@ -120,8 +120,8 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     on with that trial from its newest checkpoint rather than from the start, and ranks it by
     its preference accuracy. The trial's adapters have the rank the sweep gave it (2), not
     the config's (4): the trial's settings reached its workers."""
-    import random
     import os
+    import random
     import signal
     import subprocess
     import sys

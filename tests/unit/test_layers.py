@@ -1,6 +1,7 @@
 """The package layout is the process layout, and it stays so: import-linter's contracts in
 pyproject.toml (each layer imports only those below it, the data path imports no torch, no
-import circles), and functions short enough to read on one screen."""
+import circles), functions short enough to read on one screen, and ruff's checks
+(pyproject.toml's [tool.ruff]) clean."""
 
 from __future__ import annotations
 
@@ -31,3 +32,10 @@ def test_no_function_is_longer_than_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: " + ", ".join(long)
+
+
+def test_ruff_finds_nothing():
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "raylm", "tests",
+                           "jobs", "scripts"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

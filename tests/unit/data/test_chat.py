@@ -35,13 +35,6 @@ NOT_INCREMENTAL = (
     "{% if loop.last %}{{ ' (last)' }}{% endif %}{{ '\n' }}{% endfor %}")
 
 
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-
-
 def hf_tokenizer(tokenizer_dir, template: str):
     from transformers import AutoTokenizer
 

@@ -14,7 +14,7 @@ from raylm.data.chat import DefaultTemplate, answer_segments, encode, template_f
 from raylm.data.corpus import parse_preference
 from raylm.data.packing import ExamplePacker, position_ids
 from raylm.data.preparation import ExampleRenderer
-from tests.unit.data.test_chat import LLAMA_LIKE, hf_tokenizer, tok, trained_text  # noqa: F401
+from tests.unit.data.test_chat import LLAMA_LIKE, hf_tokenizer, trained_text
 
 CONTEXT = [{"role": "user", "content": "Reverse: a b"},
            {"role": "assistant", "content": "b a"},

@@ -53,7 +53,7 @@ def test_block_linears_train_in_float8_and_the_rest_is_unchanged(recipe):
     assert got[-1] < got[0] - 0.5, got  # memorizing one batch
     # Quantization noise, not a different computation: within 1% of fp32, but not equal (the
     # matmuls did run in float8).
-    assert all(abs(g - r) / r < 0.01 for g, r in zip(got, ref)), (got, ref)
+    assert all(abs(g - r) / r < 0.01 for g, r in zip(got, ref, strict=True)), (got, ref)
     assert got != ref
 
 
