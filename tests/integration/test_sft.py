@@ -353,7 +353,8 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
     layout = json.loads(prepared.read_text())
     assert info["blocks"] == sum(s["blocks"] for s in layout["splits"].values())
     assert info["targets"] > 0 and info["model"] == str(pretrained)
-    assert [f.name for f in (folder / "train").iterdir()] == layout["splits"]["train"]["files"]
+    train_files = sorted(f.name for f in (folder / "train").iterdir())
+    assert train_files == layout["splits"]["train"]["files"]
     assert any("scoring the prepared pairs" in m for m in logged)
     history = api.Run(str(tmp_path / "runs" / "full")).history
     assert history["loss"].iloc[0] == pytest.approx(np.log(2), abs=1e-4)
