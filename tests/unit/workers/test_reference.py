@@ -108,33 +108,38 @@ def test_the_figures_come_with_their_blocks_in_any_order_and_from_any_step(
         assert (got[REFERENCE_COLUMN][i] == direct[REFERENCE_COLUMN][row]).all()
 
 
-def test_dpo_on_the_stored_reference_equals_dpo_against_a_frozen_copy(stored):
-    """Two steps of a full fine-tune: the first loss is ln 2 (the policy is where it
-    started), and the second step's loss and gradients are those of DPO scored against a
-    second model held frozen at the starting weights (the way a trainer with a reference
-    model computes it)."""
+# The first loss, where the policy is its reference: ln 2 for DPO, (1 / (2 beta))^2 for IPO.
+FIRST = {"sigmoid": math.log(2), "ipo": 1.0}
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo"])
+def test_dpo_on_the_stored_reference_equals_dpo_against_a_frozen_copy(stored, loss):
+    """Two steps of a full fine-tune: the first loss is the one of a policy equal to its
+    reference, and the second step's loss and gradients are those scored against a second
+    model held frozen at the starting weights (the way a trainer with a reference model
+    computes it)."""
     _, split, _ = stored
     reader = _ReadBlocks(split, mode="eval", seed=0, window=1, rank=0, world_size=1)
     batch = {k: torch.from_numpy(v) for k, v in reader({"id": np.arange(6)}).items()}
-    objective = Objective(loss="sigmoid", beta=0.5)
+    objective = Objective(loss=loss, beta=0.5)
     built = build()
     frozen = copy.deepcopy(built.model).eval()
     sgd = torch.optim.SGD(built.model.parameters(), lr=0.5)
     first, _, figures = preference_step(built, sgd, [batch], accumulation=1,
                                         objective=objective, grad_clip=0.0)
-    assert float(first) == pytest.approx(math.log(2), abs=1e-5)
+    assert float(first) == pytest.approx(FIRST[loss], abs=1e-5)
     assert abs(float(figures["margin"])) < 1e-5
-    loss, _ = pair_terms(built, batch, objective)
+    summed, _ = pair_terms(built, batch, objective)
     built.model.zero_grad()
-    loss.backward()
+    summed.backward()
     stored_grads = [p.grad.clone() for p in built.model.parameters()]
     segments, pairs = answer_segments(batch["position_ids"], batch["loss_mask"])
     with torch.no_grad():
         reference = scored(dataclasses.replace(built, model=frozen), batch, segments, pairs)
     policy = scored(built, batch, segments, pairs)
-    losses, _ = pair_losses(policy, reference, loss="sigmoid", beta=0.5)
-    assert float(losses.sum().detach()) == pytest.approx(float(loss), abs=1e-5)
-    assert float(loss) / pairs < math.log(2) - 1e-3  # the first step moved the policy
+    losses, _ = pair_losses(policy, reference, loss=loss, beta=0.5)
+    assert float(losses.sum().detach()) == pytest.approx(float(summed), abs=1e-5)
+    assert float(summed) / pairs < FIRST[loss] - 1e-3  # the first step moved the policy
     built.model.zero_grad()
     losses.sum().backward()
     for a, b in zip(stored_grads, (p.grad for p in built.model.parameters()), strict=True):
