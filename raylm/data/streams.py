@@ -70,8 +70,9 @@ class PackedSplit:
     sources: list[str] | None = None
     """The corpus files by index (None: prepared before blocks kept their sources)."""
     reference: str | None = None
-    """The folder of this split's reference files (:mod:`raylm.run.reference`: the same file
-    names and row groups as the blocks), read beside them; None: no stored reference."""
+    """The folder of this split's reference files (:mod:`raylm.run.reference`: one per row
+    group of the blocks, :func:`reference_file`), read beside them; None: no stored
+    reference."""
 
     @classmethod
     def load(cls, prepared: str | os.PathLike, split: str, *,
@@ -164,6 +165,12 @@ def _footer(f: io.RawIOBase) -> pq.FileMetaData:
     return pq.read_metadata(pa.BufferReader(b"PAR1" + f.read(size) + tail))
 
 
+def reference_file(folder: str, block_file: str, group: int) -> str:
+    """Where the stored reference figures of row group ``group`` of ``block_file`` are: a
+    Parquet file of one row group, the same rows in the same order."""
+    return os.path.join(folder, f"{block_file.removesuffix('.parquet')}-g{group:05d}.parquet")
+
+
 @dataclass(frozen=True)
 class Group:
     """One row group's blocks as a reader keeps them."""
@@ -218,8 +225,8 @@ class _ReadBlocks:
             if self.split.loss_mask:
                 masks = t.column("loss_mask").combine_chunks().values.to_numpy().reshape(-1, L)
             if self.split.reference is not None:
-                beside = os.path.join(self.split.reference, os.path.basename(path))
-                reference = (self._read(beside, idx).column(REFERENCE_COLUMN).combine_chunks()
+                beside = reference_file(self.split.reference, os.path.basename(path), idx)
+                reference = (self._read(beside, 0).column(REFERENCE_COLUMN).combine_chunks()
                              .flatten().to_numpy().reshape(-1, L - 1))
             self.cache[g] = Group(tokens, t.column("doc_starts").to_pylist(), masks, reference)
             while len(self.cache) > self.cache_size:

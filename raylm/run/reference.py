@@ -12,8 +12,8 @@ place (:mod:`raylm.outputs`): of two drivers computing it at once, the first to 
 publishes and the other's copy is dropped.
 
 The pass places the training workers' own resources (one GPU each on a GPU cluster): it runs
-before they start, on what they will use, with at most as many actors as the run's fewest
-workers and as there are block files.
+before they start, on what they will use, with as many actors as the run's fewest workers
+(at most one per row group of blocks, the unit each actor scores and writes).
 """
 
 from __future__ import annotations
@@ -60,16 +60,18 @@ def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, s
         log(f"raylm: reference log-probabilities of {cfg.model.path} from {out}")
         return str(out)
     layout = json.loads((Path(prepared) / LAYOUT).read_text())
-    files = [{"split": split, "file": name} for split in SPLITS
-             for name in layout["splits"][split]["files"]]
-    actors = max(1, min(len(files), cfg.scaling.worker_range[0]))
+    groups = [{"split": split, "file": name, "group": g} for split in SPLITS
+              for name, n in zip(layout["splits"][split]["files"],
+                                 layout["splits"][split]["file_groups"], strict=True)
+              for g in range(n)]
+    actors = max(1, min(len(groups), cfg.scaling.worker_range[0]))
     log(f"raylm: scoring the prepared pairs with the starting weights of {cfg.model.path} "
-        f"(the DPO reference, once; {len(files)} block files, {actors} actor"
+        f"(the DPO reference, once; {len(groups)} row groups, {actors} actor"
         f"{'s' if actors > 1 else ''})")
     tmp = staging(out)
     t0 = time.perf_counter()
     try:
-        ds = ray.data.from_items(files)
+        ds = ray.data.from_items(groups)
         ds.context.enable_progress_bars = False
         done = ds.map_batches(
             ReferenceScorer,
@@ -88,8 +90,9 @@ def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, s
             "blocks": sum(int(r["blocks"]) for r in done),
             "targets": sum(int(r["targets"]) for r in done),
             "seconds": round(time.perf_counter() - t0, 1)}
-        if len(done) != len(files):
-            raise RuntimeError(f"the reference pass scored {len(done)} of {len(files)} files")
+        if len(done) != len(groups):
+            raise RuntimeError(f"the reference pass scored {len(done)} of {len(groups)} row "
+                               f"groups")
         (tmp / REFERENCE_INFO).write_text(json.dumps(info, indent=2))
     except BaseException:
         discard(tmp)

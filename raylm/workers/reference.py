@@ -6,9 +6,10 @@ model on every worker beside the policy would double the weights in memory (and 
 add a second set of all-gathers to every step); scoring the pairs with it once, before
 training, costs one forward per pair for the whole run and 4 bytes per token of disk. The
 driver (:mod:`raylm.run.reference`) runs this class as the actors of a Ray Data batch-inference
-pass; each actor builds the model once and scores whole block files, so that what it writes
-mirrors a block file row group for row group and a reader finds a block's figures at the same
-(file, row group, row).
+pass; each actor builds the model once and scores row groups of the block files, one at a
+time, writing each group's figures as a file of their own with the same rows in the same order
+(:func:`raylm.data.streams.reference_file`): the pass spreads over as many actors as there are
+row groups, and a reader finds a block's figures at the same (file, row group, row).
 
 The scorer builds the model as a training worker does
 (:func:`raylm.workers.step.build_training_model`, one process, the run's precision and
@@ -29,13 +30,15 @@ import torch
 from raylm.config import config_from_dict
 from raylm.console import quiet_libraries
 from raylm.data.packing import position_ids
+from raylm.data.streams import reference_file
 from raylm.names import REFERENCE_COLUMN
 
 
 class ReferenceScorer:
-    """A Ray Data actor: ``{"split", "file"}`` rows in (block files of ``prepared``), each
-    file's reference figures written to ``out/{split}/{file}``; ``{"split", "file",
-    "blocks", "targets"}`` out."""
+    """A Ray Data actor: ``{"split", "file", "group"}`` rows in (row groups of the block files
+    of ``prepared``), each group's figures written to
+    :func:`raylm.data.streams.reference_file` under ``out/{split}``; ``{"split", "file",
+    "group", "blocks", "targets"}`` out."""
 
     def __init__(self, *, config: dict[str, Any], prepared: str, out: str, vocab_size: int,
                  eos_id: int, block_length: int) -> None:
@@ -59,43 +62,36 @@ class ReferenceScorer:
         self.built.model.eval()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        counts = [self.score_file(str(split), str(name))
-                  for split, name in zip(batch["split"], batch["file"], strict=True)]
-        return {"split": batch["split"], "file": batch["file"],
+        counts = [self.score_group(str(split), str(name), int(group))
+                  for split, name, group in zip(batch["split"], batch["file"], batch["group"],
+                                                strict=True)]
+        return {"split": batch["split"], "file": batch["file"], "group": batch["group"],
                 "blocks": np.array([c[0] for c in counts], dtype=np.int64),
                 "targets": np.array([c[1] for c in counts], dtype=np.int64)}
 
-    def score_file(self, split: str, name: str) -> tuple[int, int]:
-        """Write ``name``'s figures under the same name, one row group per block row group;
-        returns (blocks, trained targets) scored."""
+    def score_group(self, split: str, name: str, group: int) -> tuple[int, int]:
+        """Score row group ``group`` of block file ``name`` and write its figures; returns
+        (blocks, trained targets) scored. A retried task writes the same file again."""
         from raylm.workers.preference import reference_logps
 
         L = self.block_length
-        source = pq.ParquetFile(os.path.join(self.prepared, split, name))
+        t = pq.ParquetFile(os.path.join(self.prepared, split, name)).read_row_group(
+            group, columns=["input_ids", "doc_starts", "loss_mask"])
+        tokens = t.column("input_ids").combine_chunks().flatten().to_numpy().reshape(-1, L)
+        masks = t.column("loss_mask").combine_chunks().flatten().to_numpy().reshape(-1, L)
+        starts = t.column("doc_starts").to_pylist()
+        figures = []
+        for i in range(0, len(tokens), self.micro_batch):
+            rows = slice(i, i + self.micro_batch)
+            figures.append(reference_logps(self.built, {
+                "input_ids": torch.from_numpy(tokens[rows].astype(np.int64)),
+                "position_ids": torch.from_numpy(np.stack(
+                    [position_ids(np.asarray(s), L) for s in starts[rows]])),
+                "loss_mask": torch.tensor(masks[rows])}).numpy())
+        column = pa.FixedSizeListArray.from_arrays(
+            pa.array(np.concatenate(figures).reshape(-1), type=pa.float32()), L - 1)
         folder = os.path.join(self.out, split)
         os.makedirs(folder, exist_ok=True)
-        schema = pa.schema([(REFERENCE_COLUMN, pa.list_(pa.float32(), L - 1))])
-        blocks = targets = 0
-        with pq.ParquetWriter(os.path.join(folder, name), schema) as writer:
-            for g in range(source.num_row_groups):
-                t = source.read_row_group(g, columns=["input_ids", "doc_starts", "loss_mask"])
-                tokens = t.column("input_ids").combine_chunks().flatten().to_numpy()
-                masks = t.column("loss_mask").combine_chunks().flatten().to_numpy()
-                tokens, masks = tokens.reshape(-1, L), masks.reshape(-1, L)
-                starts = t.column("doc_starts").to_pylist()
-                figures = []
-                for i in range(0, len(tokens), self.micro_batch):
-                    rows = slice(i, i + self.micro_batch)
-                    figures.append(reference_logps(self.built, {
-                        "input_ids": torch.from_numpy(tokens[rows].astype(np.int64)),
-                        "position_ids": torch.from_numpy(np.stack(
-                            [position_ids(np.asarray(s), L) for s in starts[rows]])),
-                        "loss_mask": torch.tensor(masks[rows])}).numpy())
-                flat = np.concatenate(figures).reshape(-1)
-                column = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=pa.float32()),
-                                                           L - 1)
-                writer.write_table(pa.table([column], schema=schema),
-                                   row_group_size=len(tokens))
-                blocks += len(tokens)
-                targets += int((masks[:, 1:] > 0).sum())
-        return blocks, targets
+        pq.write_table(pa.table({REFERENCE_COLUMN: column}),
+                       reference_file(folder, name, group), row_group_size=len(tokens))
+        return len(tokens), int((masks[:, 1:] > 0).sum())

@@ -336,6 +336,7 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
     same copy."""
     from raylm import api
     from raylm.run.launch import train
+    from raylm.data.streams import reference_file
     from raylm.run.reference import stored_reference
 
     args = [f"--data.source={preference_pairs}", "--data.format=preference",
@@ -353,8 +354,10 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
     layout = json.loads(prepared.read_text())
     assert info["blocks"] == sum(s["blocks"] for s in layout["splits"].values())
     assert info["targets"] > 0 and info["model"] == str(pretrained)
-    train_files = sorted(f.name for f in (folder / "train").iterdir())
-    assert train_files == layout["splits"]["train"]["files"]
+    train = layout["splits"]["train"]
+    assert sorted(str(f) for f in (folder / "train").iterdir()) == [
+        reference_file(str(folder / "train"), name, g)
+        for name, n in zip(train["files"], train["file_groups"], strict=True) for g in range(n)]
     assert any("scoring the prepared pairs" in m for m in logged)
     history = api.Run(str(tmp_path / "runs" / "full")).history
     assert history["loss"].iloc[0] == pytest.approx(np.log(2), abs=1e-4)

@@ -1,5 +1,5 @@
 """The stored reference of a DPO full fine-tune (raylm.workers.reference, the scorer of the
-reference pass, and its figures read beside the blocks): a file mirroring each block file,
+reference pass, and its figures read beside the blocks): a file for each row group of blocks,
 figures that follow their blocks whatever the order and resume point, and a step that equals
 DPO against a second, frozen copy of the starting model."""
 
@@ -16,7 +16,7 @@ import torch
 
 from raylm.config import load_config
 from raylm.data.preparation import BlockWriter
-from raylm.data.streams import PackedSplit, _ReadBlocks
+from raylm.data.streams import PackedSplit, _ReadBlocks, reference_file
 from raylm.names import REFERENCE_COLUMN
 from raylm.workers.preference import (
     Objective,
@@ -61,22 +61,27 @@ def stored(tmp_path_factory):
     scorer = ReferenceScorer(config=CONFIG.to_dict(), prepared=str(root / "prepared"),
                              out=str(root / "ref"), vocab_size=VOCAB, eos_id=0,
                              block_length=SEQ + 1)
-    out = scorer({"split": np.array(["train"]), "file": np.array(writer.files)})
+    (name,) = writer.files
+    # Groups in any order, as the pass's actors take them.
+    out = scorer({"split": np.array(["train"] * 3), "file": np.array([name] * 3),
+                  "group": np.array([2, 0, 1])})
     split = PackedSplit(str(root / "prepared" / "train"), writer.files, writer.group_sizes,
                         writer.file_groups, SEQ + 1, loss_mask=True,
                         reference=str(root / "ref" / "train"))
     return batch, split, out
 
 
-def test_the_pass_mirrors_each_block_file_and_stores_each_trained_targets_logp(stored):
+def test_each_row_group_gets_a_file_of_each_trained_targets_logp(stored):
     batch, split, out = stored
     (name,) = split.files
-    figures = pq.ParquetFile(f"{split.reference}/{name}")
-    assert [figures.metadata.row_group(g).num_rows for g in range(figures.num_row_groups)] == \
-        split.row_group_sizes == [4, 4, 2]
+    files = [pq.ParquetFile(reference_file(split.reference, name, g)) for g in range(3)]
+    assert [f.metadata.num_rows for f in files] == split.row_group_sizes == [4, 4, 2]
+    assert all(f.num_row_groups == 1 for f in files)
     trained = batch["loss_mask"][:, 1:] > 0
-    assert out["blocks"].tolist() == [BLOCKS] and out["targets"].tolist() == [int(trained.sum())]
-    ref = torch.tensor(figures.read().column(REFERENCE_COLUMN).to_pylist(), dtype=torch.float32)
+    assert out["group"].tolist() == [2, 0, 1] and out["blocks"].tolist() == [2, 4, 4]
+    assert out["targets"].sum() == int(trained.sum())
+    ref = torch.tensor([row for f in files for row in f.read().column(REFERENCE_COLUMN)
+                        .to_pylist()], dtype=torch.float32)
     assert ref.shape == (BLOCKS, SEQ) and (ref[~trained] == 0).all() and (ref[trained] < 0).all()
     # The answers' sums are the model's, as the step scores them in one batch.
     segments, pairs = answer_segments(batch["position_ids"], batch["loss_mask"])
