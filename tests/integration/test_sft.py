@@ -335,8 +335,8 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
     its reference) and training lowers it. A second run of the same data and model reads the
     same copy."""
     from raylm import api
-    from raylm.run.launch import train
     from raylm.data.streams import reference_file
+    from raylm.run.launch import train
     from raylm.run.reference import stored_reference
 
     args = [f"--data.source={preference_pairs}", "--data.format=preference",
