@@ -217,8 +217,8 @@ def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,
     return Answers(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
 
 
-def stored_reference(ref_logp: torch.Tensor, segments: torch.Tensor, pairs: int, *,
-                     device: torch.device) -> Answers:
+def reference_sums(ref_logp: torch.Tensor, segments: torch.Tensor, pairs: int, *,
+                   device: torch.device) -> Answers:
     """The reference's summed log-probabilities of each pair's answers, from the per-target
     figures the reference pass stored beside the blocks (``ref_logp``, (B, T) on the host,
     beside ``segments``): summed as :func:`scored` sums the policy's."""
@@ -252,8 +252,8 @@ def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objectiv
     reference = None
     if objective.needs_reference:
         if REFERENCE_COLUMN in batch:
-            reference = stored_reference(batch[REFERENCE_COLUMN], segments, pairs,
-                                         device=built.device)
+            reference = reference_sums(batch[REFERENCE_COLUMN], segments, pairs,
+                                       device=built.device)
         else:
             with torch.no_grad(), adapters_off(built.model):
                 reference = scored(built, batch, segments, pairs)

@@ -14,7 +14,7 @@ row groups, and a reader finds a block's figures at the same (file, row group, r
 The scorer builds the model as a training worker does
 (:func:`raylm.workers.step.build_training_model`, one process, the run's precision and
 attention) and sums nothing: it stores each target's log-probability, and the step sums them
-with the same segments as the policy's (:func:`raylm.workers.preference.stored_reference`).
+with the same segments as the policy's (:func:`raylm.workers.preference.reference_sums`).
 """
 
 from __future__ import annotations
