@@ -42,7 +42,10 @@ def test_each_private_api_raylm_uses_is_there(module, name, use, where):
     assert found is not None
 
 
-def test_the_methods_raylm_overrides_or_calls_keep_their_shape():
+def test_the_methods_raylm_overrides_or_calls_keep_their_shape(tmp_path, monkeypatch):
+    # The monitor opens MLflow's default store, a database in the working directory, unless
+    # told of another.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
