@@ -7,8 +7,8 @@ did not load) fails the same way on every attempt, so each retry only repeats it
 reads "failed after 4 failures" with the cause buried in the workers' logs.
 
 A worker raises :class:`Mistake` for those: during setup, for the error types that cannot come
-from a machine (below), and after the first step of a pretrained model whose loss is that of a
-uniform prediction. :class:`EndOnMistake`, a callback on the Ray Train controller, sees the
+from a machine (below), and before the first step of a pretrained model that predicts every
+token alike. :class:`EndOnMistake`, a callback on the Ray Train controller, sees the
 worker's error when it polls the group and, when the failure policy would retry, raises it
 instead: the controller treats an error raised by a callback as its own, which is never
 retried, and the run ends after one attempt with the worker's message. Ray Train's failure
@@ -18,8 +18,6 @@ callbacks may implement.
 """
 
 from __future__ import annotations
-
-import math
 
 try:
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
@@ -44,18 +42,24 @@ class Mistake(ValueError):
     command, as other bad input)."""
 
 
-def first_loss_check(loss: float, *, vocab_size: int, model_path: str) -> None:
-    """A pretrained model whose first loss is ln(vocab) predicts every token alike: its
-    weights did not load (a head left unset, weights of zeros). A randomly initialized model
-    sits above ln(vocab) by half its logits' variance (about 1e-2 for a 64-wide test model),
-    a trained one far below it; a uniform prediction is ln(vocab) to float precision."""
-    uniform = math.log(vocab_size)
-    if abs(loss - uniform) <= 1e-5 * uniform:
+# Below this spread (the standard deviation of the logits over the vocabulary) a model
+# predicts every token alike. A head of zeros gives exactly 0 and equal rows give 0 up to
+# rounding; a randomly initialized tiny model gives about 0.16, a trained one several units.
+UNIFORM_SPREAD = 1e-4
+
+
+def first_prediction_check(spread: float, *, model_path: str) -> None:
+    """A pretrained model whose logits do not vary over the vocabulary (``spread``, from
+    :func:`raylm.workers.step.logit_spread` on the run's first batch) predicts every token
+    alike: its weights did not load. Decided from the logits, not from the loss: a randomly
+    initialized model's first loss can land on ln(vocab) by chance when few targets are
+    trained, though its predictions differ from token to token."""
+    if spread <= UNIFORM_SPREAD:
         raise Mistake(
-            f"model.path={model_path}: the first step's loss {loss:.4f} is ln({vocab_size}), "
-            f"the loss of predicting every token alike: the model's weights did not load "
-            f"(its output head or its weights are all zero or unset). Check that the "
-            f"directory's weight files are the model's own.")
+            f"model.path={model_path}: the model predicts every token alike (its logits vary "
+            f"by {spread:.2g} over the vocabulary on the first batch): its weights did not "
+            f"load (its output head, its final norm or its weights are all zero or unset). "
+            f"Check that the directory's weight files are the model's own.")
 
 
 def cause(error: BaseException, kind: type[BaseException] = Mistake) -> BaseException | None:

@@ -57,7 +57,7 @@ from raylm.names import GROUP_START
 from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter, run_figures, window_figures
-from raylm.workers.faults import MISTAKES, Mistake, first_loss_check
+from raylm.workers.faults import MISTAKES, Mistake, first_prediction_check
 from raylm.workers.health import (
     Fault,
     Health,
@@ -88,6 +88,7 @@ from raylm.workers.step import (
     batch_loss,
     build_training_model,
     evaluate,
+    logit_spread,
     plain,
     train_step,
 )
@@ -187,6 +188,13 @@ def train(run: Setup) -> None:
                    total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
                    cycle_steps=o.cycle_steps)
         set_lr(run.optimizer, lr)
+        if (state.step == 0 and run.cfg.model.path and run.built.pipeline is None
+                and run.objective is None):
+            # Once, before a run from pretrained weights trains on them.
+            first_prediction_check(
+                logit_spread(run.built, micro[0],
+                             cross_document=run.cfg.data.across_documents),
+                model_path=run.cfg.model.path)
         figures: dict[str, torch.Tensor] = {}
         if run.objective is not None:
             loss, grad_norm, figures = preference_step(
@@ -198,11 +206,6 @@ def train(run: Setup) -> None:
                                          cross_document=run.cfg.data.across_documents,
                                          health=run.health)
         state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
-        if (state.step == 1 and run.cfg.model.path and run.built.pipeline is None
-                and run.objective is None):
-            # Once, at the start of a run from pretrained weights (the loss is global).
-            first_loss_check(float(loss), vocab_size=run.built.config.vocab_size,
-                             model_path=run.cfg.model.path)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
         run.recent.append((state.step, micro))
         meter.step_ends(tokens_per_step)

@@ -189,6 +189,33 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
     return token_loss(logits, targets, summed=masked)
 
 
+@torch.no_grad()
+def logit_spread(built: Built, batch: dict[str, torch.Tensor], *, cross_document: bool
+                 ) -> float:
+    """The largest standard deviation of the logits over the vocabulary, at any position of
+    ``batch``'s first sequence on any rank (every rank calls it): 0 for a model that predicts
+    every token alike, whatever its input (a head or a final norm of zeros, head rows all
+    equal), and clearly above 0 for any other, trained or randomly initialized (0.16 for a
+    tiny random-weight Qwen3). One forward of the micro-batch as :func:`evaluate` runs it
+    (the same shapes and mode, so compiled blocks compile nothing new for it)."""
+    tokens = batch["input_ids"][:, :-1].to(built.device, non_blocking=True)
+    kwargs = {}
+    if not cross_document:
+        kwargs["position_ids"] = batch["position_ids"][:, :-1].to(built.device,
+                                                                   non_blocking=True)
+    built.model.eval()
+    with built.attention.context(), autocast(built.precision, built.device.type):
+        logits = plain(built.model(input_ids=tokens, **kwargs).logits)[0]
+    built.model.train()
+    # fp32 a slice of positions at a time: a 150k vocabulary makes each position 0.6 MB.
+    spread = torch.zeros((), device=built.device)
+    for chunk in logits.split(256):
+        spread = torch.maximum(spread, chunk.float().std(dim=-1).max())
+    if dist.is_initialized():
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return float(spread)
+
+
 def trained_targets(batches: Iterable[dict[str, torch.Tensor]], device: torch.device
                     ) -> torch.Tensor:
     """Targets that carry loss in ``batches``, summed over every rank (all call it)."""
