@@ -13,7 +13,7 @@ failed MLflow call) still print.
 On the driver, :func:`tidy_driver_console` goes further with what Ray forwards there from the
 other processes: raylm's own lines lose Ray's ``(TrainController pid=N)`` prefix (the line
 says what it is), colour codes are left out where the console is not a terminal, and the
-lines in :data:`HARMLESS`, which every healthy run prints and which read as errors, are
+lines in :data:`HARMLESS`, which healthy runs print and which read as errors, are
 dropped (Ray's own log files keep them), as is ``ray.init``'s notice that token
 authentication is on (it is, and it asks nothing of the user; its warning when it is off
 stays). Not reached: what Ray's C++ core writes straight to the driver's own stderr.
@@ -124,6 +124,14 @@ HARMLESS: tuple[tuple[re.Pattern, str], ...] = (
      "with arguments in the object store: Ray Train's preemption watcher and Ray Data's map "
      "workers, in every run. Their restart would fail only if those arguments were lost with "
      "a node, and then the worker group is restarted whole, with new ones."),
+    (re.compile(r"Failed to query Ray Train Controller actor state\. State API may be "
+                r"temporarily unavailable"),
+     "Ray Train's placement-group cleaner asks Ray's State API, which the dashboard serves, "
+     "whether the Train controller still lives, every second or two for the whole run. A "
+     "head started with --include-dashboard=false never answers, so it warns at every check "
+     "(about 90 lines in a 40-step run) and nothing else changes: the run trains, and the "
+     "controller removes its placement group when it ends. Only its backstop for a "
+     "controller that dies without ending is lost there; `ray stop` frees that group."),
 )
 
 # "(Name pid=N[, ip=A]) " and its colour codes, as Ray prefixes another process's line.

@@ -20,6 +20,10 @@ def test_raylm_lines_lose_rays_prefix_and_known_harmless_lines_are_dropped():
     assert tidy_line("\x1b[36m(TrainController pid=5648, ip=10.0.0.5)\x1b[0m raylm: restart "
                      "2 -> 1 workers") == "raylm: restart 2 -> 1 workers"
     assert tidy_line(HARMLESS_LINE) is None
+    # Every few seconds of a run on a head without the dashboard.
+    assert tidy_line("(PlacementGroupCleaner pid=3135) Failed to query Ray Train Controller "
+                     "actor state. State API may be temporarily unavailable. Continuing to "
+                     "monitor.") is None
     # Everything else is shown as Ray wrote it: a worker's error, a user's print.
     error = "(RayTrainWorker pid=7) Traceback (most recent call last):"
     assert tidy_line(error) == error
