@@ -12,6 +12,7 @@ on the Ray Train controller) writes what the run says about itself, to its end.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -24,7 +25,7 @@ from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig,
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from raylm import storage
-from raylm.config import Config, run_dir, storage_root
+from raylm.config import Config, ConfigError, run_dir, storage_root, validate
 from raylm.console import one_copy_of_worker_prints, quiet_libraries, train_log_level
 from raylm.data.preparation import prepared_dir
 from raylm.data.streams import READER_CPUS
@@ -47,6 +48,34 @@ from raylm.workers.optim import EXTEND_CLEANLY, schedule_change
 
 def cluster_capacity() -> dict[str, float]:
     return ray.cluster_resources()
+
+
+def choose_device(cfg: Config, capacity: dict[str, float]) -> tuple[Config, str]:
+    """``cfg`` with ``scaling.use_gpu`` decided against the cluster's ``capacity`` (auto: GPU
+    workers when it has a GPU), and the line that says which and why. A setting that needs
+    GPU workers (an NF4 base, float8) on a cluster auto found none in is refused here, before
+    any worker starts."""
+    sc = cfg.scaling
+    gpus = capacity.get("GPU", 0.0)
+    has = f"the cluster has {gpus:g} GPU{'s' if gpus != 1 else ''}" if gpus else \
+        "the cluster has no GPU"
+    if sc.use_gpu == "auto":
+        if not gpus and sc.wait_for_nodes:
+            raise ConfigError(
+                "scaling.use_gpu=auto cannot choose: the cluster has no GPU now but autoscales "
+                "(scaling.wait_for_nodes=true), so GPU nodes may come; set scaling.use_gpu="
+                "true to wait for GPU nodes, or false to train on CPUs.")
+        use, why = gpus >= 1, f"scaling.use_gpu=auto and {has}"
+    else:
+        use, why = sc.use_gpu, f"scaling.use_gpu={str(sc.use_gpu).lower()}; {has}"
+    chosen = dataclasses.replace(cfg, scaling=dataclasses.replace(sc, use_gpu=use))
+    try:
+        validate(chosen)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (the workers would run on CPUs: {why})") from None
+    hint = "" if use or not sc.use_gpu == "auto" else \
+        " (a cluster with GPUs gets GPU workers)"
+    return chosen, f"workers on {'GPUs' if use else 'CPUs'}: {why}{hint}"
 
 
 @dataclass(frozen=True)
@@ -82,6 +111,7 @@ def plan_resources(cfg: Config, capacity: dict[str, float] | None) -> ResourcePl
     shares its worker's CPUs rather than waiting forever for a CPU nobody will free. Refused,
     with the arithmetic and the settings that fit, when the fewest workers do not fit."""
     sc, d = cfg.scaling, cfg.data
+    assert sc.use_gpu != "auto", "choose_device decides it first"
     fewest, most = sc.worker_range
     worker = {"CPU": sc.cpus_per_worker, **sc.worker_resources}
     if sc.use_gpu:
@@ -184,8 +214,10 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     rd = run_dir(cfg)
     quiet_libraries(cfg.run.verbose)
     one_copy_of_worker_prints()
-    resources = plan_resources(
-        cfg, None if cfg.scaling.wait_for_nodes else cluster_capacity())
+    capacity = cluster_capacity()
+    cfg, device = choose_device(cfg, capacity)
+    log(f"raylm: {device}")
+    resources = plan_resources(cfg, None if cfg.scaling.wait_for_nodes else capacity)
     if resources.note:
         log(f"raylm: {resources.note}")
     prepared = prepared_dir(cfg, log=log)
@@ -228,6 +260,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                                  else None))
     record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
                        verbose=cfg.run.verbose, progress=feed and feed.queue, ending=ending)
+    record.note("device", gpu=cfg.scaling.use_gpu, reason=device)
     if moved is not None:
         record.note("schedule_moved", **moved)
     if changed:
@@ -318,17 +351,24 @@ def run_identity(cfg: Config, manifest: dict[str, Any], backend) -> dict[str, st
     content and the preparation settings), data format, tokenizer (its whole definition, so a
     retrained tokenizer of the same size differs) and base model (its config and weight
     files)."""
-    def digest(data: bytes) -> str:
-        return hashlib.blake2b(data, digest_size=12).hexdigest()
-
-    base = f"preset:{cfg.model.preset}"
-    if cfg.model.path:
-        path = Path(cfg.model.path)
-        files = sorted((f.name, f.stat().st_size) for f in path.iterdir()
-                       if f.suffix in (".safetensors", ".bin"))
-        base = digest((path / "config.json").read_bytes() + json.dumps(files).encode())
     return {"data": manifest["fingerprint"], "format": cfg.data.format,
-            "tokenizer": digest(backend.to_str().encode()), "base_model": base}
+            "tokenizer": _digest(backend.to_str().encode()),
+            "base_model": base_model_identity(cfg)}
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+def base_model_identity(cfg: Config) -> str:
+    """The base model's part of :func:`run_identity`: the preset's name, or the pretrained
+    model's config and weight files (names and sizes)."""
+    if not cfg.model.path:
+        return f"preset:{cfg.model.preset}"
+    path = Path(cfg.model.path)
+    files = sorted((f.name, f.stat().st_size) for f in path.iterdir()
+                   if f.suffix in (".safetensors", ".bin"))
+    return _digest((path / "config.json").read_bytes() + json.dumps(files).encode())
 
 
 def check_same_run(cfg: Config, found: tuple[str, dict] | None, identity: dict[str, str], *,

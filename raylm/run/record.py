@@ -446,6 +446,9 @@ class RunRecord(UserCallback):
             **summarize(self.records),
             "numerical_faults": [{k: v for k, v in r.items() if k not in ("invocation", "event")}
                                  for r in self.records if r["event"] == "numerical_fault"],
+            # Where the workers ran, and why (scaling.use_gpu, and the cluster).
+            "device": next((r["reason"] for r in reversed(self.records)
+                            if r["event"] == "device"), None),
             "attention_backend": m.get("attention_backend"),
             "precision": m.get("precision"),
             # What this invocation resumed with although it changed (checkpoint.accept_changes).

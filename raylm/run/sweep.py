@@ -37,6 +37,7 @@ from raylm.names import GROUP_START
 from raylm.run import tracking
 from raylm.run.launch import (
     ResourcePlan,
+    choose_device,
     cluster_capacity,
     plan_resources,
     reference_before_trials,
@@ -150,9 +151,12 @@ def sweep(cfg: Config, *, log=print, checked: Checked | None = None) -> dict[str
 
 def _sweep(checked: Checked, *, log) -> dict[str, Any]:
     """:func:`sweep`, once checked and its lease held."""
-    cfg = checked.cfg
-    quiet_libraries(cfg.run.verbose)
-    concurrent = concurrent_trials(cfg, cluster_capacity())
+    quiet_libraries(checked.cfg.run.verbose)
+    capacity = cluster_capacity()
+    cfg, device = choose_device(checked.cfg, capacity)
+    checked = checked.for_trial(cfg)
+    log(f"raylm: {device}")
+    concurrent = concurrent_trials(cfg, capacity)
     rd = run_dir(cfg)
     # Prepared once here, rather than by every trial at once.
     prepared = str(prepared_dir(cfg, log=log))

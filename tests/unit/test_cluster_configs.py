@@ -106,9 +106,9 @@ def test_job_configs_load_and_fit_their_batches(name):
                 _derive_autoscaling_config_from_ray_cr(ray_cluster())]:
             assert any(res in g["resources"] and not g["resources"].get("GPU")
                        for g in groups_of(prepared).values())
-    if cfg.scaling.use_gpu:
+    if cfg.scaling.use_gpu is True:
         assert cfg.train.precision in ("auto", "bf16-mixed", "bf16-true")
-    if cfg.scaling.use_gpu and hi > 1:
+    if cfg.scaling.use_gpu is True and hi > 1:
         # Every node must reach the run and the data: object storage or the shared mount (a
         # one-GPU config, gpu_1b_one.yaml, runs on the machine that holds the GPU).
         assert cfg.run.storage_path.startswith(("s3://", "gs://", "/mnt/raylm/"))

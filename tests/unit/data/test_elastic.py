@@ -150,7 +150,8 @@ def test_ledger_gather_on_one_process_keeps_each_steps_rows():
 def test_resource_plan_counts_workers_and_readers():
     from raylm.run.launch import plan_resources
 
-    two = ["--scaling.num_workers=2", "--train.global_batch_size=8"]
+    # The device is decided first (raylm.run.launch.choose_device): CPU workers here.
+    two = ["--scaling.num_workers=2", "--train.global_batch_size=8", "--scaling.use_gpu=false"]
     # Two 1-CPU workers on 3 CPUs: each reader gets its 0.1 CPU beside them.
     plan = plan_resources(load_config(None, two), {"CPU": 3.0})
     assert plan.worker == {"CPU": 1.0} and plan.reader == {"CPU": 0.1} and plan.note is None
@@ -163,7 +164,8 @@ def test_resource_plan_counts_workers_and_readers():
                          "own (data.reader_cpus=0)")
     # An elastic range decides by its largest count, so that the group can grow.
     plan = plan_resources(load_config(None, ["--scaling.num_workers=[1, 2]",
-                                             "--train.global_batch_size=8"]), {"CPU": 2.0})
+                                             "--train.global_batch_size=8", *two[2:]]),
+                          {"CPU": 2.0})
     assert plan.reader_cpus == 0.0
     # What the user set is kept, and refused with the arithmetic when it does not fit.
     with pytest.raises(ValueError, match=r"^the run needs 2.2 CPU: scaling.num_workers=2 "

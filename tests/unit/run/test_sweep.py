@@ -45,12 +45,17 @@ def test_trial_config_applies_params_and_aligns_reports_with_evaluations(tmp_pat
     assert cfg.data.source == "/data/p"
 
 
+# The sweep decides the device before it counts (raylm.run.launch.choose_device).
+CPU = "--scaling.use_gpu=false"
+
+
 def test_concurrent_trials_counts_worker_resources():
-    cfg = load_config(None, ["--scaling.num_workers=2", "--tune.max_concurrent=0"])
+    cfg = load_config(None, ["--scaling.num_workers=2", "--tune.max_concurrent=0", CPU])
     # 2 workers x (1 CPU + 0.1 for the reader) = 2.2 CPUs per trial.
     assert concurrent_trials(cfg, {"CPU": 8}) == 3
     assert concurrent_trials(load_config(None, ["--scaling.num_workers=2",
-                                                "--tune.max_concurrent=2"]), {"CPU": 8}) == 2
+                                                "--tune.max_concurrent=2", CPU]),
+                             {"CPU": 8}) == 2
     # On 2 CPUs the readers share their workers' CPUs: one trial at a time.
     assert concurrent_trials(cfg, {"CPU": 2}) == 1
     with pytest.raises(ValueError, match=r"the run needs 2 CPU: scaling.num_workers=2 starts 2 "
@@ -58,7 +63,7 @@ def test_concurrent_trials_counts_worker_resources():
                                          r"1; scaling.num_workers=1 or "
                                          r"scaling.cpus_per_worker=0.5 would fit"):
         concurrent_trials(cfg, {"CPU": 1})
-    elastic = load_config(None, ["--scaling.num_workers=[1, 4]", "--tune.max_concurrent=0",
+    elastic = load_config(None, ["--scaling.num_workers=[1, 4]", "--tune.max_concurrent=0", CPU,
                                  "--train.global_batch_size=12"])
     with pytest.raises(ValueError, match="Not even one trial fits the cluster: a trial needs "
                                          "CPU 4, the cluster has CPU 2"):
