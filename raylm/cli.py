@@ -27,6 +27,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from raylm import __version__
 from raylm.config import Config, ConfigError, load_config
 
 
@@ -34,16 +35,23 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="raylm",
         description="Elastic distributed language-model training on Ray.",
-        epilog="Any config key can be set as --section.key=value (see `raylm config show`).",
+        epilog="config, prepare, train, tune and submit take any config key as "
+               "--section.key=value (see `raylm config show` and docs/configuration-reference.md).",
+        formatter_class=_Help,
     )
+    p.add_argument("--version", action="version", version=f"raylm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(parent: argparse._SubParsersAction, name: str, help: str
                     ) -> argparse.ArgumentParser:
         sp = parent.add_parser(name, help=help, description=help, epilog=OVERRIDES_HELP,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+                               formatter_class=_Help)
         sp.add_argument("--config", help="YAML config file (overrides win over it)")
         return sp
+
+    def plain(parent: argparse._SubParsersAction, name: str, help: str
+              ) -> argparse.ArgumentParser:
+        return parent.add_parser(name, help=help, description=help, formatter_class=_Help)
 
     cfg = sub.add_parser("config", help="inspect the resolved configuration")
     cfg_sub = cfg.add_subparsers(dest="action", required=True)
@@ -52,16 +60,21 @@ def _parser() -> argparse.ArgumentParser:
     prep = with_config(sub, "prepare",
                        "tokenize and pack data.source into Parquet blocks + manifest.json")
     prep.add_argument("--output", required=True, help="directory for the packed blocks")
-    with_config(sub, "train",
-                "train a model with FSDP2 on Ray Train (resumes a run of the same name)")
-    with_config(sub, "tune", "sweep learning-rate schedules with Ray Tune, each trial a "
-                             "training run (resumes a sweep of the same name)")
+    tr = with_config(sub, "train",
+                     "train a model with FSDP2 on Ray Train (resumes a run of the same name)")
+    tn = with_config(sub, "tune", "sweep the learning rate, schedule, warmup, weight decay, "
+                                  "LoRA rank and alpha or DPO beta with Ray Tune, each trial a "
+                                  "training run (resumes a sweep of the same name)")
+    for sp in (tr, tn):
+        sp.add_argument("--dry-run", action="store_true",
+                        help="run the whole preflight without starting Ray: print the resolved "
+                             "config and what would run where, then exit 0, or the refusal")
     sb = with_config(sub, "submit", "run `raylm train` (or tune) as a job on a Ray cluster's "
                                     "job server and follow its logs")
     sb.add_argument("--address", help="job server, e.g. http://127.0.0.1:8265 (default: "
                                       "RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
     sb.add_argument("--command", dest="job_command", default="train", choices=["train", "tune"],
-                    help="what the job runs (default: train)")
+                    help="what the job runs")
     sb.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="environment variable for the job, e.g. MLFLOW_TRACKING_URI or "
                          "HF_TOKEN (repeatable)")
@@ -72,15 +85,16 @@ def _parser() -> argparse.ArgumentParser:
                     help="use the raylm installed on the cluster instead of shipping this one")
     sb.add_argument("--no-wait", action="store_true",
                     help="print the job id and return instead of following the logs")
-    jb = sub.add_parser("jobs", help="list, inspect, follow or stop jobs on a Ray cluster")
+    jb = plain(sub, "jobs", "list, inspect, follow or stop jobs on a Ray cluster")
     jb.add_argument("action", choices=["list", "status", "logs", "stop"])
     jb.add_argument("job", nargs="?", help="submission id (all but list)")
     jb.add_argument("--address", help="job server, e.g. http://127.0.0.1:8265 (default: "
                                       "RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
     jb.add_argument("--follow", action="store_true", help="logs: keep streaming until the "
                                                           "job ends")
-    ex = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face "
-                                       "model directory")
+    ex = plain(sub, "export", "write a run's latest checkpoint as a Hugging Face model "
+                              "directory (a LoRA run: a peft adapter directory, or with --merge "
+                              "the merged model)")
     ex.add_argument("run_dir", help="the run directory (run.storage_path/run.name)")
     ex.add_argument("--output", required=True, help="directory for the exported model")
     ex.add_argument("--merge", action="store_true",
@@ -92,23 +106,49 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an earlier raylm export of another kind in --output (a "
                          "directory raylm did not write is never replaced)")
-    gen = sub.add_parser("generate", help="sample text from a run directory or exported model")
+    gen = plain(sub, "generate", "sample text from a run directory or exported model")
     gen.add_argument("source", help="a run directory or an exported model directory")
     gen.add_argument("--prompt", default="", help="text to continue")
     gen.add_argument("--chat", help="a user message to answer, rendered with the chat template "
                                     "fine-tuning used")
     gen.add_argument("--system", help="with --chat: a system message before it")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=int, default=64,
+                     help="tokens to sample at most (fewer where the model ends its text)")
+    gen.add_argument("--temperature", type=float, default=0.8,
+                     help="sampling temperature; 0 for greedy decoding")
+    gen.add_argument("--seed", type=int, default=0,
+                     help="seed of the sampling (the same seed, the same text)")
     return p
 
 
 OVERRIDES_HELP = """\
 Every config key is also an option: --section.key=value (or --section.key value), for
 example --train.steps=100 --scaling.num_workers=2. Overrides win over --config, which wins
-over the defaults. `raylm config show` lists every key with its resolved value; each key is
-documented in raylm/config.py."""
+over the defaults. `raylm config show` lists every key with its resolved value; the
+configuration reference (docs/configuration-reference.md) gives each key's type, default and
+meaning."""
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each option's default where it has one worth saying (not None, False or
+    an empty list), and keeps the epilog's line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (action.option_strings and "%(default)" not in text
+                and default is not None and default is not False
+                and default is not argparse.SUPPRESS and default not in ("", [])):
+            text += " (default: %(default)s)"
+        return text
+
+WHY_NO_OVERRIDES = {
+    "export": "it writes what the run trained, with the run's own config (see raylm export "
+              "--help for its options).",
+    "generate": "it samples from what the run trained, with the run's own config (see raylm "
+                "generate --help for its options).",
+    "jobs": "it inspects jobs already submitted; give settings to raylm submit.",
+}
 
 # Errors are printed in one line; a longer one is cut to what a screen holds.
 MAX_ERROR_CHARS = 1000
@@ -152,6 +192,8 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     from raylm import api
 
+    if args.dry_run:
+        return dry_run(cfg, sweep=False)
     print(json.dumps(api.train(cfg).summary, indent=2))
     return 0
 
@@ -159,7 +201,21 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
     from raylm import api
 
+    if args.dry_run:
+        return dry_run(cfg, sweep=True)
     print(json.dumps(api.tune(cfg).best, indent=2))
+    return 0
+
+
+def dry_run(cfg: Config, *, sweep: bool) -> int:
+    """The resolved config, then what the run would do where (:mod:`raylm.run.dryrun`)."""
+    from raylm.run.dryrun import describe
+
+    checked, lines = describe(cfg, sweep=sweep)
+    sys.stdout.write(checked.to_yaml())
+    for line in lines:
+        print(f"raylm: dry run: {line}")
+    print("raylm: dry run: the preflight passed; nothing was started")
     return 0
 
 
@@ -219,6 +275,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         return _error(e)
     args = _parser().parse_args(rest)
+    if overrides and args.command in ("export", "generate", "jobs"):
+        # They act on what a run already wrote (or on a cluster's jobs): a config key given
+        # here would change nothing, and silence would let the user think it did.
+        return _error(ConfigError(
+            f"raylm {args.command} takes no config overrides, and {overrides[0]} would change "
+            f"nothing: {WHY_NO_OVERRIDES[args.command]}"))
     try:
         if args.command == "export":
             from raylm import api

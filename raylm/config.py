@@ -129,8 +129,13 @@ def read_yaml(text: str) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    name: str = "raylm"
-    """Run name; RUN_DIR = storage_path / name. Starting the same name again resumes it."""
+    name: str | None = None
+    """Run name; RUN_DIR = storage_path / name. Starting the same name again resumes it.
+    Unset: named after the job, ``MODEL-DATA[-lora|-qlora][-dpo|-ipo|-simpo]`` (the model's
+    preset or the last part of model.path, the first data source's name: ``tiny-builtin``,
+    ``Qwen2.5-0.5B-Instruct-chats-lora``), so running the same command again resumes it and a
+    job on another model or other data gets a directory of its own; a sweep of such a config
+    adds ``-sweep``."""
     storage_path: str = "runs"
     """Where runs (checkpoints, summary.json, the default MLflow store) live: a local path,
     a path every node mounts, or object storage (s3://BUCKET/PREFIX, gs://..., any URI pyarrow
@@ -157,7 +162,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         # It names a directory under run.storage_path, an MLflow run and job URLs.
-        _check(RUN_NAME.fullmatch(self.name) is not None, "run.name", self.name,
+        _check(self.name is None or RUN_NAME.fullmatch(self.name) is not None, "run.name",
+               self.name,
                "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit")
         _check(self.connect_timeout_s > 0, "run.connect_timeout_s", self.connect_timeout_s,
                "a number of seconds > 0")
@@ -366,7 +372,8 @@ class LoraConfig:
     base_quantization: Literal["none", "nf4"] = "none"
     """QLoRA: ``nf4`` holds the frozen base weights of the adapted layers in 4-bit NormalFloat
     (torchao's NF4 tensor, which FSDP2 shards and all-gathers as 4-bit data), dequantized per
-    layer in the forward pass. CUDA workers only (``scaling.use_gpu: true``)."""
+    layer in the forward pass. CUDA workers only (``scaling.use_gpu``: true, or auto on a
+    cluster with GPUs)."""
 
     def __post_init__(self) -> None:
         lo = self
@@ -567,8 +574,11 @@ class CheckpointConfig:
 class ScalingConfig:
     num_workers: int | list[int] = 1
     """Training workers: an int, or [min, max] for elastic scaling."""
-    use_gpu: bool = False
-    """One GPU per worker."""
+    use_gpu: bool | Literal["auto"] = "auto"
+    """One GPU per worker. auto: GPU workers when the cluster the run joins or starts has a
+    GPU, CPU workers otherwise; the run's first lines and its summary say which, and why. An
+    autoscaling cluster (scaling.wait_for_nodes) with no GPU yet cannot tell: set true or
+    false there."""
     cpus_per_worker: float = 1.0
     """CPUs reserved per training worker."""
     worker_resources: dict[str, float] = field(default_factory=dict)
@@ -741,6 +751,11 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
 
+    def __post_init__(self) -> None:
+        if self.run.name is None:
+            object.__setattr__(self, "run",
+                               dataclasses.replace(self.run, name=default_run_name(self)))
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
@@ -750,6 +765,46 @@ class Config:
     def flat(self) -> dict[str, Any]:
         """``{"section.key": value}``: the shape MLflow params and overrides use."""
         return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
+
+
+# The suffix of a file source that names its format, left out of a run's default name.
+_DATA_SUFFIXES = (".txt", ".md", ".jsonl", ".json", ".parquet", ".arrow")
+_NAME_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+SWEEP_SUFFIX = "-sweep"
+
+
+def default_run_name(cfg: Config) -> str:
+    """``run.name`` when it is not given: the model, the first data source and how they train
+    (see :attr:`RunConfig.name`)."""
+    m, d = cfg.model, cfg.data
+    model = m.path.rstrip("/").rsplit("/", 1)[-1] if m.path else m.preset
+    sources = [d.source] if isinstance(d.source, str) else list(d.source)
+    first = str(sources[0]) if sources else "data"
+    if first.startswith("hf:"):
+        data = first[3:].split(":", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    else:
+        # A glob is named by the folder it searches: data/*.txt is "data".
+        data = re.split(r"[*?\[]", first, maxsplit=1)[0].rstrip("/").rsplit("/", 1)[-1]
+        for suffix in _DATA_SUFFIXES:
+            data = data.removesuffix(suffix)
+    parts = [model, data or "data"]
+    if len(sources) > 1:
+        parts[-1] += f"-and-{len(sources) - 1}-more"
+    if cfg.lora.rank:
+        parts.append("qlora" if cfg.lora.base_quantization == "nf4" else "lora")
+    if cfg.train.objective == "dpo":
+        parts.append({"sigmoid": "dpo"}.get(cfg.dpo.loss, cfg.dpo.loss))
+    name = _NAME_SAFE.sub("-", "-".join(parts)).strip("-._")[:128]
+    return name or "run"
+
+
+def for_sweep(cfg: Config) -> Config:
+    """A sweep's config: a run name derived for a training run (:func:`default_run_name`)
+    gains :data:`SWEEP_SUFFIX`, so a sweep never reopens the run of the same job."""
+    if cfg.run.name != default_run_name(cfg):
+        return cfg
+    name = cfg.run.name[:128 - len(SWEEP_SUFFIX)] + SWEEP_SUFFIX
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, name=name))
 
 
 SECTIONS: dict[str, type] = {
@@ -992,13 +1047,14 @@ def validate(cfg: Config) -> Config:
     if lo.base_quantization == "nf4":
         _check(bool(lo.rank), "lora.base_quantization", lo.base_quantization,
                "none unless lora.rank >= 1 (an NF4 base is frozen: only adapters train)")
-        _check(sc.use_gpu, "lora.base_quantization", lo.base_quantization,
-               "none on CPU workers: NF4 bases run on CUDA (set scaling.use_gpu=true on a "
-               "cluster with GPUs, or train the adapters on an unquantized base)")
+        # auto is checked once the cluster is known (raylm.run.launch.choose_device).
+        _check(sc.use_gpu is not False, "lora.base_quantization", lo.base_quantization,
+               "none on CPU workers: NF4 bases run on CUDA (set scaling.use_gpu=true or auto "
+               "on a cluster with GPUs, or train the adapters on an unquantized base)")
     if cfg.model.float8 != "off":
-        _check(sc.use_gpu, "model.float8", cfg.model.float8,
+        _check(sc.use_gpu is not False, "model.float8", cfg.model.float8,
                "off on CPU workers: float8 matmuls need CUDA GPUs of compute capability 8.9+ "
-               "(set scaling.use_gpu=true)")
+               "(set scaling.use_gpu=true or auto on a cluster with GPUs)")
         _check(not lo.rank, "model.float8", cfg.model.float8,
                "off with LoRA (lora.rank > 0): the frozen base and the small adapter matmuls "
                "gain nothing from float8 training")
@@ -1041,6 +1097,8 @@ def load_config(path: str | os.PathLike | Config | None = None,
     tree: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     if isinstance(path, Config):
         tree = {name: dict(values) for name, values in path.to_dict().items()}
+        if path.run.name == default_run_name(path):
+            tree["run"]["name"] = None  # derived again, from the config the overrides make
     elif path is not None:
         p = Path(path)
         if not p.is_file():

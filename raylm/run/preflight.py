@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from raylm.config import Config
+from raylm.config import Config, for_sweep
 from raylm.hub import resolve_sources
 from raylm.model import lora
 from raylm.model.build import build_config, build_meta_model, check_seq_len
@@ -45,6 +45,7 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
     owns its MLflow store, as a sweep's trial does not)."""
     if sweep:
         check_sweep(cfg)
+        cfg = for_sweep(cfg)  # before a hub id becomes a snapshot path
     cfg = resolve_sources(cfg)
     m = cfg.model
     check_seq_len(cfg.data.seq_len, preset=m.preset, path=m.path)

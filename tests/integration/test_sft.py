@@ -374,8 +374,8 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
 def test_weights_that_did_not_load_end_the_run_at_once(chats, tokenizer_dir, tmp_path,
                                                        capsys):
     """A pretrained model whose logits do not vary over the vocabulary predicts every token
-    alike: its weights did not load. The run stops after one attempt, with that cause in one line, though
-    train.max_failures allows 3 restarts (a restart would fail the same way)."""
+    alike: its weights did not load. The run stops after one attempt, with that cause in one
+    line, though train.max_failures allows 3 restarts (a restart would fail the same way)."""
     from raylm.cli import main
 
     vocab = tokenizer_vocab(tokenizer_dir)

@@ -198,7 +198,7 @@ def test_help_says_every_key_is_an_override(command, capsys):
         main([command, "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "Every config key is also an option: --section.key=value" in out
-    assert "raylm config show" in out and "raylm/config.py" in out
+    assert "raylm config show" in out and "docs/configuration-reference.md" in out
 
 
 
@@ -231,7 +231,7 @@ def test_a_pretrained_models_own_tokenizer_is_the_default(tmp_path, tokenizer_di
 
 def test_an_nf4_base_is_refused_on_cpu_workers_before_ray_starts(capsys, ray_never_starts):
     qlora = ["--model.path=/models/base", "--lora.rank=16", "--lora.base_quantization=nf4"]
-    assert main(["train", *qlora, "--tracking.enabled=false"]) == 2
+    assert main(["train", *qlora, "--scaling.use_gpu=false", "--tracking.enabled=false"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("raylm: error: Invalid value for 'lora.base_quantization': 'nf4'. "
                           "Allowed: none on CPU workers") and err.count("\n") == 1
@@ -242,7 +242,8 @@ def test_an_nf4_base_is_refused_on_cpu_workers_before_ray_starts(capsys, ray_nev
 
 
 def test_float8_is_refused_where_it_cannot_run_before_ray_starts(capsys, ray_never_starts):
-    assert main(["train", "--model.float8=tensorwise", "--tracking.enabled=false"]) == 2
+    assert main(["train", "--model.float8=tensorwise", "--scaling.use_gpu=false",
+                 "--tracking.enabled=false"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("raylm: error: Invalid value for 'model.float8': 'tensorwise'. "
                           "Allowed: off on CPU workers") and err.count("\n") == 1
@@ -380,3 +381,26 @@ def test_pipelines_that_cannot_be_cut_or_filled_are_refused_before_ray_starts(
     assert main(["train", "--model.preset=1b", *pp2, "--scaling.num_workers=2",
                  "--train.global_batch_size=8", "--train.micro_batch_size=2"]) == 2
     assert "ties its output head to its input embedding" in capsys.readouterr().err
+
+
+def test_an_unnamed_run_is_named_after_its_job_so_another_job_never_resumes_it():
+    from raylm.config import default_run_name, for_sweep
+
+    def name(*overrides):
+        return load_config(None, list(overrides)).run.name
+
+    assert name() == "tiny-builtin" == default_run_name(Config())
+    assert name("--model.preset=small", "--data.source=/data/corpus/*.txt") == "small-corpus"
+    assert name("--model.path=Qwen/Qwen2.5-0.5B-Instruct", "--lora.rank=16",
+                "--data.format=chat", "--data.source=data/chats.jsonl") == \
+        "Qwen2.5-0.5B-Instruct-chats-lora"
+    assert name("--model.path=/models/answers", "--lora.rank=16", "--train.objective=dpo",
+                "--data.format=preference", "--data.source=[data/pairs.jsonl, more.jsonl]",
+                "--dpo.loss=ipo") == "answers-pairs-and-1-more-lora-ipo"
+    assert name("--data.source=hf:roneneldan/TinyStories") == "tiny-TinyStories"
+    assert name("--run.name=mine") == "mine"
+    # A sweep of the same job gets a directory of its own; a name given is kept.
+    assert for_sweep(load_config(None, [])).run.name == "tiny-builtin-sweep"
+    assert for_sweep(load_config(None, ["--run.name=mine"])).run.name == "mine"
+    # The Python API's config and overrides: the name follows what the overrides make.
+    assert load_config(Config(), {"model.preset": "small"}).run.name == "small-builtin"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 import torch
 
 from raylm.workers.faults import Mistake, cause, first_prediction_check
