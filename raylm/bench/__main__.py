@@ -132,7 +132,9 @@ def _add_layouts_and_scale(sub) -> None:
                     help="seconds between that checkpoint and the kill")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The benchmark's options, and the config overrides ``fault`` passes to its runs (any
+    other benchmark refuses words it does not know)."""
     p = parser()
     args, extra = p.parse_known_args(argv)
     if extra and args.name != "fault":
@@ -140,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.name == "scale" and not set(args.async_writers.split(",")) <= {"thread", "process"}:
         p.error(f"--async-writers={args.async_writers}: a comma-separated list of thread "
                 f"and process")
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse(argv)
     result = measure(args, extra)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

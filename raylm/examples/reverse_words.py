@@ -218,7 +218,7 @@ def model(output: str | Path, data: str | Path, *, layers: int = 4, hidden: int 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m raylm.examples.reverse_words")
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("write", help="write the reverse-words task as chat JSONL")
@@ -241,7 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("source", help="a run directory or a model directory")
     f.add_argument("--data", required=True, help="a pairs file (heldout_pairs.jsonl)")
     f.add_argument("--limit", type=int, default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.command == "write":
         print(json.dumps(write(args.output, train=args.train, heldout=args.heldout,
                                pretrain=args.pretrain, seed=args.seed)))

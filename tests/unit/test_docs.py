@@ -5,11 +5,14 @@ and no page names a key that does not exist."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from raylm.config import Config
 
@@ -64,3 +67,186 @@ def test_no_page_names_a_key_that_does_not_exist():
                     continue
                 unknown.append(f"{page.name}: {name}")
     assert not unknown, unknown
+
+
+# What a command is, module by module: the words before the command's own.
+RAYLM_WRAPPERS = {"jobs/pretrain.py": ["train"], "jobs/prepare.py": ["prepare"],
+                  "jobs/sweep.py": ["tune"]}
+
+
+def _standin_rows(fmt: str) -> list[dict]:
+    """A few rows of ``fmt``, where a page names the reader's own file (chats.jsonl)."""
+    from raylm.examples.reverse_words import SYSTEM
+
+    rows = []
+    for words in (["river", "mill", "bread"], ["tea", "salt"], ["king", "queen", "horse"]) * 8:
+        ask = [{"role": "system", "content": SYSTEM},
+               {"role": "user", "content": "Reverse the words: " + " ".join(words)}]
+        answer = " ".join(reversed(words))
+        rows.append({"chat": {"messages": [*ask, {"role": "assistant", "content": answer}]},
+                     "preference": {"prompt": ask, "chosen": answer, "rejected": " ".join(words)},
+                     "prompt_completion": {"prompt": ask[1]["content"], "completion": answer},
+                     }.get(fmt, {"text": f"{ask[1]['content']} {answer}."}))
+    return rows
+
+
+def _stand_in_inputs(cfg, produced: set[Path]) -> str | None:
+    """Make what a reader brings (their own data file) where the page names one that is not
+    there; a model directory must come from an earlier command. Returns a problem, if any."""
+    from raylm.hub import is_hub_id
+
+    d, m = cfg.data, cfg.model
+    for source in [d.source] if isinstance(d.source, str) else d.source:
+        if source == "builtin" or source.startswith("hf:"):
+            continue
+        path = Path(source.split("*", 1)[0] + "standin.jsonl" if "*" in source else source)
+        if not path.exists() and path.suffix == ".jsonl":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(r) + "\n" for r in _standin_rows(d.format)))
+    if m.path and not is_hub_id(m.path) and not Path(m.path).exists():
+        return f"model.path {m.path} is made by no command before it"
+    return None
+
+
+def _check(c, sandbox: Path, produced: set[Path], capsys) -> str | None:
+    """None if the command ``c`` parses (and, where it can, preflights) as its page says;
+    else what is wrong."""
+    import os
+
+    from raylm import cli
+    from raylm.config import load_config
+    from tests.conftest import save_tiny_llama
+
+    words = [os.path.expandvars(w.replace("$PWD", str(sandbox))) for w in c.argv]
+    if words[0].startswith("python"):
+        target = words[2] if words[1] == "-m" else words[1]
+        rest = words[3:] if words[1] == "-m" else words[2:]
+        if target in RAYLM_WRAPPERS:
+            words = ["raylm", *RAYLM_WRAPPERS[target], *rest]
+        elif target in ("raylm", "raylm.cli"):
+            words = ["raylm", *rest]
+        else:
+            parser = {"raylm.bench": "raylm.bench.__main__",
+                      "raylm.examples.reverse_words": "raylm.examples.reverse_words"}.get(target)
+            if parser is None:
+                return f"no parser known for {target}"
+            import importlib
+
+            module = importlib.import_module(parser)
+            try:
+                if target == "raylm.bench":
+                    args, extra = module.parse(rest)
+                    if extra:  # fault's config overrides
+                        load_config(args.config, extra)
+                else:
+                    args = module.parser().parse_args(rest)
+            except SystemExit as e:
+                return None if e.code == 0 else f"refused: {capsys.readouterr().err.strip()}"
+            except ValueError as e:
+                return f"refused: {e}"
+            if target.endswith("reverse_words") and args.command in ("write", "model") \
+                    and not Path(args.output).exists() and not c.inline:
+                module.main(rest)  # cheap, and what the next commands read
+                produced.add(Path(args.output).resolve())
+            return None
+    words = words[1:]
+    capsys.readouterr()
+    if c.refusal is not None:
+        code = cli.main(words)
+        err = capsys.readouterr().err
+        if code != 2 or not err.startswith("raylm: error: " + c.refusal):
+            return f"promises the refusal {c.refusal!r}, got exit {code}: {err.strip()}"
+        return None
+    try:
+        rest, overrides = cli._split_overrides(words)
+        args = cli._parser().parse_args(rest)
+    except SystemExit as e:
+        return None if e.code == 0 else f"refused: {capsys.readouterr().err.strip()}"
+    except ValueError as e:
+        return f"refused: {e}"
+    if args.command in ("export", "generate", "jobs"):
+        if overrides:
+            return f"{args.command} takes no config overrides ({overrides[0]})"
+        if args.command == "export" and not Path(args.output).exists():
+            save_tiny_llama(Path(args.output), vocab_size=300)  # the model the run would be
+            produced.add(Path(args.output).resolve())
+        return None
+    try:
+        cfg = load_config(args.config, overrides)
+        if args.command == "tune" or getattr(args, "job_command", None) == "tune":
+            from raylm.run.preflight import check_sweep
+
+            check_sweep(cfg)
+    except ValueError as e:
+        return f"refused: {e}"
+    if args.command not in ("train", "tune") or c.needs or c.inline:
+        return None
+    problem = _stand_in_inputs(cfg, produced)
+    if problem:
+        return problem
+    if cli.main([*words, "--dry-run"]) != 0:
+        return f"its dry run is refused: {capsys.readouterr().err.strip()}"
+    return None
+
+
+def test_every_documented_command_parses_and_preflights_as_written(tmp_path, monkeypatch,
+                                                                   capsys, ray_never_starts):
+    """Every command of README.md, docs/*.md and the jobs/configs headers, in page order, in a
+    reader's fresh checkout (this repository's jobs/, nothing else): parsed by the real
+    parsers; a config's keys loaded; a sweep's settings checked; ``raylm train`` and ``raylm
+    tune`` dry-run (the whole preflight) unless the page marks what they need (a GPU, a
+    cluster, the network); a shown refusal refused with that message. What a reader brings
+    is stood in for: their own data file (a few rows of its format), and the model an
+    earlier documented command would have written (a tiny one)."""
+    from tests.commands import all_commands
+
+    commands = all_commands()
+    assert len(commands) > 60
+    (tmp_path / "jobs").symlink_to(ROOT / "jobs")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    produced: set[Path] = set()
+    failures = []
+    for c in commands:
+        problem = _check(c, tmp_path, produced, capsys)
+        if problem:
+            failures.append(f"{c.where}: {c.text}\n    {problem}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "jobs" / "configs").glob("*.yaml")))
+def test_every_recipe_config_dry_runs(name, tmp_path, monkeypatch, capsys, ray_never_starts):
+    """Each jobs/configs file through the whole preflight as a reader would run it, on this
+    machine: a hub model or a cluster's model directory stood in for by a tiny local model, a
+    data file the reader brings by a few rows of its format, a cluster's shared paths and
+    object storage by local folders."""
+    from raylm import cli
+    from raylm.config import load_config
+    from raylm.hub import is_hub_id
+
+    (tmp_path / "jobs").symlink_to(ROOT / "jobs")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = f"jobs/configs/{name}"
+    cfg = load_config(config)
+    overrides = ["--run.ray_address=local"]
+    if cfg.run.storage_path.startswith(("s3://", "gs://", "/mnt/")):
+        overrides += ["--run.storage_path=runs", "--run.cache_dir=cache"]
+    if cfg.model.path and (is_hub_id(cfg.model.path) or not Path(cfg.model.path).exists()):
+        # Small, but with the recipe's positions and weights that split into NF4's blocks.
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        shape = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                            max_position_embeddings=max(4096, cfg.data.seq_len + 1))
+        AutoModelForCausalLM.from_config(shape).save_pretrained(str(tmp_path / "model"))
+        overrides.append(f"--model.path={tmp_path / 'model'}")
+    sources = [cfg.data.source] if isinstance(cfg.data.source, str) else cfg.data.source
+    if any(s != "builtin" and not s.startswith("hf:") and not Path(s).exists() for s in sources):
+        data = tmp_path / "data.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in _standin_rows(cfg.data.format)))
+        overrides.append(f"--data.source={data}")
+    code = cli.main(["train", "--config", config, *overrides, "--dry-run"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "raylm: dry run: the preflight passed" in captured.out
