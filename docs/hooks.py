@@ -19,15 +19,20 @@ ROOT = Path(__file__).resolve().parents[1]
 def on_page_markdown(markdown: str, page, **_: Any) -> str:
     if page.file.src_uri == "index.md":
         return home()
+    if page.file.src_uri == "changelog.md":
+        return (ROOT / "CHANGELOG.md").read_text()
     if page.file.src_uri == "configuration-reference.md":
         return markdown.replace("<!-- generated -->", reference())
     return markdown
 
 
 def home() -> str:
-    """README.md with its links into docs/ made relative to docs/."""
+    """README.md with its links into docs/ made relative to docs/, and its links to the
+    repository's own files (LICENSE) left as their names: the site holds no copy of them."""
     text = (ROOT / "README.md").read_text()
-    return re.sub(r"\]\(docs/", "](", text)
+    text = re.sub(r"\]\(docs/", "](", text)
+    text = text.replace("](CHANGELOG.md)", "](changelog.md)")
+    return re.sub(r"\[([^\]]+)\]\((LICENSE)\)", r"\1 (the \2 file)", text)
 
 
 def field_docs(cls: type) -> dict[str, str]:

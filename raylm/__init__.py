@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["prepare", "train", "tune", "export", "generate", "shutdown", "Run", "Sweep",
            "Config", "load_config"]

@@ -5,8 +5,11 @@
 #
 # torch is installed first and pinned to the CPU build 2.13.0, so the resolver never pulls a
 # multi-GB CUDA build onto a machine without a GPU. On a GPU machine set RAYLM_TORCH to the
-# install arguments of the CUDA build you want, e.g.
-#   RAYLM_TORCH="torch==2.13.0 --index-url <your CUDA wheel index>" bash scripts/env.sh
+# install arguments of the CUDA build you want, and add the gpu extra (NVML: energy and GPU
+# metrics), e.g.
+#   RAYLM_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130" \
+#       RAYLM_EXTRAS=dev,gpu bash scripts/env.sh
+# RAYLM_EXTRAS (default dev) names the extras of pyproject.toml to install with raylm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
@@ -32,8 +35,9 @@ UV=("$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/py
 # process would otherwise compile what it imports (4 s more for each Ray worker, which halved
 # the suite's speed). pip remains the fallback where uv cannot reach its index.
 # Every version as constraints.txt fixes it (the set CI tests; scripts/lock.sh writes it).
-"${UV[@]}" -c constraints.txt -e ".[dev]" \
-    || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+EXTRAS="${RAYLM_EXTRAS:-dev}"
+"${UV[@]}" -c constraints.txt -e ".[$EXTRAS]" \
+    || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt -e ".[$EXTRAS]"
 # raylm's own modules too (an editable install is not compiled): every Ray worker, driver and
 # notebook kernel imports them, 0.3 s of compiling each where bytecode cannot be written.
 "$VENV/bin/python" -m compileall -q raylm > /dev/null
