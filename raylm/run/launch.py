@@ -83,7 +83,7 @@ class ResourcePlan:
     """What a run places on the cluster, per training worker: the worker itself, and the Ray
     Data actor that reads its stream (:func:`raylm.data.streams.build_train_stream`). The Train
     controller asks for no resources, the validation blocks are read in the worker, and a
-    Tune trial's own process asks for 0.01 CPU (counted by :mod:`raylm.run.sweep`)."""
+    Tune trial's own process asks for no CPU (:mod:`raylm.run.sweep`)."""
 
     worker: dict[str, float]
     reader: dict[str, float]

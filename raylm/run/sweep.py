@@ -120,7 +120,7 @@ def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: 
 
 def trial_resources(cfg: Config, plan: ResourcePlan) -> dict[str, float]:
     """What one trial needs at most: its workers and their readers at the largest worker
-    count (its own process asks for 0.01 CPU, its Train controller for none)."""
+    count (its own process asks for no CPU, its Train controller for none)."""
     workers = cfg.scaling.worker_range[1]
     return {name: workers * amount for name, amount in plan.per_worker().items()}
 
@@ -165,9 +165,12 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, base=cfg.to_dict(), trials_dir=storage.join(rd, "trials"),
                              prepared=prepared, parent=parent, checked=checked),
-        # The trial's own process only drives its TorchTrainer (Tune refuses an empty
-        # request); the workers hold the CPUs, and max_concurrent_trials counts them.
-        {"CPU": 0.01})
+        # The trial's own process only drives its TorchTrainer, so it asks for no CPU: one
+        # byte of memory, as Tune refuses an empty request. Any CPU share it held would be
+        # missing to its own workers: 0.01 CPU left a 2-worker trial on a 2-CPU cluster
+        # waiting forever for its second worker. The workers hold the CPUs, and
+        # max_concurrent_trials counts them.
+        {"memory": 1})
     t = cfg.train
     # max_t one past the last step: ASHA stops a trial that reaches max_t, which would end a
     # finished trial before it writes its summary and closes its MLflow run.
