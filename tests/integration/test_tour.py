@@ -1,0 +1,124 @@
+"""The README's tour, run end to end as a newcomer types it: after a `make demo`-style default
+run, every command of the tour in its order, on a Ray head started with `ray start --head` on
+127.0.0.1 with the machine's real 2 CPUs.
+
+What differs from the page is what a test must change, each through a documented override: the
+hub model (the network) becomes a raylm-made local model (`python -m raylm.examples.reverse_words
+model`, as cpu_sft.yaml's header makes it), steps are 1/25 of the page's, the sweep runs 2
+trials, and the commands marked `# needs a cluster` are left to tests/integration/test_jobs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.commands import page_commands
+from tests.distributed.test_fsdp_parity import free_port
+from tests.integration.test_jobs import stop_own_head
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+HUB_MODEL = re.compile(r"--model\.path=[\w.-]+/[\w.-]+$")
+LOCAL_MODEL = "runs/reverse-init"
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory):
+    """A reader's checkout (this repository's jobs/) with a home of its own, and a Ray head
+    with 2 CPUs that every command joins (RAY_ADDRESS, as a cluster's jobs have it)."""
+    root = tmp_path_factory.mktemp("tour")
+    (root / "jobs").symlink_to(ROOT / "jobs")
+    (root / "home").mkdir()
+    gcs = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "PATH": f"{BIN}:{os.environ['PATH']}", "HOME": str(root / "home")}
+    temp = tempfile.mkdtemp(prefix="raytour-")
+    started = subprocess.Popen(
+        [BIN / "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
+         f"--dashboard-port={free_port()}", f"--temp-dir={temp}", "--disable-usage-stats"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"
+    yield {"root": root, "env": env}
+    stop_own_head(started, temp)
+
+
+def from_hub(word: str, root: Path) -> bool:
+    """Whether ``word`` sets model.path to a hub id (an org/name that is no local directory)."""
+    m = HUB_MODEL.match(word)
+    return m is not None and not (root / word.split("=", 1)[1]).exists()
+
+
+def as_tested(argv: list[str], root: Path) -> list[str]:
+    """The page's command with the test's documented overrides (see the module doc)."""
+    out = []
+    for word in argv:
+        if from_hub(word, root):
+            word = f"--model.path={LOCAL_MODEL}"
+        elif word.startswith("--train.steps="):
+            word = f"--train.steps={max(2, int(word.split('=')[1]) // 25)}"
+        elif word.startswith("--tune.num_samples="):
+            word = "--tune.num_samples=2"
+        out.append(word)
+    if argv[:2] == ["raylm", "tune"]:
+        out += ["--train.steps=4", "--train.eval_every=2"]
+    if argv[0].startswith("python"):
+        out[0] = sys.executable
+    return out
+
+
+def type_in(reader, argv: list[str], *, timeout: float = 600) -> str:
+    done = subprocess.run([BIN / "raylm" if argv[0] == "raylm" else argv[0], *argv[1:]],
+                          cwd=reader["root"], env=reader["env"], text=True,
+                          capture_output=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(argv)}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    return done.stdout + done.stderr
+
+
+def test_the_readme_tour_runs_as_written_after_the_demo(reader):
+    root = reader["root"]
+    # `make demo` is `raylm train`: the defaults, here on one package's docstrings and 2 steps.
+    demo = type_in(reader, ["raylm", "train", "--train.steps=2",
+                            "--data.builtin_packages=[peft]"])
+    assert "raylm: workers on CPUs: scaling.use_gpu=auto and the cluster has no GPU" in demo
+    demo_summary = json.loads((root / "runs" / "tiny-builtin" / "summary.json").read_text())
+    assert demo_summary["device"].startswith("workers on CPUs")
+
+    commands = [c for c in page_commands(ROOT / "README.md") if not c.inline]
+    ran, outputs = [], {}
+    for c in commands:
+        if "a cluster" in c.needs:
+            continue
+        if any(from_hub(w, root) for w in c.argv):
+            # The hub model's stand-in, made as cpu_sft.yaml's header makes it.
+            type_in(reader, [sys.executable, "-m", "raylm.examples.reverse_words", "model",
+                             "--data", "data/reverse", "--output", LOCAL_MODEL])
+        argv = as_tested(c.argv, root)
+        outputs[c.where] = type_in(reader, argv)
+        ran.append(c.where)
+    assert len(ran) >= 9, ran
+    text = "\n".join(outputs.values())
+    # The second pretraining command resumed the first; every run had a directory of its own.
+    assert "raylm: run 'cpu-tiny' exists; resuming from step 4 of 8" in text
+    for name, step in (("cpu-tiny", 8), ("sft", 12), ("dpo", 4)):
+        summary = json.loads((root / "runs" / name / "summary.json").read_text())
+        assert summary["status"] == "finished" and summary["final_step"] == step, name
+    assert json.loads((root / "runs" / "lr-sweep" / "tune_summary.json").read_text())["best"]
+    assert (root / "runs" / "sft-merged" / "config.json").is_file()
+    # The demo's run is untouched by the jobs that came after it.
+    after = json.loads((root / "runs" / "tiny-builtin" / "summary.json").read_text())
+    assert after["final_step"] == 2 and after["invocation"] == demo_summary["invocation"]
+    # Nothing reached the console that a newcomer would read as an error.
+    assert "Failed to query Ray Train Controller" not in text
+    assert "Traceback" not in text
