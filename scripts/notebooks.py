@@ -7,7 +7,8 @@ with a fresh ``notebooks/runs`` (later notebooks read the runs earlier ones made
 
 Each notebook starts its own local Ray cluster (set RAY_ADDRESS to run them on another). The
 progress bar is left out of the saved copies: it is a widget, which a page without Jupyter's
-widget manager shows stuck at 0%; the lines and figures stay.
+widget manager shows stuck at 0%; the lines and figures stay. Paths in the outputs are written
+relative to the notebooks' folder (see :func:`portable`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,29 @@ def without_widgets(nb) -> None:
     nb.metadata.pop("widgets", None)
 
 
+def portable(nb) -> None:
+    """Outputs without this machine's paths (tests/unit/test_docs.py fails on any): paths
+    under the notebooks' folder, where they run, are left relative to it, and the home
+    directory is written ``~``, as a reader's own run would show them from their checkout."""
+    def clean(text: str) -> str:
+        return text.replace(f"{FOLDER}/", "").replace(f"{Path.home()}/", "~/")
+
+    def walk(value):
+        if isinstance(value, str):
+            return clean(value)
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        return value
+
+    import nbformat
+
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.from_dict(o) for o in walk(cell.outputs)]
+
+
 def main(names: list[str]) -> int:
     import nbformat
     from nbclient import NotebookClient
@@ -37,6 +61,7 @@ def main(names: list[str]) -> int:
         NotebookClient(nb, timeout=3600, kernel_name="python3",
                        resources={"metadata": {"path": str(FOLDER)}}).execute()
         without_widgets(nb)
+        portable(nb)
         nbformat.write(nb, path)
         print(f"{path.name}: {time.time() - started:.0f} s", flush=True)
     return 0

@@ -250,3 +250,25 @@ def test_every_recipe_config_dry_runs(name, tmp_path, monkeypatch, capsys, ray_n
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "raylm: dry run: the preflight passed" in captured.out
+
+
+# A path of one machine: a checkout, a home directory (the Ray image's /home/ray is the
+# image's own layout, which cluster/Dockerfile makes), pytest's or Ray's temporary folders.
+MACHINE_PATH = re.compile(r"/work/main\b|/root/|/home/(?!ray/)[a-z_][\w-]*/|/tmp/pytest-|"
+                          r"/tmp/ray/session_20\d\d|/Users/\w+/")
+
+
+def test_no_committed_page_notebook_or_config_holds_a_machine_path():
+    """Transcripts show paths relative to the checkout and ~ for the home directory
+    (scripts/notebooks.py writes the notebooks' outputs so)."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split()
+    found = []
+    for name in listed:
+        if not name.endswith((".md", ".ipynb", ".yaml", ".yml", ".py", ".sh", ".toml",
+                              ".txt", ".json")) or name == "tests/unit/test_docs.py":
+            continue
+        for number, line in enumerate((ROOT / name).read_text().splitlines(), 1):
+            if MACHINE_PATH.search(line):
+                found.append(f"{name}:{number}: {line.strip()[:120]}")
+    assert not found, "\n".join(found)
