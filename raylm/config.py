@@ -186,7 +186,8 @@ class DataConfig:
     messages_field: str = "messages"
     """format chat: the field holding each conversation."""
     prompt_field: str = "prompt"
-    """format prompt_completion: the field holding the prompt."""
+    """format prompt_completion: the field holding the prompt; format preference: the field
+    holding the prompt both answers follow (a string, or a list of chat messages)."""
     completion_field: str = "completion"
     """format prompt_completion: the field holding the completion."""
     chosen_field: str = "chosen"
@@ -220,8 +221,9 @@ class DataConfig:
     too_short."""
     cross_document_attention: bool | None = None
     """false: a token attends only to earlier tokens of its own document (or example) inside
-    a packed block (position ids restart per document). Unset: true for text, false for chat
-    and prompt_completion (no token attends to another conversation)."""
+    a packed block (position ids restart per document). Unset: true for text, false for chat,
+    prompt_completion and preference (no token attends to another conversation, and a pair's
+    two answers never see each other)."""
     dedup: bool = True
     """Drop exact duplicate documents (by a hash of the normalized text)."""
     val_fraction: float = 0.01
@@ -338,14 +340,15 @@ class ModelConfig:
     attention: Attention = "auto"
     """Attention kernel: auto picks SDPA flash; on CUDA, when documents must not attend to
     each other, flash-attn's varlen kernel if installed, else FlexAttention (no dense mask).
-    sdpa and flex_attention force those; see raylm.model.attention."""
+    sdpa and flex_attention force those; flash_attention_2 forces flash-attn's kernels (CUDA,
+    bf16, the flash-attn package installed); see raylm.model.attention."""
     activation_checkpointing: bool = False
     """Recompute each decoder block's activations in backward (less memory, ~30% more
     compute)."""
     compile: bool | Literal["auto"] = "auto"
-    """torch.compile each decoder block. auto: on for CUDA workers (1b preset on an H100:
-    47.8% MFU compiled against 33.8% eager, 40 GB peak against 52), off on CPUs, where the
-    compilation (tens of seconds per group) outweighs the short runs and tests."""
+    """torch.compile each decoder block. auto: on for CUDA workers (1b preset, head untied, on
+    an H100: 47.8% MFU compiled against 33.8% eager, 40 GB peak against 52), off on CPUs, where
+    the compilation (tens of seconds per group) outweighs the short runs and tests."""
     float8: Literal["off", "tensorwise", "rowwise"] = "off"
     """Run the decoder blocks' linear layers' matmuls in float8 (torchao's float8 training:
     inputs, weights and gradients cast to float8 with dynamic scales, one per tensor or one per
@@ -655,7 +658,8 @@ class TrackingConfig:
     enabled: bool = True
     """Record the run in MLflow."""
     uri: str | None = None
-    """MLflow tracking URI; unset uses MLFLOW_TRACKING_URI, else a local store in RUN_DIR."""
+    """MLflow tracking URI; unset uses MLFLOW_TRACKING_URI, else a SQLite store beside the
+    runs, ``sqlite:///<run.storage_path>/mlflow.db`` (object storage needs one of the two)."""
     experiment: str = "raylm"
     """MLflow experiment name."""
     gpu_hour_price: float | None = None
