@@ -19,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def on_page_markdown(markdown: str, page, **_: Any) -> str:
     if page.file.src_uri == "index.md":
         return home()
+    if page.file.src_uri == "cli-reference.md":
+        return markdown.replace("<!-- generated -->", cli_reference())
     if page.file.src_uri == "changelog.md":
         return (ROOT / "CHANGELOG.md").read_text()
     if page.file.src_uri == "configuration-reference.md":
@@ -87,4 +89,28 @@ def reference() -> str:
             doc = " ".join(doc.split()).replace("|", "\\|")
             out.append(f"| `{section}.{f.name}` | {_type(str(f.type))} | {_default(f)} | {doc} |")
         out.append("")
+    return "\n".join(out)
+
+
+def cli_reference() -> str:
+    """Every ``raylm`` command's help, as ``raylm COMMAND --help`` prints it."""
+    import argparse
+    import os
+
+    from raylm.cli import _parser
+
+    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal; the page is fixed
+    out = []
+
+    def add(parser: argparse.ArgumentParser, name: str) -> None:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if name:
+            out.append(f"## raylm {name}\n\n```text\n{parser.format_help().rstrip()}\n```\n")
+        for sub in subs:
+            for child, child_parser in sub.choices.items():
+                add(child_parser, f"{name} {child}".strip())
+
+    root = _parser()
+    out.append(f"```text\n{root.format_help().rstrip()}\n```\n")
+    add(root, "")
     return "\n".join(out)

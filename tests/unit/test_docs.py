@@ -272,3 +272,12 @@ def test_no_committed_page_notebook_or_config_holds_a_machine_path():
             if MACHINE_PATH.search(line):
                 found.append(f"{name}:{number}: {line.strip()[:120]}")
     assert not found, "\n".join(found)
+
+
+def test_the_command_reference_shows_every_command_and_its_defaults():
+    page = hooks().cli_reference()
+    for command in ("config show", "prepare", "train", "tune", "submit", "jobs", "export",
+                    "generate"):
+        assert f"## raylm {command}\n" in page
+    words = " ".join(page.split())
+    assert "--dry-run" in words and "(default: 64)" in words
