@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 
 from raylm import __version__
-from raylm.config import Config, ConfigError, load_config
+from raylm.config import Config, ConfigError, for_sweep, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -230,6 +230,7 @@ def cmd_submit(cfg: Config, args: argparse.Namespace) -> int:
 
         # The rest of the preflight runs in the job, where the model and data paths are.
         check_sweep(cfg)
+        cfg = for_sweep(cfg)  # the job and its sweep carry one name
     _, status = submit(cfg, address=args.address, command=args.job_command,
                        env=parse_env(args.env), pip=args.pip, image=args.image,
                        ship_code=not args.no_code, wait=not args.no_wait,

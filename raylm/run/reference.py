@@ -41,7 +41,9 @@ def needs_stored_reference(cfg: Config) -> bool:
 
 def reference_key(cfg: Config, identity: dict[str, str]) -> str:
     """What the stored figures depend on, digested (``identity``: the run's data, tokenizer
-    and base model, :func:`raylm.run.launch.run_identity`)."""
+    and base model, :func:`raylm.run.launch.run_identity`). ``cfg`` has its device decided
+    (:func:`raylm.run.launch.choose_device`): the figures differ between CPU and GPU."""
+    assert cfg.scaling.use_gpu != "auto", "choose_device decides it first"
     what = {"identity": identity, "precision": cfg.train.precision,
             "attention": cfg.model.attention, "gpu": cfg.scaling.use_gpu}
     return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=12).hexdigest()

@@ -130,7 +130,9 @@ def test_training_group_scales_up_from_zero_and_the_run_completes(autoscaling, t
         "--checkpoint.every=10", "--tracking.enabled=false",
         # What jobs/configs/gpu_1b_multinode.yaml asks of the cluster, on CPUs.
         "--scaling.num_workers=2", f"--scaling.worker_resources={{{TRAIN_SLOT}: 1}}",
-        "--scaling.data_resources={data_node: 0.001}", "--scaling.wait_for_nodes=true"],
+        "--scaling.data_resources={data_node: 0.001}", "--scaling.wait_for_nodes=true",
+        # An autoscaling cluster with no GPU yet: auto cannot tell, so the job says CPUs.
+        "--scaling.use_gpu=false"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
 

@@ -336,7 +336,7 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
     same copy."""
     from raylm import api
     from raylm.data.streams import reference_file
-    from raylm.run.launch import train
+    from raylm.run.launch import choose_device, train
     from raylm.run.reference import stored_reference
 
     args = [f"--data.source={preference_pairs}", "--data.format=preference",
@@ -364,7 +364,7 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
     assert history["loss"].iloc[-1] < np.log(2) - 0.01
     assert summary["val_accuracy"] >= 0 and "dpo_margin" in history
     again: list[str] = []
-    cfg = load_config(None, args)
+    cfg, _ = choose_device(load_config(None, args), {"CPU": 2.0})  # as the run decided it
     assert stored_reference(cfg, prepared.parent, identity=info["identity"],
                             resources={"CPU": 1.0}, vocab_size=0, eos_id=0,
                             log=again.append) == str(folder)

@@ -116,7 +116,7 @@ def test_a_run_in_two_invocations_keeps_one_summary(base, relaid):
         "data_wait_fraction", "wall_s", "checkpoint_path", "mlflow_run_id",
         "mlflow_tracking_uri", "mlflow_model_uri", "tracking_lost", "resumed_from_step",
         "workers", "restarts", "resizes", "failures", "interruptions", "samples",
-        "attention_backend", "precision", "changed_on_resume",
+        "attention_backend", "precision", "changed_on_resume", "device",
         "trainable_params", "peak_memory_gb", "param_memory_gb", "optimizer_memory_gb",
         "data_parallel", "tensor_parallel", "pipeline_parallel",
         "joules_per_token", "watts_per_gpu",
