@@ -142,6 +142,7 @@ class _Help(argparse.RawDescriptionHelpFormatter):
             text += " (default: %(default)s)"
         return text
 
+
 WHY_NO_OVERRIDES = {
     "export": "it writes what the run trained, with the run's own config (see raylm export "
               "--help for its options).",

@@ -73,8 +73,7 @@ def choose_device(cfg: Config, capacity: dict[str, float]) -> tuple[Config, str]
         validate(chosen)
     except ConfigError as e:
         raise ConfigError(f"{e} (the workers would run on CPUs: {why})") from None
-    hint = "" if use or not sc.use_gpu == "auto" else \
-        " (a cluster with GPUs gets GPU workers)"
+    hint = " (a cluster with GPUs gets GPU workers)" if sc.use_gpu == "auto" and not use else ""
     return chosen, f"workers on {'GPUs' if use else 'CPUs'}: {why}{hint}"
 
 
