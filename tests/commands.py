@@ -55,9 +55,6 @@ def _needs(comment: str) -> frozenset[str]:
 
 def _split(line: str) -> tuple[str, str]:
     """(the command, its trailing comment)."""
-    lexer = shlex.shlex(line, posix=True, punctuation_chars=False)
-    lexer.whitespace_split = True
-    lexer.commenters = ""
     # A "#" that starts a word outside quotes starts the comment.
     quote, i = None, 0
     while i < len(line):

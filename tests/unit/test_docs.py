@@ -69,7 +69,7 @@ def test_no_page_names_a_key_that_does_not_exist():
     assert not unknown, unknown
 
 
-# What a command is, module by module: the words before the command's own.
+# The jobs/ entry points, as the raylm command each of them runs.
 RAYLM_WRAPPERS = {"jobs/pretrain.py": ["train"], "jobs/prepare.py": ["prepare"],
                   "jobs/sweep.py": ["tune"]}
 
@@ -90,7 +90,7 @@ def _standin_rows(fmt: str) -> list[dict]:
     return rows
 
 
-def _stand_in_inputs(cfg, produced: set[Path]) -> str | None:
+def _stand_in_inputs(cfg) -> str | None:
     """Make what a reader brings (their own data file) where the page names one that is not
     there; a model directory must come from an earlier command. Returns a problem, if any."""
     from raylm.hub import is_hub_id
@@ -108,7 +108,7 @@ def _stand_in_inputs(cfg, produced: set[Path]) -> str | None:
     return None
 
 
-def _check(c, sandbox: Path, produced: set[Path], capsys) -> str | None:
+def _check(c, sandbox: Path, capsys) -> str | None:
     """None if the command ``c`` parses (and, where it can, preflights) as its page says;
     else what is wrong."""
     import os
@@ -147,7 +147,6 @@ def _check(c, sandbox: Path, produced: set[Path], capsys) -> str | None:
             if target.endswith("reverse_words") and args.command in ("write", "model") \
                     and not Path(args.output).exists() and not c.inline:
                 module.main(rest)  # cheap, and what the next commands read
-                produced.add(Path(args.output).resolve())
             return None
     words = words[1:]
     capsys.readouterr()
@@ -169,7 +168,6 @@ def _check(c, sandbox: Path, produced: set[Path], capsys) -> str | None:
             return f"{args.command} takes no config overrides ({overrides[0]})"
         if args.command == "export" and not Path(args.output).exists():
             save_tiny_llama(Path(args.output), vocab_size=300)  # the model the run would be
-            produced.add(Path(args.output).resolve())
         return None
     try:
         cfg = load_config(args.config, overrides)
@@ -181,7 +179,7 @@ def _check(c, sandbox: Path, produced: set[Path], capsys) -> str | None:
         return f"refused: {e}"
     if args.command not in ("train", "tune") or c.needs or c.inline:
         return None
-    problem = _stand_in_inputs(cfg, produced)
+    problem = _stand_in_inputs(cfg)
     if problem:
         return problem
     if cli.main([*words, "--dry-run"]) != 0:
@@ -205,10 +203,9 @@ def test_every_documented_command_parses_and_preflights_as_written(tmp_path, mon
     (tmp_path / "jobs").symlink_to(ROOT / "jobs")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    produced: set[Path] = set()
     failures = []
     for c in commands:
-        problem = _check(c, tmp_path, produced, capsys)
+        problem = _check(c, tmp_path, capsys)
         if problem:
             failures.append(f"{c.where}: {c.text}\n    {problem}")
     assert not failures, "\n".join(failures)
