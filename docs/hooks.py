@@ -99,7 +99,6 @@ def cli_reference() -> str:
 
     from raylm.cli import _parser
 
-    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal; the page is fixed
     out = []
 
     def add(parser: argparse.ArgumentParser, name: str) -> None:
@@ -110,7 +109,16 @@ def cli_reference() -> str:
             for child, child_parser in sub.choices.items():
                 add(child_parser, f"{name} {child}".strip())
 
-    root = _parser()
-    out.append(f"```text\n{root.format_help().rstrip()}\n```\n")
-    add(root, "")
+    # argparse wraps to the terminal's width; the page's is fixed.
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        root = _parser()
+        out.append(f"```text\n{root.format_help().rstrip()}\n```\n")
+        add(root, "")
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS")
+        else:
+            os.environ["COLUMNS"] = columns
     return "\n".join(out)

@@ -890,6 +890,17 @@ def check_example_files(files: list[SourceFile], example_format: str) -> None:
                           f"({len(other)} such files in data.source).")
 
 
+def cached_prepared_dir(cfg: Config, files: list | None = None) -> Path:
+    """Where the cache keeps (or will keep) the preparation of ``cfg``'s data sources
+    (``files``, when the caller resolved them already): a folder named by the corpus's
+    content and the preparation settings."""
+    d = cfg.data
+    if files is None:
+        files = resolve_sources(d.source, builtin_packages=d.builtin_packages,
+                                hf_split=d.hf_split)
+    return cache_dir(cfg) / "prepared" / prepared_fingerprint(fingerprint_files(files), cfg)
+
+
 def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
     """The packed data for ``cfg``: ``data.source`` itself when it is a prepared directory,
     else a cached preparation (made now if missing). Needs ``ray.init``."""
@@ -906,9 +917,7 @@ def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
                              f"holds blocks for seq_len={layout['seq_len']}; set data.seq_len="
                              f"{layout['seq_len']} or prepare again.")
         return path
-    files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
-    corpus_fp = fingerprint_files(files)
-    target = cache_dir(cfg) / "prepared" / prepared_fingerprint(corpus_fp, cfg)
+    target = cached_prepared_dir(cfg)
     if (target / PREPARED_MANIFEST).is_file():
         log(f"data: reusing prepared data {target}")
         return target

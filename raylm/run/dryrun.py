@@ -10,16 +10,14 @@ rule the run will apply. The docs test (tests/unit/test_docs.py) runs every docu
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
 
 from raylm import storage
-from raylm.config import Config, batch_plan, cache_dir, model_parallel_group, run_dir
-from raylm.data.corpus import fingerprint_files, is_prepared_dir, resolve_sources
-from raylm.data.preparation import prepared_fingerprint
+from raylm.config import Config, batch_plan, model_parallel_group, run_dir
+from raylm.data.corpus import is_prepared_dir, resolve_sources
+from raylm.data.preparation import cached_prepared_dir
 from raylm.data.streams import READER_CPUS
-from raylm.names import PREPARED_MANIFEST, SUMMARY
+from raylm.names import PREPARED_MANIFEST
 from raylm.run import cluster
 from raylm.run.preflight import preflight
 
@@ -86,7 +84,7 @@ def _data(cfg: Config) -> str:
                 f"Face hub when the run prepares it")
     files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
     size = sum(os.path.getsize(f.path) for f in files)
-    target = cache_dir(cfg) / "prepared" / prepared_fingerprint(fingerprint_files(files), cfg)
+    target = cached_prepared_dir(cfg, files)
     done = ((target / PREPARED_MANIFEST).is_file() and f"prepared already in {target}"
             or f"prepared into {target} when the run starts (Ray tasks)")
     return (f"data: {len(files):,} file{'s' if len(files) != 1 else ''} of {d.format}, "
@@ -100,7 +98,7 @@ def _run(cfg: Config, *, sweep: bool) -> str:
         if storage.is_file(storage.join(rd, "tuner.pkl")):
             return f"run: resumes the sweep in {where}"
         return f"run: a new sweep in {where}"
-    from raylm.run.launch import base_model_identity
+    from raylm.run.launch import base_model_identity, finished
     from raylm.workers import checkpoint
 
     found = checkpoint.latest_verified(rd, warn=lambda m: None)
@@ -110,21 +108,14 @@ def _run(cfg: Config, *, sweep: bool) -> str:
     step = marker["state"]["step"]
     # The base model is the one part of a run's identity known before the data is prepared;
     # the rest is compared when the run starts.
-    recorded = (marker.get("identity") or {}).get("base_model")
-    if recorded is not None and "base_model" not in cfg.checkpoint.accept_changes:
+    if marker.get("identity"):
         checkpoint.check_same_run(marker, {**marker["identity"],
                                            "base_model": base_model_identity(cfg)},
                                   str(path), accept=cfg.checkpoint.accept_changes)
-    summary = _summary(rd)
-    if summary.get("status") == "finished" and step >= cfg.train.steps:
+    if finished(cfg, found) is not None:
         return (f"run: {where} has trained its {step} steps already: nothing to do (raise "
                 f"train.steps to train on)")
     return f"run: resumes {where} from step {step} of {cfg.train.steps}"
-
-
-def _summary(rd: str) -> dict[str, Any]:
-    path = storage.join(rd, SUMMARY)
-    return json.loads(storage.read_text(path)) if storage.is_file(path) else {}
 
 
 def _tracking(cfg: Config) -> str:

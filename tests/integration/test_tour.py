@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from raylm.hub import HUB_ID
 from tests.commands import page_commands
 from tests.distributed.test_fsdp_parity import free_port
 from tests.integration.test_jobs import stop_own_head
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-HUB_MODEL = re.compile(r"--model\.path=[\w.-]+/[\w.-]+$")
+HUB_MODEL = re.compile(r"--model\.path=(.+)$")
 LOCAL_MODEL = "runs/reverse-init"
 
 
@@ -58,7 +59,8 @@ def reader(tmp_path_factory):
 def from_hub(word: str, root: Path) -> bool:
     """Whether ``word`` sets model.path to a hub id (an org/name that is no local directory)."""
     m = HUB_MODEL.match(word)
-    return m is not None and not (root / word.split("=", 1)[1]).exists()
+    return m is not None and HUB_ID.match(m.group(1)) is not None and not (
+        root / m.group(1)).exists()
 
 
 def as_tested(argv: list[str], root: Path) -> list[str]:
@@ -117,6 +119,16 @@ def test_the_readme_tour_runs_as_written_after_the_demo(reader):
         assert summary["status"] == "finished" and summary["final_step"] == step, name
     assert json.loads((root / "runs" / "lr-sweep" / "tune_summary.json").read_text())["best"]
     assert (root / "runs" / "sft-merged" / "config.json").is_file()
+    # A dry run reads the run directory as the run would: finished, or another model's.
+    done = type_in(reader, ["raylm", "train", "--config", "jobs/configs/cpu_tiny.yaml",
+                            "--train.steps=8", "--dry-run"])
+    assert "raylm: dry run: run: runs/cpu-tiny has trained its 8 steps already" in \
+        done.replace(str(root) + "/", "")
+    other = subprocess.run([BIN / "raylm", "train", "--config", "jobs/configs/cpu_tiny.yaml",
+                            f"--model.path={LOCAL_MODEL}", "--dry-run"], cwd=root,
+                           env=reader["env"], text=True, capture_output=True, timeout=300)
+    assert other.returncode == 2
+    assert "was trained with other model.path than this run has" in other.stderr
     # The demo's run is untouched by the jobs that came after it.
     after = json.loads((root / "runs" / "tiny-builtin" / "summary.json").read_text())
     assert after["final_step"] == 2 and after["invocation"] == demo_summary["invocation"]
