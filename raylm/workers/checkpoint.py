@@ -43,6 +43,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pyarrow import fs as pafs
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -342,14 +345,19 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
     sd = _state_dicts(model, optimizer)
     # The metadata first, on its own: DCP would bury a refused one in its collective's error.
     (RangeReader if storage.is_uri(directory) else SafeReader)(str(directory)).read_metadata()
-    if storage.is_uri(directory):
-        reader = RangeReader(str(directory))
-        dcp.load(sd, storage_reader=reader)
+    reader = (RangeReader if storage.is_uri(directory) else SafeReader)(str(directory))
+    try:
+        dcp.load(sd, storage_reader=reader, planner=DataOnlyPlanner(str(directory)))
+    except CheckpointException as e:
+        # A refused item is this module's own error, not a fault of DCP's collective.
+        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
+        if refused:
+            raise refused[0] from None
+        raise
+    if isinstance(reader, RangeReader):
         if fetched is not None:
             fetched["bytes"] = reader.fetched
         log.info("restored from %s: fetched %d bytes", directory, reader.fetched)
-    else:
-        dcp.load(sd, storage_reader=SafeReader(str(directory)))
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -383,10 +391,63 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"and see who can write under run.storage_path.")
 
 
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is data a checkpoint's non-tensor items hold (the optimizer's
+    hyperparameters and parameter names): numbers, strings, None, and lists, tuples and
+    string-keyed dicts of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False
+
+
+class DataOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading a checkpoint's non-tensor items as data only. DCP stores
+    every value that is not a tensor (AdamW's learning rate, betas and parameter names) as a
+    pickle and its default planner unpickles it with ``torch.load(weights_only=False)``, which
+    runs whatever the pickle names: whoever can write the checkpoint's storage could run code
+    on every worker at a resume. Here such an item is read with ``weights_only=True`` (torch's
+    restricted unpickler) and must then be plain data; and an item the checkpoint stores as an
+    object where the state being loaded has a tensor (a model weight, which raylm never stores
+    that way) is refused unread."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        if isinstance(self.state_dict.get(fqn), torch.Tensor):
+            raise CheckpointError(
+                f"{self.where}: {fqn} is stored as a pickled object where the model has a "
+                f"tensor, which no checkpoint raylm writes holds: refused unread. Remove the "
+                f"checkpoint, and see who can write under run.storage_path.")
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            named = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            raise CheckpointError(
+                f"{self.where}: {fqn} holds a pickle that names "
+                f"{named.group(1) if named else 'code'}, where a checkpoint raylm writes holds "
+                f"data: refused unread. Remove the checkpoint, and see who can write under "
+                f"run.storage_path.") from None
+        if not _plain(obj):
+            raise CheckpointError(f"{self.where}: {fqn} holds a {type(obj).__name__}, where a "
+                                  f"checkpoint raylm writes holds numbers and names: refused.")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
 class SafeReader(FileSystemReader):
     """DCP's reader, reading the checkpoint's metadata with :class:`_MetadataUnpickler` rather
     than ``pickle.load``: a checkpoint whose metadata names anything else is refused instead
-    of running it. (The tensor data DCP reads with ``torch.load(weights_only=True)``.)"""
+    of running it. (The tensor data DCP reads with ``torch.load(weights_only=True)``; the
+    other items :class:`DataOnlyPlanner` reads as data.)"""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

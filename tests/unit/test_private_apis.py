@@ -27,6 +27,9 @@ PRIVATE = [
      "preempted group stops once its last report is taken)", "raylm/workers/preemption.py"),
     ("ray._private.services", "find_bootstrap_address",
      "the head `ray start` recorded on this machine", "raylm/run/cluster.py"),
+    ("torch.distributed.checkpoint._traverse", "set_element",
+     "a checkpoint's non-tensor items, read as data only, go where DCP's own planner puts "
+     "them", "raylm/workers/checkpoint.py"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper",
      "activation checkpointing of decoder blocks", "raylm/model/parallelize.py"),
 ]
@@ -54,6 +57,14 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape(tmp_path, monkeyp
     assert "rank" in inspect.signature(FileSystemReader._get_metadata_path).parameters
     assert list(inspect.signature(FileSystemReader._slice_file).parameters) == [
         "self", "file", "sinfo"]
+    # raylm.workers.checkpoint.DataOnlyPlanner: replaces how DCP's planner reads a pickled
+    # item, on the attributes DCP's planner keeps.
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    assert list(inspect.signature(DefaultLoadPlanner.load_bytes).parameters) == [
+        "self", "read_item", "value"]
+    assert {"flatten_state_dict", "original_state_dict", "mappings"} <= set(
+        vars(DefaultLoadPlanner()))
     # raylm.model.lora.adapters_off: the flag a LoRA layer's forward reads to skip its
     # adapters.
     from peft.tuners.tuners_utils import BaseTunerLayer

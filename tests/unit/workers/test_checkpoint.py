@@ -127,6 +127,86 @@ def test_a_planted_pickle_in_checkpoint_metadata_does_not_run(tmp_path):
     assert not proof.exists()
 
 
+class _Payload:
+    """An object whose unpickling writes a file: what a planted pickle would do instead."""
+
+    def __init__(self, proof) -> None:
+        self.proof = str(proof)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.proof!r}, 'w').write('x')",))
+
+
+def _planted(tmp_path, plant) -> tuple:
+    """A real checkpoint rewritten as a writer of its storage could: its state changed by
+    ``plant``, saved again with DCP and its marker's sizes and hashes recomputed."""
+    import torch.distributed.checkpoint as dcp
+
+    from raylm.workers import checkpoint
+
+    saved(tmp_path)
+    ck = tmp_path / "ck"
+    m = model()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    state = checkpoint._state_dicts(m, opt)
+    plant(state)
+    for f in ck.iterdir():
+        f.unlink()
+    dcp.save(state, checkpoint_id=str(ck))
+    checkpoint._write_marker(ck, state={"step": 3}, config=saved_config(), samples=None,
+                             adapters=None, identity=IDENTITY)
+    checkpoint.verify(ck, every_hash=True)
+    return ck, m, opt
+
+
+def test_a_planted_pickle_in_the_optimizer_state_does_not_run(tmp_path):
+    """AdamW's hyperparameters are stored as pickles: one replaced by an object that runs code
+    is refused, and the code never runs."""
+    from raylm.workers import checkpoint
+
+    proof = tmp_path / "ran"
+
+    def plant(state):
+        state["optim"]["param_groups"][0]["lr"] = _Payload(proof)
+
+    ck, m, opt = _planted(tmp_path, plant)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"param_groups\.0\.lr holds a pickle that names exec.*refused unread"):
+        checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(), adapters=None)
+    assert not proof.exists()
+
+
+def test_a_model_weight_stored_as_a_pickle_is_refused_unread(tmp_path):
+    """A weight marked in the metadata as a pickled object reaches model-only loads (export,
+    generate) too: refused before it is unpickled."""
+    from raylm.workers import checkpoint
+
+    proof = tmp_path / "ran"
+
+    def plant(state):
+        state["model"]["1.weight"] = _Payload(proof)
+
+    ck, m, _ = _planted(tmp_path, plant)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"1\.weight is stored as a pickled object where the model has a "
+                             r"tensor"):
+        checkpoint.load(ck, model=m, optimizer=None, config=saved_config(), adapters=None)
+    assert not proof.exists()
+
+
+def test_the_optimizer_state_round_trips_as_data(tmp_path):
+    """What DataOnlyPlanner reads back is what was saved (AdamW's groups, step counts)."""
+    from raylm.workers import checkpoint
+
+    saved(tmp_path)
+    m = model()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=0.5)
+    checkpoint.load(tmp_path / "ck", model=m, optimizer=opt, config=saved_config(),
+                    adapters=None)
+    group = opt.param_groups[0]
+    assert group["lr"] == 1e-3 and group["betas"] == (0.9, 0.999) and group["amsgrad"] is False
+
+
 def saved_config():
     from transformers import LlamaConfig
 
