@@ -33,9 +33,9 @@ from raylm.data.tokenizer import load_backend
 from raylm.model import lora
 from raylm.model.build import build_config
 from raylm.names import LAYOUT, PREPARED_MANIFEST, SUMMARY
-from raylm.run import goodput, tracking
+from raylm.run import goodput, lease, tracking
 from raylm.run.exporter import write_run_info
-from raylm.run.lease import hold
+from raylm.run.lease import LeaseError, hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
 from raylm.run.record import Ending, EndOfRun, FinalModel, RunRecord
@@ -161,11 +161,13 @@ def _check_fits(cfg: Config, plan: ResourcePlan, capacity: dict[str, float]) -> 
 
 def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
                   record: RunRecord, resources: ResourcePlan, callbacks: list | None = None,
-                  identity: dict[str, str] | None = None, reference: str | None = None
-                  ) -> TorchTrainer:
+                  identity: dict[str, str] | None = None, reference: str | None = None,
+                  lease: str | None = None) -> TorchTrainer:
     """The run's TorchTrainer. ``identity``: what the run trains with, written into every
     checkpoint's marker (:func:`raylm.workers.checkpoint.check_same_run`); ``reference``: the
-    stored reference of a DPO full fine-tune (:mod:`raylm.run.reference`)."""
+    stored reference of a DPO full fine-tune (:mod:`raylm.run.reference`); ``lease``: the
+    token of the run directory's lease the driver holds, which the workers check before each
+    checkpoint (:mod:`raylm.run.lease`)."""
     sc = cfg.scaling
     workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
     return TorchTrainer(
@@ -174,7 +176,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
         train_loop_config={"config": cfg.to_dict(), "run_dir": run_dir(cfg),
                            "prepared": prepared, "vocab_size": vocab_size, "eos_id": eos_id,
                            "tracker": record.tracker, "reader_resources": resources.reader,
-                           "identity": identity, "reference": reference},
+                           "identity": identity, "reference": reference, "lease": lease},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
                                      resources_per_worker=resources.worker,
                                      elastic_resize_monitor_interval_s=sc.resize_interval_s),
@@ -257,8 +259,11 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                                             register_as=cfg.tracking.register_as)
                                  if cfg.tracking.log_model and tracking_parent is None
                                  else None))
+    held = lease.held(rd)
+    token = held.token if held is not None else None
     record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
-                       verbose=cfg.run.verbose, progress=feed and feed.queue, ending=ending)
+                       verbose=cfg.run.verbose, progress=feed and feed.queue, ending=ending,
+                       lease=token)
     record.note("device", gpu=cfg.scaling.use_gpu, reason=device)
     if moved is not None:
         record.note("schedule_moved", **moved)
@@ -268,12 +273,17 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
                       resources=resources, callbacks=callbacks, identity=identity,
-                      reference=reference).fit()
+                      reference=reference, lease=token).fit()
     except Exception as e:  # Ray Train raises once max_failures is used up
         error = e
     finally:
         if feed is not None:
             feed.close()
+    if held is not None and (held.lost.is_set() or faults.cause(error, faults.LeaseLost)):
+        tracker.finish(failed=True)
+        raise LeaseError(f"run {cfg.run.name!r} stopped: its driver lost the lease on "
+                         f"{storage.redact(rd)} to another process, which now drives the run "
+                         f"(see {storage.redact(held.path)})")
     # The record finished summary.json (and the MLflow run) on the controller as the run
     # ended; this reads it.
     summary = record.final_summary()

@@ -4,13 +4,24 @@ it ends. A second driver of the same run directory is refused, naming the holder
 start time), instead of pruning the first one's checkpoints, rewriting its summary and
 resuming from its checkpoints.
 
-The lease is ``lease.json``, created exclusively (locally one ``O_EXCL`` create: of two
-takers exactly one wins; in object storage a check and a write, then a read-back of whose
-token is there, since pyarrow offers no conditional put) and renewed by a heartbeat thread
-every :data:`BEAT_S` seconds. A lease not renewed for :data:`EXPIRES_S` seconds (its holder
-died without giving it back: a killed driver, a lost node), or held by a process of this host
-that no longer exists, is taken over. Ray Train's own restarts happen inside the holder and
-need nothing from here.
+The lease is ``lease.json``, renewed by a heartbeat thread every :data:`BEAT_S` seconds. Every
+change to it is conditional on what its writer read last, so of two processes racing for it
+exactly one wins, and a taker replaces (or a holder gives back) only the lease it read:
+
+- on a local or network file system, under an exclusive ``flock`` of ``lease.json.lock``;
+- in S3, with S3's conditional writes (``If-None-Match: *`` to create, ``If-Match`` on the
+  ETag read to renew, take over or give back), through boto3 (pyarrow, which raylm's
+  storage uses, offers no conditional write);
+- in other object stores (or S3 without boto3) a check, a write and a read-back: two drivers
+  started within the same moment could both win there, which the taker says.
+
+A lease not renewed for :data:`EXPIRES_S` seconds (its holder died without giving it back: a
+killed driver, a lost node), or held by a process of this host that no longer exists, is
+taken over. A holder that finds its lease taken over (it stalled, or lost its storage, for
+longer than that) has lost the run: the heartbeat says so and stops, and the run's workers and
+record check the lease (:func:`raylm.workers.faults.check_lease`) before each checkpoint and
+each summary, so the run ends before writing over the new holder's. Ray Train's own restarts
+happen inside the holder and need nothing from here.
 
 A Tune trial is restarted by Tune in a new process, often on another node when its node was
 lost: its lease names its owner (the trial), and a taker with the same owner finds its own
@@ -21,13 +32,18 @@ still renewed after that is a live process, and refused.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 import uuid
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from raylm import storage
 from raylm.names import LEASE
@@ -37,10 +53,168 @@ EXPIRES_S = 60.0
 # Leases this process holds, by run directory: an entry path takes the lease before Ray
 # starts, and the training code it calls finds it held here rather than taking it again.
 _HELD: dict[str, Lease] = {}
+# What a given-back lease says in a store that cannot delete conditionally (S3).
+_RELEASED = {"released": True}
 
 
 class LeaseError(ValueError):
     """The run directory is being driven by another live process."""
+
+
+def _parse(data: bytes) -> dict[str, Any] | None:
+    """The holder a lease names; None for a lease given back. Unreadable content (not written
+    by raylm) names no live holder: it expires at once, and is replaced conditionally."""
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        return {"host": "?", "pid": "?", "started": 0.0, "beat": 0.0}
+    if not isinstance(holder, dict):
+        return {"host": "?", "pid": "?", "started": 0.0, "beat": 0.0}
+    return None if holder.get("released") else holder
+
+
+class LocalStore:
+    """``lease.json`` on a file system: each change made under an exclusive ``flock`` of a
+    lock file beside it (kept: removing a lock file races its next taker), against the bytes
+    read. ``flock`` excludes across hosts on NFSv4 too, where Linux maps it to a byte-range
+    lock."""
+
+    exclusive = True
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.lock = self.path.with_name(self.path.name + ".lock")
+
+    @contextmanager
+    def _locked(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # and with it the lock
+
+    def _raw(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def read(self) -> tuple[dict[str, Any] | None, Any]:
+        """The holder (None if there is none) and the version a change is conditional on."""
+        raw = self._raw()
+        return (None, None) if raw is None else (_parse(raw), raw)
+
+    def put(self, text: str, *, expect: Any) -> Any:
+        """Write ``text`` if the lease is still at version ``expect`` (None: absent); its new
+        version, or None if the lease changed meanwhile."""
+        data = text.encode()
+        with self._locked():
+            if self._raw() != expect:
+                return None
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.path)
+        return data
+
+    def drop(self, *, expect: Any) -> bool:
+        """Remove the lease if it is still at version ``expect``."""
+        with self._locked():
+            if self._raw() != expect:
+                return False
+            self.path.unlink()
+        return True
+
+
+class S3Store:
+    """``lease.json`` in S3, changed with S3's conditional writes (boto3, its default
+    credential chain and ``AWS_ENDPOINT_URL``, as pyarrow's S3 filesystem reads them). A
+    lease is given back by a conditional write of a released lease, since deleting on a
+    condition is not offered by every S3 service."""
+
+    exclusive = True
+
+    def __init__(self, uri: str, client=None) -> None:
+        import boto3
+
+        parsed = urlparse(uri)
+        self.bucket, self.key = parsed.netloc, parsed.path.lstrip("/")
+        self.client = client or boto3.client("s3")
+
+    def _failed(self, e: Exception) -> bool:
+        """Whether ``e`` is S3 refusing a write whose condition no longer holds."""
+        code = getattr(e, "response", {}).get("Error", {}).get("Code")
+        return code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey",
+                        "412", "409", "404")
+
+    def read(self) -> tuple[dict[str, Any] | None, Any]:
+        try:
+            got = self.client.get_object(Bucket=self.bucket, Key=self.key)
+        except self.client.exceptions.NoSuchKey:
+            return None, None
+        return _parse(got["Body"].read()), got["ETag"]
+
+    def put(self, text: str, *, expect: Any) -> Any:
+        condition = {"IfNoneMatch": "*"} if expect is None else {"IfMatch": expect}
+        try:
+            done = self.client.put_object(Bucket=self.bucket, Key=self.key,
+                                          Body=text.encode(), **condition)
+        except Exception as e:
+            if self._failed(e):
+                return None
+            raise
+        return done["ETag"]
+
+    def drop(self, *, expect: Any) -> bool:
+        return self.put(json.dumps(_RELEASED), expect=expect) is not None
+
+
+class PlainStore:
+    """``lease.json`` in an object store raylm has no conditional write for: a check, then a
+    whole-object write. Two takers within the same moment may both write; the taker reads
+    the lease back to see whose it is, which catches all but writes landing together."""
+
+    exclusive = False
+
+    def __init__(self, uri: str) -> None:
+        self.path = uri
+
+    def _raw(self) -> bytes | None:
+        try:
+            return storage.read_bytes(self.path)
+        except FileNotFoundError:
+            return None
+
+    def read(self) -> tuple[dict[str, Any] | None, Any]:
+        raw = self._raw()
+        return (None, None) if raw is None else (_parse(raw), raw)
+
+    def put(self, text: str, *, expect: Any) -> Any:
+        if self._raw() != expect:
+            return None
+        storage.write_text(self.path, text)
+        return text.encode()
+
+    def drop(self, *, expect: Any) -> bool:
+        if self._raw() != expect:
+            return False
+        storage.remove(self.path)
+        return True
+
+
+def store_for(path: str):
+    """The store for a lease at ``path`` (see the module docstring)."""
+    if not storage.is_uri(path):
+        return LocalStore(path)
+    if path.startswith("s3://"):
+        try:
+            return S3Store(path)
+        except ImportError:
+            pass
+    return PlainStore(path)
 
 
 def _alive_here(holder: dict[str, Any]) -> bool:
@@ -50,106 +224,146 @@ def _alive_here(holder: dict[str, Any]) -> bool:
         os.kill(int(holder["pid"]), 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, KeyError, ValueError):
+    except (PermissionError, KeyError, ValueError, OverflowError):
         pass
     return True
 
 
 def _expired(holder: dict[str, Any], now: float) -> bool:
-    return now - float(holder.get("beat", 0)) > EXPIRES_S or not _alive_here(holder)
+    try:
+        beat = float(holder.get("beat", 0))
+    except (TypeError, ValueError):
+        beat = 0.0
+    return now - beat > EXPIRES_S or not _alive_here(holder)
 
 
 class Lease:
     """A lease on ``run_dir`` held by this process (see the module docstring)."""
 
-    def __init__(self, run_dir: str, *, owner: str | None = None, log=print) -> None:
+    def __init__(self, run_dir: str, *, owner: str | None = None, log=print,
+                 store=None) -> None:
         self.run_dir = storage.normalize(run_dir)
         self.path = storage.join(self.run_dir, LEASE)
+        self.store = store or store_for(self.path)
         self.log = log
         now = time.time()
         self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
                        "beat": now, "token": uuid.uuid4().hex, "owner": owner}
+        self.version: Any = None  # of the lease as this process last wrote it
+        self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _read(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(storage.read_text(self.path))
-        except FileNotFoundError:
-            return None
-        except ValueError:  # being written this instant
-            time.sleep(0.2)
-            try:
-                return json.loads(storage.read_text(self.path))
-            except (FileNotFoundError, ValueError):
-                return {"host": "?", "pid": "?", "started": time.time(), "beat": time.time()}
+    @property
+    def token(self) -> str:
+        return self.holder["token"]
 
-    def _ours(self) -> bool:
-        held = self._read()
-        return held is not None and held.get("token") == self.holder["token"]
+    def _write(self, expect: Any) -> bool:
+        """Write this holder over the lease at version ``expect``: True if it is ours now."""
+        version = self.store.put(json.dumps(self.holder), expect=expect)
+        if version is None:
+            return False
+        if not self.store.exclusive:
+            held, version = self.store.read()
+            if held is None or held.get("token") != self.token:
+                return False
+        self.version = version
+        return True
 
     def take(self) -> Lease:
-        for _ in range(3):
+        if not self.store.exclusive:
+            self.log(f"raylm: warning: {urlparse(self.path).scheme} storage offers raylm no "
+                     f"conditional write, so the run's lease {storage.redact(self.path)} is a "
+                     f"check and a write: two drivers of this run started within the same "
+                     f"moment could both run (S3 with boto3 installed, and local or network "
+                     f"file systems, exclude them)")
+        for _ in range(5):
             self.holder["beat"] = time.time()
-            if storage.create_text(self.path, json.dumps(self.holder)):
-                if self._ours():
-                    self._start_heartbeat()
-                    return self
-                continue
-            held = self._read()
-            if held is None:
-                continue  # given back meanwhile
-            if not _expired(held, time.time()) and self._earlier_attempt(held):
-                held = self._wait_for_expiry(held)
-            if not _expired(held, time.time()):
-                raise LeaseError(self._refusal(held))
-            storage.remove(self.path)  # its holder is gone
-        raise LeaseError(f"could not take the lease {self.path}: other processes keep taking "
-                         f"it; is the same run started several times at once?")
+            held, version = self.store.read()
+            if held is not None:
+                if not _expired(held, time.time()) and self._earlier_attempt(held):
+                    held, version = self._wait_for_expiry(held, version)
+                if held is not None and not _expired(held, time.time()):
+                    raise LeaseError(self._refusal(held))
+                self.holder["beat"] = time.time()
+            # Absent, given back or expired: replace exactly the lease read, if it is still
+            # there; another taker who got there first makes this write fail.
+            if self._write(version):
+                self._start_heartbeat()
+                return self
+        raise LeaseError(f"could not take the lease {storage.redact(self.path)}: other "
+                         f"processes keep taking it; is the same run started several times at "
+                         f"once?")
 
     def _earlier_attempt(self, held: dict[str, Any]) -> bool:
         """Whether ``held`` is an earlier attempt of this lease's owner (a restarted trial)."""
         owner = self.holder["owner"]
         return owner is not None and held.get("owner") == owner
 
-    def _wait_for_expiry(self, held: dict[str, Any]) -> dict[str, Any]:
+    def _wait_for_expiry(self, held: dict[str, Any], version: Any
+                         ) -> tuple[dict[str, Any] | None, Any]:
         """The lease as it is once ``held`` expired, was given back, or was renewed past its
         expiry (its holder lives)."""
         deadline = float(held["beat"]) + EXPIRES_S + 1.0
-        self.log(f"raylm: the lease {self.path} is held by an earlier attempt of "
-                 f"{self.holder['owner']} (pid {held['pid']} on {held['host']}); waiting up to "
-                 f"{max(0.0, deadline - time.time()):.0f} s for it to expire")
+        self.log(f"raylm: the lease {storage.redact(self.path)} is held by an earlier attempt "
+                 f"of {self.holder['owner']} (pid {held['pid']} on {held['host']}); waiting up "
+                 f"to {max(0.0, deadline - time.time()):.0f} s for it to expire")
         while time.time() < deadline:
             time.sleep(min(1.0, max(0.05, deadline - time.time())))
-            now = self._read()
+            now, version = self.store.read()
             if now is None:
-                return {**held, "beat": 0}  # given back: take it
+                return None, version  # given back: take it
             if float(now["beat"]) > float(held["beat"]):  # renewed: its holder lives
-                return now
-        return self._read() or {**held, "beat": 0}
+                return now, version
+        return self.store.read()
 
     def _refusal(self, held: dict[str, Any]) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(held["started"])))
         age = time.time() - float(held["beat"])
-        return (f"run directory {self.run_dir} is in use by pid {held['pid']} on "
-                f"{held['host']}, running since {started} (its lease was renewed {age:.0f} s "
-                f"ago); wait for that run to end, or give this one another run.name. A lease "
+        return (f"run directory {storage.redact(self.run_dir)} is in use by pid {held['pid']} "
+                f"on {held['host']}, running since {started} (its lease was renewed {age:.0f} "
+                f"s ago); wait for that run to end, or give this one another run.name. A lease "
                 f"whose holder died expires {EXPIRES_S:.0f} s after its last renewal "
-                f"({self.path}).")
+                f"({storage.redact(self.path)}).")
+
+    def renew(self) -> bool:
+        """One heartbeat: renew the lease if it is still ours; False once it is not (taken
+        over). Storage errors propagate, and the next beat tries again: while storage is out
+        of reach no one else can take the lease either, and once it is back a taker that got
+        in first makes this conditional write fail."""
+        if self.lost.is_set():
+            return False
+        beat = {**self.holder, "beat": time.time()}
+        version = self.store.put(json.dumps(beat), expect=self.version)
+        if version is None:
+            self._lose()
+            return False
+        if not self.store.exclusive:
+            held, version = self.store.read()
+            if held is None or held.get("token") != self.token:
+                self._lose()
+                return False
+        self.holder, self.version = beat, version
+        return True
+
+    def _lose(self) -> None:
+        self.lost.set()
+        held, _ = self.store.read()
+        by = f" by pid {held['pid']} on {held['host']}" if held else ""
+        print(f"raylm: error: the lease {storage.redact(self.path)} was taken over{by} (this "
+              f"driver did not renew it for over {EXPIRES_S:.0f} s): this run ends before its "
+              f"next checkpoint or summary, and leaves the run directory to the new holder",
+              flush=True)
 
     def _start_heartbeat(self) -> None:
         def beat() -> None:
             while not self._stop.wait(BEAT_S):
                 try:
-                    if not self._ours():
-                        print(f"warning: raylm lease {self.path} was taken over by another "
-                              f"process", flush=True)
+                    if not self.renew():
                         return
-                    self.holder["beat"] = time.time()
-                    storage.write_text(self.path, json.dumps(self.holder))
                 except Exception as e:  # storage hiccup: the next beat tries again
-                    print(f"warning: raylm lease {self.path}: {type(e).__name__}: {e}",
-                          flush=True)
+                    print(f"warning: raylm lease {storage.redact(self.path)}: "
+                          f"{type(e).__name__}: {e}", flush=True)
 
         self._thread = threading.Thread(target=beat, name="raylm-lease", daemon=True)
         self._thread.start()
@@ -158,12 +372,18 @@ class Lease:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.lost.is_set():
+            return  # another holder's now
         try:
-            if self._ours():
-                storage.remove(self.path)
+            self.store.drop(expect=self.version)
         except OSError as e:
-            print(f"warning: raylm lease {self.path} not given back ({e}); it expires in "
-                  f"{EXPIRES_S:.0f} s", flush=True)
+            print(f"warning: raylm lease {storage.redact(self.path)} not given back ({e}); it "
+                  f"expires in {EXPIRES_S:.0f} s", flush=True)
+
+
+def held(run_dir: str) -> Lease | None:
+    """The lease this process holds on ``run_dir``, if any."""
+    return _HELD.get(storage.normalize(run_dir))
 
 
 class hold:

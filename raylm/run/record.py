@@ -55,6 +55,7 @@ from raylm.console import quiet_libraries
 from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
 from raylm.run.goodput import goodput
 from raylm.run.tracking import Tracker
+from raylm.workers.faults import LeaseLost, check_lease
 
 try:  # the controller-side callback base classes (Ray Train V2)
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
@@ -227,8 +228,13 @@ class RunRecord(UserCallback):
     driver, which passes it to Ray Train with the run's tracker)."""
 
     def __init__(self, run_dir: str, *, total_steps: int, tracker: Tracker,
-                 verbose: bool = False, progress=None, ending: Ending | None = None) -> None:
+                 verbose: bool = False, progress=None, ending: Ending | None = None,
+                 lease: str | None = None) -> None:
         self.run_dir = run_dir
+        # The token of the run directory's lease its driver holds: once another holds it,
+        # nothing more is written (raylm.run.lease).
+        self.lease = lease
+        self.lease_lost = False
         self.ending = ending
         self.started = time.time()
         # The driver's progress queue (raylm.run.progress) when it draws a bar; else lines.
@@ -363,8 +369,21 @@ class RunRecord(UserCallback):
                   error=f"{type(error).__name__}: {text[0] if text else ''}"[:300])
         self.flush()
 
+    def _ours(self) -> bool:
+        """Whether the run directory is still this run's to write (its lease is its driver's);
+        said once when it is not."""
+        if not self.lease_lost:
+            try:
+                check_lease(self.run_dir, self.lease)
+            except LeaseLost as e:
+                self.lease_lost = True
+                print(f"raylm: error: {e}", flush=True)
+        return not self.lease_lost
+
     def flush(self) -> None:
         """Write what is buffered, and the live summary."""
+        if not self._ours():
+            return
         self.log.flush()
         storage.write_text(storage.join(self.run_dir, SUMMARY),
                            json.dumps(self.summary(), indent=2))
@@ -373,6 +392,8 @@ class RunRecord(UserCallback):
         """The run ended (``failed``: Ray Train gave up on it): the final summary.json, and
         the MLflow run's final model, files and status."""
         try:
+            if not self._ours():
+                return
             self._add("end", status="failed" if failed else "finished")
             self.log.flush()
             summary = {**self.summary(), "status": "failed" if failed else "finished",

@@ -19,6 +19,11 @@ callbacks may implement.
 
 from __future__ import annotations
 
+import json
+
+from raylm import storage
+from raylm.names import LEASE
+
 try:
     from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
@@ -40,6 +45,36 @@ MISTAKES = (ValueError, TypeError, KeyError, AttributeError, ImportError, NotImp
 class Mistake(ValueError):
     """An error in the run's input: the run ends at once, with this message (one line from the
     command, as other bad input)."""
+
+
+class LeaseLost(Mistake):
+    """The run's driver no longer holds the run directory's lease: another driver took it
+    over (this one stalled or lost its storage for longer than the lease lasts)."""
+
+
+def check_lease(run_dir: str, token: str | None) -> None:
+    """Raise :class:`LeaseLost` unless the run directory's lease (see
+    :mod:`raylm.run.lease`) still holds ``token``, the run's driver's; None: no lease to
+    keep (a trainer built without one). One small read."""
+    if token is None:
+        return
+    path = storage.join(run_dir, LEASE)
+    try:
+        holder = json.loads(storage.read_bytes(path))
+    except FileNotFoundError:
+        holder = None
+    except ValueError:
+        holder = {}
+    if isinstance(holder, dict) and holder.get("token") == token:
+        return
+    by = (f"pid {holder.get('pid')} on {holder.get('host')}"
+          if isinstance(holder, dict) and holder.get("pid") else "no one")
+    raise LeaseLost(
+        f"this run's driver no longer holds the lease {storage.redact(path)} (it is held by "
+        f"{by}): the driver stalled or lost its storage for longer than the lease lasts, and "
+        f"another driver may have taken the run over; stopped before writing anything more "
+        f"to the run directory. See which process drives the run now before starting it "
+        f"again.")
 
 
 # Below this spread (the standard deviation of the logits over the vocabulary) a model

@@ -57,7 +57,7 @@ from raylm.names import GROUP_START
 from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter, run_figures, window_figures
-from raylm.workers.faults import MISTAKES, Mistake, first_prediction_check
+from raylm.workers.faults import MISTAKES, Mistake, check_lease, first_prediction_check
 from raylm.workers.health import (
     Fault,
     Health,
@@ -143,6 +143,8 @@ class Setup:
     identity: dict[str, str]
     """What the run trains with, written into every checkpoint (data, tokenizer, base)."""
     run_dir: str = ""
+    lease: str | None = None
+    """The token of the run directory's lease its driver holds (raylm.run.lease)."""
     objective: Objective | None = None
     """The preference objective (train.objective=dpo); None for next-token training."""
     state_memory: dict[str, float] | None = None
@@ -430,6 +432,8 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
     metrics["clock"]["checkpoint_s"] += time.perf_counter() - t0
     run.state.clock = {**metrics["clock"], "group": metrics["group_started"]}
     run.state.skipped = run.skips.ranges
+    if run.rank == 0:  # a driver that lost its run to another writes no checkpoint into it
+        check_lease(run.run_dir, run.lease)
     with bounded(f"the checkpoint of step {run.state.step} to be {'written' if wait else 'staged'}",
                  timeout_s=c.timeout_s, rank=run.rank, setting="checkpoint.timeout_s"):
         run.checkpointer.save(metrics, step=run.state.step, wait=wait, model=run.built.model,
@@ -587,7 +591,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  skips=skips, manifest=manifest, order=order, split=split,
                  recent=collections.deque(maxlen=t.log_every),
                  resumed=(storage.name(found[0]), state.step) if found is not None else None,
-                 run_dir=loop_config["run_dir"],
+                 run_dir=loop_config["run_dir"], lease=loop_config.get("lease"),
                  objective=preference_objective(cfg),
                  constant_metrics=constant,
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,

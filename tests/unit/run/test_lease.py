@@ -4,6 +4,7 @@ naming the first, while a lease whose holder is gone is taken over."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -107,3 +108,176 @@ def test_a_restarted_trial_waits_out_its_earlier_attempts_lease_and_no_other(tmp
     threading.Thread(target=renew).start()
     with pytest.raises(LeaseError, match="in use by pid 7 on lost-node"):
         Lease(str(tmp_path), owner="trial a1 of sweep", log=said.append).take()
+
+
+RACER = """
+import sys, time
+from raylm.run.lease import Lease, LeaseError
+start = float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))
+try:
+    Lease(sys.argv[1]).take()
+except LeaseError:
+    print("refused", flush=True)
+    sys.exit(0)
+print("won", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("left_by", ["nobody", "a dead holder"])
+def test_of_processes_racing_for_a_lease_exactly_one_wins(tmp_path, left_by):
+    """Six drivers started at the same instant, on a run directory with no lease or with one
+    whose holder is gone: one takes it, the others are refused; no taker deletes the winner's
+    fresh lease as the expired one (each change is conditional on the lease it read)."""
+    if left_by == "a dead holder":
+        (tmp_path / LEASE).write_text(json.dumps(
+            {"host": "lost-node", "pid": 7, "started": 0.0, "beat": time.time() - 600,
+             "token": "gone"}))
+    start = time.time() + 3.0  # past every interpreter's start-up
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(start)],
+                               stdout=subprocess.PIPE, text=True) for _ in range(6)]
+    try:
+        said = sorted(r.stdout.readline().strip() for r in racers)
+        assert said == ["refused"] * 5 + ["won"], said
+        winner = json.loads((tmp_path / LEASE).read_text())
+        assert winner["pid"] in {r.pid for r in racers if r.poll() is None}
+    finally:
+        for r in racers:
+            r.kill()
+            r.wait()
+
+
+class ConditionalStore:
+    """An object store with S3's conditional writes, in memory: each write carries the version
+    (ETag) it expects, and the store, under its own lock, refuses it if the object moved on."""
+
+    exclusive = True
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.data: bytes | None = None
+        self.version = 0
+        self.gets = 0
+
+    def read(self):
+        with self.lock:
+            self.gets += 1
+            if self.data is None:
+                return None, None
+            return lease._parse(self.data), str(self.version)
+
+    def put(self, text, *, expect):
+        with self.lock:
+            now = None if self.data is None else str(self.version)
+            if now != expect:
+                return None
+            self.data, self.version = text.encode(), self.version + 1
+            return str(self.version)
+
+    def drop(self, *, expect):
+        return self.put(json.dumps({"released": True}), expect=expect) is not None
+
+
+def test_of_threads_racing_on_a_conditional_object_store_exactly_one_wins():
+    import threading
+
+    store = ConditionalStore()
+    store.data = json.dumps({"host": "lost-node", "pid": 7, "started": 0.0,
+                             "beat": time.time() - 600, "token": "gone"}).encode()
+    go = threading.Barrier(8)
+    won: list[Lease] = []
+    refused: list[str] = []
+
+    def race() -> None:
+        taker = Lease("s3://bucket/runs/r1", store=store, log=lambda _: None)
+        go.wait()
+        try:
+            won.append(taker.take())
+        except LeaseError as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=race) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert len(won) == 1 and len(refused) == 7, (won, refused)
+        assert json.loads(store.data)["token"] == won[0].token
+    finally:
+        for w in won:
+            w.release()
+    # Given back: the next taker finds no holder and takes it.
+    assert json.loads(store.data) == {"released": True}
+    Lease("s3://bucket/runs/r1", store=store).take().release()
+
+
+def test_a_lease_taken_over_is_lost_and_the_run_writes_nothing_more(tmp_path, capsys):
+    """A driver that stalled past the lease's expiry finds it taken: its next renewal fails
+    (conditional on the lease it wrote), it says so, and gives nothing back; the workers'
+    and the record's check refuse to write into the run directory."""
+    from raylm.run.record import RunRecord
+    from raylm.run.tracking import Tracker
+    from raylm.workers.faults import LeaseLost, check_lease
+
+    first = Lease(str(tmp_path)).take()
+    first._stop.set()  # a stalled driver: no heartbeat
+    check_lease(str(tmp_path), first.token)
+    stale = json.loads((tmp_path / LEASE).read_text())
+    (tmp_path / LEASE).write_text(json.dumps({**stale, "host": "elsewhere",
+                                              "beat": time.time() - lease.EXPIRES_S - 1}))
+    second = Lease(str(tmp_path)).take()  # expired: taken over
+    try:
+        assert not first.renew() and first.lost.is_set()
+        said = capsys.readouterr().out
+        assert f"{LEASE} was taken over by pid {os.getpid()}" in said and "ends before" in said
+        first.release()  # gives back nothing: the lease is the second driver's
+        assert json.loads((tmp_path / LEASE).read_text())["token"] == second.token
+        with pytest.raises(LeaseLost, match=f"held by pid {os.getpid()}"):
+            check_lease(str(tmp_path), first.token)
+        record = RunRecord(str(tmp_path), total_steps=4, tracker=Tracker(),
+                           lease=first.token)
+        record.flush()
+        record.finish(failed=False)
+        assert not (tmp_path / "summary.json").exists()
+        assert "no longer holds the lease" in capsys.readouterr().out
+    finally:
+        second.release()
+    assert not (tmp_path / LEASE).exists()
+
+
+def test_an_s3_lease_uses_s3s_conditional_writes(monkeypatch):
+    """Against a real S3 API on loopback (moto's server): a second taker is refused, a renewal
+    after a takeover fails, and a given-back lease is taken again."""
+    boto3 = pytest.importorskip("boto3")
+    server_mod = pytest.importorskip("moto.server")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for k, v in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                     "AWS_DEFAULT_REGION": "us-east-1",
+                     "AWS_ENDPOINT_URL": f"http://{host}:{port}"}.items():
+            monkeypatch.setenv(k, v)
+        boto3.client("s3").create_bucket(Bucket="runs")
+        uri = "s3://runs/r1"
+        assert isinstance(lease.store_for(f"{uri}/{LEASE}"), lease.S3Store)
+        first = Lease(uri).take()
+        first._stop.set()
+        with pytest.raises(LeaseError, match="is in use by pid"):
+            Lease(uri).take()
+        assert first.renew()
+        # Another driver's write (as a takeover after expiry would make) moves the ETag on.
+        store = lease.store_for(f"{uri}/{LEASE}")
+        _, etag = store.read()
+        assert store.put(json.dumps({**first.holder, "token": "other"}), expect=etag)
+        assert store.put("{}", expect=None) is None  # If-None-Match: * on an existing lease
+        assert not first.renew() and first.lost.is_set()
+        assert store.drop(expect=store.read()[1])
+        Lease(uri).take().release()
+        assert store.read()[0] is None
+    finally:
+        server.stop()
