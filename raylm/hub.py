@@ -11,7 +11,10 @@ it: on several nodes, put the cache on storage every node mounts (the cluster fi
 under /mnt/raylm), as for any ``model.path``.
 
 A value that exists as a local path is always that path: ``runs/base`` is a directory if there
-is one, and is looked up on the hub only if there is none.
+is one, and is looked up on the hub only if there is none and ``runs`` is not a local
+directory either (then it is a path with a typo, refused). An id without ``@revision`` follows
+the hub's ``main``: the commit it resolved to is printed, and is part of the run's identity
+(a resume onto a new commit is refused as a changed base).
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from pathlib import Path
 
 from raylm import storage
 
-# org/name as the hub spells them (letters, digits, '-', '_', '.'), optional @revision.
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
-# What a causal LM directory needs; the rest of a repository (other formats' weights, images,
-# training logs) is not fetched.
-FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+# org/name as the hub spells them (letters, digits, '-', '_', '.'), optional @revision: a
+# branch, tag or commit of the same characters, never '.' or '..' (the revision names a file
+# under the cache's refs/).
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@(?!\.\.?$)[\w.-]+)?$")
+# What a causal LM directory needs, by extension; the rest of a repository (other formats'
+# weights, images, training logs) is not fetched, nor is code (a model's or a tokenizer's
+# `.py` files, which raylm never runs: every load passes trust_remote_code=False).
+FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
 def is_hub_id(value: str) -> bool:
@@ -36,7 +42,7 @@ def is_hub_id(value: str) -> bool:
             and bool(HUB_ID.match(value)))
 
 
-def resolve(value: str, *, key: str) -> str:
+def resolve(value: str, *, key: str, log=print) -> str:
     """The local directory of hub id ``value`` (``key`` names the setting in errors)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
@@ -47,12 +53,17 @@ def resolve(value: str, *, key: str) -> str:
     )
 
     repo_id, _, revision = value.partition("@")
+    org = Path(repo_id.split("/")[0]).expanduser()
+    if org.is_dir():
+        raise ValueError(f"{key}={value!r}: no directory of that name here, though {org}/ is "
+                         f"one (a typo in the path?). A value whose first part is a local "
+                         f"directory is not looked up on the hub.")
     # Read here, not at import: huggingface_hub fixes its constants when first imported.
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     try:
-        return snapshot_download(repo_id, revision=revision or None, allow_patterns=FILES,
-                                 cache_dir=os.environ.get("HF_HUB_CACHE") or None,
-                                 local_files_only=offline)
+        snapshot = snapshot_download(repo_id, revision=revision or None, allow_patterns=FILES,
+                                     cache_dir=os.environ.get("HF_HUB_CACHE") or None,
+                                     local_files_only=offline)
     except GatedRepoError:
         raise ValueError(f"{key}={value!r}: the model is gated on the hub; accept its licence "
                          f"there and log in (huggingface-cli login or HF_TOKEN).") from None
@@ -67,6 +78,11 @@ def resolve(value: str, *, key: str) -> str:
         raise ValueError(f"{key}={value!r}: no directory of that name here, and {where} does "
                          f"not have it; download it where there is network (huggingface-cli "
                          f"download {repo_id}) into the cache this machine reads.") from None
+    commit = Path(snapshot).name  # the cache names a snapshot by its commit
+    if revision != commit:
+        log(f"raylm: {key}={value} is the hub's commit {commit} (the run's identity records "
+            f"it; {repo_id}@{commit} pins it)")
+    return snapshot
 
 
 def resolve_sources(cfg):

@@ -72,7 +72,7 @@ def baseline_once(corpus: Path, tokenizer: Path, seq_len: int, num_proc: int,
     import datasets
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    tok = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=False)
     eos = tok.eos_token_id
     block = seq_len + 1
 

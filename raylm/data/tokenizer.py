@@ -144,7 +144,7 @@ def load_backend(path: str | Path):
         raise ValueError(f"tokenizer.path: {p} is not a directory; point it at a Hugging Face "
                          f"tokenizer directory or leave it unset to train one.")
     try:
-        hf = AutoTokenizer.from_pretrained(str(p))
+        hf = AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
     except Exception as e:  # transformers raises OSError/ValueError/KeyError for bad dirs
         raise ValueError(f"tokenizer.path: cannot load a tokenizer from {p}: {e}") from None
     if not getattr(hf, "is_fast", False):
@@ -163,5 +163,5 @@ def chat_template(path: str | os.PathLike) -> dict | None:
 
     from raylm.data.chat import template_args
 
-    args = template_args(AutoTokenizer.from_pretrained(str(path)))
+    args = template_args(AutoTokenizer.from_pretrained(str(path), trust_remote_code=False))
     return args and {**args, "name": f"the chat template of {path}"}

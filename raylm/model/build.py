@@ -64,7 +64,15 @@ def build_config(*, preset: str | None, path: str | None, vocab_size: int, eos_i
         if not (p / "config.json").is_file():
             raise ValueError(f"model.path: {p} holds no config.json; point it at a Hugging "
                              f"Face model directory (for example one written by raylm export).")
-        cfg = AutoConfig.from_pretrained(str(p))
+        try:
+            cfg = AutoConfig.from_pretrained(str(p), trust_remote_code=False)
+        except ValueError as e:
+            if "trust_remote_code" not in str(e):
+                raise
+            raise ValueError(
+                f"model.path: {p} is a model whose own Python code (its config.json's "
+                f"auto_map) must run to load it, which raylm never does; use a model of a "
+                f"family transformers has built in (or one converted to such a family).") from None
         if getattr(cfg, "vocab_size", vocab_size) < vocab_size:
             raise ValueError(f"model.path: the model at {p} has {cfg.vocab_size} embeddings but "
                              f"the tokenizer has {vocab_size} tokens; use the model's own "
@@ -122,8 +130,8 @@ def build_meta_model(config) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=
-                                                 config._attn_implementation)
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=False, attn_implementation=config._attn_implementation)
     # The context gives every parameter it registers a new meta tensor, the one the model
     # ties its output head to as well: tie again outside it (a no-op for untied models).
     model.tie_weights()

@@ -16,6 +16,7 @@ and the validation-loss change on the run's own validation blocks, are measured 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -40,6 +41,8 @@ from raylm.outputs import check_output, discard, publish, staging
 from raylm.workers import checkpoint
 
 TOKENIZER_DIR = "tokenizer"
+# In RUN_DIR/tokenizer, written after its files: their digest (see write_run_info).
+TOKENIZER_DIGEST = ".raylm-tokenizer"
 
 
 QUANTIZATIONS = ("int8",)
@@ -50,15 +53,28 @@ def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
     storage.write_text(storage.join(run_dir, RUN_INFO), json.dumps(
         {"config": config, "vocab_size": vocab_size, "eos_id": eos_id, "prepared": prepared},
         indent=1))
-    target = storage.join(run_dir, TOKENIZER_DIR)
-    if not storage.is_dir(target):
-        # The tokenizer's own files only: it is often a whole model directory (model.path's),
-        # whose weights must not travel with every run, nor land in its exports.
-        from transformers import AutoTokenizer
+    # The tokenizer's own files only: it is often a whole model directory (model.path's),
+    # whose weights must not travel with every run, nor land in its exports. Written at every
+    # start whose tokenizer differs from the one there (a resume with accept_changes: [tokenizer],
+    # a copy cut short by a killed driver), its digest last: a copy without it is partial.
+    from transformers import AutoTokenizer
 
-        with tempfile.TemporaryDirectory(prefix="raylm-tokenizer-") as tmp:
-            AutoTokenizer.from_pretrained(str(tokenizer_path)).save_pretrained(tmp)
-            storage.upload(tmp, target)
+    target = storage.join(run_dir, TOKENIZER_DIR)
+    with tempfile.TemporaryDirectory(prefix="raylm-tokenizer-") as tmp:
+        AutoTokenizer.from_pretrained(str(tokenizer_path), trust_remote_code=False
+                                      ).save_pretrained(tmp)
+        files = sorted(f for f in Path(tmp).iterdir() if f.is_file())
+        digest = hashlib.blake2b(b"".join(f.name.encode() + b"\0" + f.read_bytes()
+                                          for f in files), digest_size=16).hexdigest()
+        mark = storage.join(target, TOKENIZER_DIGEST)
+        if storage.is_file(mark) and storage.read_text(mark) == digest:
+            return
+        storage.remove(mark)
+        if storage.is_dir(target):
+            for name in storage.list_files(target):
+                storage.remove(storage.join(target, name))
+        storage.upload(tmp, target)
+        storage.write_text(mark, digest)
 
 
 def read_run_info(run_dir: str) -> dict:
@@ -165,7 +181,7 @@ def _write(run_dir: str | Path, out: Path, cfg, *, merge: bool) -> None:
         model.save_pretrained(str(out), safe_serialization=True)
     # Saved by the tokenizer itself, so only its files are written (runs recorded before that
     # rule kept a whole model directory as their tokenizer).
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     tok.model_max_length = max_positions(model.config)
     tok.save_pretrained(str(out))
     (out / EXPORT_INFO).write_text(json.dumps(
@@ -183,13 +199,14 @@ def _write_quantized(run_dir: str | Path, out: Path, method: str, *, log) -> Non
     with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
         plain = Path(tmp)
         _write(run_dir, plain, cfg, merge=True)
-        full = AutoModelForCausalLM.from_pretrained(tmp).eval()
+        full = AutoModelForCausalLM.from_pretrained(tmp, trust_remote_code=False).eval()
         # A tied output head is the embedding table: untie it, or quantizing the head would
         # hand the embedding lookup an int8 tensor.
         tied = bool(full.config.tie_word_embeddings)
-        model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=TorchAoConfig(
-            Int8WeightOnlyConfig(), include_input_output_embeddings=True,
-            untie_embedding_weights=tied)).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp, trust_remote_code=False, quantization_config=TorchAoConfig(
+                Int8WeightOnlyConfig(), include_input_output_embeddings=True,
+                untie_embedding_weights=tied)).eval()
         model.save_pretrained(str(out), safe_serialization=True)
         for f in plain.iterdir():
             if f.name not in {"config.json", "generation_config.json"} and \
@@ -261,7 +278,7 @@ def _save_adapters(model: torch.nn.Module, cfg, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     lo = cfg.lora
-    base = AutoModelForCausalLM.from_pretrained(cfg.model.path)
+    base = AutoModelForCausalLM.from_pretrained(cfg.model.path, trust_remote_code=False)
     peft_model = get_peft_model(base, LoraConfig(
         r=lo.rank, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
         target_modules=lora.resolve_targets(base, lo.target_modules), bias="none"))
@@ -289,10 +306,11 @@ class Generator:
             with quiet_model_io():
                 self.model, tok_dir, _ = load_run_model(src)
         elif storage.is_file(storage.join(src, "config.json")) and not storage.is_uri(src):
-            self.model, tok_dir = AutoModelForCausalLM.from_pretrained(str(src)).eval(), src
+            self.model, tok_dir = AutoModelForCausalLM.from_pretrained(
+                str(src), trust_remote_code=False).eval(), src
         else:
             raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
-        self.tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        self.tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
         self.template = template_for(self.tok)
 
     def complete(self, prompt: str, **sampling) -> str:

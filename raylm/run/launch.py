@@ -32,7 +32,7 @@ from raylm.data.streams import READER_CPUS
 from raylm.data.tokenizer import load_backend
 from raylm.model import lora
 from raylm.model.build import build_config
-from raylm.names import LAYOUT, PREPARED_MANIFEST, SUMMARY
+from raylm.names import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY
 from raylm.run import goodput, lease, tracking
 from raylm.run.exporter import write_run_info
 from raylm.run.lease import LeaseError, hold
@@ -369,15 +369,48 @@ def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=12).hexdigest()
 
 
+# The format of :func:`base_model_identity`'s value, its prefix: a checkpoint recorded with an
+# identity of another format is not compared on that part (it cannot be).
+BASE_IDENTITY_FORMAT = "v2"
+# Each weight file is identified by its name, size, first MiB (a safetensors file's header of
+# tensor names, dtypes and shapes and the first weights) and 16 spans of 64 KiB spread evenly
+# over the rest: about 2 MiB read per file, where hashing a 7B model's 15 GB would cost every
+# run's start minutes. Any retraining or re-export with other weights changes every span; an
+# edit of a few bytes between spans is not seen (the marker's hashes are for accidents, and
+# who can write a model directory is trusted with it: docs/fault-tolerance.md).
+_HEAD, _SPANS, _SPAN = 1 << 20, 16, 1 << 16
+
+
+def _sampled(file: Path) -> bytes:
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        parts = [f.read(_HEAD)]
+        if size > _HEAD + _SPAN:
+            for i in range(_SPANS):
+                f.seek(_HEAD + (size - _HEAD - _SPAN) * i // (_SPANS - 1))
+                parts.append(f.read(_SPAN))
+    return hashlib.blake2b(b"".join(parts), digest_size=16).digest()
+
+
 def base_model_identity(cfg: Config) -> str:
-    """The base model's part of :func:`run_identity`: the preset's name, or the pretrained
-    model's config and weight files (names and sizes)."""
+    """The base model's part of :func:`run_identity`: the preset's name, or what the
+    pretrained model's directory holds: its config, each weight file's name, size and sampled
+    content, the export marker when raylm exported it (naming the run and step), and the hub
+    commit of a hub snapshot. A model re-exported into the same directory, or a new commit
+    of the same shape, changes it."""
     if not cfg.model.path:
         return f"preset:{cfg.model.preset}"
     path = Path(cfg.model.path)
-    files = sorted((f.name, f.stat().st_size) for f in path.iterdir()
-                   if f.suffix in (".safetensors", ".bin"))
-    return _digest((path / "config.json").read_bytes() + json.dumps(files).encode())
+    h = hashlib.blake2b(digest_size=12)
+    h.update((path / "config.json").read_bytes())
+    for f in sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".bin")):
+        h.update(json.dumps([f.name, f.stat().st_size]).encode())
+        h.update(_sampled(f))
+    if (path / EXPORT_INFO).is_file():
+        h.update((path / EXPORT_INFO).read_bytes())
+    if path.parent.name == "snapshots":  # the hub cache names a snapshot by its commit
+        h.update(path.name.encode())
+    return f"{BASE_IDENTITY_FORMAT}:{h.hexdigest()}"
 
 
 def check_same_run(cfg: Config, found: tuple[str, dict] | None, identity: dict[str, str], *,

@@ -4,9 +4,12 @@ batch-inference pass scores every prepared pair with the starting weights
 target's log-probability beside the blocks; the workers then hold one model, the policy.
 
 Stored under ``run.cache_dir/reference/<key>``, where the key digests what the figures depend
-on: the prepared data, the tokenizer, the base model's config and weight files, the precision,
-the attention kernel and the device kind. A resumed run, a resized one, a second run on the
-same data and model and every trial of a sweep read the same copy; the pass runs again only
+on: the prepared data, the tokenizer, the base model (its config and weight files' content,
+see :func:`raylm.run.launch.base_model_identity`), the precision, the attention kernel, the
+device kind and the stored format. What the key digests is stored beside the figures and
+compared when they are read, with the list of their files, so a planted or partial directory
+is scored again rather than used. A resumed run, a resized one, a second run on the same data
+and model and every trial of a sweep read the same copy; the pass runs again only
 when one of those changes. The directory is built under a temporary name and renamed into
 place (:mod:`raylm.outputs`): of two drivers computing it at once, the first to finish
 publishes and the other's copy is dropped.
@@ -39,14 +42,43 @@ def needs_stored_reference(cfg: Config) -> bool:
             and not cfg.lora.rank)
 
 
-def reference_key(cfg: Config, identity: dict[str, str]) -> str:
-    """What the stored figures depend on, digested (``identity``: the run's data, tokenizer
-    and base model, :func:`raylm.run.launch.run_identity`). ``cfg`` has its device decided
-    (:func:`raylm.run.launch.choose_device`): the figures differ between CPU and GPU."""
+# The layout of a stored reference (its files and REFERENCE_INFO); a change of it makes new keys.
+REFERENCE_FORMAT = 2
+
+
+def reference_inputs(cfg: Config, identity: dict[str, str]) -> dict[str, Any]:
+    """What the stored figures depend on (``identity``: the run's data, tokenizer and base
+    model, :func:`raylm.run.launch.run_identity`): with them the precision, the attention
+    kernel, the device kind (``cfg`` has it decided, :func:`raylm.run.launch.choose_device`:
+    the figures differ between CPU and GPU) and the stored format. (A base is always a
+    ``model.path``: a loss with a reference is refused on a preset.)"""
     assert cfg.scaling.use_gpu != "auto", "choose_device decides it first"
-    what = {"identity": identity, "precision": cfg.train.precision,
-            "attention": cfg.model.attention, "gpu": cfg.scaling.use_gpu}
+    return {"identity": identity, "precision": cfg.train.precision,
+            "attention": cfg.model.attention, "gpu": cfg.scaling.use_gpu,
+            "format": REFERENCE_FORMAT}
+
+
+def reference_key(cfg: Config, identity: dict[str, str]) -> str:
+    """:func:`reference_inputs`, digested: the stored reference's directory name."""
+    what = reference_inputs(cfg, identity)
     return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def _usable(out: Path, what: dict[str, Any]) -> str | None:
+    """Why the stored reference ``out`` cannot be used for ``what`` (its inputs); None if it
+    can: it was computed from the same inputs, and every file it lists is there."""
+    try:
+        info = json.loads((out / REFERENCE_INFO).read_text())
+    except FileNotFoundError:
+        return "it has no " + REFERENCE_INFO
+    except (OSError, ValueError):
+        return f"its {REFERENCE_INFO} is unreadable"
+    if not isinstance(info, dict) or info.get("inputs") != what:
+        return "it was computed from other inputs"
+    missing = [f for f in info.get("files", []) if not (out / f).is_file()]
+    if missing or not info.get("files"):
+        return f"{len(missing)} of its files are missing"
+    return None
 
 
 def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, str],
@@ -57,10 +89,15 @@ def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, s
     worker's, given to each actor of the pass. Needs ``ray.init``."""
     if not needs_stored_reference(cfg):
         return None
+    what = reference_inputs(cfg, identity)
     out = cache_dir(cfg) / "reference" / reference_key(cfg, identity)
-    if (out / REFERENCE_INFO).is_file():
+    unusable = _usable(out, what) if out.exists() else None
+    if out.exists() and unusable is None:
         log(f"raylm: reference log-probabilities of {cfg.model.path} from {out}")
         return str(out)
+    if unusable is not None:
+        log(f"raylm: warning: the stored reference {out} is not used ({unusable}); scoring "
+            f"the pairs again")
     layout = json.loads((Path(prepared) / LAYOUT).read_text())
     groups = [{"split": split, "file": name, "group": g} for split in SPLITS
               for name, n in zip(layout["splits"][split]["files"],
@@ -87,8 +124,8 @@ def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, s
             resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")} or None,
         ).take_all()
         info: dict[str, Any] = {
-            "model": cfg.model.path, "identity": identity, "precision": cfg.train.precision,
-            "attention": cfg.model.attention, "gpu": cfg.scaling.use_gpu,
+            "model": cfg.model.path, "inputs": what,
+            "files": sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file()),
             "blocks": sum(int(r["blocks"]) for r in done),
             "targets": sum(int(r["targets"]) for r in done),
             "seconds": round(time.perf_counter() - t0, 1)}
@@ -99,7 +136,8 @@ def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, s
     except BaseException:
         discard(tmp)
         raise
-    publish(tmp, out, same=True)
+    # Another driver's copy published meanwhile is kept if it is usable, replaced if not.
+    publish(tmp, out, same=out.exists() and _usable(out, what) is None)
     log(f"raylm: reference log-probabilities of {info['targets']:,} answer tokens in "
         f"{info['blocks']:,} blocks, {info['seconds']:g} s, in {out}")
     return str(out)

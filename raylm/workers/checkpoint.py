@@ -311,6 +311,15 @@ IDENTITY = {"data": "the prepared data (corpus and preparation settings)",
             "format": "data.format", "tokenizer": "the tokenizer", "base_model": "model.path"}
 
 
+def _comparable(recorded: str, now: str | None) -> bool:
+    """Whether two identity values are of one format: a base model identified by a release
+    of raylm that identified it otherwise (by its files' sizes, before the ``v2:`` prefix)
+    cannot be compared with today's, and is not."""
+    if now is None or now.startswith("preset:") or recorded.startswith("preset:"):
+        return True
+    return (":" in recorded) == (":" in now)
+
+
 def check_same_run(marker: dict[str, Any], identity: dict[str, str], where: str, *,
                    accept: list[str]) -> list[str]:
     """What changed since the checkpoint ``where`` was written, among the run's data,
@@ -318,7 +327,8 @@ def check_same_run(marker: dict[str, Any], identity: dict[str, str], where: str,
     it; :class:`CheckpointError` naming the rest otherwise. Checkpoints written before raylm
     recorded an identity have none to compare."""
     recorded = marker.get("identity") or {}
-    changed = [k for k in IDENTITY if k in recorded and recorded[k] != identity.get(k)]
+    changed = [k for k in IDENTITY if k in recorded and recorded[k] != identity.get(k)
+               and _comparable(recorded[k], identity.get(k))]
     owner = {"format": "data"}
     refused = [k for k in changed if owner.get(k, k) not in accept]
     if refused:
@@ -637,8 +647,8 @@ def _weights_as_transformers_loads(model: nn.Module, path: str | os.PathLike
     the reading rank, as reading the files is."""
     from transformers import AutoModelForCausalLM
 
-    loaded, info = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto",
-                                                        output_loading_info=True)
+    loaded, info = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype="auto", trust_remote_code=False, output_loading_info=True)
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise CheckpointError(f"model.path: {path} lacks {len(missing)} weights the model "

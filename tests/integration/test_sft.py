@@ -365,7 +365,7 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
     assert summary["val_accuracy"] >= 0 and "dpo_margin" in history
     again: list[str] = []
     cfg, _ = choose_device(load_config(None, args), {"CPU": 2.0})  # as the run decided it
-    assert stored_reference(cfg, prepared.parent, identity=info["identity"],
+    assert stored_reference(cfg, prepared.parent, identity=info["inputs"]["identity"],
                             resources={"CPU": 1.0}, vocab_size=0, eos_id=0,
                             log=again.append) == str(folder)
     assert again == [f"raylm: reference log-probabilities of {pretrained} from {folder}"]

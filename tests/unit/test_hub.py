@@ -63,3 +63,32 @@ def test_bad_model_inputs_are_refused_before_ray_starts(hub_cache, capsys, ray_n
     assert main(["train", *overrides, "--tracking.enabled=false"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_a_missing_path_under_a_local_directory_is_not_looked_up_on_the_hub(hub_cache,
+                                                                            capsys):
+    """``runs/base`` with ``runs/`` here but no ``base`` in it is a typo, not a hub model of an
+    organisation called runs; an id without a revision says the commit it follows."""
+    (hub_cache.parents[3] / "acme").mkdir()
+    with pytest.raises(ValueError, match=r"model.path='acme/tiny': no directory of that name "
+                                         r"here, though acme/ is one \(a typo in the path\?\)"):
+        resolve_sources(load_config(None, ["--model.path=acme/tiny"]))
+    (hub_cache.parents[3] / "acme").rmdir()
+    capsys.readouterr()
+    resolve_sources(load_config(None, ["--model.path=acme/tiny"]))
+    assert (f"raylm: model.path=acme/tiny is the hub's commit {REVISION} (the run's identity "
+            f"records it; acme/tiny@{REVISION} pins it)") in capsys.readouterr().out
+    resolve_sources(load_config(None, [f"--model.path=acme/tiny@{REVISION}"]))
+    assert "commit" not in capsys.readouterr().out
+
+
+def test_revisions_are_names_and_code_is_never_fetched():
+    from raylm.hub import FILES, HUB_ID
+
+    assert HUB_ID.match("acme/tiny@v1.0") and HUB_ID.match(f"acme/tiny@{REVISION}")
+    for bad in ("acme/tiny@..", "acme/tiny@.", "acme/tiny@../../x", "acme/tiny@a/b"):
+        assert not HUB_ID.match(bad), bad
+    from fnmatch import fnmatch
+
+    for code in ("tokenizer.py", "tokenization_acme.py", "modeling_acme.py"):
+        assert not any(fnmatch(code, pattern) for pattern in FILES), code

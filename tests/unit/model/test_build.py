@@ -87,3 +87,24 @@ def test_attention_choice_table():
     for kernel in ("flash_attention_2", "flex_attention"):
         with pytest.raises(ValueError, match="needs CUDA"):
             choose_attention("cpu", requested=kernel)
+
+
+def test_a_model_that_brings_its_own_code_is_refused_and_its_code_never_runs(tmp_path):
+    """A config.json with an ``auto_map`` into the directory's own modules: transformers would
+    import them given trust_remote_code (or ask, on a terminal); raylm never passes it."""
+    import json
+
+    from raylm.model.build import build_config
+
+    proof = tmp_path / "ran"
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "acme_custom", "architectures": ["AcmeModel"],
+        "auto_map": {"AutoConfig": "configuration_acme.AcmeConfig"}}))
+    (tmp_path / "configuration_acme.py").write_text(
+        f"open({str(proof)!r}, 'w').write('x')\n"
+        "from transformers import PretrainedConfig\n"
+        "class AcmeConfig(PretrainedConfig):\n    model_type = 'acme_custom'\n")
+    with pytest.raises(ValueError, match="own Python code .* which raylm never does"):
+        build_config(preset=None, path=str(tmp_path), vocab_size=10, eos_id=0,
+                     attn_implementation="sdpa")
+    assert not proof.exists()
