@@ -330,6 +330,15 @@ class Skips:
     def add(self, ranges: list[list[int]]) -> "Skips":
         return Skips([*self.ranges, *ranges])
 
+    @property
+    def total(self) -> int:
+        """How many positions the ranges leave out."""
+        return int(self._cum[-1])
+
+    def overlap(self, start: int, end: int) -> int:
+        """How many positions of ``[start, end)`` the ranges leave out."""
+        return sum(max(0, min(end, b) - max(start, a)) for a, b in self.ranges)
+
 
 def as_ranges(positions: np.ndarray) -> list[list[int]]:
     """Sorted positions as the fewest ``[start, end)`` ranges."""

@@ -99,9 +99,10 @@ def _run(cfg: Config, *, sweep: bool) -> str:
             return f"run: resumes the sweep in {where}"
         return f"run: a new sweep in {where}"
     from raylm.run.launch import base_model_identity, finished
-    from raylm.workers import checkpoint
+    from raylm.workers import checkpoint, health
 
-    found = checkpoint.latest_verified(rd, warn=lambda m: None)
+    found = checkpoint.latest_usable(rd, bad=health.read_manifest(rd)["bad_checkpoints"],
+                                     warn=lambda m: None)
     if found is None:
         return f"run: a new run in {where} (run.name={cfg.run.name})"
     path, marker = found

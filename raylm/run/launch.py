@@ -40,7 +40,7 @@ from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
 from raylm.run.record import Ending, EndOfRun, FinalModel, RunRecord
 from raylm.run.reference import needs_stored_reference, stored_reference
-from raylm.workers import checkpoint, faults
+from raylm.workers import checkpoint, faults, health
 from raylm.workers.faults import EndOnMistake
 from raylm.workers.loop import train_loop_per_worker
 from raylm.workers.optim import EXTEND_CLEANLY, schedule_change
@@ -226,7 +226,11 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     layout = json.loads((prepared / LAYOUT).read_text())
     backend, eos = load_backend(manifest["tokenizer_path"])
     vocab = backend.get_vocab_size()
-    found = checkpoint.latest_verified(rd, warn=lambda m: log(f"warning: {m}"))
+    manifest = health.read_manifest(rd)
+    if health.describe_manifest(manifest):
+        log(f"raylm: {health.describe_manifest(manifest)}")
+    found = checkpoint.latest_usable(rd, bad=manifest["bad_checkpoints"],
+                                     warn=lambda m: log(f"warning: {m}"))
     done = finished(cfg, found)
     if done is not None:
         log(f"raylm: run {cfg.run.name!r} has trained its {done['final_step']} steps already "

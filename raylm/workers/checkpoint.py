@@ -260,6 +260,32 @@ def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndar
         os.replace(tmp, path / CHECKPOINT_MARKER)
 
 
+def _check_marker(marker: Any, where: str) -> None:
+    """A marker of the shape :func:`_write_marker` writes, or :class:`CheckpointError` (so a
+    damaged one is skipped as a broken checkpoint, not an error that stops every restart)."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {CHECKPOINT_MARKER} is malformed ({why})")
+
+    if not isinstance(marker, dict):
+        raise bad("not an object")
+    for key in ("state", "model", "files"):
+        if not isinstance(marker.get(key), dict):
+            raise bad(f"{key} is not an object")
+    step = marker["state"].get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise bad("state.step is not a step number")
+    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+               and v >= 0 for k, v in marker["files"].items()):
+        raise bad("files does not map names to sizes")
+    hashes = marker.get("hashes", {})
+    if not isinstance(hashes, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in hashes.items()):
+        raise bad("hashes does not map names to digests")
+    for key in ("adapters", "identity"):
+        if not isinstance(marker.get(key, {}), dict):
+            raise bad(f"{key} is not an object")
+
+
 def verify(directory: str | os.PathLike, *, every_hash: bool = False) -> dict[str, Any]:
     """The marker of a complete checkpoint (a path or URI); :class:`CheckpointError` saying
     what is wrong. Files are checked by size, and by hash up to :data:`HASHED_ON_RESUME` (all of
@@ -271,6 +297,7 @@ def verify(directory: str | os.PathLike, *, every_hash: bool = False) -> dict[st
         raise CheckpointError(f"{d}: no {CHECKPOINT_MARKER} (save did not finish)") from None
     except ValueError:
         raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} is corrupted") from None
+    _check_marker(marker, d)
     if not marker.get("files"):
         raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} lists no files")
     for name, size in marker["files"].items():
@@ -561,7 +588,7 @@ def candidates(run_dir: str | os.PathLike) -> list[str]:
         try:
             marker = json.loads(storage.read_text(storage.join(p, CHECKPOINT_MARKER)))
             return int(marker["state"]["step"])
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return -1
 
     dirs = [storage.join(root, n) for n in storage.list_dirs(root) if _RAY_CKPT.match(n)]
@@ -580,6 +607,22 @@ def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning,
         except CheckpointError as e:
             warn(f"skipping incomplete checkpoint: {e}")
     return None
+
+
+def latest_usable(run_dir: str | os.PathLike, *, bad: Collection[str], warn=log.warning
+                  ) -> tuple[str, dict] | None:
+    """:func:`latest_verified` without the checkpoints a rewind marked ``bad``
+    (``skipped_samples.json``); :class:`CheckpointError` when the run has verified checkpoints
+    and every one is marked bad: starting from step 0 would silently drop the run's progress
+    (and its new checkpoints would replace the kept ones)."""
+    found = latest_verified(run_dir, warn=warn, exclude=bad)
+    if found is None and bad and latest_verified(run_dir, warn=lambda _: None) is not None:
+        raise CheckpointError(
+            f"every verified checkpoint of {storage.redact(str(run_dir))} is marked bad in its "
+            f"skipped_samples.json ({', '.join(bad)}): the run would start again from step 0. "
+            f"If the loss that marked them was the device's or a setting's, fix that and "
+            f"remove the names from bad_checkpoints there, or start a new run (run.name).")
+    return found
 
 
 def stored_weight_names(path: str | os.PathLike) -> set[str]:

@@ -528,8 +528,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     with bounded(f"the checkpoints of {loop_config['run_dir']} to be listed and verified",
                  **reading):
         manifest = read_manifest(loop_config["run_dir"])
-        found = ckpt.latest_verified(loop_config["run_dir"],
-                                     exclude=manifest["bad_checkpoints"])
+        found = ckpt.latest_usable(loop_config["run_dir"], bad=manifest["bad_checkpoints"])
     skips = Skips(manifest["ranges"] + t.skip_positions)
     start_step = found[1]["state"]["step"] if found is not None else 0
     batches = open_stream(loop_config, cfg, layout=lay, start_step=start_step,

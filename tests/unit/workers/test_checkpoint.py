@@ -284,3 +284,44 @@ def test_a_full_disk_during_a_save_leaves_nothing_a_resume_would_take(tmp_path):
     for name in ("checkpoint_2", "checkpoint_3"):
         with pytest.raises(checkpoint.CheckpointError, match="save did not finish"):
             checkpoint.verify(run / name)
+
+
+def test_a_run_whose_every_checkpoint_is_marked_bad_refuses_to_start_over(tmp_path):
+    from raylm.workers import checkpoint
+
+    run = tmp_path / "run"
+    m = model()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    for step in (2, 4):
+        checkpoint.save(run / f"checkpoint_{step}", model=m, optimizer=opt,
+                        state={"step": step}, config=saved_config())
+    path, _ = checkpoint.latest_usable(run, bad=["checkpoint_4"])
+    assert path.endswith("checkpoint_2")
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"every verified checkpoint of .* is marked bad .*from step 0"):
+        checkpoint.latest_usable(run, bad=["checkpoint_4", "checkpoint_2"])
+    assert checkpoint.latest_usable(tmp_path / "new", bad=[]) is None
+
+
+@pytest.mark.parametrize("damage", [{"state": None}, {"state": {"step": "3"}},
+                                    {"files": {"a": "big"}}, {"hashes": []}, {"identity": 1}])
+def test_a_malformed_marker_is_a_broken_checkpoint_passed_over(tmp_path, damage):
+    """A marker that is JSON but not the shape raylm writes: the checkpoint is skipped with a
+    warning, and the one before it used, rather than every restart stopping on a TypeError."""
+    import json
+
+    from raylm.names import CHECKPOINT_MARKER
+    from raylm.workers import checkpoint
+
+    run = tmp_path / "run"
+    m = model()
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    for step in (2, 4):
+        checkpoint.save(run / f"checkpoint_{step}", model=m, optimizer=opt,
+                        state={"step": step}, config=saved_config())
+    marker = run / "checkpoint_4" / CHECKPOINT_MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), **damage}))
+    path, _ = checkpoint.latest_verified(run, warn=lambda _: None)
+    assert path.endswith("checkpoint_2")
+    with pytest.raises(checkpoint.CheckpointError, match=f"{CHECKPOINT_MARKER} is malformed"):
+        checkpoint.verify(run / "checkpoint_4")

@@ -104,6 +104,45 @@ def test_a_non_finite_first_step_after_a_restore_marks_the_checkpoint_bad():
     assert d2.manifest["ranges"] == [[24, 28]]
 
 
+def test_a_second_checkpoint_failing_at_once_stops_instead_of_marking_every_one_bad():
+    """A device whose loss is not finite at every step fails right after each restore: the
+    first checkpoint is marked bad, the one before it failing at once as well stops the run
+    (keeping it), rather than marking them all and starting over from step 0."""
+    d = decide_for([NAN], policy=BOTH, resumed=("checkpoint_b", 6))
+    first_after_a = Fault(step=3, cause="nonfinite", loss=math.nan, grad_norm=math.nan)
+    d2 = decide_for([first_after_a], policy=BOTH, manifest=d.manifest,
+                    resumed=("checkpoint_a", 2))
+    assert d2.action == "stop" and d2.manifest is None
+    assert "as after checkpoint_b before it" in d2.message and "checkpoint_a kept" in d2.message
+
+
+def test_a_skip_manifest_that_does_not_hold_together_is_refused(tmp_path):
+    import json
+
+    from raylm.workers.health import check_manifest, describe_manifest, read_manifest
+
+    d = decide_for([NAN], policy=BOTH, resumed=("checkpoint_b", 4))
+    good = d.manifest
+    check_manifest(good, where="m")
+    assert describe_manifest(good) == ("skipped_samples.json leaves out 4 sample positions "
+                                       "(1 ranges, from 1 rewinds)")
+    assert describe_manifest(empty_manifest()) is None
+    broken = [
+        ({**good, "ranges": [[0, 10 ** 12]]}, "its ranges are not those its faults left out"),
+        ({**good, "faults": [{**good["faults"][0], "left_out": [[100, 104]]}],
+          "ranges": [[100, 104]]}, "leaves out positions its step did not train"),
+        ({**good, "bad_checkpoints": ["checkpoint_b"]}, "marks checkpoint_b bad with no fault"),
+        ({**good, "faults": [{"step": 7}]}, r"a record is malformed \(KeyError"),
+        ([], "lacks the lists"),
+    ]
+    for manifest, why in broken:
+        with pytest.raises(ValueError, match=why):
+            check_manifest(manifest, where="m")
+    (tmp_path / "skipped_samples.json").write_text(json.dumps(broken[0][0]))
+    with pytest.raises(ValueError, match="skipped_samples.json: its ranges are not those"):
+        read_manifest(str(tmp_path))
+
+
 def test_stop_names_the_setting_and_the_step():
     d = decide_for([SPIKE], policy={"nonfinite": "skip", "spike": "stop"})
     assert d.action == "stop" and "train.on_spike=stop" in d.message and "step 9" in d.message
