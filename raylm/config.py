@@ -79,20 +79,23 @@ class _ConfigLoader(yaml.SafeLoader):
         return self.construct_document(node)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
+        seen: dict[Any, yaml.Node] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue  # `<<: *defaults` then explicit keys is YAML's way to override
             key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
             try:
-                first = seen.setdefault(key, line)
+                first = seen.setdefault(key, key_node)
             except TypeError:
                 continue  # an unhashable key: the base constructor names it
-            if first != line:
-                raise _Refused(f"key {_short(key)} appears twice in one mapping, on lines "
-                               f"{first} and {line}; keep one of them")
+            if first is not key_node:  # two keys written, on one line or two
+                raise _Refused(f"key {_short(key)} appears twice in one mapping, at "
+                               f"{_where(first)} and {_where(key_node)}; keep one of them")
         return super().construct_mapping(node, deep=deep)
+
+
+def _where(node: yaml.Node) -> str:
+    return f"line {node.start_mark.line + 1} column {node.start_mark.column + 1}"
 
 
 def _expanded_nodes(node: yaml.Node, *, memo: dict[int, int], active: set[int]) -> int:
@@ -124,7 +127,12 @@ def _expanded_nodes(node: yaml.Node, *, memo: dict[int, int], active: set[int]) 
 
 def read_yaml(text: str) -> Any:
     """One YAML document, read safely (see :class:`_ConfigLoader`)."""
-    return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
+    try:
+        return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:
+        # The parser and constructor recurse once per level: a file nested hundreds deep (a
+        # config is three) would end in a traceback.
+        raise _Refused("it nests too deeply to read (a config has three levels)") from None
 
 
 @dataclass(frozen=True, kw_only=True)

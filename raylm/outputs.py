@@ -13,9 +13,12 @@ POSIX filesystems, including the shared ones clusters mount.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
+import socket
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -46,6 +49,10 @@ def check_output(out: str | os.PathLike, *, what: str, marker: str, key: str,
     ``inputs`` (``(name, path)`` pairs: what the output is made from), and it is missing,
     empty, or an earlier output raylm wrote (``marker`` naming ``key``; of ``kind`` unless
     ``overwrite``). ``what`` names the option, as the user wrote it."""
+    if "://" in str(out):
+        raise OutputError(f"{what} {out} is a URI: raylm writes this output to a local or "
+                          f"mounted directory (renamed into place whole, which object storage "
+                          f"cannot do); write it there and copy it to the bucket after.")
     out = Path(out).expanduser().resolve()
     for name, path in inputs:
         p = Path(path).expanduser().resolve()
@@ -69,18 +76,40 @@ def check_output(out: str | os.PathLike, *, what: str, marker: str, key: str,
 
 def staging(out: Path) -> Path:
     """A new, empty directory beside ``out`` to build it in (same filesystem, so the final
-    rename is atomic), named so that it is clearly raylm's and unique to this writer."""
+    rename is atomic), named so that it is clearly raylm's and unique to this writer: its
+    host and pid, so that the staging directories of writers killed on this host (a killed
+    export, preparation or reference pass) are removed here."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.raylm-{uuid.uuid4().hex[:12]}.tmp"
+    host = socket.gethostname()
+    for old in out.parent.glob(f".{glob.escape(out.name)}.raylm-*.tmp"):
+        found = re.fullmatch(rf"\.{re.escape(out.name)}\.raylm-(.+)-([0-9]{{1,9}})-[0-9a-f]{{12}}"
+                             rf"\.tmp", old.name)
+        if (found and found.group(1) == host and old.is_dir() and not old.is_symlink()
+                and not _alive(int(found.group(2)))):
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = out.parent / f".{out.name}.raylm-{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
     tmp.mkdir()
     return tmp
 
 
-def publish(tmp: Path, out: Path, *, same: bool = False) -> bool:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        pass
+    return True
+
+
+def publish(tmp: Path, out: Path, *, same: bool = False,
+            mine: tuple[str, str] | None = None) -> bool:
     """Rename the finished ``tmp`` to ``out``. An existing ``out`` (checked by
     :func:`check_output`, or an identical output another writer published meanwhile when
-    ``same``) is moved aside first and removed after. Returns False when ``same`` and another
-    writer's copy was already there: it is kept and ``tmp`` removed."""
+    ``same``) is moved aside first and removed after; ``mine``: the ``(marker, key)`` that
+    proves raylm wrote it, checked again here, just before, since files may have arrived there
+    during a long write. Returns False when ``same`` and another writer's copy was already
+    there: it is kept and ``tmp`` removed."""
     try:
         os.rename(tmp, out)  # a missing or empty target: one atomic step
         return True
@@ -90,6 +119,11 @@ def publish(tmp: Path, out: Path, *, same: bool = False) -> bool:
     if same:
         shutil.rmtree(tmp, ignore_errors=True)
         return False
+    if mine is not None and written_by_raylm(out, *mine) is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"{out} now holds files raylm did not write (they arrived while the "
+                          f"output was being written); nothing was replaced. Choose a new or "
+                          f"empty directory.")
     old = out.parent / f".{out.name}.raylm-{uuid.uuid4().hex[:12]}.old"
     os.rename(out, old)
     os.rename(tmp, out)

@@ -689,7 +689,7 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
     except BaseException:
         discard(tmp)
         raise
-    if not publish(tmp, out, same=shared):
+    if not publish(tmp, out, same=shared, mine=(PREPARED_MANIFEST, "fingerprint")):
         log(f"data: {out} was prepared meanwhile by another run; using it")
         return json.loads((out / PREPARED_MANIFEST).read_text())
     return manifest

@@ -161,7 +161,7 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
     except BaseException:
         discard(tmp)
         raise
-    publish(tmp, out)
+    publish(tmp, out, mine=(EXPORT_INFO, "kind"))
     return out
 
 

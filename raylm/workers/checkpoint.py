@@ -852,7 +852,9 @@ def remove_stale_staging() -> None:
     leaves its directory behind, and the workers of the next group on the node clean up."""
     for path in Path(tempfile.gettempdir()).glob(f"{STAGING}*-step*"):
         pid = path.name[len(STAGING):].split("-", 1)[0]
-        if not pid.isdigit() or not path.is_dir() or path.is_symlink():
+        # ASCII digits a pid can have (str.isdigit() takes '²', which int() refuses, and a
+        # number too large for os.kill).
+        if not re.fullmatch(r"[0-9]{1,9}", pid) or not path.is_dir() or path.is_symlink():
             continue  # not a staging directory raylm made: not raylm's to remove
         try:
             os.kill(int(pid), 0)

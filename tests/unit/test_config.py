@@ -155,18 +155,31 @@ def test_values_that_size_allocations_have_a_ceiling(override, allowed):
 def test_duplicate_keys_are_refused_with_both_lines(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("train:\n  steps: 5\n  seed: 1\n  steps: 50\n")
-    with pytest.raises(ConfigError, match=r"key 'steps' appears twice in one mapping, on lines "
-                                          r"2 and 4"):
+    with pytest.raises(ConfigError, match=r"key 'steps' appears twice in one mapping, at line "
+                                          r"2 column 3 and line 4 column 3"):
         load_config(path)
     sections = tmp_path / "sections.yaml"
     sections.write_text("train: {steps: 5}\ndata: {seq_len: 64}\ntrain: {seed: 1}\n")
-    with pytest.raises(ConfigError, match="key 'train' appears twice .* lines 1 and 3"):
+    with pytest.raises(ConfigError, match="key 'train' appears twice .* line 1 .* line 3"):
         load_config(sections)
+    one_line = tmp_path / "one_line.yaml"
+    one_line.write_text("train: {steps: 1, steps: 999}\n")
+    with pytest.raises(ConfigError, match="key 'steps' appears twice .* line 1 column 9 and "
+                                          "line 1 column 19"):
+        load_config(one_line)
     # YAML's merge key is how a file overrides what it merged: not a duplicate.
     merged = tmp_path / "merged.yaml"
     merged.write_text("train:\n  <<: {steps: 5, seed: 2}\n  steps: 7\n")
     cfg = load_config(merged)
     assert cfg.train.steps == 7 and cfg.train.seed == 2
+
+
+def test_a_file_nested_too_deeply_is_refused_in_one_line(tmp_path, capsys):
+    path = tmp_path / "deep.yaml"
+    path.write_text("train: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert main(["config", "show", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "it nests too deeply to read" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("override", ["--optim.lr=inf", "--optim.grad_clip=.inf",

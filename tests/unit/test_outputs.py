@@ -72,6 +72,49 @@ def test_a_published_output_replaces_the_old_whole_and_leaves_nothing_beside_it(
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_files_arriving_during_a_write_are_not_replaced(tmp_path):
+    """The target was raylm's when the write began; by its end someone's files are there:
+    nothing is replaced, and the built copy is removed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / PREPARED_MANIFEST).write_text(json.dumps({"fingerprint": "old"}))
+    tmp = staging(out)
+    (tmp / PREPARED_MANIFEST).write_text(json.dumps({"fingerprint": "new"}))
+    (out / PREPARED_MANIFEST).write_text(json.dumps({"name": "someone else's"}))
+    with pytest.raises(OutputError, match="now holds files raylm did not write"):
+        publish(tmp, out, mine=(PREPARED_MANIFEST, "fingerprint"))
+    assert json.loads((out / PREPARED_MANIFEST).read_text()) == {"name": "someone else's"}
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_killed_writers_staging_directory_is_removed_by_the_next_writer(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    host = socket.gethostname()
+    killed = tmp_path / f".out.raylm-{host}-{gone}-0123456789ab.tmp"
+    live = tmp_path / f".out.raylm-{host}-{os.getpid()}-0123456789ab.tmp"
+    elsewhere = tmp_path / f".out.raylm-another-host-{gone}-0123456789ab.tmp"
+    for d in (killed, live, elsewhere):
+        d.mkdir()
+    tmp = staging(out)
+    assert not killed.exists() and live.exists() and elsewhere.exists() and tmp.is_dir()
+
+
+def test_a_uri_is_refused_as_an_output(tmp_path, monkeypatch):
+    """Not a folder named `s3:` in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputError, match="s3://bucket/m is a URI: raylm writes this output "
+                                          "to a local or mounted directory"):
+        check_output("s3://bucket/m", **PREPARED)
+    assert not any(tmp_path.iterdir())
+
+
 def test_two_preparations_of_one_cache_entry_both_succeed(tmp_path):
     """Both build in their own directory; the first to finish is kept, the other uses it."""
     out = tmp_path / "cache" / "entry"

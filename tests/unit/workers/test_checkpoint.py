@@ -225,8 +225,11 @@ def test_only_raylms_own_stale_staging_directories_are_removed(tmp_path, monkeyp
                           capture_output=True, text=True).stdout.strip()
     stale = tmp_path / f"raylm-ckpt-{gone}-step5-abc"
     stale.mkdir()
-    others = [tmp_path / "raylm-ckpt-notes-step1", tmp_path / "raylm-ckpt-12-step3-file"]
+    others = [tmp_path / "raylm-ckpt-notes-step1", tmp_path / "raylm-ckpt-12-step3-file",
+              tmp_path / "raylm-ckpt-\u00b2-step1", tmp_path / f"raylm-ckpt-{'9' * 20}-step1"]
     others[0].mkdir()
+    others[2].mkdir()
+    others[3].mkdir()
     others[1].write_text("someone's file")
     checkpoint.remove_stale_staging()
     assert not stale.exists() and all(p.exists() for p in others)
