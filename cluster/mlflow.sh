@@ -3,15 +3,20 @@
 # app (every request needs a user and password), answering only to the host names the
 # cluster's processes use, with one server process as the only writer of its store.
 #
+#   MLFLOW_AUTH_ADMIN_USERNAME=... MLFLOW_AUTH_ADMIN_PASSWORD=... \
 #   MLFLOW_TRACKING_USERNAME=... MLFLOW_TRACKING_PASSWORD=... \
 #   MLFLOW_ALLOWED_HOSTS=raylm-mlflow:5000 \
 #     bash cluster/mlflow.sh --host 0.0.0.0 --port 5000 \
 #       --store sqlite:////var/lib/mlflow/mlflow.db --artifacts s3://BUCKET/mlflow
 #
-# The credentials come from the environment (a Kubernetes Secret, or the node's env file the
-# launcher files mount), never from a file in this project: the same two variables are the
-# server's admin account, created the first time the server starts on an empty user store,
-# and what MLflow's client sends from the driver, the Train controller and the workers.
+# The credentials come from the environment (a Kubernetes Secret, or the node's env files the
+# launcher files write), never from a file in this project. Two accounts: the admin
+# (MLFLOW_AUTH_ADMIN_*), which manages users and exists only in this server's environment,
+# created the first time the server starts on an empty user store; and the tracking user
+# (MLFLOW_TRACKING_*), what MLflow's client sends from the driver, the Train controller and
+# the workers, created (or its password set) here at every start as an ordinary user. With
+# NO_PERMISSIONS as the default, the tracking user reads and writes the experiments and models
+# it creates (MLflow gives their creator MANAGE) and nothing else, and manages no users.
 #
 # MLFLOW_ALLOWED_HOSTS: the Host headers the server answers to, comma-separated, each with
 # its port, `*` allowed inside a name (MLflow refuses any other with 403, which stops a
@@ -44,6 +49,14 @@ fail() { echo "mlflow.sh: $*" >&2; exit 2; }
 admin account; the cluster files read them from a Secret or the node's env file)"
 [ "${#MLFLOW_TRACKING_PASSWORD}" -ge 12 ] \
   || fail "MLFLOW_TRACKING_PASSWORD is shorter than 12 characters (try: openssl rand -hex 16)"
+[ -n "${MLFLOW_AUTH_ADMIN_USERNAME:-}" ] && [ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" ] \
+  || fail "MLFLOW_AUTH_ADMIN_USERNAME and MLFLOW_AUTH_ADMIN_PASSWORD must be set (the server's \
+admin account, which manages users: only the server's own environment holds it)"
+[ "$MLFLOW_AUTH_ADMIN_USERNAME" != "$MLFLOW_TRACKING_USERNAME" ] \
+  || fail "MLFLOW_TRACKING_USERNAME is the admin's name: the runs' account must be another, \
+ordinary user (every Ray process holds it)"
+[ "${#MLFLOW_AUTH_ADMIN_PASSWORD}" -ge 12 ] \
+  || fail "MLFLOW_AUTH_ADMIN_PASSWORD is shorter than 12 characters (try: openssl rand -hex 16)"
 [ -n "${MLFLOW_ALLOWED_HOSTS:-}" ] \
   || fail "MLFLOW_ALLOWED_HOSTS must name the host:port the cluster reaches the server by \
 (e.g. raylm-mlflow:5000, or 10.*:5000 for a private network)"
@@ -67,9 +80,24 @@ default_permission = NO_PERMISSIONS
 database_uri = $auth_store
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 EOF
-export MLFLOW_AUTH_CONFIG_PATH="$conf"
-export MLFLOW_AUTH_ADMIN_USERNAME="$MLFLOW_TRACKING_USERNAME"
-export MLFLOW_AUTH_ADMIN_PASSWORD="$MLFLOW_TRACKING_PASSWORD"
+export MLFLOW_AUTH_CONFIG_PATH="$conf" MLFLOW_AUTH_ADMIN_USERNAME MLFLOW_AUTH_ADMIN_PASSWORD
+
+# The tracking user, through MLflow's own user store: an ordinary user, its password the
+# environment's (a rotated Secret takes effect at the next start).
+python3 - "$auth_store" <<'PY'
+import os
+import sys
+
+from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+
+users = SqlAlchemyStore()
+users.init_db(sys.argv[1])
+name, password = os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]
+if users.has_user(name):
+    users.update_user(name, password=password, is_admin=False)
+else:
+    users.create_user(name, password, is_admin=False)
+PY
 # Signs the web UI's forms; one process, so a key of its own each start is enough.
 if [ -z "${MLFLOW_FLASK_SERVER_SECRET_KEY:-}" ]; then
   MLFLOW_FLASK_SERVER_SECRET_KEY="$(python3 -c 'import secrets; print(secrets.token_hex(32))')"

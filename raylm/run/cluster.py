@@ -17,13 +17,18 @@ to connect to GCS" for minutes, saying nothing a user can act on. So raylm looks
 Answering means accepting a TCP connection on the address's port, which a killed head does not.
 
 MLflow's credentials (:data:`FORWARDED`) set where raylm runs go with the run: a local cluster
-raylm starts inherits them, and a cluster it joins gets them as this job's environment, so
-the Train controller and the workers log with them. A job that ``ray job submit`` started has
-the environment the submission and the cluster's nodes gave it, which raylm leaves alone.
+raylm starts inherits them. A cluster it joins should have them in its nodes' environment
+(the cluster files set it): the Train controller and the workers then log with those, and
+nothing is forwarded. Where the nodes lack them (or hold others), they go as this job's
+environment, with a warning: Ray keeps a job's environment in its job record (``ray list jobs
+--detail`` shows it) and each node's runtime-env agent logs it. A job that ``ray job submit``
+started has the environment the submission and the cluster's nodes gave it, which raylm
+leaves alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import time
@@ -40,10 +45,33 @@ FORWARDED = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRA
 
 
 def forwarded_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
-    """The variables a joined cluster's processes get from this one (see the module doc)."""
+    """The variables a joined cluster's processes may need from this one (see the module
+    doc)."""
     if env.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # a submitted job's driver
         return {}
     return {k: env[k] for k in FORWARDED if env.get(k)}
+
+
+def _digest(value: str | None) -> str | None:
+    return None if value is None else hashlib.blake2b(value.encode(), digest_size=16).hexdigest()
+
+
+def missing_on_nodes(wanted: dict[str, str], on_node: dict[str, str | None]) -> dict[str, str]:
+    """Of ``wanted``, the variables a node of the cluster does not have with the same value
+    (``on_node``: each one's digest there, None where unset): what must be forwarded."""
+    return {k: v for k, v in wanted.items() if on_node.get(k) != _digest(v)}
+
+
+def _node_env(names: tuple[str, ...]) -> dict[str, str | None]:
+    """Digests of the variables ``names`` in a cluster process's environment (one task, no
+    CPU: the values never leave the node)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def read() -> dict[str, str | None]:
+        return {k: _digest(os.environ.get(k)) for k in names}
+
+    return ray.get(read.remote(), timeout=60)
 
 
 @dataclass(frozen=True)
@@ -135,7 +163,16 @@ def connect(address: str | None, *, log: Callable[[str], None],
         log(f"raylm: started a local Ray cluster with {cpus:g} CPUs, which stops when this "
             f"command ends{note}")
         return
-    forwarded = forwarded_env(os.environ)
-    ray.init(address=choice.address, logging_level=logging.WARNING, log_to_driver=True,
-             runtime_env={"env_vars": forwarded} if forwarded else None)
+    ray.init(address=choice.address, logging_level=logging.WARNING, log_to_driver=True)
+    wanted = forwarded_env(os.environ)
+    missing = missing_on_nodes(wanted, _node_env(tuple(wanted))) if wanted else {}
+    if missing:
+        # A job's environment is fixed when it joins: join again with them.
+        ray.shutdown()
+        ray.init(address=choice.address, logging_level=logging.WARNING, log_to_driver=True,
+                 runtime_env={"env_vars": missing})
+        log(f"raylm: warning: the cluster's nodes lack {', '.join(sorted(missing))} as set "
+            f"here, so they go with this job, where Ray's job record (ray list jobs --detail) "
+            f"and each node's runtime-env log show them; set them in the nodes' environment "
+            f"instead (the cluster files do)")
     log(f"raylm: joined the Ray cluster at {choice.address} ({choice.origin})")

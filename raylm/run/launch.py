@@ -226,10 +226,10 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     layout = json.loads((prepared / LAYOUT).read_text())
     backend, eos = load_backend(manifest["tokenizer_path"])
     vocab = backend.get_vocab_size()
-    manifest = health.read_manifest(rd)
-    if health.describe_manifest(manifest):
-        log(f"raylm: {health.describe_manifest(manifest)}")
-    found = checkpoint.latest_usable(rd, bad=manifest["bad_checkpoints"],
+    skipped = health.read_manifest(rd)
+    if health.describe_manifest(skipped):
+        log(f"raylm: {health.describe_manifest(skipped)}")
+    found = checkpoint.latest_usable(rd, bad=skipped["bad_checkpoints"],
                                      warn=lambda m: log(f"warning: {m}"))
     done = finished(cfg, found)
     if done is not None:

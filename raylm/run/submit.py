@@ -36,6 +36,32 @@ COMMANDS = ("train", "tune")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
+def in_clear(address: str) -> str | None:
+    """What is wrong with sending a job to ``address``, if it is plain HTTP to another
+    machine: the cluster's token and the job's files and environment cross the network
+    unencrypted."""
+    if not address.startswith("http://") or loopback(address):
+        return None
+    return (f"{storage.redact(address)} is plain HTTP to another machine: the cluster's token "
+            f"and the job's files travel unencrypted; forward the port over SSH (ray dashboard "
+            f"CLUSTER.yaml, kubectl port-forward) and use http://127.0.0.1:8265, or put the job "
+            f"server behind HTTPS")
+
+
+def loopback(address: str) -> bool:
+    """Whether an HTTP address names this machine (a forwarded port)."""
+    import ipaddress
+    from urllib.parse import urlparse
+
+    host = urlparse(address).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def client(address: str | None):
     """A job client for ``address`` (``http://HEAD:8265``); unset: ``RAY_API_SERVER_ADDRESS``
     or ``RAY_ADDRESS``, as for ``ray job submit``."""
@@ -50,6 +76,8 @@ def client(address: str | None):
     if not address.startswith(("http://", "https://")):
         raise ValueError(f"--address {address!r}: the job server is reached over HTTP, e.g. "
                          f"http://127.0.0.1:8265 (the dashboard port), not the GCS address.")
+    if in_clear(address):
+        print(f"raylm: warning: {in_clear(address)}", flush=True)
     from ray.exceptions import AuthenticationError
 
     try:

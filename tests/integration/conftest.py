@@ -4,6 +4,9 @@ import pytest
 
 MLFLOW_CREDENTIALS = {"MLFLOW_TRACKING_USERNAME": "raylm",
                       "MLFLOW_TRACKING_PASSWORD": "loopback-only-9f3c2a"}
+# The server's admin account, in test_mlflow's server's environment only.
+MLFLOW_ADMIN = {"MLFLOW_AUTH_ADMIN_USERNAME": "mlflow-admin",
+                "MLFLOW_AUTH_ADMIN_PASSWORD": "loopback-admin-5e81d07b"}
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +21,7 @@ def ray_cluster():
     import ray
 
     # Every process of the cluster holds the MLflow server's credentials in its environment,
-    # as the cluster files arrange (test_mlflow's server takes these as its admin account).
+    # as the cluster files arrange (test_mlflow's server makes them its tracking user).
     os.environ.update(MLFLOW_CREDENTIALS)
     # Four logical CPUs on this two-core machine: two training workers plus their readers and
     # the Train controller, which mostly wait. With the dashboard: Ray Train's placement-group

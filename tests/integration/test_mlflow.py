@@ -22,7 +22,7 @@ from raylm.config import load_config
 from raylm.run.launch import train
 from tests.conftest import tiny_run
 from tests.integration import faults
-from tests.integration.conftest import MLFLOW_CREDENTIALS
+from tests.integration.conftest import MLFLOW_ADMIN, MLFLOW_CREDENTIALS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,7 @@ def server(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "server.log", "w")
-    env = {**os.environ, **MLFLOW_CREDENTIALS, "MLFLOW_ALLOWED_HOSTS": SERVICE_HOST,
+    env = {**os.environ, **MLFLOW_CREDENTIALS, **MLFLOW_ADMIN, "MLFLOW_ALLOWED_HOSTS": SERVICE_HOST,
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.Popen(
         ["bash", str(ROOT / "cluster" / "mlflow.sh"), "--host", "127.0.0.1",
@@ -85,10 +85,11 @@ def server(tmp_path_factory):
     log.close()
 
 
-def answer(uri: str, *, host: str, user: str | None = None, password: str | None = None) -> int:
-    """The HTTP status of an experiment search sent with ``host`` as the Host header."""
-    request = urllib.request.Request(f"{uri}/api/2.0/mlflow/experiments/search?max_results=1",
-                                     headers={"Host": host})
+def answer(uri: str, *, host: str, user: str | None = None, password: str | None = None,
+           path: str = "/api/2.0/mlflow/experiments/search?max_results=1") -> int:
+    """The HTTP status of a request (an experiment search unless ``path`` says) sent with
+    ``host`` as the Host header."""
+    request = urllib.request.Request(f"{uri}{path}", headers={"Host": host})
     if user is not None:
         token = base64.b64encode(f"{user}:{password}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
@@ -109,6 +110,12 @@ def test_the_cluster_server_answers_its_service_name_with_credentials_only(serve
     assert answer(uri, host=SERVICE_HOST, user=user, password="guessed-password") == 401
     # Another name (a rebound DNS name in someone's browser) is refused, credentials or not.
     assert answer(uri, host="attacker.example:5000", user=user, password=password) == 403
+    # The runs' account is an ordinary user: it may not even read the admin's account; the
+    # admin may.
+    admin = (MLFLOW_ADMIN["MLFLOW_AUTH_ADMIN_USERNAME"], MLFLOW_ADMIN["MLFLOW_AUTH_ADMIN_PASSWORD"])
+    for (who, secret), status in (((user, password), 403), (admin, 200)):
+        assert answer(uri, host=SERVICE_HOST, user=who, password=secret,
+                      path=f"/api/2.0/mlflow/users/get?username={admin[0]}") == status
     # raylm refuses a run whose client the server refuses, before anything starts.
     from raylm.run.preflight import preflight
 

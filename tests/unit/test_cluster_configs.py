@@ -160,9 +160,15 @@ def test_cluster_files_are_closed_by_default():
         head = cfg["head_start_ray_commands"]
         (server,) = [c for c in head if "cluster/mlflow.sh" in c]
         assert "MLFLOW_ALLOWED_HOSTS=" in server and ". ~/.raylm/mlflow.env" in server
+        # The admin account: made on the head under umask 077, read by the server alone.
+        (made,) = [c for c in head if "mlflow-admin.env" in c and c != server]
+        assert "umask 077" in made and "openssl rand" in made
+        assert ". ~/.raylm/mlflow-admin.env" in server
+        assert "mlflow-admin" not in str(cfg["file_mounts"])
         for c in [*head, *cfg["worker_start_ray_commands"]]:
             if "ray start" in c:
                 assert ". ~/.raylm/mlflow.env" in c and "RAY_AUTH_MODE=token" in c
+                assert "mlflow-admin" not in c
         assert any("[gpu,server]" in c for c in cfg["setup_commands"])
 
     # KubeRay: token auth by the operator, the server behind basic auth with its service's
@@ -184,7 +190,8 @@ def test_cluster_files_are_closed_by_default():
     port = service["spec"]["ports"][0]["port"]
     assert f"{service['metadata']['name']}:{port}" in allowed.split(",")
     credentials = {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
-    assert credentials <= set(secret_env(mlflow))
+    admin = {"MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_AUTH_ADMIN_PASSWORD"}
+    assert credentials | admin <= set(secret_env(mlflow))
     store_claim = deployment["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]
     claim = next(d for d in by_kind["PersistentVolumeClaim"]
                  if d["metadata"]["name"] == store_claim["claimName"])
@@ -196,15 +203,26 @@ def test_cluster_files_are_closed_by_default():
     for pod in pods:
         assert member.items() <= pod["metadata"]["labels"].items()
         for c in containers(pod["spec"]):
-            assert credentials <= set(secret_env(c))
+            assert credentials <= set(secret_env(c)) and not admin & set(secret_env(c))
             assert {"name": "MLFLOW_TRACKING_URI", "value": tracking_uri} in c["env"]
     policies = {tuple(sorted(p["spec"]["podSelector"]["matchLabels"].items())): p
                 for p in by_kind["NetworkPolicy"]}
     for selected in ({"app": "raylm-mlflow"}, member):
         policy = policies[tuple(sorted(selected.items()))]
         assert policy["spec"]["policyTypes"] == ["Ingress"]
-        assert [f["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"]
-                for f in rule["from"]] == [member]
+        members, *others = policy["spec"]["ingress"]
+        assert [f["podSelector"]["matchLabels"] for f in members["from"]] == [member]
+        if selected == member:
+            # The KubeRay operator polls a RayJob's status on the head's dashboard: admitted
+            # there, from its own namespace, and nowhere else.
+            (operator,) = others
+            (source,) = operator["from"]
+            assert source["podSelector"]["matchLabels"] == {
+                "app.kubernetes.io/name": "kuberay-operator"}
+            assert "kubernetes.io/metadata.name" in source["namespaceSelector"]["matchLabels"]
+            assert operator["ports"] == [{"port": 8265, "protocol": "TCP"}]
+        else:
+            assert others == []
     job = yaml.safe_load((ROOT / "cluster/kuberay/rayjob.yaml").read_text())
     assert job["spec"]["submissionMode"] == "SidecarMode"  # the submitter is a member pod
 
@@ -229,13 +247,36 @@ def test_mlflow_credentials_travel_to_a_joined_cluster_but_not_into_a_submitted_
     assert forwarded_env({**env, "RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}) == {}
 
 
+def test_credentials_the_nodes_already_have_are_not_forwarded():
+    """Forwarded credentials land in Ray's job record and the nodes' logs: only those the
+    nodes lack, or hold with another value, travel with the job."""
+    from raylm.run.cluster import _digest, missing_on_nodes
+
+    wanted = {"MLFLOW_TRACKING_USERNAME": "u", "MLFLOW_TRACKING_PASSWORD": "p"}
+    assert missing_on_nodes(wanted, {k: _digest(v) for k, v in wanted.items()}) == {}
+    assert missing_on_nodes(wanted, {"MLFLOW_TRACKING_USERNAME": _digest("u"),
+                                     "MLFLOW_TRACKING_PASSWORD": None}) == {
+        "MLFLOW_TRACKING_PASSWORD": "p"}
+    assert missing_on_nodes(wanted, {"MLFLOW_TRACKING_USERNAME": _digest("other"),
+                                     "MLFLOW_TRACKING_PASSWORD": _digest("p")}) == {
+        "MLFLOW_TRACKING_USERNAME": "u"}
+
+
+ADMIN = {"MLFLOW_AUTH_ADMIN_USERNAME": "admin", "MLFLOW_AUTH_ADMIN_PASSWORD": "an-admin-password"}
+
+
 @pytest.mark.parametrize(("env", "says"), [
     ({}, "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD must be set"),
     ({"MLFLOW_TRACKING_USERNAME": "raylm", "MLFLOW_TRACKING_PASSWORD": "short"},
      "shorter than 12"),
     ({"MLFLOW_TRACKING_USERNAME": "raylm", "MLFLOW_TRACKING_PASSWORD": "a-long-password"},
-     "MLFLOW_ALLOWED_HOSTS must name"),
+     "MLFLOW_AUTH_ADMIN_USERNAME and MLFLOW_AUTH_ADMIN_PASSWORD must be set"),
     ({"MLFLOW_TRACKING_USERNAME": "raylm", "MLFLOW_TRACKING_PASSWORD": "a-long-password",
+      "MLFLOW_AUTH_ADMIN_USERNAME": "raylm", "MLFLOW_AUTH_ADMIN_PASSWORD": "another-long-one"},
+     "MLFLOW_TRACKING_USERNAME is the admin's name"),
+    ({**ADMIN, "MLFLOW_TRACKING_USERNAME": "raylm", "MLFLOW_TRACKING_PASSWORD": "a-long-password"},
+     "MLFLOW_ALLOWED_HOSTS must name"),
+    ({**ADMIN, "MLFLOW_TRACKING_USERNAME": "raylm", "MLFLOW_TRACKING_PASSWORD": "a-long-password",
       "MLFLOW_ALLOWED_HOSTS": "raylm-mlflow:5000,*"}, "would answer any Host header"),
 ])
 def test_the_mlflow_script_refuses_to_start_open(env, says):
@@ -246,3 +287,32 @@ def test_the_mlflow_script_refuses_to_start_open(env, says):
          "--artifacts", "/tmp/x/artifacts"],
         env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and says in out.stderr, out.stderr
+
+
+def test_ssh_is_not_open_to_the_internet_and_hub_downloads_land_on_shared_storage():
+    """Ray's AWS launcher opens SSH to 0.0.0.0/0 in the security group it makes when no node
+    names one of its own; GCP's default network does the same. Every node downloads hub
+    models and data sets into one cache on the shared file system (HF_HOME)."""
+    aws = launcher("cluster/aws.yaml")
+    for name, node in aws["available_node_types"].items():
+        assert node["node_config"]["SecurityGroupIds"], name
+    assert "firewall-rules update default-allow-ssh" in (ROOT / "cluster/gcp.yaml").read_text()
+    for name in LAUNCHER:
+        cfg = launcher(name)
+        for c in [*cfg["head_start_ray_commands"], *cfg["worker_start_ray_commands"]]:
+            if "ray start" in c:
+                assert "HF_HOME=/mnt/raylm/hf" in c, name
+    cluster = ray_cluster()
+    for pod in [cluster["spec"]["headGroupSpec"]["template"],
+                *(g["template"] for g in cluster["spec"]["workerGroupSpecs"])]:
+        for c in containers(pod["spec"]):
+            assert {"name": "HF_HOME", "value": "/mnt/raylm/hf"} in c["env"]
+
+
+def test_submitting_over_plain_http_to_another_machine_is_warned():
+    from raylm.run.submit import in_clear
+
+    assert "plain HTTP to another machine" in in_clear("http://10.0.0.5:8265")
+    for fine in ("http://127.0.0.1:8265", "http://localhost:8265", "http://[::1]:8265",
+                 "https://ray.example.com"):
+        assert in_clear(fine) is None, fine

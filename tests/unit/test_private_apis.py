@@ -30,6 +30,9 @@ PRIVATE = [
     ("torch.distributed.checkpoint._traverse", "set_element",
      "a checkpoint's non-tensor items, read as data only, go where DCP's own planner puts "
      "them", "raylm/workers/checkpoint.py"),
+    ("mlflow.server.auth.sqlalchemy_store", "SqlAlchemyStore",
+     "the cluster's MLflow server makes the runs' user an ordinary one, apart from the admin",
+     "cluster/mlflow.sh"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper",
      "activation checkpointing of decoder blocks", "raylm/model/parallelize.py"),
 ]
@@ -65,6 +68,14 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape(tmp_path, monkeyp
         "self", "read_item", "value"]
     assert {"flatten_state_dict", "original_state_dict", "mappings"} <= set(
         vars(DefaultLoadPlanner()))
+    # cluster/mlflow.sh: the user store's calls that make the runs' user.
+    from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+
+    assert list(inspect.signature(SqlAlchemyStore.create_user).parameters)[:4] == [
+        "self", "username", "password", "is_admin"]
+    assert {"password", "is_admin"} <= set(
+        inspect.signature(SqlAlchemyStore.update_user).parameters)
+    assert callable(SqlAlchemyStore.has_user) and callable(SqlAlchemyStore.init_db)
     # raylm.model.lora.adapters_off: the flag a LoRA layer's forward reads to skip its
     # adapters.
     from peft.tuners.tuners_utils import BaseTunerLayer
