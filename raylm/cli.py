@@ -76,8 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     sb.add_argument("--command", dest="job_command", default="train", choices=["train", "tune"],
                     help="what the job runs")
     sb.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                    help="environment variable for the job, e.g. MLFLOW_TRACKING_URI or "
-                         "HF_TOKEN (repeatable)")
+                    help="environment variable for the job, e.g. MLFLOW_TRACKING_URI "
+                         "(repeatable); not for secrets: Ray's job record shows a job's "
+                         "environment, so set tokens in the nodes' environment")
     sb.add_argument("--pip", action="append", default=[], metavar="PKG",
                     help="extra pip package installed for the job (repeatable)")
     sb.add_argument("--image", help="container image the job runs in (runtime_env image_uri)")

@@ -40,6 +40,10 @@ PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 MAX_WORKERS = 100_000
 MAX_VOCAB = 1 << 20
 MAX_SHUFFLE_WINDOW = 4096
+# Both size buffers each worker keeps: the losses a spike is measured against (on the
+# device), and the batches of the steps since the last report (on the host).
+MAX_SPIKE_WINDOW = 10_000
+MAX_LOG_EVERY = 1000
 RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -423,7 +427,8 @@ class TrainConfig:
     stretch of data, a bug, a node that cannot hold the step) is not a machine lost at random.
     0: no such limit."""
     log_every: int = 10
-    """Report metrics every this many steps."""
+    """Report metrics every this many steps (at most 1,000: the batches of the steps since
+    the last report stay on the host, for a rewind to find the samples at fault)."""
     eval_every: int = 100
     """Validate every this many steps (and at the end)."""
     eval_batches: int = 8
@@ -444,7 +449,7 @@ class TrainConfig:
     spike_factor: float = 2.0
     """How many times the running median loss a step's loss must exceed to be a spike."""
     spike_window: int = 50
-    """Steps whose losses the running median is taken over."""
+    """Steps whose losses the running median is taken over (3 to 10,000)."""
     max_rewinds: int = 2
     """Rewinds for faults at the same step before the run stops with their record: a fault
     that comes back after its samples were left out is not in the data."""
@@ -467,13 +472,15 @@ class TrainConfig:
                "-1 (unlimited) or an integer >= 0")
         _check(tr.max_failures_at_one_step >= 0, "train.max_failures_at_one_step",
                tr.max_failures_at_one_step, "0 (no limit) or an integer >= 1")
-        _check(tr.log_every >= 1, "train.log_every", tr.log_every, ">= 1")
+        _check(1 <= tr.log_every <= MAX_LOG_EVERY, "train.log_every", tr.log_every,
+               f"1 to {MAX_LOG_EVERY:,}")
         _check(tr.eval_every >= 1, "train.eval_every", tr.eval_every, ">= 1")
         _check(tr.eval_batches >= 1, "train.eval_batches", tr.eval_batches, ">= 1")
         _check(tr.spike_factor > 1, "train.spike_factor", tr.spike_factor, "a number > 1")
         _check(tr.collective_timeout_s >= 1, "train.collective_timeout_s",
                tr.collective_timeout_s, ">= 1")
-        _check(tr.spike_window >= 3, "train.spike_window", tr.spike_window, "an integer >= 3")
+        _check(3 <= tr.spike_window <= MAX_SPIKE_WINDOW, "train.spike_window",
+               tr.spike_window, f"an integer 3 to {MAX_SPIKE_WINDOW:,}")
         _check(tr.max_rewinds >= 1, "train.max_rewinds", tr.max_rewinds, "an integer >= 1")
         _check(all(isinstance(r, (list, tuple)) and len(r) == 2
                    and all(isinstance(v, int) for v in r) and 0 <= r[0] < r[1]

@@ -292,28 +292,34 @@ def _rows(f: SourceFile, fields: list[str]) -> Iterator[tuple]:
         for obj, reason, lineno in _jsonl_objects(f):
             yield (None if obj is None else {k: obj.get(k) for k in fields}), reason, lineno
         return
-    columns = {k: _table_column(f, k) for k in fields}
-    rows = max((len(c) for c in columns.values() if c is not None), default=None)
-    if rows is None:  # none of the fields: every row lacks them
-        rows = _table_rows(f)
-    for i in range(rows):
-        yield {k: (None if c is None else c[i]) for k, c in columns.items()}, None, i + 1
+    present, batches, rows = _table_batches(f, fields)
+    if batches is None:  # none of the fields: every row lacks them
+        for i in range(rows):
+            yield dict.fromkeys(fields), None, i + 1
+        return
+    line = 0
+    # A record batch at a time: a file's columns are never Python lists whole.
+    for batch in batches:
+        columns = {k: batch.column(batch.schema.get_field_index(k)).to_pylist()
+                   for k in present}
+        for i in range(batch.num_rows):
+            line += 1
+            row = {k: (columns[k][i] if k in columns else None) for k in fields}
+            if sum(_cell_size(v) for v in row.values()) > MAX_RECORD_BYTES:
+                yield None, "too_long", line
+            else:
+                yield row, None, line
 
 
-def _table_column(f: SourceFile, column: str) -> list | None:
-    batches, _ = _table_batches(f, column)
-    if batches is None:
-        return None
-    return [v for b in batches for v in b.column(b.schema.get_field_index(column)).to_pylist()]
-
-
-def _table_rows(f: SourceFile) -> int:
-    import pyarrow.parquet as pq
-
-    if f.format == "parquet":
-        return pq.ParquetFile(f.path).metadata.num_rows
-    _, rows = _table_batches(f, "\0no such column")
-    return rows
+def _cell_size(value: Any) -> int:
+    """The UTF-8 bytes of the text a table cell holds (a conversation's turns included)."""
+    if isinstance(value, (str, bytes)):
+        return _utf8_size(value)
+    if isinstance(value, dict):
+        return sum(_cell_size(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_cell_size(v) for v in value)
+    return 0
 
 
 def _lines(fh) -> Iterator[tuple[int, bytes | None]]:
@@ -417,16 +423,18 @@ def _jsonl_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
             yield value, None, lineno
 
 
-def _table_batches(f: SourceFile, column: str):
-    """(record batches, None), or (None, row count) when the file has no ``column``."""
+def _table_batches(f: SourceFile, columns: list[str]):
+    """(the ``columns`` the file has, their record batches, None), or ([], None, row count)
+    when it has none of them."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if f.format == "parquet":
         pf = pq.ParquetFile(f.path)
-        if column not in pf.schema_arrow.names:
-            return None, pf.metadata.num_rows
-        return pf.iter_batches(columns=[column], batch_size=4096), None
+        present = [c for c in columns if c in pf.schema_arrow.names]
+        if not present:
+            return [], None, pf.metadata.num_rows
+        return present, pf.iter_batches(columns=present, batch_size=1024), None
     source = pa.memory_map(f.path)
     try:  # `datasets` writes the streaming format
         stream = pa.ipc.open_stream(source)
@@ -435,13 +443,14 @@ def _table_batches(f: SourceFile, column: str):
         reader = pa.ipc.open_file(source)
         schema = reader.schema
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    if column not in schema.names:
-        return None, sum(b.num_rows for b in batches)
-    return batches, None
+    present = [c for c in columns if c in schema.names]
+    if not present:
+        return [], None, sum(b.num_rows for b in batches)
+    return present, batches, None
 
 
 def _table_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
-    batches, rows_without_field = _table_batches(f, text_field)
+    _, batches, rows_without_field = _table_batches(f, [text_field])
     if batches is None:
         for row in range(1, rows_without_field + 1):
             yield None, "missing_field", row

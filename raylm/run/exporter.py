@@ -48,11 +48,21 @@ TOKENIZER_DIGEST = ".raylm-tokenizer"
 QUANTIZATIONS = ("int8",)
 
 
+def _redacted(value):
+    """``value`` with credentials in URIs (a storage path's keys, a tracking URI's password)
+    replaced: run.json is read back for the model's settings, never for where things are."""
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return storage.redact(value) if isinstance(value, str) and "://" in value else value
+
+
 def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
                    tokenizer_path: str, prepared: str) -> None:
     storage.write_text(storage.join(run_dir, RUN_INFO), json.dumps(
-        {"config": config, "vocab_size": vocab_size, "eos_id": eos_id, "prepared": prepared},
-        indent=1))
+        {"config": _redacted(config), "vocab_size": vocab_size, "eos_id": eos_id,
+         "prepared": prepared}, indent=1))
     # The tokenizer's own files only: it is often a whole model directory (model.path's),
     # whose weights must not travel with every run, nor land in its exports. Written at every
     # start whose tokenizer differs from the one there (a resume with accept_changes: [tokenizer],

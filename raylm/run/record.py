@@ -449,7 +449,8 @@ class RunRecord(UserCallback):
             "tokens_per_s": m.get("tokens_per_s"),
             "mfu": m.get("mfu"),
             "data_wait_fraction": m.get("data_wait_fraction_run"),
-            "checkpoint_path": self.checkpoint_path,
+            "checkpoint_path": (storage.redact(self.checkpoint_path)
+                                if self.checkpoint_path else None),
             "mlflow_run_id": self.tracker.run_id,
             "mlflow_tracking_uri": storage.redact(self.tracker.uri) if self.tracker.uri
             else self.tracker.uri,

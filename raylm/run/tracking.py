@@ -514,7 +514,7 @@ def _find_or_create_run(cfg: Config, uri: str, parent_run_id: str | None) -> str
     saved = storage.join(rd, MLFLOW_RUN)
     if storage.is_file(saved):
         known = json.loads(storage.read_text(saved))
-        if known.get("tracking_uri") == uri:
+        if known.get("tracking_uri") in (uri, storage.redact(uri)):
             run = client.get_run(known["run_id"])
             client.update_run(run.info.run_id, status="RUNNING")
             # A resume may change the workers or the precision: the tags say what ran last.
@@ -529,12 +529,16 @@ def _find_or_create_run(cfg: Config, uri: str, parent_run_id: str | None) -> str
         exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
     else:
         exp_id = exp.experiment_id
-    tags = {"raylm.run_dir": rd, "raylm.run_name": cfg.run.name, **run_tags(cfg)}
+    tags = {"raylm.run_dir": storage.redact(rd), "raylm.run_name": cfg.run.name,
+            **run_tags(cfg)}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp_id, run_name=cfg.run.name, tags=tags)
     params = [Param(k, _param_value(v)[:6000]) for k, v in sorted(cfg.flat().items())]
     for i in range(0, len(params), 100):
         client.log_batch(run.info.run_id, params=params[i:i + 100])
-    storage.write_text(saved, json.dumps({"run_id": run.info.run_id, "tracking_uri": uri}))
+    # The store's address without credentials: the file is read to find the run again,
+    # which its redacted address does as well as the whole one.
+    storage.write_text(saved, json.dumps({"run_id": run.info.run_id,
+                                          "tracking_uri": storage.redact(uri)}))
     return run.info.run_id

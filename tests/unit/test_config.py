@@ -146,6 +146,8 @@ def test_a_run_name_is_a_safe_directory_and_url_name(name):
     ("--scaling.num_workers=[1, 1000000000]", "1 to 100,000"),
     ("--tokenizer.vocab_size=100000000", "to 1,048,576"),
     ("--data.shuffle_window=1000000", "1 to 4,096"),
+    ("--train.spike_window=100000000", "3 to 10,000"),
+    ("--train.log_every=100000000", "1 to 1,000"),
 ])
 def test_values_that_size_allocations_have_a_ceiling(override, allowed):
     with pytest.raises(ConfigError, match=f"Allowed: .*{allowed}"):

@@ -78,3 +78,36 @@ def test_credentials_in_uris_are_redacted_from_what_is_printed_and_logged():
     assert storage.redact("runs/plain and http://mlflow:5000") == "runs/plain and http://mlflow:5000"
     # MLflow params are the flat config: a URI with a secret is logged without it.
     assert _param_value(["s3://k:s@b/x"]) == '["s3://***@b/x"]'
+
+
+def test_no_credentials_in_the_run_directory_and_a_partial_tokenizer_copy_is_redone(
+        tmp_path, tokenizer_dir):
+    """run.json's config and the summary's checkpoint path keep the address, not the keys."""
+    import json
+
+    from raylm.run.exporter import write_run_info
+    from raylm.run.record import RunRecord
+    from raylm.run.tracking import Tracker
+
+    cfg = load_config(None, ["--run.storage_path=s3://AKIA123:s3cr3t@bucket/runs",
+                             "--tracking.uri=http://u:pw-123@mlflow:5000"]).to_dict()
+    write_run_info(str(tmp_path), config=cfg, vocab_size=1, eos_id=0,
+                   tokenizer_path=str(tokenizer_dir), prepared="p")
+    # The run's copy of the tokenizer, its digest written last; the same tokenizer again is
+    # not copied again.
+    digest = (tmp_path / "tokenizer" / ".raylm-tokenizer").read_text()
+    (tmp_path / "tokenizer" / "stray").write_text("x")
+    write_run_info(str(tmp_path), config=cfg, vocab_size=1, eos_id=0,
+                   tokenizer_path=str(tokenizer_dir), prepared="p")
+    assert (tmp_path / "tokenizer" / "stray").exists()
+    (tmp_path / "tokenizer" / ".raylm-tokenizer").write_text("partial copy")
+    write_run_info(str(tmp_path), config=cfg, vocab_size=1, eos_id=0,
+                   tokenizer_path=str(tokenizer_dir), prepared="p")
+    assert not (tmp_path / "tokenizer" / "stray").exists()
+    assert (tmp_path / "tokenizer" / ".raylm-tokenizer").read_text() == digest
+    written = (tmp_path / "run.json").read_text()
+    assert "s3cr3t" not in written and "pw-123" not in written
+    assert json.loads(written)["config"]["run"]["storage_path"] == "s3://***@bucket/runs"
+    record = RunRecord(str(tmp_path), total_steps=2, tracker=Tracker())
+    record.checkpoint_path = "s3://AKIA123:s3cr3t@bucket/runs/r/checkpoint_1"
+    assert record.summary()["checkpoint_path"] == "s3://***@bucket/runs/r/checkpoint_1"

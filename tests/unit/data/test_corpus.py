@@ -248,3 +248,18 @@ def test_a_record_over_the_size_limit_is_dropped_while_read_not_held(tmp_path, m
     pq.write_table(pa.table({"text": ["ok", "z" * 5000]}), table)
     assert [r.reason for r in corpus.read_records(corpus.SourceFile(str(table), "parquet"))] == [
         None, "too_long"]
+    # A conversation's cell counts its turns' text; a preference row, its three cells. Read a
+    # record batch at a time, past the first batch's 1,024 rows.
+    chats = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]] * 1100
+    chats[1050] = [{"role": "user", "content": "q"}, {"role": "assistant", "content": big}]
+    pq.write_table(pa.table({"messages": chats}), tmp_path / "chat.parquet")
+    reasons = [(r.reason, r.line) for r in corpus.read_examples(
+        corpus.SourceFile(str(tmp_path / "chat.parquet"), "parquet"), example_format="chat")]
+    assert len(reasons) == 1100 and reasons[1050] == ("too_long", 1051)
+    assert {reason for reason, _ in reasons[:1050]} == {None}
+    pairs = pa.table({"prompt": ["p", "p"], "chosen": ["a", "y" * 600],
+                      "rejected": ["b", "n" * 600]})
+    pq.write_table(pairs, tmp_path / "pairs.parquet")
+    assert [r.reason for r in corpus.read_examples(corpus.SourceFile(
+        str(tmp_path / "pairs.parquet"), "parquet"), example_format="preference")] == [
+        None, "too_long"]
