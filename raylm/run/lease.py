@@ -73,7 +73,42 @@ def _parse(data: bytes) -> dict[str, Any] | None:
     return None if holder.get("released") else holder
 
 
-class LocalStore:
+class PlainStore:
+    """``lease.json`` in an object store raylm has no conditional write for: a check, then a
+    whole-object write. Two takers within the same moment may both write; the taker reads
+    the lease back to see whose it is, which catches all but writes landing together."""
+
+    exclusive = False
+
+    def __init__(self, uri: str) -> None:
+        self.path = uri
+
+    def _raw(self) -> bytes | None:
+        try:
+            return storage.read_bytes(self.path)
+        except FileNotFoundError:
+            return None
+
+    def read(self) -> tuple[dict[str, Any] | None, Any]:
+        """The holder (None if there is none) and the version a change is conditional on
+        (here the bytes read)."""
+        raw = self._raw()
+        return (None, None) if raw is None else (_parse(raw), raw)
+
+    def put(self, text: str, *, expect: Any) -> Any:
+        if self._raw() != expect:
+            return None
+        storage.write_text(self.path, text)
+        return text.encode()
+
+    def drop(self, *, expect: Any) -> bool:
+        if self._raw() != expect:
+            return False
+        storage.remove(self.path)
+        return True
+
+
+class LocalStore(PlainStore):
     """``lease.json`` on a file system: each change made under an exclusive ``flock`` of a
     lock file beside it (kept: removing a lock file races its next taker), against the bytes
     read. ``flock`` excludes across hosts on NFSv4 too, where Linux maps it to a byte-range
@@ -82,29 +117,19 @@ class LocalStore:
     exclusive = True
 
     def __init__(self, path: str) -> None:
-        self.path = Path(path)
-        self.lock = self.path.with_name(self.path.name + ".lock")
+        super().__init__(path)
+        self.file = Path(path)
+        self.lock = self.file.with_name(self.file.name + ".lock")
 
     @contextmanager
     def _locked(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # and with it the lock
-
-    def _raw(self) -> bytes | None:
-        try:
-            return self.path.read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def read(self) -> tuple[dict[str, Any] | None, Any]:
-        """The holder (None if there is none) and the version a change is conditional on."""
-        raw = self._raw()
-        return (None, None) if raw is None else (_parse(raw), raw)
 
     def put(self, text: str, *, expect: Any) -> Any:
         """Write ``text`` if the lease is still at version ``expect`` (None: absent); its new
@@ -113,11 +138,11 @@ class LocalStore:
         with self._locked():
             if self._raw() != expect:
                 return None
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+            fd, tmp = tempfile.mkstemp(dir=self.file.parent, prefix=f".{self.file.name}.")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
+            os.replace(tmp, self.file)
         return data
 
     def drop(self, *, expect: Any) -> bool:
@@ -125,7 +150,7 @@ class LocalStore:
         with self._locked():
             if self._raw() != expect:
                 return False
-            self.path.unlink()
+            self.file.unlink()
         return True
 
 
@@ -170,39 +195,6 @@ class S3Store:
 
     def drop(self, *, expect: Any) -> bool:
         return self.put(json.dumps(_RELEASED), expect=expect) is not None
-
-
-class PlainStore:
-    """``lease.json`` in an object store raylm has no conditional write for: a check, then a
-    whole-object write. Two takers within the same moment may both write; the taker reads
-    the lease back to see whose it is, which catches all but writes landing together."""
-
-    exclusive = False
-
-    def __init__(self, uri: str) -> None:
-        self.path = uri
-
-    def _raw(self) -> bytes | None:
-        try:
-            return storage.read_bytes(self.path)
-        except FileNotFoundError:
-            return None
-
-    def read(self) -> tuple[dict[str, Any] | None, Any]:
-        raw = self._raw()
-        return (None, None) if raw is None else (_parse(raw), raw)
-
-    def put(self, text: str, *, expect: Any) -> Any:
-        if self._raw() != expect:
-            return None
-        storage.write_text(self.path, text)
-        return text.encode()
-
-    def drop(self, *, expect: Any) -> bool:
-        if self._raw() != expect:
-            return False
-        storage.remove(self.path)
-        return True
 
 
 def store_for(path: str):

@@ -289,15 +289,22 @@ def test_a_full_disk_during_a_save_leaves_nothing_a_resume_would_take(tmp_path):
             checkpoint.verify(run / name)
 
 
-def test_a_run_whose_every_checkpoint_is_marked_bad_refuses_to_start_over(tmp_path):
+def two_checkpoints(run):
+    """A run directory with real checkpoints at steps 2 and 4."""
     from raylm.workers import checkpoint
 
-    run = tmp_path / "run"
     m = model()
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
     for step in (2, 4):
         checkpoint.save(run / f"checkpoint_{step}", model=m, optimizer=opt,
                         state={"step": step}, config=saved_config())
+    return run
+
+
+def test_a_run_whose_every_checkpoint_is_marked_bad_refuses_to_start_over(tmp_path):
+    from raylm.workers import checkpoint
+
+    run = two_checkpoints(tmp_path / "run")
     path, _ = checkpoint.latest_usable(run, bad=["checkpoint_4"])
     assert path.endswith("checkpoint_2")
     with pytest.raises(checkpoint.CheckpointError,
@@ -316,12 +323,7 @@ def test_a_malformed_marker_is_a_broken_checkpoint_passed_over(tmp_path, damage)
     from raylm.names import CHECKPOINT_MARKER
     from raylm.workers import checkpoint
 
-    run = tmp_path / "run"
-    m = model()
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
-    for step in (2, 4):
-        checkpoint.save(run / f"checkpoint_{step}", model=m, optimizer=opt,
-                        state={"step": step}, config=saved_config())
+    run = two_checkpoints(tmp_path / "run")
     marker = run / "checkpoint_4" / CHECKPOINT_MARKER
     marker.write_text(json.dumps({**json.loads(marker.read_text()), **damage}))
     path, _ = checkpoint.latest_verified(run, warn=lambda _: None)
