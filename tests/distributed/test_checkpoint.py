@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raylm.names import CHECKPOINT_MARKER
-from tests.distributed.test_fsdp_parity import VOCAB, data, exit_now
+from tests.distributed.shared import VOCAB, data, exit_now
 from tests.ranks import free_port, run_ranks
 
 STEPS = 4

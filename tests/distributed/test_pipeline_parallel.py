@@ -11,7 +11,7 @@ import torch
 from raylm.config import PIPELINE_SCHEDULES
 from raylm.model.parallelize import DATA_PARALLEL, ParallelPlan, layout_of
 from raylm.model.pipeline import describe_split, stage_layers
-from tests.distributed.test_fsdp_parity import (
+from tests.distributed.shared import (
     BATCH,
     LORA,
     VOCAB,

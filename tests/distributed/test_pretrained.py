@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from raylm.model.lora import settings as lora_settings
-from tests.distributed.test_fsdp_parity import exit_now
+from tests.distributed.shared import exit_now
 from tests.ranks import free_port, run_ranks
 
 VOCAB = 384

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raylm.model.parallelize import DATA_PARALLEL, ParallelPlan, layout_of
-from tests.distributed.test_fsdp_parity import (
+from tests.distributed.shared import (
     BATCH,
     LORA,
     VOCAB,

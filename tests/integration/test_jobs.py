@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_run
-from tests.distributed.test_fsdp_parity import free_port
+from tests.integration.heads import stop_own_head, wait_for_job_server
+from tests.ranks import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -54,45 +55,6 @@ def head(tmp_path_factory, tokenizer_dir):
     yield {"address": address, "gcs": f"127.0.0.1:{gcs}", "env": env,
            "root": root, "overrides": overrides}
     stop_own_head(started, temp)
-
-
-def wait_for_job_server(address: str, started: subprocess.Popen, timeout_s: float = 90) -> None:
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(f"{address}/api/version", timeout=2).close()
-            return
-        except urllib.error.HTTPError:  # it answers (refusing an unauthenticated request)
-            return
-        except OSError as e:
-            if started.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the test's Ray head did not answer at {address} "
-                                   f"(ray start exited {started.poll()}): {e}") from None
-            time.sleep(0.5)
-
-
-def stop_own_head(started: subprocess.Popen, temp: str) -> None:
-    """This head's processes only: its process group, then whatever still runs from its
-    session directory (workers Ray started in groups of their own)."""
-    import shutil
-    import signal
-
-    import psutil
-
-    os.killpg(started.pid, signal.SIGTERM)
-    try:
-        # `ray start --block` answers SIGTERM by stopping its processes one by one, which
-        # took the whole 30 s it was given here; what is left is killed below anyway.
-        started.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        os.killpg(started.pid, signal.SIGKILL)
-    for p in psutil.process_iter(["cmdline"]):
-        if any(temp in part for part in p.info["cmdline"] or ()):
-            p.kill()
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 def run(head, *args, timeout=300) -> subprocess.CompletedProcess:

@@ -25,8 +25,8 @@ import pytest
 
 from raylm.hub import HUB_ID
 from tests.commands import page_commands
-from tests.distributed.test_fsdp_parity import free_port
-from tests.integration.test_jobs import stop_own_head
+from tests.integration.heads import stop_own_head
+from tests.ranks import free_port
 
 pytestmark = pytest.mark.integration
 

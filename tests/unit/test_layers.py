@@ -39,3 +39,21 @@ def test_ruff_finds_nothing():
                            "jobs", "scripts"], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# The budget docs/development.md states: raising one is a decision made there, with its reason.
+MAX_LINES = 15_000  # raylm/ outside bench/
+MAX_CONFIG_KEYS = 120
+
+
+def test_the_codebase_keeps_its_budget(capsys):
+    from raylm.config import Config
+
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "raylm").rglob("*.py")
+                if "bench" not in p.relative_to(ROOT / "raylm").parts)
+    keys = len(Config().flat())
+    with capsys.disabled():
+        print(f"\nbudget: raylm/ outside bench/ {lines:,} lines of {MAX_LINES:,}; "
+              f"{keys} config keys of {MAX_CONFIG_KEYS}")
+    assert lines <= MAX_LINES, f"raylm/ outside bench/ has {lines:,} lines: over the budget"
+    assert keys <= MAX_CONFIG_KEYS, f"{keys} config keys: over the budget"

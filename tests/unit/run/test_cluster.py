@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from raylm.run.cluster import choose
-from tests.distributed.test_fsdp_parity import free_port
+from tests.ranks import free_port
 
 
 @pytest.fixture
