@@ -34,6 +34,9 @@ SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
 Attention = Literal["auto", "sdpa", "flex_attention", "flash_attention_2"]
 ATTENTIONS: tuple[str, ...] = typing.get_args(Attention)
 PipelineSchedule = Literal["gpipe", "1f1b"]
+# The preference losses (dpo.loss); DpoConfig.needs_reference says which compare with a
+# reference model.
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
 PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 # Bounds of the values that size what raylm allocates or loops over: far above any real run,
 # low enough that a typo (an extra zero or three) is refused instead of exhausting a machine.
@@ -498,7 +501,7 @@ class DpoConfig:
     """Strength of the preference objective: how far the policy's log-probability ratios to
     the reference are pushed (DPO, IPO), or the scale of the mean log-probabilities (SimPO,
     where 2.0 to 2.5 is usual)."""
-    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    loss: PreferenceLoss = "sigmoid"
     """sigmoid: DPO; ipo: IPO's squared loss on length-normalized log-ratios; simpo: SimPO,
     on the answers' mean log-probabilities with a margin and no reference model. sigmoid and
     ipo compare with the pretrained model.path: with LoRA, the base with the adapters
@@ -513,6 +516,12 @@ class DpoConfig:
         _check(self.beta > 0, "dpo.beta", self.beta, "a number > 0")
         _check(0 <= self.label_smoothing < 0.5, "dpo.label_smoothing", self.label_smoothing,
                "0 <= x < 0.5")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss compares the policy with a reference model (sigmoid and ipo do;
+        SimPO does not)."""
+        return self.loss != "simpo"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1049,7 +1058,7 @@ def _check_preference(cfg: Config) -> None:
     _check(not d.across_documents, "data.cross_document_attention",
            d.cross_document_attention, "false (or unset) with train.objective=dpo: a pair's "
            "two halves share a block and must not see each other")
-    _check(cfg.dpo.loss == "simpo" or bool(cfg.model.path), "dpo.loss", cfg.dpo.loss,
+    _check(not cfg.dpo.needs_reference or bool(cfg.model.path), "dpo.loss", cfg.dpo.loss,
            "simpo (no reference model) when training from scratch; sigmoid and ipo compare "
            "the policy with the pretrained model it starts from: set model.path")
     _check(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1, "train.objective", "dpo",

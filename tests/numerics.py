@@ -24,11 +24,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from raylm.config import OptimConfig
+
 LOSSES = Path(__file__).with_name("losses.json")
 EOS, VOCAB = 256, 257
 SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, STEPS = 32, 8, 2, 30
 SEED, WINDOW, GROUP_ROWS = 0, 4, 16
-OPTIM = {"schedule": "cosine", "peak": 3e-3, "warmup": 5, "total": STEPS, "min_ratio": 0.1}
+OPTIM = OptimConfig(schedule="cosine", lr=3e-3, warmup_steps=5, min_lr_ratio=0.1)
 
 
 def packed_blocks() -> tuple[np.ndarray, list[int]]:
@@ -57,7 +59,7 @@ def run(rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
     order = SampleOrder(sizes, seed=SEED, window=WINDOW, global_batch=GLOBAL_BATCH)
     built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=EOS,
                                  device=torch.device("cpu"), precision="fp32", seed=SEED)
-    optimizer = build_optimizer(built.model, lr=OPTIM["peak"], weight_decay=0.1,
+    optimizer = build_optimizer(built.model, lr=OPTIM.lr, weight_decay=0.1,
                                 betas=(0.9, 0.95), device_type="cpu")
     micro, accumulation = batch_plan(GLOBAL_BATCH, MICRO_BATCH, world_size)
     per_rank = GLOBAL_BATCH // world_size
@@ -67,7 +69,7 @@ def run(rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
                                    global_batch=GLOBAL_BATCH, rank=rank, world_size=world_size)
         ids = torch.from_numpy(blocks[order.rows(positions)].astype(np.int64))
         batches = [{"input_ids": ids[i:i + micro]} for i in range(0, per_rank, micro)]
-        set_lr(optimizer, lr_at(step, **OPTIM))
+        set_lr(optimizer, lr_at(step, OPTIM, total=STEPS))
         loss, norm = (float(x) for x in train_step(built, optimizer, batches,
                                                    accumulation=accumulation, grad_clip=1.0))
         losses.append(loss)

@@ -38,12 +38,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from raylm.config import OptimConfig
 from raylm.model.parallelize import ParallelPlan
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter
 from raylm.workers.metrics import bf16_peak, flops_per_token
 from raylm.workers.optim import build_optimizer, lr_at, set_lr
 from raylm.workers.step import Built, batch_loss, build_training_model, clip_grad_norm, train_step
+
+# The bench's schedule: cosine from 3e-4 after 10 warmup steps, down to 0.
+SCHEDULE = OptimConfig(lr=3e-4, warmup_steps=10, min_lr_ratio=0.0)
 
 VOCAB = 32000  # a Llama-2-sized vocabulary (padded to 32,000: already a multiple of 64)
 MICRO_BATCH = {"tiny": 8, "125m": 16, "350m": 16, "1b": 8}
@@ -105,7 +109,7 @@ def raylm_side(preset: str, *, micro_batch: int, seq_len: int, plan: ParallelPla
     loss_at: dict[int, float] = {}
 
     def step(i: int) -> None:
-        set_lr(opt, lr_at(i, schedule="cosine", peak=3e-4, warmup=10, total=total))
+        set_lr(opt, lr_at(i, SCHEDULE, total=total))
         loss, norm = train_step(built, opt, [batches[i % len(batches)]], accumulation=1,
                                 grad_clip=1.0)
         vote()

@@ -450,9 +450,7 @@ def check_resumable(cfg: Config, found: tuple[str, dict] | None, *, vocab_size: 
     log(f"raylm: run {cfg.run.name!r} exists; resuming from step {state['step']} "
         f"of {cfg.train.steps} ({found[0]})")
     o = cfg.optim
-    change = schedule_change(state, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
-                             total=cfg.train.steps, min_ratio=o.min_lr_ratio,
-                             decay_fraction=o.decay_fraction, cycle_steps=o.cycle_steps)
+    change = schedule_change(state, o, total=cfg.train.steps)
     if change is not None:
         nxt = "" if change["lr_next"] is None else f", and {change['lr_next']:.3e} next"
         log(f"raylm: warning: the learning-rate schedule moved: step {change['step']} trained "

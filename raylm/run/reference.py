@@ -32,13 +32,12 @@ import ray
 from raylm.config import Config, cache_dir
 from raylm.names import LAYOUT, REFERENCE_INFO, SPLITS
 from raylm.outputs import discard, publish, staging
-from raylm.workers.preference import NEEDS_REFERENCE
 from raylm.workers.reference import ReferenceScorer
 
 
 def needs_stored_reference(cfg: Config) -> bool:
     """A preference loss with a reference model, on a model without adapters to switch off."""
-    return (cfg.train.objective == "dpo" and NEEDS_REFERENCE[cfg.dpo.loss]
+    return (cfg.train.objective == "dpo" and cfg.dpo.needs_reference
             and not cfg.lora.rank)
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ import ray.train.torch
 import torch
 
 from raylm import storage
-from raylm.config import Config, batch_plan, config_from_dict
+from raylm.config import Config, DpoConfig, batch_plan, config_from_dict
 from raylm.console import quiet_libraries
 from raylm.data.packing import SampleOrder, Skips, check_positions, step_positions
 from raylm.data.streams import (
@@ -76,12 +75,7 @@ from raylm.workers.metrics import (
     state_memory_bytes,
 )
 from raylm.workers.optim import build_optimizer, lr_at, set_lr
-from raylm.workers.preference import (
-    NEEDS_REFERENCE,
-    Objective,
-    preference_evaluate,
-    preference_step,
-)
+from raylm.workers.preference import preference_evaluate, preference_step
 from raylm.workers.step import (
     Built,
     TrainState,
@@ -145,7 +139,7 @@ class Setup:
     run_dir: str = ""
     lease: str | None = None
     """The token of the run directory's lease its driver holds (raylm.run.lease)."""
-    objective: Objective | None = None
+    objective: DpoConfig | None = None
     """The preference objective (train.objective=dpo); None for next-token training."""
     state_memory: dict[str, float] | None = None
     """Parameter and optimizer-state memory of the rank holding most, once measured."""
@@ -186,9 +180,7 @@ def train(run: Setup) -> None:
                         step=state.step, global_batch=t.global_batch_size,
                         rank=run.layout.dp_rank, world_size=run.layout.dp_size,
                         skips=run.skips)
-        lr = lr_at(state.step, schedule=o.schedule, peak=o.lr, warmup=o.warmup_steps,
-                   total=t.steps, min_ratio=o.min_lr_ratio, decay_fraction=o.decay_fraction,
-                   cycle_steps=o.cycle_steps)
+        lr = lr_at(state.step, o, total=t.steps)
         set_lr(run.optimizer, lr)
         if (state.step == 0 and run.cfg.model.path and run.built.pipeline is None
                 and run.objective is None):
@@ -599,9 +591,9 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  identity=loop_config.get("identity") or {})
 
 
-def preference_objective(cfg: Config) -> Objective | None:
-    """The dpo section as the step takes it, for train.objective=dpo."""
-    return Objective(**dataclasses.asdict(cfg.dpo)) if cfg.train.objective == "dpo" else None
+def preference_objective(cfg: Config) -> DpoConfig | None:
+    """The dpo section, which the step takes as it is, for train.objective=dpo."""
+    return cfg.dpo if cfg.train.objective == "dpo" else None
 
 
 def step_flops(cfg: Config, built: Built) -> float:
@@ -609,7 +601,7 @@ def step_flops(cfg: Config, built: Built) -> float:
     where a preference loss scores one in the step (2 of the 6 FLOPs per parameter again;
     a full fine-tune's reference was scored before training)."""
     flops = flops_per_token(built.config, cfg.data.seq_len)
-    if cfg.train.objective == "dpo" and NEEDS_REFERENCE[cfg.dpo.loss] and cfg.lora.rank:
+    if cfg.train.objective == "dpo" and cfg.dpo.needs_reference and cfg.lora.rank:
         flops *= 4 / 3
     return flops
 

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from raylm.config import SCHEDULES
+from raylm.config import OptimConfig
 
 
-def lr_at(step: int, *, schedule: str, peak: float, warmup: int, total: int,
-          min_ratio: float = 0.0, decay_fraction: float = 0.2, cycle_steps: int = 100) -> float:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"optim.schedule: unknown schedule {schedule!r}; choose one of "
-                         f"{', '.join(SCHEDULES)}.")
+def lr_at(step: int, optim: OptimConfig, *, total: int) -> float:
+    """The rate of 0-based step ``step`` of ``total`` under ``optim``'s schedule (the config
+    checked its settings)."""
+    schedule, peak, warmup = optim.schedule, optim.lr, optim.warmup_steps
+    min_ratio, decay_fraction = optim.min_lr_ratio, optim.decay_fraction
     if step < warmup:
         return peak * (step + 1) / warmup
     low = peak * min_ratio
@@ -44,7 +44,7 @@ def lr_at(step: int, *, schedule: str, peak: float, warmup: int, total: int,
             return peak
         return peak - (peak - low) * (progress - start) / decay_fraction
     # cyclical (triangular)
-    pos = (step - warmup) % cycle_steps / cycle_steps
+    pos = (step - warmup) % optim.cycle_steps / optim.cycle_steps
     return low + (peak - low) * abs(1.0 - 2.0 * pos)
 
 
@@ -81,8 +81,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 EXTEND_CLEANLY = ("constant", "wsd")
 
 
-def schedule_change(state: dict[str, Any], *, schedule: str, peak: float, warmup: int,
-                    total: int, min_ratio: float, decay_fraction: float, cycle_steps: int
+def schedule_change(state: dict[str, Any], optim: OptimConfig, *, total: int
                     ) -> dict[str, Any] | None:
     """How the current settings move the learning rate of a run resumed from a checkpoint's
     train ``state``, or None when they give its last step the rate it trained at. Extending
@@ -92,10 +91,8 @@ def schedule_change(state: dict[str, Any], *, schedule: str, peak: float, warmup
     step = int(state["step"])
     if trained is None or step == 0:
         return None
-    args = dict(schedule=schedule, peak=peak, warmup=warmup, total=total, min_ratio=min_ratio,
-                decay_fraction=decay_fraction, cycle_steps=cycle_steps)
-    now = lr_at(step - 1, **args)
+    now = lr_at(step - 1, optim, total=total)
     if math.isclose(now, trained, rel_tol=1e-6, abs_tol=1e-12):
         return None
     return {"step": step, "lr_trained": trained, "lr_now": now,
-            "lr_next": lr_at(step, **args) if step < total else None}
+            "lr_next": lr_at(step, optim, total=total) if step < total else None}

@@ -39,12 +39,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from raylm.config import DpoConfig, PreferenceLoss
 from raylm.model.lora import adapters_off
 from raylm.model.parallelize import autocast
 from raylm.names import REFERENCE_COLUMN
@@ -53,8 +54,7 @@ from raylm.workers.step import Built, apply_update, clip_grad_norm
 if TYPE_CHECKING:
     from raylm.workers.health import Health
 
-LOSSES = ("sigmoid", "ipo", "simpo")
-NEEDS_REFERENCE = {"sigmoid": True, "ipo": True, "simpo": False}
+LOSSES = get_args(PreferenceLoss)
 
 
 @dataclass(frozen=True)
@@ -68,16 +68,18 @@ class Answers:
     rejected_len: torch.Tensor
 
 
-def pair_losses(policy: Answers, reference: Answers | None, *, loss: str, beta: float,
-                label_smoothing: float = 0.0, simpo_gamma: float = 0.0
+def pair_losses(policy: Answers, reference: Answers | None, objective: DpoConfig
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-pair losses, and per-pair figures for reports: ``chosen_reward``,
     ``rejected_reward`` (the implicit rewards; for SimPO, ``beta`` x mean log-probability),
     ``margin`` (chosen less rejected reward), ``accuracy`` (1.0 where the chosen answer's
-    reward is higher)."""
+    reward is higher). ``objective``: the loss and its settings (the config's dpo
+    section)."""
+    loss, beta = objective.loss, objective.beta
+    label_smoothing, simpo_gamma = objective.label_smoothing, objective.simpo_gamma
     if loss not in LOSSES:
         raise ValueError(f"dpo.loss: unknown loss {loss!r}; choose one of {', '.join(LOSSES)}")
-    if NEEDS_REFERENCE[loss] and reference is None:
+    if objective.needs_reference and reference is None:
         raise ValueError(f"the {loss} loss needs the reference model's log-probabilities")
     if loss == "simpo":
         chosen = beta * policy.chosen / policy.chosen_len.clamp(min=1)
@@ -147,20 +149,6 @@ def answer_logps(logits: torch.Tensor, targets: torch.Tensor, segments: torch.Te
     if logits.device.type == "cuda" and index.device.type == "cpu":
         index = index.pin_memory()
     return segment_sums(target_logps(logits, targets, at), index, num_segments=num_segments)
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What :func:`preference_step` optimizes (the config's ``dpo`` section)."""
-
-    loss: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    simpo_gamma: float = 0.0
-
-    @property
-    def needs_reference(self) -> bool:
-        return NEEDS_REFERENCE[self.loss]
 
 
 # Per-pair figures reported, as global means over the step's pairs.
@@ -241,7 +229,7 @@ def reference_logps(built: Built, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return out.view(segments.shape)
 
 
-def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objective, *,
+def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: DpoConfig, *,
                segments: tuple[torch.Tensor, int] | None = None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The summed loss of ``batch``'s pairs (with its graph) and the sums of their figures;
@@ -258,9 +246,7 @@ def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objectiv
             with torch.no_grad(), adapters_off(built.model):
                 reference = scored(built, batch, segments, pairs)
     policy = scored(built, batch, segments, pairs)
-    losses, figures = pair_losses(policy, reference, loss=objective.loss, beta=objective.beta,
-                                  label_smoothing=objective.label_smoothing,
-                                  simpo_gamma=objective.simpo_gamma)
+    losses, figures = pair_losses(policy, reference, objective)
     figures = figures | {"chosen_logp": policy.chosen.detach(),
                          "rejected_logp": policy.rejected.detach()}
     return losses.sum(), {k: v.sum() for k, v in figures.items()}
@@ -268,7 +254,7 @@ def pair_terms(built: Built, batch: dict[str, torch.Tensor], objective: Objectiv
 
 def preference_step(built: Built, optimizer: torch.optim.Optimizer,
                     micro_batches: Iterable[dict[str, torch.Tensor]], *, accumulation: int,
-                    objective: Objective, grad_clip: float, health: Health | None = None
+                    objective: DpoConfig, grad_clip: float, health: Health | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """One optimizer step over ``accumulation`` micro-batches of packed pairs; returns (the
     loss averaged over the global batch's pairs, the gradient norm before clipping, each of
@@ -301,7 +287,7 @@ def preference_step(built: Built, optimizer: torch.optim.Optimizer,
 
 @torch.no_grad()
 def preference_evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]],
-                        objective: Objective) -> dict[str, float]:
+                        objective: DpoConfig) -> dict[str, float]:
     """The loss and :data:`FIGURES` averaged over every pair of ``batches`` on every rank
     (all call it): ``val_loss``, ``val_accuracy`` (the share of pairs whose chosen answer has
     the higher reward) ... ; NaN where the validation split holds no pair."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raylm.config import DpoConfig
 from tests.distributed.shared import (
     BATCH,
     LORA,
@@ -101,7 +102,7 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
             for _ in range(STEPS)]
     # DPO on the LoRA model, the reference being its base with the adapters off: the loss
     # is averaged over the global batch's pairs, which the ranks hold unequally.
-    from raylm.workers.preference import FIGURES, Objective, preference_step
+    from raylm.workers.preference import FIGURES, preference_step
 
     pairs = pair_blocks(BATCH, seq=SEQ - 1, vocab=VOCAB, seed=5)
     dpo = build_training_model(preset=None, path=pretrained, vocab_size=VOCAB, eos_id=0,
@@ -110,7 +111,7 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
     dpo_opt = build_optimizer(dpo.model, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
                               device_type="cpu")
     steps = [preference_step(dpo, dpo_opt, [mine(pairs)], accumulation=1,
-                             objective=Objective(loss="sigmoid", beta=0.5), grad_clip=1.0)
+                             objective=DpoConfig(loss="sigmoid", beta=0.5), grad_clip=1.0)
              for _ in range(STEPS)]
     out["dpo"] = [[float(loss), float(norm), *(float(f[k]) for k in FIGURES)]
                   for loss, norm, f in steps]

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from raylm.config import DpoConfig
 from raylm.model.parallelize import ParallelPlan
 from raylm.workers import checkpoint
 from raylm.workers.optim import build_optimizer
@@ -196,7 +197,7 @@ def test_float8_linears_compile_and_train_close_to_bf16(recipe):
 
 
 def test_a_dpo_step_on_lora_trains_in_bf16_with_its_base_as_reference():
-    from raylm.workers.preference import Objective, preference_evaluate, preference_step
+    from raylm.workers.preference import preference_evaluate, preference_step
     from tests.pairs import pair_blocks
 
     lora = {"rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
@@ -204,7 +205,7 @@ def test_a_dpo_step_on_lora_trains_in_bf16_with_its_base_as_reference():
     trained = [p for p in built.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-2)
     pairs = pair_blocks(4, seq=128, vocab=VOCAB)
-    objective = Objective(loss="sigmoid", beta=0.5)
+    objective = DpoConfig(loss="sigmoid", beta=0.5)
     # The same bf16 kernels score the policy and its reference: the first loss is ln 2.
     assert preference_evaluate(built, [pairs], objective)["val_loss"] == pytest.approx(
         0.6931472, abs=1e-6)
@@ -220,7 +221,6 @@ def test_a_full_dpo_step_on_stored_reference_figures_starts_at_ln2_in_bf16():
     step trains."""
     from raylm.names import REFERENCE_COLUMN
     from raylm.workers.preference import (
-        Objective,
         preference_evaluate,
         preference_step,
         reference_logps,
@@ -236,7 +236,7 @@ def test_a_full_dpo_step_on_stored_reference_figures_starts_at_ln2_in_bf16():
     built.model.train()
     assert stored.device.type == "cpu" and stored.dtype == torch.float32
     pairs[REFERENCE_COLUMN] = stored
-    objective = Objective(loss="sigmoid", beta=0.5)
+    objective = DpoConfig(loss="sigmoid", beta=0.5)
     assert preference_evaluate(built, [pairs], objective)["val_loss"] == pytest.approx(
         0.6931472, abs=2e-3)
     opt = optimizer(built)

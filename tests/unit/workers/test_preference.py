@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from raylm.config import DpoConfig
 from raylm.workers.preference import Answers, answer_logps, pair_losses
 
 
@@ -25,30 +26,31 @@ REFERENCE = answers([-5.0], [-5.5], [4.0], [2.0])
 
 def test_dpo_sigmoid_with_and_without_label_smoothing():
     # Log-ratios: chosen -4 - (-5) = 1, rejected -6 - (-5.5) = -0.5; beta 0.1: z = 0.15.
-    losses, m = pair_losses(POLICY, REFERENCE, loss="sigmoid", beta=0.1)
+    losses, m = pair_losses(POLICY, REFERENCE, DpoConfig(loss="sigmoid", beta=0.1))
     assert losses.item() == pytest.approx(-logsig(0.15), rel=1e-6)
     assert m["chosen_reward"].item() == pytest.approx(0.1)
     assert m["rejected_reward"].item() == pytest.approx(-0.05)
     assert m["margin"].item() == pytest.approx(0.15) and m["accuracy"].item() == 1.0
-    smooth, _ = pair_losses(POLICY, REFERENCE, loss="sigmoid", beta=0.1, label_smoothing=0.2)
+    smooth, _ = pair_losses(POLICY, REFERENCE,
+                            DpoConfig(loss="sigmoid", beta=0.1, label_smoothing=0.2))
     assert smooth.item() == pytest.approx(-0.8 * logsig(0.15) - 0.2 * logsig(-0.15), rel=1e-6)
 
 
 def test_ipo_divides_each_log_ratio_by_its_answer_length():
-    losses, _ = pair_losses(POLICY, REFERENCE, loss="ipo", beta=0.5)
+    losses, _ = pair_losses(POLICY, REFERENCE, DpoConfig(loss="ipo", beta=0.5))
     d = 1.0 / 4 - (-0.5) / 2  # 0.5
     assert losses.item() == pytest.approx((d - 1 / (2 * 0.5)) ** 2, rel=1e-6)
 
 
 def test_simpo_needs_no_reference_and_takes_a_margin():
-    losses, m = pair_losses(POLICY, None, loss="simpo", beta=2.0, simpo_gamma=0.5)
+    losses, m = pair_losses(POLICY, None, DpoConfig(loss="simpo", beta=2.0, simpo_gamma=0.5))
     z = 2.0 * (-4.0 / 4) - 2.0 * (-6.0 / 2) - 0.5  # -2 + 6 - 0.5 = 3.5
     assert losses.item() == pytest.approx(-logsig(z), rel=1e-6)
     assert m["margin"].item() == pytest.approx(4.0)
     with pytest.raises(ValueError, match="reference"):
-        pair_losses(POLICY, None, loss="sigmoid", beta=0.1)
+        pair_losses(POLICY, None, DpoConfig(loss="sigmoid", beta=0.1))
     with pytest.raises(ValueError, match="dpo.loss"):
-        pair_losses(POLICY, REFERENCE, loss="kto", beta=0.1)
+        pair_losses(POLICY, REFERENCE, DpoConfig(loss="kto", beta=0.1))
 
 
 def test_answer_logps_sum_each_answers_targets():
@@ -135,7 +137,7 @@ def test_dpo_and_ipo_equal_trls_loss_and_gradients(tokenizer_dir, tmp_path, loss
 
     with torch.no_grad():
         ref = logps(reference)
-    losses, _ = pair_losses(logps(ours), ref, loss=loss, beta=0.1)
+    losses, _ = pair_losses(logps(ours), ref, DpoConfig(loss=loss, beta=0.1))
     mine = losses.mean()
     mine.backward()
     assert mine.item() == pytest.approx(trl_loss_value.item(), abs=1e-5)
@@ -157,8 +159,9 @@ def test_simpo_equals_trls_cpo_loss_on_mean_log_probabilities():
     settings = SimpleNamespace(loss_type="simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=0.1,
                                alpha=0.0, accelerator=SimpleNamespace(device="cpu"))
     theirs, chosen, rejected = CPOTrainer.cpo_loss(settings, sums_c / lens_c, sums_r / lens_r)
-    mine, m = pair_losses(Answers(sums_c, sums_r, lens_c, lens_r), None, loss="simpo", beta=2.0,
-                          simpo_gamma=0.5, label_smoothing=0.1)
+    mine, m = pair_losses(Answers(sums_c, sums_r, lens_c, lens_r), None,
+                          DpoConfig(loss="simpo", beta=2.0, simpo_gamma=0.5,
+                                    label_smoothing=0.1))
     torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(m["chosen_reward"], chosen)
     torch.testing.assert_close(m["rejected_reward"], rejected)
@@ -176,7 +179,7 @@ def test_raylms_packed_lora_step_equals_trls_dpo_trainer(tokenizer_dir, tmp_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from raylm.data.packing import ExamplePacker, position_ids
-    from raylm.workers.preference import Objective, answer_segments, pair_terms
+    from raylm.workers.preference import answer_segments, pair_terms
     from raylm.workers.step import build_training_model
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -220,7 +223,7 @@ def test_raylms_packed_lora_step_equals_trls_dpo_trainer(tokenizer_dir, tmp_path
               "position_ids": torch.from_numpy(position_ids(starts[0], length))[None],
               "loss_mask": torch.from_numpy(masks)}
     assert answer_segments(packed["position_ids"], packed["loss_mask"])[1] == pairs
-    loss_sum, _ = pair_terms(built, packed, Objective(loss=loss, beta=0.1))
+    loss_sum, _ = pair_terms(built, packed, DpoConfig(loss=loss, beta=0.1))
     mine = loss_sum / pairs
     mine.backward()
     assert mine.item() == pytest.approx(theirs.item(), abs=1e-5)

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
+from raylm.config import DpoConfig
 from raylm.model.lora import adapters_off
 from raylm.workers.preference import (
     FIGURES,
-    Objective,
     answer_segments,
     pair_terms,
     preference_evaluate,
@@ -47,7 +47,7 @@ def test_each_trained_target_is_numbered_by_its_pair_and_answer():
 def test_the_reference_is_the_base_and_the_first_dpo_loss_is_ln2():
     built = build()
     batch = pair_blocks(2, seq=SEQ, vocab=VOCAB)
-    objective = Objective(loss="sigmoid", beta=0.1)
+    objective = DpoConfig(loss="sigmoid", beta=0.1)
     # Adapters start as the identity (B = 0): the policy is its reference, every reward 0.
     loss, figures = pair_terms(built, batch, objective)
     pairs = answer_segments(batch["position_ids"], batch["loss_mask"])[1]
@@ -75,7 +75,7 @@ def test_accumulation_gives_the_update_of_one_micro_batch(lora, loss):
     halves = [{k: v[:1] for k, v in batch.items()}, {k: v[1:] for k, v in batch.items()}]
     counts = [answer_segments(h["position_ids"], h["loss_mask"])[1] for h in halves]
     assert counts[0] * 3 != counts[1]  # unequal shares: a mean of means would differ
-    objective = Objective(loss=loss, beta=0.5 if loss != "simpo" else 2.0)
+    objective = DpoConfig(loss=loss, beta=0.5 if loss != "simpo" else 2.0)
     results = []
     for micro in ([batch], halves):
         built = build(lora)
@@ -103,7 +103,7 @@ def test_accumulation_gives_the_update_of_one_micro_batch(lora, loss):
 def test_dpo_steps_teach_the_preference_and_evaluation_reports_it():
     built = build()
     batch = pair_blocks(2, seq=SEQ, vocab=VOCAB, seed=2)
-    objective = Objective(loss="sigmoid", beta=0.5)
+    objective = DpoConfig(loss="sigmoid", beta=0.5)
     opt = torch.optim.AdamW([p for p in built.model.parameters() if p.requires_grad], lr=1e-2)
     before = preference_evaluate(built, [batch], objective)
     assert before["val_loss"] == pytest.approx(math.log(2), abs=1e-6)

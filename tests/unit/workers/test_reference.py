@@ -14,12 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raylm.config import load_config
+from raylm.config import DpoConfig, load_config
 from raylm.data.preparation import BlockWriter
 from raylm.data.streams import PackedSplit, _ReadBlocks, reference_file
 from raylm.names import REFERENCE_COLUMN
 from raylm.workers.preference import (
-    Objective,
     answer_segments,
     pair_losses,
     pair_terms,
@@ -126,7 +125,7 @@ def test_dpo_on_the_stored_reference_equals_dpo_against_a_frozen_copy(stored, lo
     _, split, _ = stored
     reader = _ReadBlocks(split, mode="eval", seed=0, window=1, rank=0, world_size=1)
     batch = {k: torch.from_numpy(v) for k, v in reader({"id": np.arange(6)}).items()}
-    objective = Objective(loss=loss, beta=0.5)
+    objective = DpoConfig(loss=loss, beta=0.5)
     built = build()
     frozen = copy.deepcopy(built.model).eval()
     sgd = torch.optim.SGD(built.model.parameters(), lr=0.5)
@@ -142,7 +141,7 @@ def test_dpo_on_the_stored_reference_equals_dpo_against_a_frozen_copy(stored, lo
     with torch.no_grad():
         reference = scored(dataclasses.replace(built, model=frozen), batch, segments, pairs)
     policy = scored(built, batch, segments, pairs)
-    losses, _ = pair_losses(policy, reference, loss=loss, beta=0.5)
+    losses, _ = pair_losses(policy, reference, DpoConfig(loss=loss, beta=0.5))
     assert float(losses.sum().detach()) == pytest.approx(float(summed), abs=1e-5)
     assert float(summed) / pairs < FIRST[loss] - 1e-3  # the first step moved the policy
     built.model.zero_grad()
