@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from raylm.config import Config, for_sweep
 from raylm.hub import resolve_sources
@@ -28,11 +27,9 @@ from raylm.workers.checkpoint import check_weights
 
 @dataclass(frozen=True)
 class Checked:
-    """A config that passed the preflight, and the model configuration it was checked with
-    (its vocabulary a placeholder: the tokenizer sets it once the data is prepared)."""
+    """A config that passed the preflight."""
 
     cfg: Config
-    model_config: Any
 
     def for_trial(self, cfg: Config) -> Checked:
         """The same checks standing for a sweep's trial, whose config differs only in the
@@ -67,7 +64,7 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
         # A store that cannot exist, or a server that refuses this client, fails now, not
         # after the data is prepared.
         tracking.check_access(cfg)
-    return Checked(cfg=cfg, model_config=model_config)
+    return Checked(cfg=cfg)
 
 
 def adapted(cfg: Config, *, sweep: bool) -> Config:

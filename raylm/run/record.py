@@ -50,28 +50,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+# The controller-side callback base classes (Ray Train V2, which the pin guarantees).
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.failure_handling import FailureDecision
+from ray.train.v2.api.callback import UserCallback
+
 from raylm import storage
 from raylm.console import quiet_libraries
 from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
 from raylm.run.goodput import goodput
 from raylm.run.tracking import Tracker
 from raylm.workers.faults import LeaseLost, check_lease
-
-try:  # the controller-side callback base classes (Ray Train V2)
-    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-    from ray.train.v2._internal.execution.failure_handling import FailureDecision
-    from ray.train.v2.api.callback import UserCallback
-except ImportError:  # pragma: no cover - Ray without Train V2
-    class UserCallback:
-        pass
-
-    class ControllerCallback:
-        pass
-
-    class WorkerGroupCallback:
-        pass
-
-    FailureDecision = None
 
 # The reported figures each progress record keeps: the run's metric history (raylm.api reads
 # it back as a DataFrame), whether or not MLflow is on. Also every figure named with one of
@@ -142,7 +131,7 @@ def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         kind = r["event"]
         if kind == "failure":
             failures.append(r)
-        elif kind == "group_start":
+        elif kind == GROUP_START:
             if pending is not None:
                 out.append(pending)
             pending = None
@@ -291,7 +280,7 @@ class RunRecord(UserCallback):
             if self.group is None:
                 self.resumed_from_step = m["resumed_from_step"]
             self.group = m["group_started"]
-            self._add("group_start", at=m["group_started"], workers=m["workers"],
+            self._add(GROUP_START, at=m["group_started"], workers=m["workers"],
                       from_step=m["resumed_from_step"] or 0, setup_s=m.get("setup_s"),
                       resumed_clock=m.get("resumed_clock"))
             self.group_reported = False

@@ -24,7 +24,8 @@ PRIVATE = [
      "a retry is told from the end of a run", "raylm/workers/faults.py, raylm/run/record.py"),
     ("ray.train.v2._internal.execution.context", "get_train_context",
      "the node-drain notice with its deadline, and the queue of a worker's reports (a "
-     "preempted group stops once its last report is taken)", "raylm/workers/preemption.py"),
+     "preempted group stops once its last report is taken); the module whose per-report log "
+     "lines are quieted", "raylm/workers/preemption.py, raylm/console.py"),
     ("ray._private.services", "find_bootstrap_address",
      "the head `ray start` recorded on this machine", "raylm/run/cluster.py"),
     ("torch.distributed.checkpoint._traverse", "set_element",
