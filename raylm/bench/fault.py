@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+from raylm import rundir
+
 
 def train_workers() -> list:
     """The live Ray Train worker processes on this machine."""
@@ -35,11 +37,10 @@ def kill_after_checkpoint(run_dir: str, *, step: int, delay_s: float, timeout_s:
                           done: threading.Event) -> dict[str, Any]:
     """Wait for a verified checkpoint at ``step`` or later in ``run_dir``, wait ``delay_s``,
     SIGKILL every training worker; what was done and when."""
-    from raylm.workers import checkpoint
 
     deadline = time.monotonic() + timeout_s
     while not done.is_set() and time.monotonic() < deadline:
-        found = checkpoint.latest_verified(run_dir, warn=lambda m: None)
+        found = rundir.latest_verified(run_dir, warn=lambda m: None)
         if found and found[1]["state"]["step"] >= step:
             time.sleep(delay_s)
             victims = train_workers()

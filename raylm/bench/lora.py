@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
+from raylm import rundir
 from raylm.config import load_config
 from raylm.console import quiet_torchao
 from raylm.data.tokenizer import EOS_TOKEN, save_hf_tokenizer, train_bpe
 from raylm.examples.reverse_words import pretraining_text, write
 from raylm.model.build import build_config
 from raylm.run.launch import train
-from raylm.workers import checkpoint
 
 # The vocabulary raylm's GPU configs train for the 125m preset and up.
 VOCAB = 32768
@@ -150,7 +150,7 @@ def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, 
             f"--scaling.use_gpu={str(use_gpu).lower()}", "--tracking.enabled=false",
             "--optim.warmup_steps=1", "--optim.lr=1e-4"])
         summary = train(cfg, log=lambda m: None)
-        found = checkpoint.latest_verified(str(root / "runs" / name))
+        found = rundir.latest_verified(str(root / "runs" / name))
         result[name] = {
             "trainable_params": summary["trainable_params"],
             "checkpoint_bytes": dir_bytes(str(found[0])),

@@ -106,15 +106,14 @@ def _spawn(world: int, spec: dict[str, Any], out: Path, fn=None) -> list[dict[st
 
 
 def checkpoint_fetch(*, preset: str, ranks: list[int], root: Path) -> dict[str, Any]:
-    from raylm import storage
-    from raylm.workers import checkpoint
+    from raylm import rundir, storage
 
     results = {}
     for n in ranks:
         where = root / f"ranks-{n}" / "checkpoint_000"
         spec = {"preset": preset, "checkpoint": str(where), "resume": False}
         _spawn(n, spec, root / f"save-{n}")
-        size = sum(checkpoint.verify(where)["files"].values())
+        size = sum(rundir.verify(where)["files"].values())
         fetched = [r["bytes"] for r in _spawn(n, {**spec, "checkpoint": f"file://{where}",
                                                   "resume": True}, root / f"load-{n}")]
         # What each rank fetched before: the whole directory.
@@ -235,7 +234,7 @@ def async_checkpoint(*, preset: str, root: Path, ranks: int = 1,
     """The stall of a synchronous checkpoint and of an asynchronous one from each writer, each
     in processes of its own; ``ratio`` is that of the writer ``checkpoint.writer: auto`` picks
     on this machine's device (the process on a GPU, the thread on a CPU)."""
-    from raylm.workers import checkpoint
+    from raylm import rundir
 
     cuda = torch.cuda.is_available()
     # A GPU step is short next to writing the checkpoint: longer sequences, and room for the
@@ -252,7 +251,7 @@ def async_checkpoint(*, preset: str, root: Path, ranks: int = 1,
         results[mode] = {
             "stall_s": round(worst["stall_s"], 3),
             "first_stall_s": round(max(r["first"]["stall_s"] for r in per_rank), 3),
-            "checkpoint_bytes": sum(checkpoint.verify(where)["files"].values()),
+            "checkpoint_bytes": sum(rundir.verify(where)["files"].values()),
             "detail": per_rank}
         shutil.rmtree(root / f"bucket-{mode}")
         shutil.rmtree(root / f"local-{mode}")

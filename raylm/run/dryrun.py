@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from raylm import storage
+from raylm import rundir, storage
 from raylm.config import Config, batch_plan, model_parallel_group, run_dir
 from raylm.data.corpus import is_prepared_dir, resolve_sources
 from raylm.data.preparation import cached_prepared_dir
@@ -99,9 +99,8 @@ def _run(cfg: Config, *, sweep: bool) -> str:
             return f"run: resumes the sweep in {where}"
         return f"run: a new sweep in {where}"
     from raylm.run.launch import base_model_identity, finished
-    from raylm.workers import checkpoint, health
 
-    found = checkpoint.latest_usable(rd, bad=health.read_manifest(rd)["bad_checkpoints"],
+    found = rundir.latest_usable(rd, bad=rundir.read_manifest(rd)["bad_checkpoints"],
                                      warn=lambda m: None)
     if found is None:
         return f"run: a new run in {where} (run.name={cfg.run.name})"
@@ -110,7 +109,7 @@ def _run(cfg: Config, *, sweep: bool) -> str:
     # The base model is the one part of a run's identity known before the data is prepared;
     # the rest is compared when the run starts.
     if marker.get("identity"):
-        checkpoint.check_same_run(marker, {**marker["identity"],
+        rundir.check_same_run(marker, {**marker["identity"],
                                            "base_model": base_model_identity(cfg)},
                                   str(path), accept=cfg.checkpoint.accept_changes)
     if finished(cfg, found) is not None:

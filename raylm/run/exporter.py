@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from raylm import storage
+from raylm import rundir, storage
 from raylm.config import config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
 from raylm.model import lora
@@ -38,7 +38,7 @@ from raylm.model.build import (
 )
 from raylm.names import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.outputs import check_output, discard, publish, staging
-from raylm.workers import checkpoint, health
+from raylm.workers import checkpoint
 
 TOKENIZER_DIR = "tokenizer"
 # In RUN_DIR/tokenizer, written after its files: their digest (see write_run_info).
@@ -103,7 +103,7 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True):
     rd = storage.normalize(run_dir)
     info = read_run_info(rd)
     cfg = config_from_dict(info["config"])
-    found = checkpoint.latest_usable(rd, bad=health.read_manifest(rd)["bad_checkpoints"])
+    found = rundir.latest_usable(rd, bad=rundir.read_manifest(rd)["bad_checkpoints"])
     if found is None:
         raise ValueError(f"{rd} holds no complete checkpoint to export.")
     config = build_config(preset=cfg.model.preset, path=cfg.model.path,

@@ -24,7 +24,7 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raylm import storage
+from raylm import rundir, storage
 from raylm.config import Config, ConfigError, run_dir, storage_root, validate
 from raylm.console import one_copy_of_worker_prints, quiet_libraries, train_log_level
 from raylm.data.preparation import prepared_dir
@@ -40,7 +40,7 @@ from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
 from raylm.run.record import Ending, EndOfRun, FinalModel, RunRecord
 from raylm.run.reference import needs_stored_reference, stored_reference
-from raylm.workers import checkpoint, faults, health
+from raylm.workers import faults
 from raylm.workers.faults import EndOnMistake
 from raylm.workers.loop import train_loop_per_worker
 from raylm.workers.optim import EXTEND_CLEANLY, schedule_change
@@ -164,7 +164,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
                   identity: dict[str, str] | None = None, reference: str | None = None,
                   lease: str | None = None) -> TorchTrainer:
     """The run's TorchTrainer. ``identity``: what the run trains with, written into every
-    checkpoint's marker (:func:`raylm.workers.checkpoint.check_same_run`); ``reference``: the
+    checkpoint's marker (:func:`raylm.workers.rundir.check_same_run`); ``reference``: the
     stored reference of a DPO full fine-tune (:mod:`raylm.run.reference`); ``lease``: the
     token of the run directory's lease the driver holds, which the workers check before each
     checkpoint (:mod:`raylm.run.lease`)."""
@@ -226,10 +226,10 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     layout = json.loads((prepared / LAYOUT).read_text())
     backend, eos = load_backend(manifest["tokenizer_path"])
     vocab = backend.get_vocab_size()
-    skipped = health.read_manifest(rd)
-    if health.describe_manifest(skipped):
-        log(f"raylm: {health.describe_manifest(skipped)}")
-    found = checkpoint.latest_usable(rd, bad=skipped["bad_checkpoints"],
+    skipped = rundir.read_manifest(rd)
+    if rundir.describe_manifest(skipped):
+        log(f"raylm: {rundir.describe_manifest(skipped)}")
+    found = rundir.latest_usable(rd, bad=skipped["bad_checkpoints"],
                                      warn=lambda m: log(f"warning: {m}"))
     done = finished(cfg, found)
     if done is not None:
@@ -424,11 +424,11 @@ def check_same_run(cfg: Config, found: tuple[str, dict] | None, identity: dict[s
     (then said, and returned for the record)."""
     if found is None:
         return []
-    changed = checkpoint.check_same_run(found[1], identity, str(found[0]),
+    changed = rundir.check_same_run(found[1], identity, str(found[0]),
                                         accept=cfg.checkpoint.accept_changes)
     if changed:
         log(f"raylm: warning: resuming {found[0]} with changed "
-            f"{', '.join(checkpoint.IDENTITY[k] for k in changed)} "
+            f"{', '.join(rundir.IDENTITY[k] for k in changed)} "
             f"(checkpoint.accept_changes={cfg.checkpoint.accept_changes})")
     return changed
 
@@ -444,7 +444,7 @@ def check_resumable(cfg: Config, found: tuple[str, dict] | None, *, vocab_size: 
         return None
     model_cfg = build_config(preset=cfg.model.preset, path=cfg.model.path,
                              vocab_size=vocab_size, eos_id=eos_id, attn_implementation="sdpa")
-    checkpoint.check_compatible(found[1], model_cfg, str(found[0]),
+    rundir.check_compatible(found[1], model_cfg, str(found[0]),
                                 lora.settings(cfg.lora))
     state = found[1]["state"]
     log(f"raylm: run {cfg.run.name!r} exists; resuming from step {state['step']} "

@@ -11,18 +11,8 @@ once more (``after_controller_finish``, through :class:`EndOfRun`): it writes th
 logs the final model and the run's files to MLflow and closes the MLflow run, with the one tracker
 that logged everything before (so a tracker that failed midway stays failed).
 
-Files in ``RUN_DIR`` (``run.storage_path/run.name``, a path or an object-storage URI), by writer:
-
-==================  ===========================================================================
-``checkpoint_*/``   Ray Train, from the workers: DCP shards, rank 0's marker and sample ledger
-``events.jsonl``    this record (object storage: ``events/<invocation>-<n>.jsonl`` segments)
-``summary.json``    this record only: while the run goes (``status: running``), then once at
-                    its end (status, wall time, the sample accounting, the final model);
-                    the driver reads it
-``run.json``,       the driver, before the run (what ``raylm export`` needs)
-``tokenizer/``
-``mlflow_run.json`` the driver, when it creates the MLflow run (:mod:`raylm.run.tracking`)
-==================  ===========================================================================
+What each file in ``RUN_DIR`` is and who writes it is :mod:`raylm.rundir`'s table; this record
+writes ``events.jsonl`` and ``summary.json``.
 
 How a restart or resize is detected: a worker group announces itself with a report as soon as
 it is set up (``event: group_start``: workers, step resumed from), and every later report
@@ -55,7 +45,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 from ray.train.v2._internal.execution.failure_handling import FailureDecision
 from ray.train.v2.api.callback import UserCallback
 
-from raylm import storage
+from raylm import rundir, storage
 from raylm.console import quiet_libraries
 from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
 from raylm.run.goodput import goodput
@@ -588,12 +578,12 @@ def sample_accounting(checkpoint_path: str, ending: Ending, *, run_dir: str
                       ) -> dict[str, Any] | None:
     """What the final checkpoint's sample ledger says was trained (see raylm.workers.ledger),
     against the order less the positions the run left out; None when it keeps no ledger."""
-    from raylm.workers import checkpoint, health, ledger
+    from raylm.workers import ledger
 
-    rows = checkpoint.load_samples(checkpoint_path)
+    rows = rundir.load_samples(checkpoint_path)
     if rows is None:
         return None
-    skips = health.read_manifest(run_dir)["ranges"] + list(ending.skip_positions)
+    skips = rundir.read_manifest(run_dir)["ranges"] + list(ending.skip_positions)
     return ledger.account(rows, group_sizes=ending.row_group_sizes, seed=ending.seed,
                           window=ending.window, skips=skips)
 

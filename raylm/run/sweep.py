@@ -29,7 +29,7 @@ from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 
-from raylm import storage
+from raylm import rundir, storage
 from raylm.config import Config, config_from_dict, run_dir, storage_root
 from raylm.console import quiet_libraries, tune_verbosity
 from raylm.data.preparation import prepared_dir
@@ -46,7 +46,6 @@ from raylm.run.launch import (
 from raylm.run.lease import hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.tracking import Tracker
-from raylm.workers import checkpoint
 
 METRIC = "val_loss"
 
@@ -228,7 +227,7 @@ def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
         history, ranked = (curve(r.metrics_dataframe, name) for name in (METRIC, metric))
         steps = max((s for s, _ in history), default=0)
         trial_id = r.metrics.get("trial_id")  # Tune adds it to every result
-        found = checkpoint.latest_verified(storage.join(rd, "trials", str(trial_id)),
+        found = rundir.latest_verified(storage.join(rd, "trials", str(trial_id)),
                                            warn=lambda m: None)
         trials.append({
             "trial_id": trial_id,

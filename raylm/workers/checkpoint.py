@@ -4,7 +4,9 @@ A checkpoint directory holds the DCP shards of model and optimizer (each rank wr
 files; DCP's metadata lets a different world size load and reshard them), the sample ledger
 ``samples.npy`` (see ``raylm.workers.ledger``), and ``raylm_checkpoint.json``, written last by
 rank 0: the train state (step, tokens seen, data position), the model's shape, and the name, size
-and BLAKE2b hash of every file of every rank. A directory counts as a checkpoint only if that
+and BLAKE2b hash of every file of every rank. The marker's format and its verification are
+:mod:`raylm.rundir`'s, which every process reads a run through; this module writes
+checkpoints and loads them into a model. A directory counts as a checkpoint only if that
 marker exists and every file it lists is there at its size, and, for files up to
 :data:`HASHED_ON_RESUME` (DCP's metadata, the ledger, small shards), with its hash; so a save cut
 short (a killed worker, a full disk, an interrupted upload) or a small file changed in place is
@@ -21,7 +23,6 @@ function of the step, so it needs no state of its own.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -32,7 +33,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Generator
+from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -50,24 +51,11 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from raylm import storage
-from raylm.model.build import WeightsError, reset_buffers
+from raylm.model.build import reset_buffers
 from raylm.names import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES
+from raylm.rundir import CheckpointError, check_compatible, file_hash, model_shape, verify
 
 log = logging.getLogger("raylm.workers.checkpoint")
-
-# The model settings a checkpoint must agree with to be loaded into a model.
-SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
-              "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "tie_word_embeddings")
-
-
-class CheckpointError(WeightsError):
-    """A checkpoint that cannot be used: incomplete, corrupted or for another model."""
-
-
-def model_shape(config) -> dict[str, Any]:
-    return {k: getattr(config, k, None) for k in SHAPE_KEYS}
-
 
 def _options(model: nn.Module):
     """A model with frozen parameters (LoRA) checkpoints only what trains: the frozen base is
@@ -219,18 +207,6 @@ class AsyncSave:
         _write_marker(self.path, group=self.group, **self._marker)
 
 
-HASHED_ON_RESUME = 64 << 20
-"""Files up to this size are checked by hash whenever a checkpoint is verified."""
-
-
-def file_hash(read_chunks) -> str:
-    """BLAKE2b-128 of the bytes ``read_chunks`` yields, in hex."""
-    h = hashlib.blake2b(digest_size=16)
-    for chunk in read_chunks:
-        h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndarray | None,
                   adapters: dict[str, Any] | None, group: dist.ProcessGroup | None = None,
                   identity: dict[str, str] | None = None) -> None:
@@ -258,114 +234,6 @@ def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndar
         tmp = path / f".{CHECKPOINT_MARKER}.tmp"
         tmp.write_text(json.dumps(marker, indent=1))
         os.replace(tmp, path / CHECKPOINT_MARKER)
-
-
-def _check_marker(marker: Any, where: str) -> None:
-    """A marker of the shape :func:`_write_marker` writes, or :class:`CheckpointError` (so a
-    damaged one is skipped as a broken checkpoint, not an error that stops every restart)."""
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {CHECKPOINT_MARKER} is malformed ({why})")
-
-    if not isinstance(marker, dict):
-        raise bad("not an object")
-    for key in ("state", "model", "files"):
-        if not isinstance(marker.get(key), dict):
-            raise bad(f"{key} is not an object")
-    step = marker["state"].get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise bad("state.step is not a step number")
-    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-               and v >= 0 for k, v in marker["files"].items()):
-        raise bad("files does not map names to sizes")
-    hashes = marker.get("hashes", {})
-    if not isinstance(hashes, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in hashes.items()):
-        raise bad("hashes does not map names to digests")
-    for key in ("adapters", "identity"):
-        if not isinstance(marker.get(key, {}), dict):
-            raise bad(f"{key} is not an object")
-
-
-def verify(directory: str | os.PathLike, *, every_hash: bool = False) -> dict[str, Any]:
-    """The marker of a complete checkpoint (a path or URI); :class:`CheckpointError` saying
-    what is wrong. Files are checked by size, and by hash up to :data:`HASHED_ON_RESUME` (all of
-    them with ``every_hash``). Checkpoints from before hashes were recorded have sizes only."""
-    d = str(directory)
-    try:
-        marker = json.loads(storage.read_text(storage.join(d, CHECKPOINT_MARKER)))
-    except FileNotFoundError:
-        raise CheckpointError(f"{d}: no {CHECKPOINT_MARKER} (save did not finish)") from None
-    except ValueError:
-        raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} is corrupted") from None
-    _check_marker(marker, d)
-    if not marker.get("files"):
-        raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} lists no files")
-    for name, size in marker["files"].items():
-        found = storage.size(storage.join(d, name))
-        if found is None:
-            raise CheckpointError(f"{d}: {name} is missing")
-        if found != size:
-            raise CheckpointError(f"{d}: {name} has {found} bytes, expected {size} (truncated)")
-    for name, digest in marker.get("hashes", {}).items():
-        if name not in marker["files"]:
-            raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} hashes {name}, which it does not "
-                                  f"list")
-        if every_hash or marker["files"][name] <= HASHED_ON_RESUME:
-            if file_hash(storage.read_chunks(storage.join(d, name))) != digest:
-                raise CheckpointError(f"{d}: {name} does not match its hash (changed or "
-                                      f"corrupted since it was written)")
-    return marker
-
-
-def check_compatible(marker: dict[str, Any], config, where: str,
-                     adapters: dict[str, Any] | None = None) -> None:
-    want, have = model_shape(config), marker["model"]
-    diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
-    if diff:
-        detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diff.items())
-        raise CheckpointError(
-            f"The checkpoint {where} is for a different model ({detail}). Use the model.preset "
-            f"or model.path it was trained with, or start a new run (a new run.name).")
-    if marker.get("adapters", {}) != (adapters or {}):
-        raise CheckpointError(
-            f"The checkpoint {where} holds LoRA adapters {marker.get('adapters') or 'none'} "
-            f"but the run asks for {adapters or 'none'} (lora.*): resume with the settings it "
-            f"was trained with, or start a new run (a new run.name).")
-
-
-# What a checkpoint's identity names, and how a user says so when it changed on purpose.
-IDENTITY = {"data": "the prepared data (corpus and preparation settings)",
-            "format": "data.format", "tokenizer": "the tokenizer", "base_model": "model.path"}
-
-
-def _comparable(recorded: str, now: str | None) -> bool:
-    """Whether two identity values are of one format: a base model identified by a release
-    of raylm that identified it otherwise (by its files' sizes, before the ``v2:`` prefix)
-    cannot be compared with today's, and is not."""
-    if now is None or now.startswith("preset:") or recorded.startswith("preset:"):
-        return True
-    return (":" in recorded) == (":" in now)
-
-
-def check_same_run(marker: dict[str, Any], identity: dict[str, str], where: str, *,
-                   accept: list[str]) -> list[str]:
-    """What changed since the checkpoint ``where`` was written, among the run's data,
-    tokenizer and base model, when ``accept`` (``checkpoint.accept_changes``) allows all of
-    it; :class:`CheckpointError` naming the rest otherwise. Checkpoints written before raylm
-    recorded an identity have none to compare."""
-    recorded = marker.get("identity") or {}
-    changed = [k for k in IDENTITY if k in recorded and recorded[k] != identity.get(k)
-               and _comparable(recorded[k], identity.get(k))]
-    owner = {"format": "data"}
-    refused = [k for k in changed if owner.get(k, k) not in accept]
-    if refused:
-        raise CheckpointError(
-            f"The checkpoint {where} was trained with other "
-            f"{', '.join(IDENTITY[k] for k in refused)} than this run has: a resume continues "
-            f"the same run. Start a new run (a new run.name) with model.path set to an export "
-            f"of this one, or, to continue training on purpose, set checkpoint.accept_changes="
-            f"[{', '.join(sorted({owner.get(k, k) for k in refused}))}].")
-    return changed
 
 
 def load(directory: str | os.PathLike, *, model: nn.Module,
@@ -567,62 +435,6 @@ class RangeReader(SafeReader):
     def fetched(self) -> int:
         """Bytes this reader has fetched: metadata and chunks."""
         return self.fs.streamed + self.ranged
-
-
-def load_samples(directory: str | os.PathLike) -> np.ndarray | None:
-    """The sample ledger of a checkpoint: the stored rows of every step, ``(steps, global
-    batch)``; None if the run did not keep one."""
-    path = storage.join(str(directory), CHECKPOINT_SAMPLES)
-    return np.load(io.BytesIO(storage.read_bytes(path))) if storage.is_file(path) else None
-
-
-_RAY_CKPT = re.compile(r"^checkpoint_")
-
-
-def candidates(run_dir: str | os.PathLike) -> list[str]:
-    """Checkpoint directories under ``run_dir`` (Ray Train names them checkpoint_*), newest
-    step first (by marker; unreadable ones last)."""
-    root = str(run_dir)
-
-    def step_of(p: str) -> int:
-        try:
-            marker = json.loads(storage.read_text(storage.join(p, CHECKPOINT_MARKER)))
-            return int(marker["state"]["step"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return -1
-
-    dirs = [storage.join(root, n) for n in storage.list_dirs(root) if _RAY_CKPT.match(n)]
-    return sorted(dirs, key=lambda p: (step_of(p), p), reverse=True)
-
-
-def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning,
-                    exclude: Collection[str] = ()) -> tuple[str, dict] | None:
-    """The newest complete checkpoint of a run, skipping (and warning about) broken ones, and
-    those named in ``exclude`` (checkpoint directory names)."""
-    for path in candidates(run_dir):
-        if storage.name(path) in exclude:
-            continue
-        try:
-            return path, verify(path)
-        except CheckpointError as e:
-            warn(f"skipping incomplete checkpoint: {e}")
-    return None
-
-
-def latest_usable(run_dir: str | os.PathLike, *, bad: Collection[str], warn=log.warning
-                  ) -> tuple[str, dict] | None:
-    """:func:`latest_verified` without the checkpoints a rewind marked ``bad``
-    (``skipped_samples.json``); :class:`CheckpointError` when the run has verified checkpoints
-    and every one is marked bad: starting from step 0 would silently drop the run's progress
-    (and its new checkpoints would replace the kept ones)."""
-    found = latest_verified(run_dir, warn=warn, exclude=bad)
-    if found is None and bad and latest_verified(run_dir, warn=lambda _: None) is not None:
-        raise CheckpointError(
-            f"every verified checkpoint of {storage.redact(str(run_dir))} is marked bad in its "
-            f"skipped_samples.json ({', '.join(bad)}): the run would start again from step 0. "
-            f"If the loss that marked them was the device's or a setting's, fix that and "
-            f"remove the names from bad_checkpoints there, or start a new run (run.name).")
-    return found
 
 
 def stored_weight_names(path: str | os.PathLike) -> set[str]:

@@ -24,7 +24,6 @@ the norm back every step to decide).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,9 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raylm import storage
 from raylm.data.packing import Skips, as_ranges
-from raylm.names import SKIPPED
 from raylm.workers.faults import Mistake
 
 NONFINITE, SPIKE = 1, 2
@@ -127,75 +124,6 @@ class NumericalFault(Mistake):
 def _number(x: float) -> float | str:
     """A figure for JSON files, which have no NaN or infinity: those as "nan", "inf"."""
     return x if math.isfinite(x) else str(x)
-
-
-def empty_manifest() -> dict[str, Any]:
-    return {"ranges": [], "faults": [], "bad_checkpoints": []}
-
-
-def read_manifest(run_dir: str) -> dict[str, Any]:
-    """The run's ``skipped_samples.json``: the position ranges its rewinds left out, each
-    fault that made one, and the checkpoints marked bad; :class:`ValueError` for one that
-    raylm's rewinds could not have written (:func:`check_manifest`)."""
-    path = storage.join(run_dir, SKIPPED)
-    if not storage.is_file(path):
-        return empty_manifest()
-    try:
-        manifest = json.loads(storage.read_text(path))
-    except ValueError:
-        raise ValueError(f"{storage.redact(path)} is not JSON") from None
-    check_manifest(manifest, where=storage.redact(path))
-    return manifest
-
-
-def check_manifest(manifest: Any, *, where: str) -> None:
-    """Refuse a skip manifest that does not hold together: the ranges it leaves out must be
-    exactly what its fault records left out, each within the positions of its fault's step,
-    and each checkpoint marked bad must be named by the fault that marked it. (The file is
-    the run's own; this catches a damaged or hand-edited one, whose ranges would silently
-    move what every later step trains.)"""
-    def bad(why: str) -> ValueError:
-        return ValueError(f"{where}: {why}; it is not as raylm's rewinds write it. Restore it, "
-                          f"or start a new run (run.name)")
-
-    if not isinstance(manifest, dict) or not all(
-            isinstance(manifest.get(k), list) for k in ("ranges", "faults", "bad_checkpoints")):
-        raise bad("it lacks the lists ranges, faults and bad_checkpoints")
-    try:
-        left_out: list[list[int]] = []
-        for f in manifest["faults"]:
-            mine = Skips(f["left_out"]).ranges
-            within = Skips(f.get("positions", []))
-            if any(within.overlap(a, b) != b - a for a, b in mine):
-                raise bad(f"the fault at step {f['step']} leaves out positions its step did "
-                          f"not train")
-            left_out += mine
-        if Skips(left_out).ranges != Skips(manifest["ranges"]).ranges:
-            raise bad("its ranges are not those its faults left out")
-    except (TypeError, KeyError, ValueError) as e:
-        if isinstance(e, ValueError) and str(e).startswith(where):
-            raise
-        raise bad(f"a record is malformed ({type(e).__name__}: {e})") from None
-    marked = {f.get("bad_checkpoint") for f in manifest["faults"]}
-    unmarked = [c for c in manifest["bad_checkpoints"] if c not in marked]
-    if unmarked:
-        raise bad(f"it marks {', '.join(map(str, unmarked))} bad with no fault that did")
-
-
-def describe_manifest(manifest: dict[str, Any]) -> str | None:
-    """One line on what a run's skip manifest leaves out; None when it leaves out nothing."""
-    skips = Skips(manifest["ranges"])
-    if not skips and not manifest["bad_checkpoints"]:
-        return None
-    rewinds = sum(1 for f in manifest["faults"] if f["left_out"])
-    bad = manifest["bad_checkpoints"]
-    return (f"skipped_samples.json leaves out {skips.total:,} sample positions "
-            f"({len(skips.ranges)} ranges, from {rewinds} rewinds)"
-            + (f"; checkpoints marked bad: {', '.join(bad)}" if bad else ""))
-
-
-def write_manifest(run_dir: str, manifest: dict[str, Any]) -> None:
-    storage.write_text(storage.join(run_dir, SKIPPED), json.dumps(manifest, indent=1))
 
 
 @dataclass

@@ -37,7 +37,7 @@ import ray.train
 import ray.train.torch
 import torch
 
-from raylm import storage
+from raylm import rundir, storage
 from raylm.config import Config, DpoConfig, batch_plan, config_from_dict
 from raylm.console import quiet_libraries
 from raylm.data.packing import SampleOrder, Skips, check_positions, step_positions
@@ -57,15 +57,7 @@ from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter, run_figures, window_figures
 from raylm.workers.faults import MISTAKES, Mistake, check_lease, first_prediction_check
-from raylm.workers.health import (
-    Fault,
-    Health,
-    NumericalFault,
-    Rewind,
-    decide,
-    read_manifest,
-    write_manifest,
-)
+from raylm.workers.health import Fault, Health, NumericalFault, Rewind, decide
 from raylm.workers.ledger import Ledger
 from raylm.workers.metrics import (
     flops_per_token,
@@ -250,7 +242,7 @@ def check_skips_kept(state: TrainState, skips: Skips) -> None:
     was = Skips(state.skipped or [])
     trained_to = int(was.positions(np.array([state.data_position]))[0])
     if clip_ranges(was.ranges, trained_to) != clip_ranges(skips.ranges, trained_to):
-        raise ckpt.CheckpointError(
+        raise rundir.CheckpointError(
             f"the sample positions left out of the order below position {trained_to} "
             f"({clip_ranges(skips.ranges, trained_to)}) are not those the checkpoint at step "
             f"{state.step} trained without ({clip_ranges(was.ranges, trained_to)}); "
@@ -460,7 +452,7 @@ def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
         return
     run.checkpointer.wait()
     if decision.manifest is not None and run.rank == 0:
-        write_manifest(run.run_dir, decision.manifest)
+        rundir.write_manifest(run.run_dir, decision.manifest)
     run.checkpointer.report(metrics)
     preemption.hand_over()
     raise (Rewind if decision.action == "rewind" else NumericalFault)(decision.message)
@@ -519,8 +511,8 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     reading = dict(timeout_s=cfg.checkpoint.timeout_s, rank=rank, setting="checkpoint.timeout_s")
     with bounded(f"the checkpoints of {loop_config['run_dir']} to be listed and verified",
                  **reading):
-        manifest = read_manifest(loop_config["run_dir"])
-        found = ckpt.latest_usable(loop_config["run_dir"], bad=manifest["bad_checkpoints"])
+        manifest = rundir.read_manifest(loop_config["run_dir"])
+        found = rundir.latest_usable(loop_config["run_dir"], bad=manifest["bad_checkpoints"])
     skips = Skips(manifest["ranges"] + t.skip_positions)
     start_step = found[1]["state"]["step"] if found is not None else 0
     batches = open_stream(loop_config, cfg, layout=lay, start_step=start_step,
@@ -697,12 +689,12 @@ def restore(found: tuple[str, dict] | None, cfg: Config, *, built: Built,
                                         adapters=lora_settings(cfg.lora)))
         batch = cfg.train.global_batch_size
         if state.data_position != state.step * batch:
-            raise ckpt.CheckpointError(
+            raise rundir.CheckpointError(
                 f"checkpoint data position {state.data_position} is not step {state.step} x "
                 f"train.global_batch_size={batch}; keep the global batch of the run.")
         check_skips_kept(state, skips)
     # The ledger continues the checkpoint's; every rank decides alike (saving gathers).
-    history = ckpt.load_samples(found[0]) if found is not None else np.zeros(
+    history = rundir.load_samples(found[0]) if found is not None else np.zeros(
         (0, cfg.train.global_batch_size), np.int32)
     enabled = cfg.train.sample_ledger and history is not None
     return state, Ledger(enabled=enabled, history=history if rank == 0 else None,

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from raylm import rundir
 from raylm.names import CHECKPOINT_MARKER
 from tests.distributed.shared import VOCAB, data, exit_now
 from tests.ranks import free_port, run_ranks
@@ -57,8 +58,8 @@ def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "ti
                 state={"step": step + 1, "tokens_seen": (step + 1) * 4 * 32,
                        "data_position": (step + 1) * 4})
     if pending is not None:
-        with pytest.raises(checkpoint.CheckpointError, match="save did not finish"):
-            checkpoint.verify(pending.path)  # not a checkpoint until every rank's write is done
+        with pytest.raises(rundir.CheckpointError, match="save did not finish"):
+            rundir.verify(pending.path)  # not a checkpoint until every rank's write is done
         pending.finish()
     stager.close()
     return losses
@@ -96,10 +97,9 @@ def saved(tmp_path_factory):
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
-    from raylm.workers import checkpoint
 
     ckpt, uninterrupted = saved
-    marker = checkpoint.verify(ckpt)
+    marker = rundir.verify(ckpt)
     assert marker["world_size"] == 2 and marker["state"]["step"] == 2
     assert any(name.startswith("__1_") for name in marker["files"])  # rank 1's shard is listed
     torch.set_num_threads(1)
@@ -110,10 +110,9 @@ def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
 def test_a_second_save_into_the_same_buffers_holds_its_own_step(saved):
     """The step-3 checkpoint, staged into the buffers the step-2 one was staged into, resumes
     at step 3 exactly."""
-    from raylm.workers import checkpoint
 
     ckpt, uninterrupted = saved
-    assert checkpoint.verify(f"{ckpt}_step3")["state"]["step"] == 3
+    assert rundir.verify(f"{ckpt}_step3")["state"]["step"] == 3
     torch.set_num_threads(1)
     resumed = session(1, 0, f"{ckpt}_step3", resume=True)
     assert resumed == pytest.approx(uninterrupted[3:], abs=1e-5)
@@ -132,9 +131,8 @@ def resume_on_two_ranks(ckpt: str, out: str) -> tuple[list, list[int]]:
 
 
 def size_of(ckpt) -> int:
-    from raylm.workers import checkpoint
 
-    return sum(checkpoint.verify(ckpt)["files"].values())
+    return sum(rundir.verify(ckpt)["files"].values())
 
 
 def test_one_rank_checkpoint_resumes_on_two_ranks_from_object_storage_exactly(tmp_path):
@@ -166,7 +164,6 @@ def test_two_ranks_resuming_from_object_storage_fetch_their_own_shards(saved, tm
 def test_truncated_checkpoint_is_refused_and_skipped(saved, tmp_path):
     import shutil
 
-    from raylm.workers import checkpoint
 
     ckpt, _ = saved
     good = tmp_path / "checkpoint_a"
@@ -178,25 +175,24 @@ def test_truncated_checkpoint_is_refused_and_skipped(saved, tmp_path):
     (bad / CHECKPOINT_MARKER).write_text(json.dumps(marker))
     shard = next(p for p in bad.iterdir() if p.name.startswith("__1_"))
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(checkpoint.CheckpointError, match="truncated"):
-        checkpoint.verify(bad)
+    with pytest.raises(rundir.CheckpointError, match="truncated"):
+        rundir.verify(bad)
     warnings = []
-    path, found = checkpoint.latest_verified(tmp_path, warn=warnings.append)
+    path, found = rundir.latest_verified(tmp_path, warn=warnings.append)
     assert path == str(good) and found["state"]["step"] == 2
     assert len(warnings) == 1 and "checkpoint_b" in warnings[0]
 
 
 def test_changed_model_shape_refuses_to_load(saved):
     from raylm.model.build import build_config
-    from raylm.workers import checkpoint
 
     ckpt, _ = saved
 
     other = build_config(preset="125m", path=None, vocab_size=VOCAB, eos_id=0,
                          attn_implementation="sdpa")
-    with pytest.raises(checkpoint.CheckpointError, match="for a different model .*hidden_size: "
+    with pytest.raises(rundir.CheckpointError, match="for a different model .*hidden_size: "
                        "checkpoint 64 vs model 768"):
-        checkpoint.check_compatible(checkpoint.verify(ckpt), other, ckpt)
+        rundir.check_compatible(rundir.verify(ckpt), other, ckpt)
 
 
 def test_checkpoint_in_object_storage_is_found_verified_and_resumed(saved, tmp_path):
@@ -204,12 +200,11 @@ def test_checkpoint_in_object_storage_is_found_verified_and_resumed(saved, tmp_p
     listing, verifying and fetching through pyarrow's filesystems) resumes exactly."""
     import shutil
 
-    from raylm.workers import checkpoint
 
     ckpt, uninterrupted = saved
     shutil.copytree(ckpt, tmp_path / "run" / "checkpoint_000")
     run_uri = f"file://{tmp_path}/run"
-    path, marker = checkpoint.latest_verified(run_uri)
+    path, marker = rundir.latest_verified(run_uri)
     assert path == f"{run_uri}/checkpoint_000" and marker["state"]["step"] == 2
     torch.set_num_threads(1)
     fetched: dict = {}

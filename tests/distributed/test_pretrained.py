@@ -201,7 +201,8 @@ def test_weights_that_are_not_the_models_are_refused_naming_them(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from raylm.model.build import build_config, build_meta_model
-    from raylm.workers.checkpoint import CheckpointError, check_weights
+    from raylm.rundir import CheckpointError
+    from raylm.workers.checkpoint import check_weights
 
     path = save_family(tmp_path / "qwen2", "qwen2")
     weights = load_file(str(path / "model.safetensors"))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from raylm import rundir
 from raylm.config import load_config, run_dir
-from raylm.workers import checkpoint
 from tests.conftest import tiny_run
 
 pytestmark = [pytest.mark.gpu,
@@ -56,5 +56,5 @@ def test_a_train_run_through_ray_trains_on_the_gpu(tmp_path: Path, tokenizer_dir
     assert summary["joules_per_token"] is None or summary["joules_per_token"] > 0
     assert 0 < summary["peak_memory_gb"] < torch.cuda.get_device_properties(0).total_memory / 1e9
     assert math.isfinite(summary["train_loss"]) and math.isfinite(summary["val_loss"])
-    _, marker = checkpoint.latest_verified(run_dir(cfg))
+    _, marker = rundir.latest_verified(run_dir(cfg))
     assert marker["state"]["step"] == 4

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from raylm import rundir
+
 
 def train_workers():
     """The live Ray Train worker processes of the (one) run in progress."""
@@ -25,7 +27,6 @@ def run_and_interfere(run: Callable[[], dict], run_dir: Path, *,
     group (reports reach it at its next poll), so each act after the first hits the group
     that the previous one made the run start. Returns the run's summary."""
     from raylm.run import record
-    from raylm.workers import checkpoint
 
     out: dict = {}
     thread = threading.Thread(target=lambda: out.update(summary=run()), daemon=True)
@@ -33,7 +34,7 @@ def run_and_interfere(run: Callable[[], dict], run_dir: Path, *,
     deadline = time.time() + timeout
     for k, (when_step, act) in enumerate(acts):
         while time.time() < deadline:
-            found = checkpoint.latest_verified(run_dir, warn=lambda m: None)
+            found = rundir.latest_verified(run_dir, warn=lambda m: None)
             groups = [e for e in record.read(str(run_dir)) if e["event"] == "group_start"]
             if found and found[1]["state"]["step"] >= when_step and len(groups) > k:
                 act()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from raylm import rundir
 from raylm.config import load_config
 from raylm.data.preparation import prepare
 from raylm.run import record
@@ -91,7 +92,6 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     import ray
     from ray._private.state import available_resources_per_node
 
-    from raylm.workers import checkpoint
 
     c, nodes = cluster
     # After the node is lost, Ray Train first waits this long (60 s by default) for the
@@ -118,7 +118,7 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     thread.start()
 
     def checkpoint_step():
-        found = checkpoint.latest_verified(run_dir, warn=lambda m: None)
+        found = rundir.latest_verified(run_dir, warn=lambda m: None)
         return found[1]["state"]["step"] if found else 0
 
     def groups():

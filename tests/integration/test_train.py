@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import raylm
+from raylm import rundir
 from raylm.config import load_config, parse_override
 from raylm.run.launch import train
 from tests.conftest import tiny_run
@@ -67,13 +68,12 @@ def relaid(base, trained):
     that its one rank evaluates the blocks the 2 ranks of the other runs did. Returns both
     summaries and what the second invocation said."""
     from raylm import storage
-    from raylm.workers import checkpoint
 
     run = [f"--run.storage_path={bucket(base)}", "--run.name=layouts", "--checkpoint.every=5",
            "--scaling.num_workers=4", "--scaling.cpus_per_worker=0.5",
            f"--tracking.uri={trained['mlflow_tracking_uri']}"]
     first = train_run(base, *run, "--train.steps=10", "--parallel.tensor=2")
-    newest, marker = checkpoint.latest_verified(f"{bucket(base)}/layouts")
+    newest, marker = rundir.latest_verified(f"{bucket(base)}/layouts")
     assert marker["state"]["step"] == 10 and marker["world_size"] == 4
     shard = max((storage.join(newest, f) for f in storage.list_files(newest)
                  if f.endswith(".distcp")), key=storage.size)
@@ -455,7 +455,7 @@ def test_a_planted_bad_record_is_rewound_left_out_exactly_and_never_loops(
     weights; the run goes back to its latest checkpoint and leaves out exactly that block's
     position, recorded in skipped_samples.json and the summary, and ends. A second run of the
     model without the poison, told to leave out that position, ends at the same losses."""
-    from raylm.workers.health import read_manifest
+    from raylm.rundir import read_manifest
     from tests.conftest import save_tiny_qwen3, tokenizer_vocab
 
     steps, batch = 12, 8

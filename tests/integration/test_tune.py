@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from raylm import rundir
 from raylm.config import load_config
 from tests.conftest import save_tiny_llama, tiny_run, tokenizer_vocab
 
@@ -131,7 +132,6 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     from raylm.run.sweep import sweep
-    from raylm.workers import checkpoint
 
     root = Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
     rng = random.Random(0)
@@ -156,7 +156,7 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     trials = root / "resumed" / "trials"
 
     def newest_step() -> int:
-        found = [checkpoint.latest_verified(d, warn=lambda m: None)
+        found = [rundir.latest_verified(d, warn=lambda m: None)
                  for d in trials.glob("*") if d.is_dir()]
         return max((f[1]["state"]["step"] for f in found if f), default=0)
 

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
+from raylm import rundir
 from raylm.config import load_config
 from raylm.run.launch import base_model_identity, choose_device
-from raylm.workers import checkpoint
 from tests.conftest import save_tiny_qwen3
 
 VOCAB = 8000  # embeddings of 2 MB each: files larger than the part read whole
@@ -47,12 +47,12 @@ def test_a_lora_resume_on_a_changed_base_is_refused_unless_accepted(tmp_path):
                            "base_model": identity_of(base)}}
     save_tiny_qwen3(base, vocab_size=VOCAB, seed=1)
     now = {**marker["identity"], "base_model": identity_of(base)}
-    with pytest.raises(checkpoint.CheckpointError, match=r"other model.path than this run has"):
-        checkpoint.check_same_run(marker, now, "ck", accept=[])
-    assert checkpoint.check_same_run(marker, now, "ck", accept=["base_model"]) == ["base_model"]
+    with pytest.raises(rundir.CheckpointError, match=r"other model.path than this run has"):
+        rundir.check_same_run(marker, now, "ck", accept=[])
+    assert rundir.check_same_run(marker, now, "ck", accept=["base_model"]) == ["base_model"]
     # A checkpoint of a release that identified bases by their sizes cannot be compared.
     older = {"identity": {**marker["identity"], "base_model": "0a1b2c3d4e5f60718293a4b5"}}
-    assert checkpoint.check_same_run(older, now, "ck", accept=[]) == []
+    assert rundir.check_same_run(older, now, "ck", accept=[]) == []
 
 
 def test_a_stored_reference_is_used_only_for_the_inputs_it_records_and_whole(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from raylm import rundir
 from raylm.workers.checkpoint import choose_writer, staged_bytes
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -57,11 +58,11 @@ def saved(tmp_path, identity=IDENTITY):
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
     checkpoint.save(tmp_path / "ck", model=m, optimizer=opt, state={"step": 3},
                     config=saved_config(), identity=identity)
-    return checkpoint.verify(tmp_path / "ck")
+    return rundir.verify(tmp_path / "ck")
 
 
 def test_a_resume_on_other_data_or_another_tokenizer_is_refused_unless_accepted(tmp_path):
-    from raylm.workers.checkpoint import CheckpointError, check_same_run
+    from raylm.rundir import CheckpointError, check_same_run
 
     marker = saved(tmp_path)
     assert marker["identity"] == IDENTITY
@@ -85,7 +86,7 @@ def test_a_marker_that_lists_no_files_does_not_verify(tmp_path):
     import json
 
     from raylm.names import CHECKPOINT_MARKER
-    from raylm.workers.checkpoint import CheckpointError, verify
+    from raylm.rundir import CheckpointError, verify
 
     saved(tmp_path)
     marker_path = tmp_path / "ck" / CHECKPOINT_MARKER
@@ -120,9 +121,9 @@ def test_a_planted_pickle_in_checkpoint_metadata_does_not_run(tmp_path):
     (ck / ".metadata").write_bytes(pickle.dumps(Payload()))
     marker = json.loads((ck / CHECKPOINT_MARKER).read_text())
     marker["files"][".metadata"] = (ck / ".metadata").stat().st_size
-    marker["hashes"][".metadata"] = checkpoint.file_hash([(ck / ".metadata").read_bytes()])
+    marker["hashes"][".metadata"] = rundir.file_hash([(ck / ".metadata").read_bytes()])
     (ck / CHECKPOINT_MARKER).write_text(json.dumps(marker))
-    with pytest.raises(checkpoint.CheckpointError, match=r"refers to builtins.exec.*refused"):
+    with pytest.raises(rundir.CheckpointError, match=r"refers to builtins.exec.*refused"):
         checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(), adapters=None)
     assert not proof.exists()
 
@@ -155,7 +156,7 @@ def _planted(tmp_path, plant) -> tuple:
     dcp.save(state, checkpoint_id=str(ck))
     checkpoint._write_marker(ck, state={"step": 3}, config=saved_config(), samples=None,
                              adapters=None, identity=IDENTITY)
-    checkpoint.verify(ck, every_hash=True)
+    rundir.verify(ck, every_hash=True)
     return ck, m, opt
 
 
@@ -170,7 +171,7 @@ def test_a_planted_pickle_in_the_optimizer_state_does_not_run(tmp_path):
         state["optim"]["param_groups"][0]["lr"] = _Payload(proof)
 
     ck, m, opt = _planted(tmp_path, plant)
-    with pytest.raises(checkpoint.CheckpointError,
+    with pytest.raises(rundir.CheckpointError,
                        match=r"param_groups\.0\.lr holds a pickle that names exec.*refused unread"):
         checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(), adapters=None)
     assert not proof.exists()
@@ -187,7 +188,7 @@ def test_a_model_weight_stored_as_a_pickle_is_refused_unread(tmp_path):
         state["model"]["1.weight"] = _Payload(proof)
 
     ck, m, _ = _planted(tmp_path, plant)
-    with pytest.raises(checkpoint.CheckpointError,
+    with pytest.raises(rundir.CheckpointError,
                        match=r"1\.weight is stored as a pickled object where the model has a "
                              r"tensor"):
         checkpoint.load(ck, model=m, optimizer=None, config=saved_config(), adapters=None)
@@ -237,7 +238,7 @@ def test_only_raylms_own_stale_staging_directories_are_removed(tmp_path, monkeyp
 
 def test_a_small_file_changed_in_place_does_not_verify(tmp_path):
     """Same size, other bytes (bit rot, an overwrite): the hash in the marker tells."""
-    from raylm.workers.checkpoint import CheckpointError, verify
+    from raylm.rundir import CheckpointError, verify
 
     marker = saved(tmp_path)
     assert set(marker["hashes"]) == set(marker["files"])
@@ -278,15 +279,15 @@ def test_a_full_disk_during_a_save_leaves_nothing_a_resume_would_take(tmp_path):
                  *getattr(failed.value, "failures", {}).values()]
         assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain
                    if e is not None) or "No space left" in str(failed.value), failed.value
-    path, marker = checkpoint.latest_verified(run)
+    path, marker = rundir.latest_verified(run)
     assert path.endswith("checkpoint_1") and marker["state"] == {"step": 1}
     # A checkpoint a rewind marked bad is passed over as a broken one is.
     save("checkpoint_0", 0)
-    path, _ = checkpoint.latest_verified(run, exclude=["checkpoint_1"])
+    path, _ = rundir.latest_verified(run, exclude=["checkpoint_1"])
     assert path.endswith("checkpoint_0")
     for name in ("checkpoint_2", "checkpoint_3"):
-        with pytest.raises(checkpoint.CheckpointError, match="save did not finish"):
-            checkpoint.verify(run / name)
+        with pytest.raises(rundir.CheckpointError, match="save did not finish"):
+            rundir.verify(run / name)
 
 
 def two_checkpoints(run):
@@ -302,15 +303,14 @@ def two_checkpoints(run):
 
 
 def test_a_run_whose_every_checkpoint_is_marked_bad_refuses_to_start_over(tmp_path):
-    from raylm.workers import checkpoint
 
     run = two_checkpoints(tmp_path / "run")
-    path, _ = checkpoint.latest_usable(run, bad=["checkpoint_4"])
+    path, _ = rundir.latest_usable(run, bad=["checkpoint_4"])
     assert path.endswith("checkpoint_2")
-    with pytest.raises(checkpoint.CheckpointError,
+    with pytest.raises(rundir.CheckpointError,
                        match=r"every verified checkpoint of .* is marked bad .*from step 0"):
-        checkpoint.latest_usable(run, bad=["checkpoint_4", "checkpoint_2"])
-    assert checkpoint.latest_usable(tmp_path / "new", bad=[]) is None
+        rundir.latest_usable(run, bad=["checkpoint_4", "checkpoint_2"])
+    assert rundir.latest_usable(tmp_path / "new", bad=[]) is None
 
 
 @pytest.mark.parametrize("damage", [{"state": None}, {"state": {"step": "3"}},
@@ -321,12 +321,11 @@ def test_a_malformed_marker_is_a_broken_checkpoint_passed_over(tmp_path, damage)
     import json
 
     from raylm.names import CHECKPOINT_MARKER
-    from raylm.workers import checkpoint
 
     run = two_checkpoints(tmp_path / "run")
     marker = run / "checkpoint_4" / CHECKPOINT_MARKER
     marker.write_text(json.dumps({**json.loads(marker.read_text()), **damage}))
-    path, _ = checkpoint.latest_verified(run, warn=lambda _: None)
+    path, _ = rundir.latest_verified(run, warn=lambda _: None)
     assert path.endswith("checkpoint_2")
-    with pytest.raises(checkpoint.CheckpointError, match=f"{CHECKPOINT_MARKER} is malformed"):
-        checkpoint.verify(run / "checkpoint_4")
+    with pytest.raises(rundir.CheckpointError, match=f"{CHECKPOINT_MARKER} is malformed"):
+        rundir.verify(run / "checkpoint_4")

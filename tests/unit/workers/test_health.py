@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from raylm.data.packing import Skips, step_positions
-from raylm.workers.health import Fault, Health, decide, empty_manifest
+from raylm.rundir import empty_manifest
+from raylm.workers.health import Fault, Health, decide
 
 CPU = torch.device("cpu")
 
@@ -119,7 +120,7 @@ def test_a_second_checkpoint_failing_at_once_stops_instead_of_marking_every_one_
 def test_a_skip_manifest_that_does_not_hold_together_is_refused(tmp_path):
     import json
 
-    from raylm.workers.health import check_manifest, describe_manifest, read_manifest
+    from raylm.rundir import check_manifest, describe_manifest, read_manifest
 
     d = decide_for([NAN], policy=BOTH, resumed=("checkpoint_b", 4))
     good = d.manifest

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raylm import rundir
 from raylm.model.parallelize import ParallelPlan
 from raylm.workers.step import TrainState, build_training_model, evaluate, train_step
 from tests.conftest import floats, save_tiny_llama
@@ -233,7 +234,7 @@ def test_lora_checkpoints_hold_only_adapters_and_resume_exactly(pretrained, tmp_
         train_step(first, opt1, [batch(seed=s)], accumulation=1, grad_clip=1.0)
     checkpoint.save(tmp_path / "ckpt", model=first.model, optimizer=opt1,
                     state={"step": 2}, config=first.config, adapters=adapters)
-    assert checkpoint.verify(tmp_path / "ckpt")["adapters"] == adapters
+    assert rundir.verify(tmp_path / "ckpt")["adapters"] == adapters
     # Adapters and their Adam moments only: the base is read from model.path on every start.
     import torch.distributed.checkpoint as dcp
 
@@ -248,7 +249,7 @@ def test_lora_checkpoints_hold_only_adapters_and_resume_exactly(pretrained, tmp_
     resumed = [float(train_step(again, opt2, [batch(seed=s)], accumulation=1, grad_clip=1.0)[0])
                for s in (2, 3)]
     assert resumed == pytest.approx(losses[2:], abs=1e-6)
-    with pytest.raises(checkpoint.CheckpointError, match="holds LoRA adapters"):
+    with pytest.raises(rundir.CheckpointError, match="holds LoRA adapters"):
         checkpoint.load(tmp_path / "ckpt", model=again.model, optimizer=None,
                         config=again.config, adapters={"rank": 8})
 
