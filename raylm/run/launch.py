@@ -38,10 +38,9 @@ from raylm.run.exporter import write_run_info
 from raylm.run.lease import LeaseError, hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
-from raylm.run.record import Ending, EndOfRun, FinalModel, RunRecord
+from raylm.run.record import Ending, EndOfRun, EndOnMistake, FinalModel, RunRecord
 from raylm.run.reference import needs_stored_reference, stored_reference
 from raylm.workers import faults
-from raylm.workers.faults import EndOnMistake
 from raylm.workers.loop import train_loop_per_worker
 from raylm.workers.optim import EXTEND_CLEANLY, schedule_change
 

@@ -50,7 +50,7 @@ from raylm.console import quiet_libraries
 from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
 from raylm.run.goodput import goodput
 from raylm.run.tracking import Tracker
-from raylm.workers.faults import LeaseLost, check_lease
+from raylm.workers.faults import LeaseLost, Mistake, cause, check_lease
 
 # The reported figures each progress record keeps: the run's metric history (raylm.api reads
 # it back as a DataFrame), whether or not MLflow is on. Also every figure named with one of
@@ -617,3 +617,21 @@ def log_final_model(run_dir: str, tracker: Tracker, final: FinalModel, *, log=pr
                       f"{model['registered_version']}" if "registered_model" in model else "")
         log(f"raylm: final model logged to MLflow as {model['mlflow_model_uri']}{registered}")
     return model
+
+
+class EndOnMistake(ControllerCallback, WorkerGroupCallback):
+    """On the controller: a worker's :class:`Mistake` ends the run instead of a restart."""
+
+    def __init__(self) -> None:
+        self.mistake: str | None = None
+
+    def after_worker_group_poll_status(self, worker_group_status) -> None:
+        for rank, error in sorted(worker_group_status.errors.items()):
+            found = cause(error)
+            if found is not None:
+                self.mistake = f"rank {rank}: {found}"
+                return
+
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+        if self.mistake is not None and failure_decision == FailureDecision.RETRY:
+            raise Mistake(self.mistake)

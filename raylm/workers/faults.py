@@ -8,8 +8,8 @@ reads "failed after 4 failures" with the cause buried in the workers' logs.
 
 A worker raises :class:`Mistake` for those: during setup, for the error types that cannot come
 from a machine (below), and before the first step of a pretrained model that predicts every
-token alike. :class:`EndOnMistake`, a callback on the Ray Train controller, sees the
-worker's error when it polls the group and, when the failure policy would retry, raises it
+token alike. :class:`raylm.run.record.EndOnMistake`, a callback on the Ray Train controller,
+sees the worker's error when it polls the group and, when the failure policy would retry, raises it
 instead: the controller treats an error raised by a callback as its own, which is never
 retried, and the run ends after one attempt with the worker's message. Ray Train's failure
 policy has no public hook for this (its factory always builds the default policy), so this
@@ -23,18 +23,6 @@ import json
 
 from raylm import storage
 from raylm.names import LEASE
-
-try:
-    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-    from ray.train.v2._internal.execution.failure_handling import FailureDecision
-except ImportError:  # Ray is optional for the step core
-    class ControllerCallback:
-        pass
-
-    class WorkerGroupCallback:
-        pass
-
-    FailureDecision = None
 
 # Errors in setup that no machine fault raises: the same input raises them again. Connection,
 # storage and collective errors (OSError, RuntimeError and their kin) stay faults.
@@ -108,21 +96,3 @@ def cause(error: BaseException, kind: type[BaseException] = Mistake) -> BaseExce
         error = (getattr(error, "_base_exc", None) or getattr(error, "controller_failure", None)
                  or error.__cause__)
     return None
-
-
-class EndOnMistake(ControllerCallback, WorkerGroupCallback):
-    """On the controller: a worker's :class:`Mistake` ends the run instead of a restart."""
-
-    def __init__(self) -> None:
-        self.mistake: str | None = None
-
-    def after_worker_group_poll_status(self, worker_group_status) -> None:
-        for rank, error in sorted(worker_group_status.errors.items()):
-            found = cause(error)
-            if found is not None:
-                self.mistake = f"rank {rank}: {found}"
-                return
-
-    def before_controller_execute_failure_decision(self, failure_decision) -> None:
-        if self.mistake is not None and failure_decision == FailureDecision.RETRY:
-            raise Mistake(self.mistake)

@@ -19,9 +19,9 @@ PRIVATE = [
      "the run's end and restart decisions reach the record", "raylm/run/record.py"),
     ("ray.train.v2._internal.execution.callback", "WorkerGroupCallback",
      "a worker's mistake is seen in the poll status; each group's placement is timed for the "
-     "goodput ledger", "raylm/workers/faults.py, raylm/run/record.py"),
+     "goodput ledger", "raylm/run/record.py"),
     ("ray.train.v2._internal.execution.failure_handling", "FailureDecision",
-     "a retry is told from the end of a run", "raylm/workers/faults.py, raylm/run/record.py"),
+     "a retry is told from the end of a run", "raylm/run/record.py"),
     ("ray.train.v2._internal.execution.context", "get_train_context",
      "the node-drain notice with its deadline, and the queue of a worker's reports (a "
      "preempted group stops once its last report is taken); the module whose per-report log "
