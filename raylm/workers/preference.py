@@ -189,6 +189,12 @@ def global_pairs(local: int, device: torch.device) -> torch.Tensor:
 
 
 def _logits(built: Built, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if built.cross_document:
+        # Its kernel was chosen for unmasked blocks: on CUDA, SDPA's flash kernel, which
+        # takes no mask and fails at the first pair ("No available kernel").
+        raise ValueError("preference pairs are scored with per-document attention: build "
+                         "the model with cross_document=False (data.cross_document_attention "
+                         "false), so that a pair's halves do not see each other")
     tokens = batch["input_ids"].to(built.device, non_blocking=True)
     positions = batch["position_ids"][:, :-1].to(built.device, non_blocking=True)
     with built.attention.context(), autocast(built.precision, built.device.type):

@@ -112,6 +112,10 @@ class Built:
     plan: ParallelPlan = DATA_PARALLEL
     pipeline: Pipeline | None = None
     """The schedules driving this rank's stage, under pipeline parallelism."""
+    cross_document: bool = True
+    """Whether the attention kernel was chosen for blocks whose documents see each other
+    (False: a per-document kernel, which takes the position ids that restart at each
+    document)."""
 
 
 def build_training_model(*, preset: str | None, path: str | None, vocab_size: int, eos_id: int,
@@ -165,7 +169,7 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     pipe = None
     if isinstance(model, Stage):
         pipe = Pipeline(model, group=model.pp_group, device=device, schedule=pipeline_schedule)
-    return Built(model, choice, precision, device, config, plan, pipe)
+    return Built(model, choice, precision, device, config, plan, pipe, cross_document)
 
 
 def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: bool

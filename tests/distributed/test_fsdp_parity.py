@@ -107,7 +107,7 @@ def run(world: int, rank: int, out: dict, pretrained: str) -> None:
     pairs = pair_blocks(BATCH, seq=SEQ - 1, vocab=VOCAB, seed=5)
     dpo = build_training_model(preset=None, path=pretrained, vocab_size=VOCAB, eos_id=0,
                                device=torch.device("cpu"), precision="fp32", seed=0,
-                               lora=LORA)
+                               lora=LORA, cross_document=False)
     dpo_opt = build_optimizer(dpo.model, lr=2e-3, weight_decay=0.0, betas=(0.9, 0.95),
                               device_type="cpu")
     steps = [preference_step(dpo, dpo_opt, [mine(pairs)], accumulation=1,

@@ -201,7 +201,8 @@ def test_a_dpo_step_on_lora_trains_in_bf16_with_its_base_as_reference():
     from tests.pairs import pair_blocks
 
     lora = {"rank": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-    built = build(lora=lora)
+    built = build(lora=lora, cross_document=False)
+    assert built.attention.backend in ("flex-attention", "flash-attn-varlen")
     trained = [p for p in built.model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-2)
     pairs = pair_blocks(4, seq=128, vocab=VOCAB)
@@ -227,7 +228,7 @@ def test_a_full_dpo_step_on_stored_reference_figures_starts_at_ln2_in_bf16():
     )
     from tests.pairs import pair_blocks
 
-    built = build()
+    built = build(cross_document=False)
     pairs = pair_blocks(4, seq=128, vocab=VOCAB)
     built.model.eval()
     # Scored two blocks at a time, as the pass's micro-batches cut them.

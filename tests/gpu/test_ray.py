@@ -58,3 +58,54 @@ def test_a_train_run_through_ray_trains_on_the_gpu(tmp_path: Path, tokenizer_dir
     assert math.isfinite(summary["train_loss"]) and math.isfinite(summary["val_loss"])
     _, marker = rundir.latest_verified(run_dir(cfg))
     assert marker["state"]["step"] == 4
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The reverse-words task's chats and preference pairs, and an untrained model with its
+    tokenizer saved as a pretrained model directory is."""
+    from raylm.examples import reverse_words
+
+    root = tmp_path_factory.mktemp("task")
+    data = reverse_words.write(root / "data", train=400, heldout=20, pretrain=300)
+    return data, reverse_words.model(root / "model", root / "data")
+
+
+def fine_tune(tmp_path: Path, task, *extra: str) -> dict:
+    """``raylm train`` on the GPU in bf16-mixed with compiled blocks, as a user runs it: LoRA
+    on the task's model, 6 steps, a checkpoint at the end; returns its summary.json."""
+    import json
+
+    from raylm.cli import main
+
+    _, model = task
+    run = tmp_path / "runs" / "tuned"
+    assert main(["train", f"--model.path={model}", "--lora.rank=8", "--data.seq_len=256",
+                 f"--run.storage_path={tmp_path}/runs", f"--run.cache_dir={tmp_path}/cache",
+                 "--run.name=tuned", "--scaling.num_workers=1", "--train.steps=6",
+                 "--train.global_batch_size=8", "--train.micro_batch_size=8",
+                 "--train.log_every=3", "--train.eval_every=6", "--checkpoint.every=6",
+                 "--model.compile=true", "--tracking.enabled=false", *extra]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["final_step"] == 6
+    assert summary["precision"] == "bf16-mixed", summary
+    assert summary["device"].startswith("workers on GPUs"), summary
+    # Pairs and examples are documents that must not see each other: a per-document kernel.
+    assert summary["attention_backend"] in ("flex-attention", "flash-attn-varlen"), summary
+    return summary
+
+
+def test_lora_fine_tuning_through_ray_trains_on_the_gpu(tmp_path: Path, task, gpu_cluster):
+    from raylm import api
+
+    fine_tune(tmp_path, task, f"--data.source={task[0]['train']}", "--data.format=chat",
+              "--optim.lr=3e-3")
+    history = api.Run(str(tmp_path / "runs" / "tuned")).history
+    assert history["loss"].iloc[-1] < history["loss"].iloc[0], history["loss"]
+
+
+def test_dpo_through_ray_trains_on_the_gpu(tmp_path: Path, task, gpu_cluster):
+    summary = fine_tune(tmp_path, task, f"--data.source={task[0]['train_pairs']}",
+                        "--data.format=preference", "--train.objective=dpo",
+                        "--dpo.beta=0.5", "--optim.lr=3e-3")
+    assert math.isfinite(summary["train_loss"]) and 0 <= summary["val_accuracy"] <= 1

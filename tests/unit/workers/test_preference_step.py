@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
 from raylm.config import DpoConfig
 from raylm.model.lora import adapters_off
@@ -28,7 +29,7 @@ LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_p
 def build(lora: dict | None = LORA):
     return build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
                                 device=torch.device("cpu"), precision="fp32", seed=0,
-                                lora=lora)
+                                lora=lora, cross_document=False)
 
 
 def test_each_trained_target_is_numbered_by_its_pair_and_answer():
@@ -114,3 +115,28 @@ def test_dpo_steps_teach_the_preference_and_evaluation_reports_it():
     assert after["val_loss"] < before["val_loss"] - 0.2
     assert after["val_accuracy"] == 1.0 and after["val_margin"] > 0
     assert set(after) == {"val_loss", *(f"val_{k}" for k in FIGURES)}
+
+
+def test_pairs_are_scored_with_the_per_document_kernel_a_gpu_runs():
+    """A pair's halves share a block and must not see each other, so the preference forward
+    needs the kernel chosen for per-document attention: on CUDA, FlexAttention or flash-attn's
+    varlen kernel, never SDPA pinned to its flash kernel, which takes no mask (preference
+    steps once failed on the GPU there with "No available kernel"). A DPO config chooses that
+    kernel, and a model built for unmasked blocks is refused before any forward."""
+    from raylm.config import load_config
+    from raylm.model.attention import choose_attention
+
+    cfg = load_config(None, ["--data.format=preference", "--train.objective=dpo",
+                             "--dpo.loss=simpo"])
+    for precision in ("bf16-mixed", "fp32"):
+        cuda = choose_attention("cuda", cross_document=cfg.data.across_documents,
+                                precision=precision)
+        assert cuda.backend in ("flex-attention", "flash-attn-varlen"), cuda
+        assert SDPBackend.FLASH_ATTENTION not in cuda.sdpa_backends
+    unmasked = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
+                                    device=torch.device("cpu"), precision="fp32", seed=0)
+    opt = torch.optim.SGD(unmasked.model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="per-document attention"):
+        preference_step(unmasked, opt, [pair_blocks(2, seq=SEQ - 1, vocab=VOCAB)],
+                        accumulation=1, objective=DpoConfig(loss="simpo"), grad_clip=1.0)
+    assert not build(None).cross_document

@@ -34,6 +34,8 @@ VOCAB, SEQ, BLOCKS, GROUP = 96, 64, 10, 4
 
 # The scorer builds what training builds from the run's config; build() is that model.
 CONFIG = load_config(None, ["--model.preset=tiny", "--train.precision=fp32",
+                            "--data.format=preference", "--train.objective=dpo",
+                            "--dpo.loss=simpo",
                             "--train.micro_batch_size=3", "--train.global_batch_size=6",
                             "--scaling.cpus_per_worker=1"])
 
