@@ -421,6 +421,11 @@ class TrainConfig:
     tuning on data.format=preference pairs with the dpo section's loss, averaged over every
     pair in the step's train.global_batch_size blocks (a block holds as many whole pairs as
     fit in data.seq_len + 1 tokens)."""
+    fused_loss: bool = True
+    """Compute the output head and the cross-entropy a chunk of tokens at a time, so that a
+    batch's logits never exist whole (at a 150k vocabulary they are the largest item of a
+    small model's memory); the same loss and gradients as the plain head. Not under tensor
+    or pipeline parallelism, where the plain head runs (see raylm.model.head_loss)."""
     max_failures: int = 3
     """Worker-group restarts allowed after failures (a lost worker or node, a preempted worker)
     before the run fails; -1 for no limit. Each restart resumes from the latest checkpoint."""

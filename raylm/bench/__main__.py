@@ -58,7 +58,8 @@ def _add_data_and_training(sub) -> None:
     lo.add_argument("--rank", type=int, default=16)
     lo.add_argument("--qlora", action="store_true", help="also QLoRA (the base in NF4)")
     lo.add_argument("--sides", default="full,lora",
-                    help="the sides to run, of full, lora, qlora (ratios need full)")
+                    help="the sides to run, of full, lora, qlora, full_plain_loss (the plain "
+                         "head's loss; ratios need full)")
     lo.add_argument("--seq-len", type=int, default=127)
     lo.add_argument("--compile", default="auto", help="model.compile: auto (on for CUDA), "
                                                       "true or false")

@@ -7,9 +7,12 @@ architecture with a 32,768-token vocabulary, or ``--family``, a published model'
 chat data (:mod:`raylm.examples.reverse_words`), with the same workers, batch, precision and steps,
 through ``raylm train``. Per side: trainable parameters, the newest checkpoint's size on disk, the
 peak memory of a worker (rank 0's peak RSS on CPU, the CUDA allocator's peak on GPUs) and
-steady-state tokens/s. ``ratio``: LoRA / full for each figure (``ratio_qlora``: QLoRA / full). The
-JSON is rewritten after each side, so a run cut short keeps what it measured; ``--sides`` runs
-some of them (a full fine-tune of a 2B model and its checkpoint take minutes of their own).
+steady-state tokens/s. ``ratio``: LoRA / full for each figure (``ratio_qlora``: QLoRA / full).
+The side ``full_plain_loss`` fine-tunes fully with the plain output head and cross-entropy
+(``train.fused_loss: false``), against the chunked head loss that every other side uses
+(``ratio_full_plain_loss``: plain / chunked). The JSON is rewritten after each side, so a
+run cut short keeps what it measured; ``--sides`` runs some of them (a full fine-tune of a 2B
+model and its checkpoint take minutes of their own).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def dir_bytes(path: str) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-SIDES = ("full", "lora", "qlora")
+SIDES = ("full", "lora", "qlora", "full_plain_loss")
 
 
 def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, workers: int,
@@ -134,7 +137,10 @@ def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, 
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},
     }
-    settings = {"full": (0, "none"), "lora": (rank, "none"), "qlora": (rank, "nf4")}
+    # full_plain_loss: full fine-tuning with the plain output head and cross-entropy, against
+    # the chunked head loss (train.fused_loss) every other side uses.
+    settings = {"full": (0, "none"), "lora": (rank, "none"), "qlora": (rank, "nf4"),
+                "full_plain_loss": (0, "none")}
     for name in chosen:
         lora_rank, quant = settings[name]
         cfg = load_config(None, [
@@ -148,7 +154,8 @@ def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, 
             f"--train.eval_every={steps}", f"--checkpoint.every={steps}",
             "--train.eval_batches=1", f"--scaling.num_workers={workers}",
             f"--scaling.use_gpu={str(use_gpu).lower()}", "--tracking.enabled=false",
-            "--optim.warmup_steps=1", "--optim.lr=1e-4"])
+            "--optim.warmup_steps=1", "--optim.lr=1e-4",
+            f"--train.fused_loss={str(name != 'full_plain_loss').lower()}"])
         summary = train(cfg, log=lambda m: None)
         found = rundir.latest_verified(str(root / "runs" / name))
         result[name] = {
@@ -160,7 +167,7 @@ def run(*, preset: str, family: str | None, rank: int, qlora: bool, steps: int, 
             "precision": summary["precision"],
         }
         if name != "full" and "full" in result:
-            key = "ratio" if name == "lora" else f"ratio_{name}"
+            key = "ratio" if name == "lora" else f"ratio_{name}"  # against the full side
             result[key] = {k: round(result[name][k] / result["full"][k], 4)
                            for k in ("trainable_params", "checkpoint_bytes",
                                      "peak_memory_gb_per_worker", "tokens_per_s")}

@@ -524,7 +524,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
         attention=cfg.model.attention, cross_document=cfg.data.across_documents,
         plan=plan, pipeline_schedule=par.pipeline_schedule,
         seed=t.seed, lora=adapter_args(cfg.lora),
-        base_quantization=cfg.lora.base_quantization)
+        base_quantization=cfg.lora.base_quantization, fused_loss=t.fused_loss)
     o = cfg.optim
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=(o.beta1, o.beta2), device_type=device.type)

@@ -25,6 +25,7 @@ from torch import nn
 
 from raylm.model.attention import AttentionChoice, choose_attention, fit_to_model
 from raylm.model.build import build_config, build_meta_model, init_weights, materialize
+from raylm.model.head_loss import IGNORE, fusable, head_loss, use_loss_head
 from raylm.model.lora import add_adapters, check_nf4_shapes, init_adapters, load_quantized_base
 from raylm.model.parallelize import (
     DATA_PARALLEL,
@@ -98,8 +99,6 @@ class TrainState:
         self.skipped = state.get("skipped")
 
 
-# Targets that carry no loss (cross_entropy's ignore_index).
-IGNORE = -100
 
 
 @dataclass
@@ -116,19 +115,23 @@ class Built:
     """Whether the attention kernel was chosen for blocks whose documents see each other
     (False: a per-document kernel, which takes the position ids that restart at each
     document)."""
+    fused_loss: bool = False
+    """Whether the output head computes the loss in chunks (:mod:`raylm.model.head_loss`)."""
 
 
 def build_training_model(*, preset: str | None, path: str | None, vocab_size: int, eos_id: int,
                          device: torch.device, precision: str = "auto", attention: str = "auto",
                          cross_document: bool = True, plan: ParallelPlan = DATA_PARALLEL,
                          seed: int = 0, lora: dict[str, Any] | None = None,
-                         base_quantization: str = "none", pipeline_schedule: str = "1f1b"
-                         ) -> Built:
+                         base_quantization: str = "none", pipeline_schedule: str = "1f1b",
+                         fused_loss: bool = True) -> Built:
     """Build on meta (with LoRA adapters when ``lora`` gives a rank: see :mod:`raylm.model.lora`),
     cut to this rank's pipeline stage, parallelize, materialize on ``device``, initialize (or
     load pretrained weights, read once on rank 0 and scattered; under pipeline parallelism
     each rank reads its own stage's). With ``base_quantization="nf4"`` (QLoRA) the adapted
-    layers' base weights are NF4-quantized as they are loaded, before sharding."""
+    layers' base weights are NF4-quantized as they are loaded, before sharding. With
+    ``fused_loss`` the output head computes training losses in chunks of tokens where it can
+    (not under tensor or pipeline parallelism: :mod:`raylm.model.head_loss`)."""
     precision = resolve_precision(precision, device.type)
     choice = choose_attention(device.type, requested=attention, cross_document=cross_document,
                               precision=precision)
@@ -137,6 +140,9 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     choice = fit_to_model(choice, config, requested=attention, device_type=device.type)
     config._attn_implementation = choice.implementation
     model = build_meta_model(config)
+    fused_loss = fused_loss and plan.tensor == 1 and plan.pipeline == 1 and fusable(model)
+    if fused_loss:
+        use_loss_head(model)
     adapters = bool(lora and lora.get("rank"))
     if adapters:
         model = add_adapters(model, **lora)
@@ -169,7 +175,8 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     pipe = None
     if isinstance(model, Stage):
         pipe = Pipeline(model, group=model.pp_group, device=device, schedule=pipeline_schedule)
-    return Built(model, choice, precision, device, config, plan, pipe, cross_document)
+    return Built(model, choice, precision, device, config, plan, pipe, cross_document,
+                 fused_loss)
 
 
 def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: bool
@@ -184,12 +191,17 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
     if not cross_document:
         kwargs["position_ids"] = batch["position_ids"][:, :-1].to(built.device,
                                                                    non_blocking=True)
-    with built.attention.context(), autocast(built.precision, built.device.type):
-        logits = built.model(input_ids=inputs, **kwargs).logits
     masked = "loss_mask" in batch
     if masked:
         trained = batch["loss_mask"][:, 1:].to(built.device, non_blocking=True).bool()
         targets = targets.masked_fill(~trained, IGNORE)
+    if built.fused_loss:
+        with (built.attention.context(), autocast(built.precision, built.device.type),
+              head_loss(targets, built.config) as pending):
+            built.model(input_ids=inputs, **kwargs)
+        return pending.loss if masked else pending.loss / targets.numel()
+    with built.attention.context(), autocast(built.precision, built.device.type):
+        logits = built.model(input_ids=inputs, **kwargs).logits
     return token_loss(logits, targets, summed=masked)
 
 

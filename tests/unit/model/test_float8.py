@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from raylm.model.build import build_meta_model, decoder_layers
 from raylm.model.float8 import convertible, to_float8
+from raylm.model.head_loss import LossHead
 from raylm.model.parallelize import ParallelPlan
 from raylm.workers.optim import build_optimizer
 from raylm.workers.step import build_training_model, train_step
@@ -40,10 +40,11 @@ def test_block_linears_train_in_float8_and_the_rest_is_unchanged(recipe):
 
     plain, f8 = build("off"), build(recipe)
     converted = {n for n, m in f8.model.named_modules() if isinstance(m, Float8Linear)}
-    # Every projection of every block; the output head stays a plain linear layer.
+    # Every projection of every block; the output head stays in bf16 (a linear layer that
+    # computes the loss in chunks: raylm.model.head_loss).
     assert converted and all(".layers." in n for n in converted)
     assert len(converted) == 7 * len(decoder_layers(f8.model))
-    assert type(f8.model.get_output_embeddings()) is nn.Linear
+    assert type(f8.model.get_output_embeddings()) is LossHead
     # Parameters, names and initial values are the unconverted model's: checkpoints and
     # exports do not know float8 was used.
     a, b = plain.model.state_dict(), f8.model.state_dict()

@@ -77,11 +77,22 @@ def test_precisions_are_honored_when_asked():
     mixed = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="bf16-mixed", seed=0)
     assert {p.dtype for p in mixed.model.parameters()} == {torch.float32}  # fp32 masters
-    seen = []
-    hook = mixed.model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    loss = batch_loss(mixed, batch(2), cross_document=True)
-    hook.remove()
-    assert seen == [torch.bfloat16] and loss.dtype == torch.float32
+    # The head's projection (a matmul whose output is vocabulary-wide, in the chunks of the
+    # head loss) runs in bf16; the loss is fp32.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen, width = [], mixed.model.lm_head.out_features  # the vocabulary, padded
+
+    class Heads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default and out.size(-1) == width:
+                seen.append(out.dtype)
+            return out
+
+    with Heads():
+        loss = batch_loss(mixed, batch(2), cross_document=True)
+    assert seen and set(seen) == {torch.bfloat16} and loss.dtype == torch.float32
     fp32 = built()
     assert abs(float(loss) - float(batch_loss(fp32, batch(2), cross_document=True))) < 0.05
 

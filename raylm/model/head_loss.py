@@ -1,0 +1,143 @@
+"""Next-token cross-entropy from the last hidden states, a chunk of tokens at a time, so that a
+batch's logits never exist whole.
+
+At a 150k-token vocabulary the logits of 4 x 2048 tokens are 2.5 GB in bf16 and 5 GB per fp32
+copy, and the plain path keeps several (the bf16 logits, their fp32 upcast, the log-softmax
+saved for backward, its gradient): the largest item of a 1-2 B model's fine-tuning memory.
+Here the output head's projection and the loss run over chunks of about
+:data:`CHUNK_BYTES` of fp32 logits; each chunk's gradients (with respect to the hidden states
+and, when the head trains, its weight) are computed at once in the forward pass, where the
+chunk's logits are at hand, and handed to autograd for the backward: the same arithmetic as
+the plain path, none of it done twice, and one chunk's logits alive at a time.
+
+The head stays the model's own ``nn.Linear`` (:class:`LossHead` only changes its forward inside
+:func:`head_loss`), so parameter names, FSDP2's units, tied embeddings, checkpoints and
+exports are unchanged; the family's post-processing of the logits (Gemma 2's soft cap,
+Granite's and Cohere's scales: :func:`raylm.model.pipeline.head_output`) is applied to each
+chunk and differentiated by autograd there. Under tensor parallelism (the vocabulary-parallel
+head) and pipeline parallelism the plain head runs.
+
+Written by hand: Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy do
+this with Triton kernels, on CUDA only, and as their own loss modules rather than inside a
+transformers model's head; this one is torch operations that run on the CPU as on a GPU and
+under autocast, FSDP2 and frozen (LoRA) heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.model.pipeline import head_output
+
+# fp32 logits per chunk; the loss's own autograd holds about three such buffers at a time.
+CHUNK_BYTES = 256 * 2**20
+# Targets that carry no loss (cross_entropy's ignore_index).
+IGNORE = -100
+
+
+@dataclass
+class _Pending:
+    targets: torch.Tensor
+    config: object
+    loss: torch.Tensor | None = None
+
+
+_PENDING: ContextVar[_Pending | None] = ContextVar("raylm_head_loss", default=None)
+
+
+class LossHead(nn.Linear):
+    """A causal LM's output head that, inside :func:`head_loss`, computes the summed loss of
+    the targets given there instead of the logits (the model then returns logits of width
+    0); anywhere else it is the plain linear layer."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        pending = _PENDING.get()
+        if pending is None:
+            return super().forward(hidden)
+        flat = hidden.reshape(-1, hidden.size(-1))
+        pending.loss = chunked_loss(flat, self.weight, pending.targets.reshape(-1),
+                                    config=pending.config)
+        return hidden.new_empty((*hidden.shape[:-1], 0))
+
+
+def fusable(model: nn.Module) -> bool:
+    """Whether ``model``'s head can compute the loss in chunks: a bias-free linear layer."""
+    head = getattr(model, "lm_head", None)
+    return isinstance(head, nn.Linear) and head.bias is None
+
+
+def use_loss_head(model: nn.Module) -> None:
+    """Give ``model`` (see :func:`fusable`) a :class:`LossHead`, in place."""
+    model.lm_head.__class__ = LossHead
+
+
+@contextlib.contextmanager
+def head_loss(targets: torch.Tensor, config):
+    """Inside the block, the model's :class:`LossHead` computes the summed cross-entropy of
+    ``targets`` (the batch's, ``IGNORE`` where untrained), read from the yielded record's
+    ``loss`` once the forward has run."""
+    pending = _Pending(targets, config)
+    token = _PENDING.set(pending)
+    try:
+        yield pending
+    finally:
+        _PENDING.reset(token)
+
+
+def chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
+def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                 config) -> torch.Tensor:
+    """The summed fp32 cross-entropy of ``targets`` (N,) under the logits ``hidden @ weight.T``
+    (N, H) x (V, H), post-processed as ``config``'s family does, a chunk of rows at a time."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _ChunkedLoss.apply(hidden, weight, targets, config)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for rows in range(0, hidden.size(0), chunk_rows(weight.size(0))):
+        end = rows + chunk_rows(weight.size(0))
+        logits = head_output(config, hidden[rows:end] @ weight.t()).float()
+        total = total + F.cross_entropy(logits, targets[rows:end], ignore_index=IGNORE,
+                                        reduction="sum")
+    return total
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, config):
+        grad_hidden = torch.empty_like(hidden)
+        # The head's gradient is summed over the chunks in fp32, as autograd would sum it.
+        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                       if ctx.needs_input_grad[1] else None)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        step = chunk_rows(weight.size(0))
+        for rows in range(0, hidden.size(0), step):
+            h = hidden[rows:rows + step]
+            projected = h @ weight.t()
+            with torch.enable_grad():
+                z = projected.detach().requires_grad_()
+                logits = head_output(config, z).float()
+                loss = F.cross_entropy(logits, targets[rows:rows + step], ignore_index=IGNORE,
+                                       reduction="sum")
+                (dz,) = torch.autograd.grad(loss, z)
+            total += loss.detach()
+            grad_hidden[rows:rows + step] = dz @ weight
+            if grad_weight is not None:
+                grad_weight += dz.t() @ h
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (grad_hidden * grad_total,
+                None if grad_weight is None else grad_weight * grad_total, None, None)
