@@ -202,3 +202,24 @@ def write_pieces_corpus(root: Path) -> dict[str, int]:
     write_jsonl(root / "e.jsonl", docs[60:80])
     write_jsonl(root / "f.jsonl", [docs[99]] + docs[80:100] + [docs[65]])
     return {"read": 20 + 22 + 20 + 21 + 20 + 22, "kept": 100, "duplicate": 2 + 20 + 1 + 2}
+
+
+def head_matmuls(width: int):
+    """A dispatch mode that records, in its ``seen`` list, (rows, dtype) of every matrix
+    product whose output is ``width`` wide: an output head's projections onto a vocabulary of
+    that width."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HeadMatmuls(TorchDispatchMode):
+        seen: list[tuple[int, torch.dtype]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default and out.size(-1) == width:
+                self.seen.append((out.size(0), out.dtype))
+            return out
+
+    mode = HeadMatmuls()
+    mode.seen = []
+    return mode

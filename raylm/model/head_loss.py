@@ -8,7 +8,9 @@ Here the output head's projection and the loss run over chunks of about
 :data:`CHUNK_BYTES` of fp32 logits; each chunk's gradients (with respect to the hidden states
 and, when the head trains, its weight) are computed at once in the forward pass, where the
 chunk's logits are at hand, and handed to autograd for the backward: the same arithmetic as
-the plain path, none of it done twice, and one chunk's logits alive at a time.
+the plain path, none of it done twice, and one chunk's logits alive at a time. The preference
+losses need each answer target's log-probability rather than a summed loss: there the head
+projects the answers' positions only (:func:`head_rows`), not the prompts' and padding's.
 
 The head stays the model's own ``nn.Linear`` (:class:`LossHead` only changes its forward inside
 :func:`head_loss`), so parameter names, FSDP2's units, tied embeddings, checkpoints and
@@ -43,9 +45,13 @@ IGNORE = -100
 
 @dataclass
 class _Pending:
-    targets: torch.Tensor
     config: object
+    targets: torch.Tensor | None = None
+    """head_loss: the targets whose summed loss the head computes (into ``loss``)."""
+    rows: torch.Tensor | None = None
+    """head_rows: the flat positions whose logits the head computes (into ``logits``)."""
     loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 _PENDING: ContextVar[_Pending | None] = ContextVar("raylm_head_loss", default=None)
@@ -53,16 +59,21 @@ _PENDING: ContextVar[_Pending | None] = ContextVar("raylm_head_loss", default=No
 
 class LossHead(nn.Linear):
     """A causal LM's output head that, inside :func:`head_loss`, computes the summed loss of
-    the targets given there instead of the logits (the model then returns logits of width
-    0); anywhere else it is the plain linear layer."""
+    the targets given there instead of the logits, and inside :func:`head_rows` the logits of
+    the positions given there only (the model then returns logits of width 0); anywhere else
+    it is the plain linear layer."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         pending = _PENDING.get()
         if pending is None:
             return super().forward(hidden)
         flat = hidden.reshape(-1, hidden.size(-1))
-        pending.loss = chunked_loss(flat, self.weight, pending.targets.reshape(-1),
-                                    config=pending.config)
+        if pending.rows is not None:
+            pending.logits = head_output(pending.config,
+                                         super().forward(flat.index_select(0, pending.rows)))
+        else:
+            pending.loss = chunked_loss(flat, self.weight, pending.targets.reshape(-1),
+                                        config=pending.config)
         return hidden.new_empty((*hidden.shape[:-1], 0))
 
 
@@ -82,7 +93,22 @@ def head_loss(targets: torch.Tensor, config):
     """Inside the block, the model's :class:`LossHead` computes the summed cross-entropy of
     ``targets`` (the batch's, ``IGNORE`` where untrained), read from the yielded record's
     ``loss`` once the forward has run."""
-    pending = _Pending(targets, config)
+    with _pending(_Pending(config, targets=targets)) as pending:
+        yield pending
+
+
+@contextlib.contextmanager
+def head_rows(rows: torch.Tensor, config):
+    """Inside the block, the model's :class:`LossHead` computes the logits of the flat
+    positions ``rows`` of the batch only, post-processed as ``config``'s family does (the
+    preference losses score the answers' targets alone), read from the yielded record's
+    ``logits`` once the forward has run."""
+    with _pending(_Pending(config, rows=rows)) as pending:
+        yield pending
+
+
+@contextlib.contextmanager
+def _pending(pending: _Pending):
     token = _PENDING.set(pending)
     try:
         yield pending

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from raylm.config import DpoConfig, PreferenceLoss
+from raylm.model.head_loss import head_rows
 from raylm.model.lora import adapters_off
 from raylm.model.parallelize import autocast
 from raylm.names import REFERENCE_COLUMN
@@ -113,13 +114,24 @@ def target_logps(logits: torch.Tensor, targets: torch.Tensor, at: torch.Tensor) 
     """The log-probability of the target at each flat position ``at`` of a (B, T) batch: fp32
     log-softmax of those positions' logits only (answers are a part of a block: the prompts'
     and the padding's rows of the vocabulary-wide logits are never copied to fp32)."""
-    if logits.device != at.device:
-        if logits.device.type == "cuda":
-            at = at.pin_memory()
-        at = at.to(logits.device, non_blocking=True)
-    rows = logits.reshape(-1, logits.size(-1)).index_select(0, at).float()
-    picked = targets.reshape(-1).to(logits.device, non_blocking=True).index_select(0, at)
+    at = _on(at, logits.device)
+    return row_logps(logits.reshape(-1, logits.size(-1)).index_select(0, at), targets, at)
+
+
+def row_logps(rows: torch.Tensor, targets: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """:func:`target_logps` from the logits of the positions ``at`` alone (``rows``: (n, V),
+    ``at`` on their device)."""
+    rows = rows.float()
+    picked = targets.reshape(-1).to(rows.device, non_blocking=True).index_select(0, at)
     return rows.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+
+
+def _on(at: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if at.device != device:
+        if device.type == "cuda":
+            at = at.pin_memory()
+        at = at.to(device, non_blocking=True)
+    return at
 
 
 def trained(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +200,11 @@ def global_pairs(local: int, device: torch.device) -> torch.Tensor:
     return n
 
 
-def _logits(built: Built, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _answer_rows(built: Built, batch: dict[str, torch.Tensor], at: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the flat target positions ``at`` of ``batch`` (n, V), and ``at`` on the
+    model's device. A model whose head computes losses in chunks projects those positions
+    only (:func:`raylm.model.head_loss.head_rows`)."""
     if built.cross_document:
         # Its kernel was chosen for unmasked blocks: on CUDA, SDPA's flash kernel, which
         # takes no mask and fails at the first pair ("No available kernel").
@@ -197,16 +213,26 @@ def _logits(built: Built, batch: dict[str, torch.Tensor]) -> torch.Tensor:
                          "false), so that a pair's halves do not see each other")
     tokens = batch["input_ids"].to(built.device, non_blocking=True)
     positions = batch["position_ids"][:, :-1].to(built.device, non_blocking=True)
+    at = _on(at, built.device)
     with built.attention.context(), autocast(built.precision, built.device.type):
-        return built.model(input_ids=tokens[:, :-1], position_ids=positions).logits
+        if built.fused_loss:
+            with head_rows(at, built.config) as pending:
+                built.model(input_ids=tokens[:, :-1], position_ids=positions)
+            return pending.logits, at
+        logits = built.model(input_ids=tokens[:, :-1], position_ids=positions).logits
+    return logits.reshape(-1, logits.size(-1)).index_select(0, at), at
 
 
 def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,
            pairs: int) -> Answers:
-    """The model's summed log-probabilities of each pair's answers in ``batch``."""
-    logits = _logits(built, batch)
-    # The segments stay on the host: answer_logps sends the trained positions over itself.
-    sums, counts = answer_logps(logits, batch["input_ids"][:, 1:], segments,
+    """The model's summed log-probabilities of each pair's answers in ``batch``. Which
+    positions are trained is worked out where ``segments`` is (the host, in training):
+    selecting by a mask on the GPU would wait for it to count the mask."""
+    at, index = trained(segments)
+    rows, at = _answer_rows(built, batch, at)
+    if rows.device.type == "cuda" and index.device.type == "cpu":
+        index = index.pin_memory()
+    sums, counts = segment_sums(row_logps(rows, batch["input_ids"][:, 1:], at), index,
                                 num_segments=2 * pairs)
     return Answers(sums[0::2], sums[1::2], counts[0::2], counts[1::2])
 
@@ -229,7 +255,8 @@ def reference_logps(built: Built, batch: dict[str, torch.Tensor]) -> torch.Tenso
     each trained target's log-probability under ``built`` (0 for the others)."""
     segments = batch["loss_mask"][:, 1:].to(torch.int64) - 1
     at, _ = trained(segments)
-    values = target_logps(_logits(built, batch), batch["input_ids"][:, 1:], at).cpu()
+    rows, on = _answer_rows(built, batch, at)
+    values = row_logps(rows, batch["input_ids"][:, 1:], on).cpu()
     out = torch.zeros(segments.numel(), dtype=torch.float32)
     out[at] = values
     return out.view(segments.shape)

@@ -20,6 +20,7 @@ from raylm.workers.preference import (
     preference_step,
 )
 from raylm.workers.step import build_training_model
+from tests.conftest import head_matmuls
 from tests.pairs import pair_blocks
 
 VOCAB, SEQ = 96, 64
@@ -140,3 +141,30 @@ def test_pairs_are_scored_with_the_per_document_kernel_a_gpu_runs():
         preference_step(unmasked, opt, [pair_blocks(2, seq=SEQ - 1, vocab=VOCAB)],
                         accumulation=1, objective=DpoConfig(loss="simpo"), grad_clip=1.0)
     assert not build(None).cross_document
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "simpo"])
+def test_the_head_projects_the_answers_alone_and_scores_as_the_plain_head(loss):
+    """With the chunked head loss's head, a preference step projects only the answers'
+    positions onto the vocabulary (not the prompts' and padding's) and takes the plain
+    head's step."""
+    pairs = pair_blocks(2, seq=SEQ - 1, vocab=VOCAB)
+    answers = int((pairs["loss_mask"][:, 1:] > 0).sum())
+    steps = []
+    for fused in (True, False):
+        built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
+                                     device=torch.device("cpu"), precision="fp32", seed=0,
+                                     lora=LORA, cross_document=False, fused_loss=fused)
+        heads = head_matmuls(built.model.lm_head.out_features)
+        opt = torch.optim.SGD([p for p in built.model.parameters() if p.requires_grad], lr=0.5)
+        with heads:
+            first = preference_step(built, opt, [pairs], accumulation=1,
+                                    objective=DpoConfig(loss=loss, beta=0.5), grad_clip=0.0)
+        second = preference_step(built, opt, [pairs], accumulation=1,
+                                 objective=DpoConfig(loss=loss, beta=0.5), grad_clip=0.0)
+        steps.append([float(first[0]), float(first[1]), float(second[0])])
+        # Policy, and for sigmoid its reference (the adapters off), once each.
+        passes = 2 if loss == "sigmoid" else 1
+        flat = pairs["input_ids"].numel() - len(pairs["input_ids"])
+        assert [r for r, _ in heads.seen] == [answers if fused else flat] * passes
+    assert steps[0] == pytest.approx(steps[1], rel=1e-5)

@@ -8,7 +8,7 @@ import torch
 from raylm import rundir
 from raylm.model.parallelize import ParallelPlan
 from raylm.workers.step import TrainState, build_training_model, evaluate, train_step
-from tests.conftest import floats, save_tiny_llama
+from tests.conftest import floats, head_matmuls, save_tiny_llama
 
 VOCAB = 300
 
@@ -79,20 +79,11 @@ def test_precisions_are_honored_when_asked():
     assert {p.dtype for p in mixed.model.parameters()} == {torch.float32}  # fp32 masters
     # The head's projection (a matmul whose output is vocabulary-wide, in the chunks of the
     # head loss) runs in bf16; the loss is fp32.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen, width = [], mixed.model.lm_head.out_features  # the vocabulary, padded
-
-    class Heads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten.mm.default and out.size(-1) == width:
-                seen.append(out.dtype)
-            return out
-
-    with Heads():
+    heads = head_matmuls(mixed.model.lm_head.out_features)  # the vocabulary, padded
+    with heads:
         loss = batch_loss(mixed, batch(2), cross_document=True)
-    assert seen and set(seen) == {torch.bfloat16} and loss.dtype == torch.float32
+    assert heads.seen and {d for _, d in heads.seen} == {torch.bfloat16}
+    assert loss.dtype == torch.float32
     fp32 = built()
     assert abs(float(loss) - float(batch_loss(fp32, batch(2), cross_document=True))) < 0.05
 
