@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from raylm import storage
-from raylm.data.packing import Skips
+from raylm.data.packing import SampleOrder, Skips
 from raylm.names import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, SKIPPED
 
 log = logging.getLogger("raylm.rundir")
@@ -193,6 +193,35 @@ def load_samples(directory: str | os.PathLike) -> np.ndarray | None:
 
 _RAY_CKPT = re.compile(r"^checkpoint_")
 
+
+
+def account_samples(rows: np.ndarray, *, group_sizes: list[int], seed: int, window: int,
+            skips: list[list[int]] = ()) -> dict[str, Any]:
+    """A ledger ``(steps, global batch)`` against the seed's order for as many samples, less
+    the position ranges ``skips`` left out of it (:class:`raylm.data.packing.Skips`).
+
+    ``duplicated``: samples trained more often than the order asks; ``skipped``: less often
+    (among them ``withheld``: those of steps the numerical check kept from the weights);
+    ``in_order``: the exact sequence, sample by sample; ``left_out``: positions the run left
+    out of the order, up to where it trained.
+    """
+    order = SampleOrder(group_sizes, seed=seed, window=window, global_batch=rows.shape[1])
+    flat = rows.reshape(-1).astype(np.int64)
+    applied = flat >= 0
+    trained = np.where(applied, flat, -1 - flat)
+    positions = Skips(skips).positions(np.arange(len(flat)))
+    expected = order.rows(positions)
+    want = np.bincount(expected, minlength=order.num_rows)
+    have = np.bincount(trained[applied], minlength=order.num_rows)
+    return {
+        "steps": int(rows.shape[0]),
+        "trained": int(applied.sum()),
+        "duplicated": int(np.maximum(have - want, 0).sum()),
+        "skipped": int(np.maximum(want - have, 0).sum()),
+        "withheld": int((~applied).sum()),
+        "in_order": bool(np.array_equal(trained, expected)),
+        "left_out": int(positions[-1] + 1 - len(flat)) if len(flat) else 0,
+    }
 
 def candidates(run_dir: str | os.PathLike) -> list[str]:
     """Checkpoint directories under ``run_dir`` (Ray Train names them checkpoint_*), newest

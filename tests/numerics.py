@@ -51,7 +51,8 @@ def run(rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
     and the loss over the first 16 blocks afterwards (identical on every rank)."""
     from raylm.config import batch_plan
     from raylm.data.packing import SampleOrder, rank_positions
-    from raylm.workers.optim import build_optimizer, lr_at, set_lr
+    from raylm.schedule import lr_at
+    from raylm.workers.optim import build_optimizer, set_lr
     from raylm.workers.step import build_training_model, evaluate, train_step
 
     torch.set_num_threads(1)

@@ -40,10 +40,11 @@ import torch.nn.functional as F
 
 from raylm.config import OptimConfig
 from raylm.model.parallelize import ParallelPlan
+from raylm.schedule import lr_at
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter
 from raylm.workers.metrics import bf16_peak, flops_per_token
-from raylm.workers.optim import build_optimizer, lr_at, set_lr
+from raylm.workers.optim import build_optimizer, set_lr
 from raylm.workers.step import Built, batch_loss, build_training_model, clip_grad_norm, train_step
 
 # The bench's schedule: cosine from 3e-4 after 10 warmup steps, down to 0.

@@ -12,6 +12,11 @@ output head included, hold int8 weights with one scale per output row; the embed
 stays in the training precision (a lookup reads one row per token, so it costs memory, not
 compute). The figures that decide whether to ship it, the size against the unquantized export
 and the validation-loss change on the run's own validation blocks, are measured by the export.
+
+It is the one driver-side module that uses what workers use (``raylm.workers.checkpoint`` to
+read a checkpoint into a model, ``raylm.workers.step.evaluate`` for that validation loss):
+an export does on one process what a worker does, and the same code reading and scoring the
+checkpoint is what makes the export's figures the run's.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from raylm.model.build import (
     max_positions,
     reset_buffers,
 )
+from raylm.model.weights import load_pretrained_weights
 from raylm.names import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.outputs import check_output, discard, publish, staging
 from raylm.workers import checkpoint
@@ -120,7 +126,7 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True):
     reset_buffers(model)  # rotary frequencies are not in checkpoints
     if args:
         # A LoRA checkpoint holds the adapters; the frozen base is the pretrained model's.
-        checkpoint.load_pretrained_weights(model, cfg.model.path)
+        load_pretrained_weights(model, cfg.model.path)
     state = checkpoint.load(found[0], model=model, optimizer=None, config=config,
                             adapters=lora.settings(cfg.lora))
     if args and merge:

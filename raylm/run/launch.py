@@ -24,7 +24,7 @@ import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raylm import rundir, storage
+from raylm import faults, rundir, storage
 from raylm.config import Config, ConfigError, run_dir, storage_root, validate
 from raylm.console import one_copy_of_worker_prints, quiet_libraries, train_log_level
 from raylm.data.preparation import prepared_dir
@@ -40,9 +40,8 @@ from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
 from raylm.run.record import Ending, EndOfRun, EndOnMistake, FinalModel, RunRecord
 from raylm.run.reference import needs_stored_reference, stored_reference
-from raylm.workers import faults
+from raylm.schedule import EXTEND_CLEANLY, schedule_change
 from raylm.workers.loop import train_loop_per_worker
-from raylm.workers.optim import EXTEND_CLEANLY, schedule_change
 
 
 def cluster_capacity() -> dict[str, float]:

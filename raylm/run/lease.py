@@ -19,7 +19,7 @@ A lease not renewed for :data:`EXPIRES_S` seconds (its holder died without givin
 killed driver, a lost node), or held by a process of this host that no longer exists, is
 taken over. A holder that finds its lease taken over (it stalled, or lost its storage, for
 longer than that) has lost the run: the heartbeat says so and stops, and the run's workers and
-record check the lease (:func:`raylm.workers.faults.check_lease`) before each checkpoint and
+record check the lease (:func:`raylm.faults.check_lease`) before each checkpoint and
 each summary, so the run ends before writing over the new holder's. Ray Train's own restarts
 happen inside the holder and need nothing from here.
 

@@ -21,8 +21,8 @@ from raylm.model import lora
 from raylm.model.build import build_config, build_meta_model, check_seq_len
 from raylm.model.parallelize import check_tensor_parallel
 from raylm.model.pipeline import check_pipeline
+from raylm.model.weights import check_weights
 from raylm.run import tracking
-from raylm.workers.checkpoint import check_weights
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,10 @@ from ray.train.v2.api.callback import UserCallback
 
 from raylm import rundir, storage
 from raylm.console import quiet_libraries
+from raylm.faults import LeaseLost, Mistake, Preempted, Rewind, cause, check_lease
 from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
 from raylm.run.goodput import goodput
 from raylm.run.tracking import Tracker
-from raylm.workers.faults import LeaseLost, Mistake, cause, check_lease
 
 # The reported figures each progress record keeps: the run's metric history (raylm.api reads
 # it back as a DataFrame), whether or not MLflow is on. Also every figure named with one of
@@ -332,9 +332,6 @@ class RunRecord(UserCallback):
         self._add(event, **fields)
 
     def failure(self, worker_exceptions: dict[int, Exception]) -> None:
-        from raylm.workers.faults import cause
-        from raylm.workers.health import Rewind
-        from raylm.workers.preemption import Preempted
 
         error = next(iter(worker_exceptions.values()))
         if self.furthest > self.stuck_at:
@@ -578,13 +575,11 @@ def sample_accounting(checkpoint_path: str, ending: Ending, *, run_dir: str
                       ) -> dict[str, Any] | None:
     """What the final checkpoint's sample ledger says was trained (see raylm.workers.ledger),
     against the order less the positions the run left out; None when it keeps no ledger."""
-    from raylm.workers import ledger
-
     rows = rundir.load_samples(checkpoint_path)
     if rows is None:
         return None
     skips = rundir.read_manifest(run_dir)["ranges"] + list(ending.skip_positions)
-    return ledger.account(rows, group_sizes=ending.row_group_sizes, seed=ending.seed,
+    return rundir.account_samples(rows, group_sizes=ending.row_group_sizes, seed=ending.seed,
                           window=ending.window, skips=skips)
 
 

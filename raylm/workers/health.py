@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from raylm.data.packing import Skips, as_ranges
-from raylm.workers.faults import Mistake
+from raylm.faults import Mistake
 
 NONFINITE, SPIKE = 1, 2
 CAUSES = {NONFINITE: "nonfinite", SPIKE: "spike"}
@@ -108,12 +108,6 @@ class Health:
 # --------------------------------------------------------------------------------------------
 
 SEVERITY = ("skip", "rewind", "stop")
-
-
-class Rewind(RuntimeError):
-    """Raised on every rank once the samples of faulty steps are recorded to be left out (or
-    the checkpoint a group resumed from is marked bad): Ray Train restarts the group, which
-    resumes from the latest good checkpoint without them."""
 
 
 class NumericalFault(Mistake):
@@ -244,3 +238,23 @@ def _decide(records: list[dict[str, Any]], action: str, said: str, *,
     return Decision("rewind", records, new, message=(
         f"{said}: the run goes back to its latest checkpoint and leaves out sample positions "
         f"{', '.join(left)}"))
+
+
+# Below this spread (the standard deviation of the logits over the vocabulary) a model
+# predicts every token alike. A head of zeros gives exactly 0 and equal rows give 0 up to
+# rounding; a randomly initialized tiny model gives about 0.16, a trained one several units.
+UNIFORM_SPREAD = 1e-4
+
+
+def first_prediction_check(spread: float, *, model_path: str) -> None:
+    """A pretrained model whose logits do not vary over the vocabulary (``spread``, from
+    :func:`raylm.workers.step.logit_spread` on the run's first batch) predicts every token
+    alike: its weights did not load. Decided from the logits, not from the loss: a randomly
+    initialized model's first loss can land on ln(vocab) by chance when few targets are
+    trained, though its predictions differ from token to token."""
+    if spread <= UNIFORM_SPREAD:
+        raise Mistake(
+            f"model.path={model_path}: the model predicts every token alike (its logits vary "
+            f"by {spread:.2g} over the vocabulary on the first batch): its weights did not "
+            f"load (its output head, its final norm or its weights are all zero or unset). "
+            f"Check that the directory's weight files are the model's own.")

@@ -8,20 +8,17 @@ order, saved as ``samples.npy`` beside the shards. A checkpoint's ledger therefo
 exactly the updates its weights hold: steps lost to a failure never enter it, steps
 trained again after a restart enter it once, and a step whose update the numerical check kept
 from the weights (:mod:`raylm.workers.health`) enters it as ``-1 - row`` for each of its rows.
-:func:`account` compares it with the order the seed defines (``SampleOrder``), so it counts
-from the data the workers received, not from the step arithmetic. Size: 4 bytes per sample
-(a 1B-token run of 2,048-token blocks: 2 MB).
+:func:`raylm.rundir.account_samples` (the driver's, at the run's end) compares it with the
+order the seed defines (``SampleOrder``), so it counts from the data the workers received, not
+from the step arithmetic. Size: 4 bytes per sample (a 1B-token run of 2,048-token blocks:
+2 MB).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 import torch.distributed as dist
-
-from raylm.data.packing import SampleOrder, Skips
 
 
 class Ledger:
@@ -76,32 +73,3 @@ def gather(rows: list[np.ndarray], device: torch.device, *, data_ranks: list[int
     # Data rank r holds slice r of every global batch: concatenating along the batch dimension
     # puts each step's samples in position order.
     return torch.cat(parts, dim=1).cpu().numpy().astype(np.int32)
-
-
-def account(rows: np.ndarray, *, group_sizes: list[int], seed: int, window: int,
-            skips: list[list[int]] = ()) -> dict[str, Any]:
-    """A ledger ``(steps, global batch)`` against the seed's order for as many samples, less
-    the position ranges ``skips`` left out of it (:class:`raylm.data.packing.Skips`).
-
-    ``duplicated``: samples trained more often than the order asks; ``skipped``: less often
-    (among them ``withheld``: those of steps the numerical check kept from the weights);
-    ``in_order``: the exact sequence, sample by sample; ``left_out``: positions the run left
-    out of the order, up to where it trained.
-    """
-    order = SampleOrder(group_sizes, seed=seed, window=window, global_batch=rows.shape[1])
-    flat = rows.reshape(-1).astype(np.int64)
-    applied = flat >= 0
-    trained = np.where(applied, flat, -1 - flat)
-    positions = Skips(skips).positions(np.arange(len(flat)))
-    expected = order.rows(positions)
-    want = np.bincount(expected, minlength=order.num_rows)
-    have = np.bincount(trained[applied], minlength=order.num_rows)
-    return {
-        "steps": int(rows.shape[0]),
-        "trained": int(applied.sum()),
-        "duplicated": int(np.maximum(have - want, 0).sum()),
-        "skipped": int(np.maximum(want - have, 0).sum()),
-        "withheld": int((~applied).sum()),
-        "in_order": bool(np.array_equal(trained, expected)),
-        "left_out": int(positions[-1] + 1 - len(flat)) if len(flat) else 0,
-    }

@@ -48,16 +48,23 @@ from raylm.data.streams import (
     read_val_blocks,
     reader_wait,
 )
+from raylm.faults import MISTAKES, Mistake, Preempted, Rewind, check_lease
 from raylm.model.lora import adapter_args
 from raylm.model.lora import settings as lora_settings
 from raylm.model.parallelize import Layout, ParallelPlan, layout_of, loss_context
 from raylm.model.pipeline import describe_split
 from raylm.names import GROUP_START
+from raylm.schedule import lr_at
 from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter, run_figures, window_figures
-from raylm.workers.faults import MISTAKES, Mistake, check_lease, first_prediction_check
-from raylm.workers.health import Fault, Health, NumericalFault, Rewind, decide
+from raylm.workers.health import (
+    Fault,
+    Health,
+    NumericalFault,
+    decide,
+    first_prediction_check,
+)
 from raylm.workers.ledger import Ledger
 from raylm.workers.metrics import (
     flops_per_token,
@@ -66,7 +73,7 @@ from raylm.workers.metrics import (
     peak_memory_bytes,
     state_memory_bytes,
 )
-from raylm.workers.optim import build_optimizer, lr_at, set_lr
+from raylm.workers.optim import build_optimizer, set_lr
 from raylm.workers.preference import preference_evaluate, preference_step
 from raylm.workers.step import (
     Built,
@@ -230,7 +237,7 @@ def train(run: Setup) -> None:
         if todo.preempted:
             preemption.hand_over()
             notice = preemption.drain_notice()
-            raise preemption.Preempted(
+            raise Preempted(
                 f"a worker was asked to stop ({cause}{': ' + notice if notice else ''}); "
                 f"checkpoint saved at step {state.step}, the run resumes from it")
         meter.window_reset()

@@ -38,11 +38,6 @@ import time
 import torch
 import torch.distributed as dist
 
-
-class Preempted(RuntimeError):
-    """Raised on every rank after the checkpoint a SIGTERM asked for is saved."""
-
-
 _requested: dict[str, float] = {}
 _previous: list = []
 

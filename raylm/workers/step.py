@@ -38,7 +38,7 @@ from raylm.model.parallelize import (
     set_dtypes,
 )
 from raylm.model.pipeline import Pipeline, Stage
-from raylm.workers.checkpoint import load_pretrained_weights
+from raylm.model.weights import load_pretrained_weights
 
 if TYPE_CHECKING:
     from raylm.workers.health import Health

@@ -200,9 +200,8 @@ def test_weights_that_are_not_the_models_are_refused_naming_them(tmp_path):
     """An incomplete download, or another model's files: refused before any is read."""
     from safetensors.torch import load_file, save_file
 
-    from raylm.model.build import build_config, build_meta_model
-    from raylm.rundir import CheckpointError
-    from raylm.workers.checkpoint import check_weights
+    from raylm.model.build import WeightsError, build_config, build_meta_model
+    from raylm.model.weights import check_weights
 
     path = save_family(tmp_path / "qwen2", "qwen2")
     weights = load_file(str(path / "model.safetensors"))
@@ -211,10 +210,10 @@ def test_weights_that_are_not_the_models_are_refused_naming_them(tmp_path):
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = build_config(preset=None, path=str(path), vocab_size=VOCAB, eos_id=0,
                           attn_implementation="eager")
-    with pytest.raises(CheckpointError, match=r"lacks 1 weights .*layers\.1\.mlp\.up_proj.* "
-                                              r"and holds 1 .*mlp\.extra.*not this model's"):
+    with pytest.raises(WeightsError, match=r"lacks 1 weights .*layers\.1\.mlp\.up_proj.* "
+                                           r"and holds 1 .*mlp\.extra.*not this model's"):
         check_weights(build_meta_model(config), path)
-    with pytest.raises(CheckpointError, match="lacks"):
+    with pytest.raises(WeightsError, match="lacks"):
         build(path, None)
 
 

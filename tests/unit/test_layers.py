@@ -57,3 +57,16 @@ def test_the_codebase_keeps_its_budget(capsys):
               f"{keys} config keys of {MAX_CONFIG_KEYS}")
     assert lines <= MAX_LINES, f"raylm/ outside bench/ has {lines:,} lines: over the budget"
     assert keys <= MAX_CONFIG_KEYS, f"{keys} config keys: over the budget"
+
+
+def test_the_layout_table_names_every_module():
+    """docs/development.md's layout table is where a newcomer finds the room for a change:
+    every module of raylm/ (the benchmarks are listed by name) has its line there."""
+    page = (ROOT / "docs" / "development.md").read_text()
+    table = page[page.index("## Layout"):]
+    table = table[table.index("```") + 3:]
+    table = table[:table.index("```")]
+    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "raylm").rglob("*.py"))
+               if p.name not in ("__init__.py", "__main__.py") and "bench" not in p.parts
+               and p.name not in table and f"{p.stem}:" not in table]
+    assert missing == [], f"docs/development.md's layout table lacks {missing}"

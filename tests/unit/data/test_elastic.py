@@ -16,7 +16,8 @@ from raylm.data.packing import (
     step_positions,
 )
 from raylm.run.record import interruptions, summarize
-from raylm.workers.ledger import Ledger, account, gather
+from raylm.rundir import account_samples as account
+from raylm.workers.ledger import Ledger, gather
 
 
 def test_batch_plan_keeps_the_global_batch_for_every_worker_count():

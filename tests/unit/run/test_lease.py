@@ -219,9 +219,9 @@ def test_a_lease_taken_over_is_lost_and_the_run_writes_nothing_more(tmp_path, ca
     """A driver that stalled past the lease's expiry finds it taken: its next renewal fails
     (conditional on the lease it wrote), it says so, and gives nothing back; the workers'
     and the record's check refuse to write into the run directory."""
+    from raylm.faults import LeaseLost, check_lease
     from raylm.run.record import RunRecord
     from raylm.run.tracking import Tracker
-    from raylm.workers.faults import LeaseLost, check_lease
 
     first = Lease(str(tmp_path)).take()
     first._stop.set()  # a stalled driver: no heartbeat

@@ -207,7 +207,7 @@ def test_the_record_alone_writes_the_final_summary_and_closes_the_mlflow_run(tmp
 def test_failures_that_recur_at_one_step_end_the_run_but_preemptions_do_not(tmp_path):
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
 
-    from raylm.workers.preemption import Preempted
+    from raylm.faults import Preempted
 
     r = record.RunRecord(str(tmp_path), total_steps=100, tracker=Tracker())
     end = record.EndOfRun(r, max_failures_at_one_step=3)

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from raylm.workers.faults import Mistake, cause, first_prediction_check
+from raylm.faults import Mistake, cause
+from raylm.workers.health import first_prediction_check
 from raylm.workers.step import batch_loss, build_training_model, logit_spread
 from tests.conftest import save_tiny_qwen3
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from raylm.config import SCHEDULES, OptimConfig
-from raylm.workers.optim import lr_at, param_groups
+from raylm.schedule import lr_at
+from raylm.workers.optim import param_groups
 
 
 def at(step: int, schedule: str, *, total: int = 110, **settings) -> float:
@@ -64,7 +65,7 @@ def test_no_weight_decay_on_norms_biases_embeddings():
 
 
 def test_schedule_change_on_resume():
-    from raylm.workers.optim import schedule_change
+    from raylm.schedule import schedule_change
     from raylm.workers.step import TrainState
 
     def run(schedule, total, steps=30):

@@ -1,4 +1,5 @@
-"""Faults are retried, mistakes are not.
+"""Faults are retried, mistakes are not: the errors that the workers raise and the driver and
+the Ray Train controller read (torch-free, so that every process can import it).
 
 Ray Train restarts a worker group after any worker error, up to ``train.max_failures`` times,
 as it should for lost machines, preempted nodes and broken connections. A mistake in what the
@@ -65,26 +66,6 @@ def check_lease(run_dir: str, token: str | None) -> None:
         f"again.")
 
 
-# Below this spread (the standard deviation of the logits over the vocabulary) a model
-# predicts every token alike. A head of zeros gives exactly 0 and equal rows give 0 up to
-# rounding; a randomly initialized tiny model gives about 0.16, a trained one several units.
-UNIFORM_SPREAD = 1e-4
-
-
-def first_prediction_check(spread: float, *, model_path: str) -> None:
-    """A pretrained model whose logits do not vary over the vocabulary (``spread``, from
-    :func:`raylm.workers.step.logit_spread` on the run's first batch) predicts every token
-    alike: its weights did not load. Decided from the logits, not from the loss: a randomly
-    initialized model's first loss can land on ln(vocab) by chance when few targets are
-    trained, though its predictions differ from token to token."""
-    if spread <= UNIFORM_SPREAD:
-        raise Mistake(
-            f"model.path={model_path}: the model predicts every token alike (its logits vary "
-            f"by {spread:.2g} over the vocabulary on the first batch): its weights did not "
-            f"load (its output head, its final norm or its weights are all zero or unset). "
-            f"Check that the directory's weight files are the model's own.")
-
-
 def cause(error: BaseException, kind: type[BaseException] = Mistake) -> BaseException | None:
     """The error of type ``kind`` (a :class:`Mistake` unless said) behind ``error``, as Ray
     Train wraps a worker's or a callback's error; None if there is none."""
@@ -96,3 +77,14 @@ def cause(error: BaseException, kind: type[BaseException] = Mistake) -> BaseExce
         error = (getattr(error, "_base_exc", None) or getattr(error, "controller_failure", None)
                  or error.__cause__)
     return None
+
+
+class Rewind(RuntimeError):
+    """Raised on every rank once the samples of faulty steps are recorded to be left out (or
+    the checkpoint a group resumed from is marked bad): Ray Train restarts the group, which
+    resumes from the latest good checkpoint without them (:mod:`raylm.workers.health`)."""
+
+
+class Preempted(RuntimeError):
+    """Raised on every rank after the checkpoint a SIGTERM asked for is saved
+    (:mod:`raylm.workers.preemption`)."""
