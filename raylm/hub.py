@@ -85,7 +85,7 @@ def resolve(value: str, *, key: str, log=print) -> str:
     return snapshot
 
 
-def resolve_sources(cfg):
+def with_hub_snapshots(cfg):
     """``cfg`` with a hub id in ``model.path`` or ``tokenizer.path`` replaced by its snapshot
     directory (``cfg`` itself when neither is one)."""
     model, tokenizer = cfg.model, cfg.tokenizer

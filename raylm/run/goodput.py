@@ -1,4 +1,4 @@
-"""The goodput ledger: every second of a run's wall time, by what it was spent on.
+"""The goodput account: every second of a run's wall time, by what it was spent on.
 
 A pure function of the run's event records (:mod:`raylm.run.record`), over every invocation, so
 it survives restarts, resizes and new invocations without state of its own. What feeds it:
@@ -33,9 +33,9 @@ numbers alone: a window of reported steps is "recomputed" in the share that a la
 ``from_step`` cut off (the steps it trains again), so a rewind that goes back several groups
 counts each lost step once. Clocks: the workers' figures are rank 0's clock, the gaps between
 groups the controller's; on one node they are the same clock, across nodes NTP keeps them within
-milliseconds of each other, which is below the resolution this ledger is read at.
+milliseconds of each other, which is below the resolution this account is read at.
 
-Written by hand: neither Ray Train nor MLflow keeps such a ledger (MaxText's goodput package
+Written by hand: neither Ray Train nor MLflow keeps such an account (MaxText's goodput package
 reads Google Cloud Logging, which a Ray cluster does not have).
 """
 
@@ -71,7 +71,7 @@ class _Window:
         return (self.last - self.alive_to) / max(1, self.last - self.first)
 
 
-class _Ledger:
+class _Account:
     """Walks the records once, in order (see :func:`goodput`)."""
 
     def __init__(self) -> None:
@@ -187,18 +187,18 @@ class _Ledger:
 
 
 def goodput(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ledger of a run's records (every invocation's, in the order they were written):
+    """The goodput account of a run's records (every invocation's, in the order they were written):
     ``total_s``, ``goodput``, ``seconds`` by cause (:data:`CAUSES`), ``recomputed_steps``
     (reported steps trained again) and ``energy_wasted_j`` (the energy of those steps' report
     windows; None without an energy counter)."""
-    ledger = _Ledger()
+    account = _Account()
     for r in records:
-        ledger.record(r)
-    return ledger.finish()
+        account.record(r)
+    return account.finish()
 
 
 def describe(g: dict[str, Any]) -> str:
-    """The ledger in one line, largest causes first."""
+    """The account in one line, largest causes first."""
     if not g.get("total_s"):
         return "goodput: nothing measured"
     parts = sorted(((v, k) for k, v in g["seconds"].items() if k != "productive" and v >= 0.05),
@@ -212,7 +212,7 @@ def describe(g: dict[str, Any]) -> str:
 
 
 def table(g: dict[str, Any]) -> dict[str, list]:
-    """The ledger as columns (cause, seconds, share of the total), for a table artifact."""
+    """The account as columns (cause, seconds, share of the total), for a table artifact."""
     total = g["total_s"] or 1.0
     return {"cause": list(CAUSES), "seconds": [g["seconds"][k] for k in CAUSES],
             "share": [round(g["seconds"][k] / total, 4) for k in CAUSES]}

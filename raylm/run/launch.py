@@ -41,7 +41,7 @@ from raylm.run.progress import Feed
 from raylm.run.record import Ending, EndOfRun, EndOnMistake, FinalModel, RunRecord
 from raylm.run.reference import needs_stored_reference, stored_reference
 from raylm.schedule import EXTEND_CLEANLY, schedule_change
-from raylm.workers.loop import train_loop_per_worker
+from raylm.workers.loop import HANDOFF, Handoff, train_loop_per_worker
 
 
 def cluster_capacity() -> dict[str, float]:
@@ -171,10 +171,10 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
     return TorchTrainer(
         train_loop_per_worker,
         torch_config=TorchConfig(timeout_s=int(cfg.train.collective_timeout_s)),
-        train_loop_config={"config": cfg.to_dict(), "run_dir": run_dir(cfg),
-                           "prepared": prepared, "vocab_size": vocab_size, "eos_id": eos_id,
-                           "tracker": record.tracker, "reader_resources": resources.reader,
-                           "identity": identity, "reference": reference, "lease": lease},
+        train_loop_config={HANDOFF: Handoff(
+            cfg=cfg, run_dir=run_dir(cfg), prepared=prepared, vocab_size=vocab_size,
+            eos_id=eos_id, tracker=record.tracker, reader_resources=resources.reader,
+            identity=identity or {}, reference=reference, lease=lease)},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
                                      resources_per_worker=resources.worker,
                                      elastic_resize_monitor_interval_s=sc.resize_interval_s),

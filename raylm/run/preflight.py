@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from raylm.config import Config, for_sweep
-from raylm.hub import resolve_sources
+from raylm.hub import with_hub_snapshots
 from raylm.model import lora
 from raylm.model.build import build_config, build_meta_model, check_seq_len
 from raylm.model.parallelize import check_tensor_parallel
@@ -43,7 +43,7 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
     if sweep:
         check_sweep(cfg)
         cfg = for_sweep(cfg)  # before a hub id becomes a snapshot path
-    cfg = resolve_sources(cfg)
+    cfg = with_hub_snapshots(cfg)
     m = cfg.model
     check_seq_len(cfg.data.seq_len, preset=m.preset, path=m.path)
     model_config = build_config(preset=m.preset, path=m.path, vocab_size=1, eos_id=0,

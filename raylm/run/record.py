@@ -239,7 +239,7 @@ class RunRecord(UserCallback):
         self.furthest = -1  # the furthest step reported
         self.stuck_at = -1  # the furthest step when the failures counted below began
         self.failures_in_place = 0  # failures in a row without training past stuck_at
-        # The goodput ledger counts this invocation's wall time from here (raylm.run.goodput).
+        # The goodput account counts this invocation's wall time from here (raylm.run.goodput).
         self._add("invocation", at=self.started)
 
     # Ray Train's hooks. An exception in a controller callback ends the whole run; the record
@@ -398,7 +398,7 @@ class RunRecord(UserCallback):
         return written
 
     def goodput(self, *, every_invocation: bool = False) -> dict[str, Any]:
-        """The goodput ledger (:mod:`raylm.run.goodput`) of this invocation, or of the whole
+        """The goodput account (:mod:`raylm.run.goodput`) of this invocation, or of the whole
         run (the earlier invocations' records are read once)."""
         if every_invocation and self.earlier is None:
             self.earlier = [r for r in read(self.run_dir) if r["invocation"] != self.invocation]
@@ -514,7 +514,7 @@ class EndOfRun(ControllerCallback, WorkerGroupCallback):
     """The controller's calls the record needs beyond reports and worker errors (which Ray
     Train alone gives user callbacks): the run's end; each decision to restart, which it
     refuses once ``max_failures_at_one_step`` failures came in a row without progress; and
-    each worker group's placement, for the goodput ledger. Made with the record and pickled
+    each worker group's placement, for the goodput account. Made with the record and pickled
     with it in one list of callbacks, so both are one object on the controller."""
 
     def __init__(self, record: RunRecord, *, max_failures_at_one_step: int = 0) -> None:
@@ -550,7 +550,7 @@ def resource_wait(worker_group) -> float | None:
         pg = worker_group.get_worker_group_state().placement_group_handle.placement_group
         stats = ray.util.placement_group_table(pg)["stats"]
         return stats["end_to_end_creation_latency_ms"] / 1000
-    except Exception:  # noqa: BLE001 - a figure of the ledger, not worth failing a start for
+    except Exception:  # noqa: BLE001 - a figure of the goodput account, not worth failing a start for
         return None
 
 

@@ -1,6 +1,6 @@
 """The reference pass of a DPO or IPO full fine-tune: before training, a Ray Data
 batch-inference pass scores every prepared pair with the starting weights
-(:class:`raylm.workers.reference.ReferenceScorer` as its actors) and stores each trained
+(:class:`raylm.workers.scorer.ReferenceScorer` as its actors) and stores each trained
 target's log-probability beside the blocks; the workers then hold one model, the policy.
 
 Stored under ``run.cache_dir/reference/<key>``, where the key digests what the figures depend
@@ -32,7 +32,7 @@ import ray
 from raylm.config import Config, cache_dir
 from raylm.names import LAYOUT, REFERENCE_INFO, SPLITS
 from raylm.outputs import discard, publish, staging
-from raylm.workers.reference import ReferenceScorer
+from raylm.workers.scorer import ReferenceScorer
 
 
 def needs_stored_reference(cfg: Config) -> bool:

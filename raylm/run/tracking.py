@@ -94,7 +94,7 @@ class Tracker:
     def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None:
         pass
 
-    def log_goodput(self, ledger: dict[str, Any], step: int) -> None:
+    def log_goodput(self, account: dict[str, Any], step: int) -> None:
         pass
 
     def start_node_monitor(self, node: str) -> None:
@@ -199,27 +199,27 @@ class MLflowTracker(Tracker):
         client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
                                                for k, v in counts.items()])
 
-    def log_goodput(self, ledger: dict[str, Any], step: int) -> None:
-        """The goodput ledger (:mod:`raylm.run.goodput`): ``goodput`` and ``goodput_<cause>_s``
+    def log_goodput(self, account: dict[str, Any], step: int) -> None:
+        """The goodput account (:mod:`raylm.run.goodput`): ``goodput`` and ``goodput_<cause>_s``
         as metrics at the run's last step, and the table by cause as ``goodput.json``."""
-        self._guard("log the goodput ledger", self._log_goodput, ledger, step)
+        self._guard("log the goodput account", self._log_goodput, account, step)
 
-    def _log_goodput(self, client, ledger, step) -> None:
+    def _log_goodput(self, client, account, step) -> None:
         from mlflow.entities import Metric
 
         from raylm.run.goodput import table
 
-        if not ledger.get("total_s"):
+        if not account.get("total_s"):
             return
         now = int(time.time() * 1000)
-        values = {"goodput": ledger["goodput"], "goodput_total_s": ledger["total_s"],
-                  "goodput_recomputed_steps": ledger["recomputed_steps"],
-                  **{f"goodput_{k}_s": v for k, v in ledger["seconds"].items()}}
-        if ledger["energy_wasted_j"] is not None:
-            values["energy_wasted_j"] = ledger["energy_wasted_j"]
+        values = {"goodput": account["goodput"], "goodput_total_s": account["total_s"],
+                  "goodput_recomputed_steps": account["recomputed_steps"],
+                  **{f"goodput_{k}_s": v for k, v in account["seconds"].items()}}
+        if account["energy_wasted_j"] is not None:
+            values["energy_wasted_j"] = account["energy_wasted_j"]
         client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, max(step, 0))
                                                for k, v in values.items()])
-        client.log_table(self.run_id, data=table(ledger), artifact_file="goodput.json")
+        client.log_table(self.run_id, data=table(account), artifact_file="goodput.json")
 
     def start_node_monitor(self, node: str) -> None:
         """MLflow's system-metrics monitor for this node, logging as ``system/<node>/...``.

@@ -38,7 +38,7 @@ import ray.train.torch
 import torch
 
 from raylm import rundir, storage
-from raylm.config import Config, DpoConfig, batch_plan, config_from_dict
+from raylm.config import Config, DpoConfig, batch_plan
 from raylm.console import quiet_libraries
 from raylm.data.packing import SampleOrder, Skips, check_positions, step_positions
 from raylm.data.streams import (
@@ -97,6 +97,33 @@ class NodeMonitor(Protocol):
     def stop_node_monitor(self) -> None: ...
 
 
+# The key of TorchTrainer's train_loop_config (a dict to Ray Train) that holds the Handoff.
+HANDOFF = "handoff"
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the driver gives every worker of a run, once (TorchTrainer's
+    ``train_loop_config[HANDOFF]``); the rest a worker works out from the config."""
+
+    cfg: Config
+    """The run's resolved config (choices the driver made, like the device, included)."""
+    run_dir: str
+    prepared: str
+    """The prepared data's directory (raylm.data.preparation)."""
+    vocab_size: int
+    eos_id: int
+    tracker: NodeMonitor
+    reader_resources: dict[str, float]
+    """What each worker's Ray Data reader reserves (the run's resource plan)."""
+    identity: dict[str, str]
+    """What the run trains with, written into every checkpoint (data, tokenizer, base)."""
+    reference: str | None = None
+    """The stored reference of a DPO full fine-tune (raylm.run.reference)."""
+    lease: str | None = None
+    """The token of the run directory's lease its driver holds (raylm.run.lease)."""
+
+
 @dataclass
 class Setup:
     """What one worker trains with, once set up."""
@@ -144,13 +171,13 @@ class Setup:
     """Parameter and optimizer-state memory of the rank holding most, once measured."""
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+def train_loop_per_worker(loop_config: dict[str, Handoff]) -> None:
     """Run by ``TorchTrainer`` on every worker."""
     group_started = time.time()
     preemption.install_in_ray_worker()
     try:
         try:
-            run = setup(loop_config, group_started=group_started)
+            run = setup(loop_config[HANDOFF], group_started=group_started)
         except Mistake:
             raise
         except MISTAKES as e:
@@ -301,7 +328,7 @@ class StepMeter:
         self.world_size, self.device = world_size, device
         self.run_t0 = time.perf_counter()
         self.busy_s = self.run_wait_s = 0.0
-        # Seconds since the group was set up, for the goodput ledger (raylm.run.goodput).
+        # Seconds since the group was set up, for the goodput account (raylm.run.goodput).
         self.eval_s = self.checkpoint_s = 0.0
         self.energy = energy
         # (time, joules) where the first energy window starts: the group's setup by default.
@@ -336,7 +363,7 @@ class StepMeter:
         self.busy_s += time.perf_counter() - self.step_t0
 
     def clock(self, *, window_energy_j: float | None) -> dict[str, float | None]:
-        """What a report tells the goodput ledger: this rank's wall time, and the seconds
+        """What a report tells the goodput account: this rank's wall time, and the seconds
         since the group was set up spent computing steps, waiting for data, evaluating and
         blocked on checkpoints (a report's own checkpoint adds its write when it is made:
         :meth:`raylm.workers.checkpoint.Checkpointer.save`); the window's joules."""
@@ -491,10 +518,10 @@ def culprits(built: Built, micro: list[dict[str, torch.Tensor]], *, cross_docume
     return np.array(sorted({p for part in every for p in part}), dtype=np.int64)
 
 
-def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
+def setup(handoff: Handoff, *, group_started: float) -> Setup:
     """Open the training stream at the step of the run's latest checkpoint, build the model
     and restore that checkpoint while its reader starts, then wait for its first batch."""
-    cfg = config_from_dict(loop_config["config"])
+    cfg = handoff.cfg
     quiet_libraries(cfg.run.verbose)
     ctx = ray.train.get_context()
     world, rank = ctx.get_world_size(), ctx.get_world_rank()
@@ -516,18 +543,18 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     # The stream opens first, at the step of the checkpoint the restore below loads, so that
     # its reader starts while the model is built and restored.
     reading = dict(timeout_s=cfg.checkpoint.timeout_s, rank=rank, setting="checkpoint.timeout_s")
-    with bounded(f"the checkpoints of {loop_config['run_dir']} to be listed and verified",
+    with bounded(f"the checkpoints of {handoff.run_dir} to be listed and verified",
                  **reading):
-        manifest = rundir.read_manifest(loop_config["run_dir"])
-        found = rundir.latest_usable(loop_config["run_dir"], bad=manifest["bad_checkpoints"])
+        manifest = rundir.read_manifest(handoff.run_dir)
+        found = rundir.latest_usable(handoff.run_dir, bad=manifest["bad_checkpoints"])
     skips = Skips(manifest["ranges"] + t.skip_positions)
     start_step = found[1]["state"]["step"] if found is not None else 0
-    batches = open_stream(loop_config, cfg, layout=lay, start_step=start_step,
+    batches = open_stream(handoff, layout=lay, start_step=start_step,
                           micro_batch=micro_batch, device=device, skips=skips)
     fetching = FirstBatch(batches) if start_step < t.steps else None
     built = build_training_model(
-        preset=cfg.model.preset, path=cfg.model.path, vocab_size=loop_config["vocab_size"],
-        eos_id=loop_config["eos_id"], device=device, precision=t.precision,
+        preset=cfg.model.preset, path=cfg.model.path, vocab_size=handoff.vocab_size,
+        eos_id=handoff.eos_id, device=device, precision=t.precision,
         attention=cfg.model.attention, cross_document=cfg.data.across_documents,
         plan=plan, pipeline_schedule=par.pipeline_schedule,
         seed=t.seed, lora=adapter_args(cfg.lora),
@@ -542,15 +569,15 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     if rank == 0:
         announce(cfg, built, world=world, step=state.step, micro_batch=micro_batch,
                  accumulation=accumulation)
-    tracker: NodeMonitor = loop_config["tracker"]
+    tracker = handoff.tracker
     if ctx.get_local_rank() == 0:
         tracker.start_node_monitor(f"node{ctx.get_node_rank()}")
-    val_batches = validation_batches(loop_config, cfg, layout=lay)
+    val_batches = validation_batches(handoff, layout=lay)
     # What starting the stream (actor, first blocks) still costs once the model is ready is a
     # one-off, reported on its own rather than folded into the steady-state data-wait fraction.
     t0 = time.perf_counter()
     if fetching is not None:
-        reader = loop_config["reader_resources"]
+        reader = handoff.reader_resources
         first = fetching.wait(
             timeout_s=cfg.data.first_batch_timeout_s, keep_waiting=cfg.scaling.wait_for_nodes,
             waiting_for=lambda: reader_wait(reader, rank=rank), log=print)
@@ -571,7 +598,7 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
     health = Health(device=device, start_step=state.step, report_every=t.log_every,
                     spikes=t.on_spike != "off", factor=t.spike_factor, window=t.spike_window,
                     spikes_from=cfg.optim.warmup_steps)
-    split = PackedSplit.load(loop_config["prepared"], "train")
+    split = PackedSplit.load(handoff.prepared, "train")
     order = SampleOrder(split.row_group_sizes, seed=t.seed, window=cfg.data.shuffle_window,
                         global_batch=t.global_batch_size)
     return Setup(cfg=cfg, rank=rank, world_size=world, layout=lay, built=built,
@@ -581,13 +608,13 @@ def setup(loop_config: dict[str, Any], *, group_started: float) -> Setup:
                  skips=skips, manifest=manifest, order=order, split=split,
                  recent=collections.deque(maxlen=t.log_every),
                  resumed=(storage.name(found[0]), state.step) if found is not None else None,
-                 run_dir=loop_config["run_dir"], lease=loop_config.get("lease"),
+                 run_dir=handoff.run_dir, lease=handoff.lease,
                  objective=preference_objective(cfg),
                  constant_metrics=constant,
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
                                                 cfg.checkpoint.writer, device=built.device,
                                                 model=built.model),
-                 identity=loop_config.get("identity") or {})
+                 identity=handoff.identity)
 
 
 def preference_objective(cfg: Config) -> DpoConfig | None:
@@ -614,16 +641,15 @@ def worker_device(cfg: Config) -> torch.device:
     return device
 
 
-def open_stream(loop_config: dict[str, Any], cfg: Config, *, layout: Layout, start_step: int,
-                micro_batch: int, device: torch.device, skips: Skips
-                ) -> Iterator[dict[str, torch.Tensor]]:
+def open_stream(handoff: Handoff, *, layout: Layout, start_step: int, micro_batch: int,
+                device: torch.device, skips: Skips) -> Iterator[dict[str, torch.Tensor]]:
     """This data-parallel rank's micro-batches from ``start_step`` on."""
-    d, t = cfg.data, cfg.train
+    d, t = handoff.cfg.data, handoff.cfg.train
     train_ds = build_train_stream(
-        loop_config["prepared"], rank=layout.dp_rank, world_size=layout.dp_size,
+        handoff.prepared, rank=layout.dp_rank, world_size=layout.dp_size,
         start_step=start_step, num_steps=t.steps, seed=t.seed, window=d.shuffle_window,
-        global_batch=t.global_batch_size, resources=loop_config["reader_resources"],
-        skips=skips.ranges, reference=loop_config.get("reference"))
+        global_batch=t.global_batch_size, resources=handoff.reader_resources,
+        skips=skips.ranges, reference=handoff.reference)
     # Batches stay on the host (the positions and rows are checked and logged there; in a
     # GPU worker Ray's default would move them to the GPU), pinned so that the step's copy
     # of the tokens to the GPU never waits for its queue.
@@ -632,14 +658,12 @@ def open_stream(loop_config: dict[str, Any], cfg: Config, *, layout: Layout, sta
                                             prefetch_batches=d.prefetch_batches))
 
 
-def validation_batches(loop_config: dict[str, Any], cfg: Config, *, layout: Layout
-                       ) -> list[dict[str, torch.Tensor]]:
+def validation_batches(handoff: Handoff, *, layout: Layout) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's share of the validation blocks, in micro-batches."""
-    mb = cfg.train.micro_batch_size
+    mb = handoff.cfg.train.micro_batch_size
     val = {k: torch.from_numpy(v) for k, v in read_val_blocks(
-        loop_config["prepared"], rank=layout.dp_rank, world_size=layout.dp_size,
-        eval_samples=cfg.train.eval_batches * mb,
-        reference=loop_config.get("reference")).items()}
+        handoff.prepared, rank=layout.dp_rank, world_size=layout.dp_size,
+        eval_samples=handoff.cfg.train.eval_batches * mb, reference=handoff.reference).items()}
     return [{k: v[i:i + mb] for k, v in val.items()}
             for i in range(0, len(val["input_ids"]), mb)]
 

@@ -67,7 +67,7 @@ class TrainState:
     (:class:`raylm.data.packing.Skips`)."""
     clock: dict[str, Any] | None = None
     """The saving group's report clock at this step (:meth:`raylm.workers.loop.StepMeter.clock`,
-    with the group's start time): the goodput ledger counts the steps up to a checkpoint the
+    with the group's start time): the goodput account counts the steps up to a checkpoint the
     controller saw no report of."""
 
     def advance(self, *, samples: int, tokens: int, lr: float | None = None) -> None:

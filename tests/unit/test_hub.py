@@ -9,7 +9,7 @@ import torch
 
 from raylm.cli import main
 from raylm.config import load_config
-from raylm.hub import is_hub_id, resolve_sources
+from raylm.hub import is_hub_id, with_hub_snapshots
 from tests.conftest import save_tiny_llama
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -35,9 +35,9 @@ def test_a_hub_id_loads_the_cached_snapshot(hub_cache):
 
     cfg = load_config(None, ["--model.path=acme/tiny", "--lora.rank=4"])
     assert cfg.model.path == "acme/tiny"  # not made a path under the working directory
-    resolved = resolve_sources(cfg)
+    resolved = with_hub_snapshots(cfg)
     assert resolved.model.path == str(hub_cache)
-    assert resolve_sources(load_config(None, [f"--model.path=acme/tiny@{REVISION}"])
+    assert with_hub_snapshots(load_config(None, [f"--model.path=acme/tiny@{REVISION}"])
                            ).model.path == str(hub_cache)
     built = build_training_model(preset=None, path=resolved.model.path, vocab_size=512,
                                  eos_id=0, device=torch.device("cpu"), precision="fp32")
@@ -72,13 +72,13 @@ def test_a_missing_path_under_a_local_directory_is_not_looked_up_on_the_hub(hub_
     (hub_cache.parents[3] / "acme").mkdir()
     with pytest.raises(ValueError, match=r"model.path='acme/tiny': no directory of that name "
                                          r"here, though acme/ is one \(a typo in the path\?\)"):
-        resolve_sources(load_config(None, ["--model.path=acme/tiny"]))
+        with_hub_snapshots(load_config(None, ["--model.path=acme/tiny"]))
     (hub_cache.parents[3] / "acme").rmdir()
     capsys.readouterr()
-    resolve_sources(load_config(None, ["--model.path=acme/tiny"]))
+    with_hub_snapshots(load_config(None, ["--model.path=acme/tiny"]))
     assert (f"raylm: model.path=acme/tiny is the hub's commit {REVISION} (the run's identity "
             f"records it; acme/tiny@{REVISION} pins it)") in capsys.readouterr().out
-    resolve_sources(load_config(None, [f"--model.path=acme/tiny@{REVISION}"]))
+    with_hub_snapshots(load_config(None, [f"--model.path=acme/tiny@{REVISION}"]))
     assert "commit" not in capsys.readouterr().out
 
 

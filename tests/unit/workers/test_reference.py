@@ -1,4 +1,4 @@
-"""The stored reference of a DPO full fine-tune (raylm.workers.reference, the scorer of the
+"""The stored reference of a DPO full fine-tune (raylm.workers.scorer, the scorer of the
 reference pass, and its figures read beside the blocks): a file for each row group of blocks,
 figures that follow their blocks whatever the order and resume point, and a step that equals
 DPO against a second, frozen copy of the starting model."""
@@ -25,7 +25,7 @@ from raylm.workers.preference import (
     preference_step,
     scored,
 )
-from raylm.workers.reference import ReferenceScorer
+from raylm.workers.scorer import ReferenceScorer
 from raylm.workers.step import build_training_model
 from tests.pairs import pair_blocks
 
