@@ -57,6 +57,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raylm.config import Config, cache_dir
+from raylm.data.chat import (
+    DefaultTemplate,
+    JinjaTemplate,
+    answer_segments,
+    control_text,
+    conversation_segments,
+    encode,
+    forged,
+    longest_token_chars,
+    prompt_completion_segments,
+    within_chars,
+)
 from raylm.data.corpus import (
     DROP_REASONS,
     EXAMPLE_DROP_REASONS,
@@ -173,13 +185,11 @@ class ExampleRenderer:
                  completion_field: str, chat_template: dict[str, Any] | None, loss_on: str,
                  block_length: int, long_examples: str, tokenizer, eos_id: int,
                  chosen_field: str | None = None, rejected_field: str | None = None) -> None:
-        from raylm.data.chat import DefaultTemplate, JinjaTemplate
 
         self.format, self.loss_on = example_format, loss_on
         self.template = JinjaTemplate(**chat_template) if chat_template else DefaultTemplate()
         self.block_length, self.long_examples = block_length, long_examples
         self.tok, self.eos_id = tokenizer, eos_id
-        from raylm.data.chat import control_text, longest_token_chars
 
         self.control = control_text(tokenizer)
         # Contents longer than this cannot fit a block: cut before rendering (see within_chars).
@@ -187,13 +197,6 @@ class ExampleRenderer:
         self.max_chars = 2 * block_length * longest if longest else None
 
     def __call__(self, table: pa.Table) -> pa.Table:
-        from raylm.data.chat import (
-            conversation_segments,
-            encode,
-            forged,
-            prompt_completion_segments,
-            within_chars,
-        )
 
         if self.format == "preference":
             return self._pairs(table)
@@ -248,7 +251,6 @@ class ExampleRenderer:
         """Preference pairs: the chosen half (answer targets marked 1) then the rejected half
         (marked 2) as one example, and where the second half starts. A pair is never cut: one
         that does not fit a block whole is dropped (``too_long``)."""
-        from raylm.data.chat import answer_segments, encode, forged, within_chars
 
         reasons = table.column("reason").to_pylist()
         ids_out, masks_out, splits = [], [], []

@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from raylm.data.chat import DefaultTemplate, template_args
 from raylm.data.corpus import SourceFile, read_examples, read_records
 
 EOS_TOKEN = "<|endoftext|>"
@@ -37,7 +38,6 @@ def sample_texts(
     """Kept documents totalling about ``num_chars`` characters, in a deterministic order.
     Fine-tuning ``examples`` (their format and fields) are sampled as raylm's default chat
     template renders them."""
-    from raylm.data.chat import DefaultTemplate
 
     order = sorted(files, key=lambda f: hashlib.blake2b(f.path.encode()).digest())
     seen = 0
@@ -160,8 +160,6 @@ def chat_template(path: str | os.PathLike) -> dict | None:
     """The chat template of the Hugging Face tokenizer at ``path``, as :class:`raylm.data.chat.
     JinjaTemplate` takes it; None when it has none (raylm's trained BPEs)."""
     from transformers import AutoTokenizer
-
-    from raylm.data.chat import template_args
 
     args = template_args(AutoTokenizer.from_pretrained(str(path), trust_remote_code=False))
     return args and {**args, "name": f"the chat template of {path}"}

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from raylm.console import quiet_torchao
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -123,7 +125,6 @@ def build_meta_model(config) -> nn.Module:
     Buffers are built for real, on the CPU, as the model's own constructor computes them:
     some are not in any checkpoint and not recomputed by anything else (Gemma's embedding
     scale, the rotary frequencies of each layer type); ``materialize`` carries them over."""
-    from raylm.console import quiet_torchao
 
     quiet_torchao()
     from accelerate import init_empty_weights

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raylm.console import quiet_torchao
+
 RECIPES = ("tensorwise", "rowwise")
 MIN_CAPABILITY = (8, 9)
 
@@ -52,7 +54,6 @@ def to_float8(model: nn.Module, recipe: str, *, blocks: nn.Module, device_type: 
     if recipe not in RECIPES:
         raise ValueError(f"model.float8={recipe!r}: choose off, {' or '.join(RECIPES)}")
     check_device(device_type)
-    from raylm.console import quiet_torchao
 
     quiet_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training

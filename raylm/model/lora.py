@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from raylm.console import quiet_torchao
+from raylm.model.build import WeightsError, canonical_name, copy_full, decoder_layers, reset_buffers
 
 ADAPTER_MARK = ".lora_"
 
@@ -63,7 +64,6 @@ def linear_projections(model: nn.Module) -> list[str]:
     mixture-of-experts router (the ``gate`` beside ``experts``) is left out: it picks experts
     and is not adapted; experts held as fused 3-D weights (Qwen3-MoE in transformers 5) are
     no linear layers and get no adapters."""
-    from raylm.model.build import decoder_layers
 
     names = set()
     for layer in decoder_layers(model):
@@ -117,7 +117,6 @@ def _name_seed(seed: int, name: str) -> int:
 def init_adapters(model: nn.Module, *, seed: int) -> None:
     """Fill the materialized adapters (full tensors or FSDP shards): A uniform in
     +-1/sqrt(fan_in) by (seed, name), B zero."""
-    from raylm.model.build import canonical_name, copy_full
 
     for wrapped, param in model.named_parameters():
         name = canonical_name(wrapped)
@@ -202,8 +201,6 @@ def load_quantized_base(model: nn.Module, path: str, device: torch.device, *,
 
     quiet_torchao()
     from torchao.quantization import to_nf4
-
-    from raylm.model.build import WeightsError, reset_buffers
 
     distributed = dist.is_initialized() and not own_stage
     rank0 = not distributed or dist.get_rank() == 0

@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from raylm.console import tidy_driver_console
+
 CONNECT_TIMEOUT_S = 10.0
 """How long an address may take to accept a connection before it counts as not answering."""
 RECORDED_TIMEOUT_S = 2.0
@@ -148,8 +150,6 @@ def connect(address: str | None, *, log: Callable[[str], None],
     import logging
 
     import ray
-
-    from raylm.console import tidy_driver_console
 
     tidy_driver_console()
     if ray.is_initialized():

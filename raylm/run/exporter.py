@@ -32,8 +32,11 @@ import torch
 from raylm import rundir, storage
 from raylm.config import config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
+from raylm.data.chat import answer_segments, encode, generation_prompt, template_for
+from raylm.data.corpus import normalize, parse_answer, parse_prompt
+from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
 from raylm.model import lora
-from raylm.model.attention import AttentionChoice, fit_to_model
+from raylm.model.attention import AttentionChoice, choose_attention, fit_to_model
 from raylm.model.build import (
     build_config,
     build_meta_model,
@@ -45,6 +48,7 @@ from raylm.model.weights import load_pretrained_weights
 from raylm.names import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.outputs import check_output, discard, publish, staging
 from raylm.workers import checkpoint
+from raylm.workers.step import Built, evaluate
 
 TOKENIZER_DIR = "tokenizer"
 # In RUN_DIR/tokenizer, written after its files: their digest (see write_run_info).
@@ -252,9 +256,6 @@ def _validation_losses(run_dir: str | Path, models: list, *, log) -> list[float]
     """Each model's loss on the run's validation blocks (as training evaluates: the same
     blocks, masked targets for fine-tuning data); empty, with the reason logged, when the run's
     prepared data is not on this machine."""
-    from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
-    from raylm.model.attention import choose_attention
-    from raylm.workers.step import Built, evaluate
 
     info = read_run_info(storage.normalize(run_dir))
     prepared = info.get("prepared")
@@ -315,8 +316,6 @@ class Generator:
         quiet_torchao()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from raylm.data.chat import template_for
-
         src = storage.normalize(source)
         if storage.is_file(storage.join(src, RUN_INFO)):
             with quiet_model_io():
@@ -337,8 +336,6 @@ class Generator:
 
     def answer(self, messages: list[dict[str, str]], **sampling) -> str:
         """The assistant's answer to ``messages`` (which end with a user turn)."""
-        from raylm.data.chat import generation_prompt
-        from raylm.data.corpus import normalize
 
         messages = [{"role": m["role"], "content": normalize(m["content"])} for m in messages]
         ids = generation_prompt(messages, self.tok.backend_tokenizer, self.template,
@@ -351,8 +348,6 @@ class Generator:
         """The summed log-probability of ``answer``'s trained tokens after ``prompt``, rendered
         as preference training renders a pair's half (:func:`raylm.data.chat.answer_segments`);
         strings stand for one user turn and one assistant turn."""
-        from raylm.data.chat import answer_segments, encode
-        from raylm.data.corpus import parse_answer, parse_prompt
 
         (turns, bad), (reply, wrong) = parse_prompt(prompt), parse_answer(answer)
         if bad or wrong:

@@ -35,6 +35,7 @@ from typing import Any
 from raylm import storage
 from raylm.config import Config, run_dir, storage_root
 from raylm.names import MLFLOW_RUN
+from raylm.run.goodput import table
 
 # Reported values that describe the run rather than measure it: params, not metrics.
 DESCRIPTIVE = ("attention_backend", "precision")
@@ -206,8 +207,6 @@ class MLflowTracker(Tracker):
 
     def _log_goodput(self, client, account, step) -> None:
         from mlflow.entities import Metric
-
-        from raylm.run.goodput import table
 
         if not account.get("total_s"):
             return

@@ -552,16 +552,7 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
     batches = open_stream(handoff, layout=lay, start_step=start_step,
                           micro_batch=micro_batch, device=device, skips=skips)
     fetching = FirstBatch(batches) if start_step < t.steps else None
-    built = build_training_model(
-        preset=cfg.model.preset, path=cfg.model.path, vocab_size=handoff.vocab_size,
-        eos_id=handoff.eos_id, device=device, precision=t.precision,
-        attention=cfg.model.attention, cross_document=cfg.data.across_documents,
-        plan=plan, pipeline_schedule=par.pipeline_schedule,
-        seed=t.seed, lora=adapter_args(cfg.lora),
-        base_quantization=cfg.lora.base_quantization, fused_loss=t.fused_loss)
-    o = cfg.optim
-    optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
-                                betas=(o.beta1, o.beta2), device_type=device.type)
+    built, optimizer = build_model(handoff, device=device, plan=plan)
     with bounded(f"checkpoint {found and found[0]} to be read", **reading):
         state, ledger = restore(found, cfg, built=built, optimizer=optimizer, rank=rank,
                                 layout=lay, skips=skips)
@@ -615,6 +606,24 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
                                                 cfg.checkpoint.writer, device=built.device,
                                                 model=built.model),
                  identity=handoff.identity)
+
+
+def build_model(handoff: Handoff, *, device: torch.device, plan: ParallelPlan
+                ) -> tuple[Built, torch.optim.Optimizer]:
+    """The run's model, laid out by ``plan`` on ``device``, and its optimizer."""
+    cfg = handoff.cfg
+    t = cfg.train
+    built = build_training_model(
+        preset=cfg.model.preset, path=cfg.model.path, vocab_size=handoff.vocab_size,
+        eos_id=handoff.eos_id, device=device, precision=t.precision,
+        attention=cfg.model.attention, cross_document=cfg.data.across_documents,
+        plan=plan, pipeline_schedule=cfg.parallel.pipeline_schedule,
+        seed=t.seed, lora=adapter_args(cfg.lora),
+        base_quantization=cfg.lora.base_quantization, fused_loss=t.fused_loss)
+    o = cfg.optim
+    optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
+                                betas=(o.beta1, o.beta2), device_type=device.type)
+    return built, optimizer
 
 
 def preference_objective(cfg: Config) -> DpoConfig | None:
