@@ -424,8 +424,8 @@ class TrainConfig:
     fused_loss: bool = True
     """Compute the output head and the cross-entropy a chunk of tokens at a time, so that a
     batch's logits never exist whole (at a 150k vocabulary they are the largest item of a
-    small model's memory); the same loss and gradients as the plain head. Not under tensor
-    or pipeline parallelism, where the plain head runs (see raylm.model.head_loss)."""
+    small model's memory); the same loss and gradients as the plain head. Not under pipeline
+    parallelism, where the last stage runs the plain head (see raylm.model.head_loss)."""
     max_failures: int = 3
     """Worker-group restarts allowed after failures (a lost worker or node, a preempted worker)
     before the run fails; -1 for no limit. Each restart resumes from the latest checkpoint."""

@@ -16,8 +16,11 @@ The head stays the model's own ``nn.Linear`` (:class:`LossHead` only changes its
 :func:`head_loss`), so parameter names, FSDP2's units, tied embeddings, checkpoints and
 exports are unchanged; the family's post-processing of the logits (Gemma 2's soft cap,
 Granite's and Cohere's scales: :func:`raylm.model.pipeline.head_output`) is applied to each
-chunk and differentiated by autograd there. Under tensor parallelism (the vocabulary-parallel
-head) and pipeline parallelism the plain head runs.
+chunk and differentiated by autograd there. Under tensor parallelism each rank holds a slice
+of the vocabulary (the head is split by rows): a chunk's logsumexp and target logits are summed
+over the tensor-parallel group from each rank's slice, as torch's loss parallel does for whole
+logits, and each rank keeps its slice's gradient. Under pipeline parallelism the plain head
+runs on the last stage.
 
 Written by hand: Liger-Kernel's fused linear cross-entropy and Apple's Cut Cross-Entropy do
 this with Triton kernels, on CUDA only, and as their own loss modules rather than inside a
@@ -32,8 +35,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from raylm.model.pipeline import head_output
 
@@ -71,10 +76,21 @@ class LossHead(nn.Linear):
         if pending.rows is not None:
             pending.logits = head_output(pending.config,
                                          super().forward(flat.index_select(0, pending.rows)))
-        else:
-            pending.loss = chunked_loss(flat, self.weight, pending.targets.reshape(-1),
-                                        config=pending.config)
-        return hidden.new_empty((*hidden.shape[:-1], 0))
+            return hidden.new_empty((*hidden.shape[:-1], 0))
+        weight, group, offset = self.weight, None, 0
+        if isinstance(weight, DTensor):
+            # Tensor parallelism: this rank's rows of the head (a slice of the vocabulary),
+            # the tokens replicated (see raylm.model.parallelize.tensor_parallel).
+            mesh = weight.device_mesh
+            # torch splits the rows as torch.chunk does: ceil(V / tp) each, the last fewer.
+            offset = mesh.get_local_rank() * -(-weight.size(0) // mesh.size())
+            group, weight, flat = mesh.get_group(), weight.to_local(), flat.to_local()
+        pending.loss = chunked_loss(flat, weight, pending.targets.reshape(-1),
+                                    config=pending.config, group=group, offset=offset)
+        empty = flat.new_empty((*hidden.shape[:-1], 0))
+        if group is not None:  # the head's output hook takes a split DTensor
+            return DTensor.from_local(empty, mesh, [Shard(-1)], run_check=False)
+        return empty
 
 
 def fusable(model: nn.Module) -> bool:
@@ -121,23 +137,55 @@ def chunk_rows(vocab: int) -> int:
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                 config) -> torch.Tensor:
+                 config, group=None, offset: int = 0) -> torch.Tensor:
     """The summed fp32 cross-entropy of ``targets`` (N,) under the logits ``hidden @ weight.T``
-    (N, H) x (V, H), post-processed as ``config``'s family does, a chunk of rows at a time."""
+    (N, H) x (V, H), post-processed as ``config``'s family does, a chunk of rows at a time.
+    With ``group`` (tensor parallelism), ``weight`` is this rank's rows of the head, the
+    vocabulary's ids from ``offset`` on, and the loss is the whole vocabulary's."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedLoss.apply(hidden, weight, targets, config)
+        return _ChunkedLoss.apply(hidden, weight, targets, config, group, offset)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for rows in range(0, hidden.size(0), chunk_rows(weight.size(0))):
-        end = rows + chunk_rows(weight.size(0))
-        logits = head_output(config, hidden[rows:end] @ weight.t()).float()
-        total = total + F.cross_entropy(logits, targets[rows:end], ignore_index=IGNORE,
-                                        reduction="sum")
+    step = chunk_rows(weight.size(0))
+    for rows in range(0, hidden.size(0), step):
+        logits = head_output(config, hidden[rows:rows + step] @ weight.t()).float()
+        total = total + _chunk_loss(logits, targets[rows:rows + step], group, offset)[0]
     return total
+
+
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, group, offset: int, *,
+                grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chunk's summed cross-entropy from its fp32 ``logits`` (with ``group``: this rank's
+    slice of the vocabulary), and with ``grad`` its gradient with respect to them."""
+    if group is None:
+        if not grad:
+            return F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum"), None
+        with torch.enable_grad():
+            logits = logits.detach().requires_grad_()
+            loss = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
+            (dlogits,) = torch.autograd.grad(loss, logits)
+        return loss.detach(), dlogits
+    valid = targets != IGNORE
+    top = logits.amax(dim=-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    exp = torch.exp(logits - top.unsqueeze(-1))
+    total = exp.sum(dim=-1)
+    dist.all_reduce(total, group=group)
+    local = targets - offset
+    here = valid & (local >= 0) & (local < logits.size(-1))
+    at = local.clamp(0, logits.size(-1) - 1).unsqueeze(-1)
+    picked = torch.where(here, logits.gather(-1, at).squeeze(-1), 0.0)
+    dist.all_reduce(picked, group=group)
+    loss = torch.where(valid, top + total.log() - picked, 0.0).sum()
+    if not grad:
+        return loss, None
+    dlogits = exp / total.unsqueeze(-1)
+    dlogits.scatter_add_(-1, at, -here.to(dlogits.dtype).unsqueeze(-1))
+    return loss, dlogits * valid.unsqueeze(-1)
 
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, config):
+    def forward(ctx, hidden, weight, targets, config, group, offset):
         grad_hidden = torch.empty_like(hidden)
         # The head's gradient is summed over the chunks in fp32, as autograd would sum it.
         grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -150,13 +198,16 @@ class _ChunkedLoss(torch.autograd.Function):
             with torch.enable_grad():
                 z = projected.detach().requires_grad_()
                 logits = head_output(config, z).float()
-                loss = F.cross_entropy(logits, targets[rows:rows + step], ignore_index=IGNORE,
-                                       reduction="sum")
-                (dz,) = torch.autograd.grad(loss, z)
-            total += loss.detach()
+            loss, dlogits = _chunk_loss(logits.detach(), targets[rows:rows + step], group,
+                                        offset, grad=True)
+            (dz,) = torch.autograd.grad(logits, z, dlogits)
+            total += loss
             grad_hidden[rows:rows + step] = dz @ weight
             if grad_weight is not None:
                 grad_weight += dz.t() @ h
+        if group is not None:
+            # The tokens are every rank's: their gradient sums each slice's part.
+            dist.all_reduce(grad_hidden, group=group)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -166,4 +217,5 @@ class _ChunkedLoss(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (grad_hidden * grad_total,
-                None if grad_weight is None else grad_weight * grad_total, None, None)
+                None if grad_weight is None else grad_weight * grad_total, None, None, None,
+                None)

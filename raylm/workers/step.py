@@ -131,7 +131,7 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     each rank reads its own stage's). With ``base_quantization="nf4"`` (QLoRA) the adapted
     layers' base weights are NF4-quantized as they are loaded, before sharding. With
     ``fused_loss`` the output head computes training losses in chunks of tokens where it can
-    (not under tensor or pipeline parallelism: :mod:`raylm.model.head_loss`)."""
+    (not under pipeline parallelism: :mod:`raylm.model.head_loss`)."""
     precision = resolve_precision(precision, device.type)
     choice = choose_attention(device.type, requested=attention, cross_document=cross_document,
                               precision=precision)
@@ -140,7 +140,7 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     choice = fit_to_model(choice, config, requested=attention, device_type=device.type)
     config._attn_implementation = choice.implementation
     model = build_meta_model(config)
-    fused_loss = fused_loss and plan.tensor == 1 and plan.pipeline == 1 and fusable(model)
+    fused_loss = fused_loss and plan.pipeline == 1 and fusable(model)
     if fused_loss:
         use_loss_head(model)
     adapters = bool(lora and lora.get("rank"))

@@ -17,17 +17,15 @@ from tests.distributed.shared import (
     VOCAB,
     data,
     masked_data,
+    reload,
     save_pretrained,
+    whole,
     worker,
 )
 from tests.ranks import free_port, run_ranks
 
 STEPS = 3
 SCHEDULES = PIPELINE_SCHEDULES
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def halves(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -73,58 +71,6 @@ def run(world: int, rank: int, plan: ParallelPlan, schedule: str, out: dict,
     opt = build_optimizer(adapted.model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95),
                           device_type="cpu")
     out["lora_losses"] = [step(adapted, opt, masked_data(), 1.0)[0] for _ in range(STEPS)]
-
-
-def run_composed(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str
-                 ) -> None:
-    """Pipeline stages that are themselves split (tensor parallelism) or sharded (FSDP2 over
-    data-parallel ranks): losses and gradient norms of AdamW steps, masked steps and
-    evaluation, for the tiny model and for LoRA on a pretrained base."""
-    from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, evaluate, train_step
-
-    lay = layout_of(rank, world, plan)
-    per = BATCH // lay.dp_size
-
-    def mine(batch):
-        rows = {k: v[lay.dp_rank * per:(lay.dp_rank + 1) * per] for k, v in batch.items()}
-        half = per // 2
-        return [{k: v[i:i + half] for k, v in rows.items()} for i in (0, half)]
-
-    for name, kw in (("full", dict(preset="tiny", path=None)),
-                     ("lora", dict(preset=None, path=pretrained, lora=LORA))):
-        built = build_training_model(vocab_size=VOCAB, eos_id=0, device=torch.device("cpu"),
-                                     precision="fp32", seed=0, plan=plan, **kw)
-        opt = build_optimizer(built.model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
-                              device_type="cpu")
-        out[name] = [float(x) for batch in (data(0), data(1), masked_data())
-                     for x in train_step(built, opt, mine(batch), accumulation=2,
-                                         grad_clip=1.0)]
-        out[name].append(evaluate(built, mine(masked_data())))
-
-
-def reload(world: int, rank: int, plan: ParallelPlan, directory: str
-           ) -> dict[str, torch.Tensor]:
-    """The parameters of a tiny model laid out by ``plan`` once ``directory`` is loaded into
-    it (with its optimizer state), whole: every stage's, gathered to full tensors."""
-    import torch.distributed as dist
-
-    from raylm.workers import checkpoint
-    from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model
-
-    built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
-                                 device=torch.device("cpu"), precision="fp32", seed=5,
-                                 plan=plan)
-    opt = build_optimizer(built.model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
-                          device_type="cpu")
-    checkpoint.load(directory, model=built.model, optimizer=opt, config=built.config)
-    mine = {n: whole(p) for n, p in built.model.named_parameters()}
-    if plan.pipeline == 1:
-        return mine
-    parts: list = [None] * world
-    dist.all_gather_object(parts, mine)
-    return {n: t for part in parts for n, t in part.items()}
 
 
 def gather(out: dict) -> dict:

@@ -16,23 +16,21 @@ from tests.distributed.shared import (
     VOCAB,
     data,
     masked_data,
+    reload,
+    run_composed,
     save_pretrained,
+    whole,
     worker,
 )
-from tests.distributed.test_pipeline_parallel import reload, run_composed
 from tests.ranks import free_port, run_ranks
 
 STEPS = 3
 TP2 = ParallelPlan(tensor=2)
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
 def run(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str) -> None:
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, train_step
+    from raylm.workers.step import build_training_model, evaluate, train_step
 
     lay = layout_of(rank, world, plan)
     per = BATCH // lay.dp_size
@@ -47,6 +45,8 @@ def run(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str) -
 
     built = build(preset="tiny", path=None)
     out["split"] = type(built.model.model.layers[0].self_attn.q_proj.weight).__name__
+    # The head's loss in chunks, from each rank's slice of the vocabulary (raylm.model.head_loss)
+    out["head"] = (type(built.model.lm_head.weight).__name__, built.fused_loss)
     # One SGD step at lr 1 with no clipping: the change of each parameter is its gradient.
     sgd = torch.optim.SGD(built.model.parameters(), lr=1.0)
     before = {n: whole(p) for n, p in built.model.named_parameters()}
@@ -59,6 +59,7 @@ def run(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str) -
                                       grad_clip=1.0)[0]) for s in range(STEPS)]
     out["masked"] = [float(x) for x in train_step(built, opt, [mine(masked_data())],
                                                   accumulation=1, grad_clip=1.0)]
+    out["val"] = [evaluate(built, [mine(data(9))]), evaluate(built, [mine(masked_data())])]
     if world > 1:
         # The (dp 2, tp 2) checkpoint loads at (dp 4) and at (pp 2, tp 2).
         from raylm.workers import checkpoint
@@ -122,6 +123,7 @@ def test_layout_places_tensor_groups_side_by_side():
 def test_gradients_and_steps_match_single_process(results):
     tp, ref = results
     assert tp["split"] == "DTensor" and ref["split"] == "Parameter"
+    assert tp["head"] == ("DTensor", True) and ref["head"] == ("Parameter", True)
     assert tp["first"] == pytest.approx(ref["first"], abs=1e-5)  # loss, gradient norm
     assert tp["grads"].keys() == ref["grads"].keys()
     for name, g in ref["grads"].items():
@@ -131,6 +133,7 @@ def test_gradients_and_steps_match_single_process(results):
     # order over the shards; 1.4e-5 apart here with torch 2.13, so compared relatively, as
     # the gradients are.
     assert tp["masked"] == pytest.approx(ref["masked"], rel=1e-5, abs=1e-5)
+    assert tp["val"] == pytest.approx(ref["val"], rel=1e-5, abs=1e-5)  # the no-grad path
 
 
 def test_lora_under_tensor_parallelism_matches_and_keeps_the_base_frozen(results):
