@@ -252,10 +252,11 @@ class NF4Linear(nn.Linear):
     opaque operator each (:func:`nf4_linear`), which dequantize the weight inside and keep
     nothing but the 4-bit weight for backward.
 
-    torchao's own NF4 linear does the same in eager mode, but under ``torch.compile`` the
-    dequantization is traced into the block's graph, and the partitioner (which does not
-    recompute an indexing op) saves every dequantized weight for backward: a 16-bit copy of
-    the whole base, as much memory as LoRA on a bf16 base."""
+    torchao's own NF4 linear does the same in eager mode, but under ``torch.compile`` its
+    dequantization is traced into the block's graph, where the forward's and the backward's
+    dequantization of a weight become one node that backward uses, and the partitioner saves
+    such a node rather than recompute it: every dequantized weight was kept for backward, a
+    16-bit copy of the whole base, as much memory as LoRA on a bf16 base."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nf4_linear(x, self.weight, self.bias)
