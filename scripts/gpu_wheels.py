@@ -140,10 +140,21 @@ def build(output: Path, *, cache: Path) -> float:
               f"({kept} files kept, {dropped} dropped)")
         for spec in PACKAGES:
             shutil.copy2(download(spec, cache), stage)
-        # raylm itself (its version from pyproject.toml), built from this checkout.
+        # raylm itself (its version from pyproject.toml), built from a copy of this checkout's
+        # files (tracked, and new ones git does not ignore): built in place, setuptools reuses
+        # build/lib, and a module deleted since the last build went into the wheel.
+        source = stage / "source"
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached",
+                                 "--others", "--exclude-standard"], check=True,
+                                capture_output=True).stdout.decode().split("\0")
+        for name in filter(None, listed):
+            if (ROOT / name).is_file():
+                (source / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, source / name)
         subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
                         "--disable-pip-version-check",
-                        "-w", str(stage), str(ROOT)], check=True)
+                        "-w", str(stage), str(source)], check=True)
+        shutil.rmtree(source)
         wheels = sorted(stage.glob("*.whl"))
         total = sum(w.stat().st_size for w in wheels) / 2**20
         for w in wheels:
