@@ -183,8 +183,10 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
                ) -> torch.Tensor:
     """Next-token cross-entropy of a batch of packed blocks (fp32 loss): the mean over every
     target, or, for blocks with a ``loss_mask``, the sum over the trained targets (the caller
-    divides by the trained targets of the whole global batch). Under tensor parallelism it is
-    a replicated DTensor, and it and its backward must run in ``loss_context(built.plan)``."""
+    divides by the trained targets of the whole global batch). With the chunked head loss
+    (``built.fused_loss``) the head computes it without whole logits (:mod:`raylm.model.
+    head_loss`); with the plain head under tensor parallelism it is a replicated DTensor, and
+    it and its backward must run in ``loss_context(built.plan)``."""
     tokens = batch["input_ids"].to(built.device, non_blocking=True)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     kwargs = {}
