@@ -99,7 +99,7 @@ def test_no_step_holds_a_batchs_logits(tmp_path, monkeypatch):
     assert built.model(input_ids=batch(False)["input_ids"]).logits.shape[-1] == VOCAB
 
 
-def test_a_head_with_a_bias_runs_the_plain_path():
+def test_only_a_bias_free_linear_head_computes_the_loss_in_chunks():
     from torch import nn
 
     model = nn.Module()
