@@ -92,26 +92,32 @@ class Run:
     def history(self) -> pd.DataFrame:
         """One row per reported step (``step``, ``loss``, ``val_loss`` where evaluated, ``lr``,
         ``grad_norm``, ``tokens_per_s``, ..., ``time`` of the report, ``step_time``), over
-        every invocation of the run. A step
-        trained twice (a restart resumed before it) keeps its last report: the one on the path
-        that the model took."""
+        every invocation of the run, with the benchmark scores (``eval/<task>/<metric>``) at
+        the steps of the checkpoints they score. A step trained twice (a restart resumed
+        before it) keeps its last report: the one on the path that the model took."""
         import pandas as pd
 
         from raylm.run.record import read
 
-        rows = {}
+        rows: dict[int, dict[str, Any]] = {}
+        scores: dict[int, dict[str, float]] = {}
         for r in read(self.run_dir):
             if r["event"] == "progress":
                 rows[r["step"]] = {k: v for k, v in r.items() if k not in ("event",
                                                                             "invocation",
                                                                             "clock")}
+            elif r["event"] == "benchmark":
+                scores.setdefault(r["step"], {}).update(r["scores"])
+        for step, values in scores.items():
+            rows.setdefault(step, {"step": step}).update(values)
         return pd.DataFrame([rows[s] for s in sorted(rows)])
 
     @property
     def goodput(self) -> pd.DataFrame:
         """Where the run's wall time went, every invocation (:mod:`raylm.run.goodput`): one
         row per cause (``productive``, ``recomputed``, ``data_wait``, ``checkpoint``,
-        ``evaluation``, ``preemption``, ``resources``, ``startup``, ``restart``, ``other``)
+        ``evaluation``, ``preemption``, ``benchmarks``, ``resources``, ``startup``,
+        ``restart``, ``other``)
         with its ``seconds`` and ``share`` of the total; ``goodput`` is the ``productive``
         share. Read from the run's records, so a running run's shows it so far."""
         import pandas as pd

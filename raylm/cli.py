@@ -107,6 +107,14 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an earlier raylm export of another kind in --output (a "
                          "directory raylm did not write is never replaced)")
+    ev = with_config(sub, "eval", "score a run's checkpoint (or every one) or an exported model "
+                                  "on lm-evaluation-harness benchmarks: the run's own eval.* "
+                                  "settings, or --eval.tasks=...")
+    ev.add_argument("source", help="a run directory or an exported model directory")
+    which = ev.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="a run's checkpoint at this step (default: its "
+                                                "latest usable one)")
+    which.add_argument("--all", action="store_true", help="every usable checkpoint of the run")
     gen = plain(sub, "generate", "sample text from a run directory or exported model")
     gen.add_argument("source", help="a run directory or an exported model directory")
     gen.add_argument("--prompt", default="", help="text to continue")
@@ -209,6 +217,21 @@ def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``raylm eval``: the scores in lines as they come, and as JSON at the end."""
+    from raylm.run.evaluate import evaluate_source
+
+    other = [o for o in overrides if not o.startswith("--eval.")]
+    if other:
+        raise ConfigError(f"raylm eval takes the eval.* keys only, and {other[0]} would change "
+                          f"nothing: it scores what a run already trained.")
+    ev = load_config(args.config, overrides).eval if (args.config or overrides) else None
+    records = evaluate_source(args.source, ev, step=args.step, every=args.all)
+    print(json.dumps([{k: r.get(k) for k in ("step", "scores", "error")} for r in records],
+                     indent=2))
+    return 0 if all(r["event"] == "benchmark" for r in records) else 1
+
+
 def dry_run(cfg: Config, *, sweep: bool) -> int:
     """The resolved config, then what the run would do where (:mod:`raylm.run.dryrun`)."""
     from raylm.run.dryrun import describe
@@ -304,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "jobs":
             return cmd_jobs(args)
+        if args.command == "eval":
+            return cmd_eval(args, overrides)
         cfg = load_config(args.config, overrides)
         if args.command == "config":
             sys.stdout.write(cfg.to_yaml())

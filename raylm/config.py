@@ -742,6 +742,11 @@ class TuneConfig:
     """Search algorithm: random, grid, or optuna (TPE, through Ray Tune's OptunaSearch)."""
     max_concurrent: int = 0
     """Trials at a time; 0 runs as many as the cluster has room for."""
+    metric: str | None = None
+    """Rank trials by a benchmark score instead: ``eval/<task>/<metric>`` of one of eval.tasks
+    (``eval/arc_easy/acc_norm``); whether higher is better is lm-eval's word for the metric.
+    Trials report at each scored checkpoint, so ASHA stops trials on the scores as they
+    arrive. Unset: validation loss (preference accuracy for DPO)."""
 
     def __post_init__(self) -> None:
         tu = self
@@ -769,6 +774,46 @@ class TuneConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    tasks: list[str] = field(default_factory=list)
+    """Benchmarks that score the run's checkpoints while it trains, on Ray beside it: task and
+    group names of EleutherAI's lm-evaluation-harness (arc_easy, hellaswag, mmlu ...), or of
+    the task files in eval.include_path. Empty: none. Needs the eval extra
+    (``pip install 'raylm[eval]'``); a task's data is read where the evaluation runs (a hub
+    data set needs the network there, a local task's files that path)."""
+    include_path: str | None = None
+    """A directory of the user's own lm-eval task YAML files (their data in local JSON, JSONL
+    or Parquet files), whose task names eval.tasks may use."""
+    every: int = 1
+    """Score every this many checkpoints (counted from step 0 in checkpoint.every steps); the
+    final checkpoint is always scored."""
+    limit: int | None = None
+    """Examples per task at most (unset: all of them), for a quick, noisier score."""
+    num_fewshot: int | None = None
+    """Examples shown before each question; unset: each task's own setting."""
+    batch_size: int = 8
+    """Sequences the evaluation scores at a time."""
+    resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    """What one evaluation takes on the cluster, apart from the training workers: CPU, GPU and
+    custom resources, e.g. ``{GPU: 1}``, or ``{CPU: 4, eval_node: 1}`` for a node group of
+    its own. An evaluation that cannot be placed beside training waits for room (said in the
+    run's lines), so training never waits for it."""
+
+    def __post_init__(self) -> None:
+        _check(all(isinstance(t, str) and t.strip() for t in self.tasks), "eval.tasks",
+               self.tasks, "lm-eval task or group names")
+        _check(self.every >= 1, "eval.every", self.every, ">= 1")
+        _check(self.limit is None or self.limit >= 1, "eval.limit", self.limit,
+               "unset or >= 1")
+        _check(self.num_fewshot is None or self.num_fewshot >= 0, "eval.num_fewshot",
+               self.num_fewshot, "unset or >= 0")
+        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, ">= 1")
+        _check(bool(self.resources) and all(v > 0 for v in self.resources.values()),
+               "eval.resources", self.resources,
+               "resource names (CPU, GPU or custom) with amounts > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -783,6 +828,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         if self.run.name is None:
@@ -1096,6 +1142,11 @@ def validate(cfg: Config) -> Config:
                "supported); use data or pipeline parallelism")
     _check(not tu.lora_ranks or bool(cfg.model.path), "tune.lora_ranks", tu.lora_ranks,
            "ranks >= 1, with model.path naming the pretrained model they adapt")
+    if tu.metric is not None:
+        parts = tu.metric.split("/")
+        _check(len(parts) >= 3 and parts[0] == "eval" and parts[1] in cfg.eval.tasks,
+               "tune.metric", tu.metric, f"unset, or eval/<task>/<metric> with <task> one of "
+               f"eval.tasks ({', '.join(cfg.eval.tasks) or 'none set'})")
     _check_preference(cfg)
     _check_layout(cfg)
     _check_batch_shares(cfg.train.global_batch_size, sc.num_workers, sc.worker_range,

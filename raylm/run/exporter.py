@@ -105,15 +105,19 @@ def read_run_info(run_dir: str) -> dict:
     return json.loads(storage.read_text(storage.join(run_dir, RUN_INFO)))
 
 
-def load_run_model(run_dir: str | Path, *, merge: bool = True):
+def load_run_model(run_dir: str | Path, *, merge: bool = True,
+                   checkpoint_path: str | None = None):
     """(model in eval mode, local tokenizer directory, step) from a run's newest verified
-    checkpoint. A LoRA run's adapters are merged into the base unless ``merge`` is false. A run
-    in object storage has its tokenizer fetched to a temporary directory."""
+    checkpoint (or ``checkpoint_path``'s, verified). A LoRA run's adapters are merged into the base
+    unless ``merge`` is false. A run in object storage has its tokenizer fetched to a
+    temporary directory."""
 
     rd = storage.normalize(run_dir)
     info = read_run_info(rd)
     cfg = config_from_dict(info["config"])
-    found = rundir.latest_usable(rd, bad=rundir.read_manifest(rd)["bad_checkpoints"])
+    found = (rundir.latest_usable(rd, bad=rundir.read_manifest(rd)["bad_checkpoints"])
+             if checkpoint_path is None
+             else (checkpoint_path, rundir.verify(checkpoint_path)))
     if found is None:
         raise ValueError(f"{rd} holds no complete checkpoint to export.")
     config = build_config(preset=cfg.model.preset, path=cfg.model.path,
@@ -177,7 +181,7 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
         if quantize is not None:
             _write_quantized(run_dir, tmp, quantize, log=log)
         else:
-            _write(run_dir, tmp, cfg, merge=merge)
+            write_export(run_dir, tmp, cfg, merge=merge)
     except BaseException:
         discard(tmp)
         raise
@@ -185,12 +189,16 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
     return out
 
 
-def _write(run_dir: str | Path, out: Path, cfg, *, merge: bool) -> None:
-    """The export of :func:`export` (not quantized), into the empty directory ``out``."""
+def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,
+                 checkpoint_path: str | None = None) -> None:
+    """The export of :func:`export` (not quantized), into the empty directory ``out``; of
+    ``checkpoint_path`` rather than the newest checkpoint (a benchmark's:
+    :mod:`raylm.run.benchmarks`)."""
     from transformers import AutoTokenizer
 
     adapters = lora.adapter_args(cfg.lora)
-    model, tokenizer_dir, step = load_run_model(run_dir, merge=merge or not adapters)
+    model, tokenizer_dir, step = load_run_model(run_dir, merge=merge or not adapters,
+                                                checkpoint_path=checkpoint_path)
     model.config.use_cache = True
     gen = model.generation_config
     gen.use_cache = True
@@ -218,7 +226,7 @@ def _write_quantized(run_dir: str | Path, out: Path, method: str, *, log) -> Non
     cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
     with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
         plain = Path(tmp)
-        _write(run_dir, plain, cfg, merge=True)
+        write_export(run_dir, plain, cfg, merge=True)
         full = AutoModelForCausalLM.from_pretrained(tmp, trust_remote_code=False).eval()
         # A tied output head is the embedding table: untie it, or quantizing the head would
         # hand the embedding lookup an int8 tensor.

@@ -10,7 +10,9 @@ it survives restarts, resizes and new invocations without state of its own. What
   checkpoints), and the energy the window drew where NVML reads it;
 - the controller's own records: each attempt to place a worker group (``placing``/``placed``,
   with the seconds its placement group waited for resources), each failure, the invocation's
-  start and end.
+  start and end, and the wait for benchmark evaluations at its end. The evaluations
+  themselves run on resources of their own (:mod:`raylm.run.benchmarks`), beside the run's
+  wall time, not in it: ``raylm eval``'s records, written after the fact, are not counted.
 
 The wall time of each invocation (from the driver building the run to its end) is split into
 
@@ -22,6 +24,7 @@ The wall time of each invocation (from the driver building the run to its end) i
 ``checkpoint``      the loop blocked on saving (staging, or the whole write when synchronous)
 ``evaluation``      validation
 ``preemption``      from a preempted group's checkpoint to its end (the drain)
+``benchmarks``      the end of the run waiting for benchmark evaluations still running
 ``resources``       placement groups waiting for CPUs/GPUs (Ray's own measure)
 ``startup``         the first group of an invocation: starting processes, building, restoring
 ``restart``         later groups: from a loss (or a resize) to the new group training again
@@ -45,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CAUSES = ("productive", "recomputed", "data_wait", "checkpoint", "evaluation", "preemption",
-          "resources", "startup", "restart", "other")
+          "benchmarks", "resources", "startup", "restart", "other")
 
 
 @dataclass
@@ -95,6 +98,8 @@ class _Account:
         self.start = self.end = None
 
     def record(self, r: dict[str, Any]) -> None:
+        if r["event"] in ("benchmark", "benchmark_failed"):
+            return  # beside the wall time (see the module doc)
         if r["invocation"] != self.invocation:
             self.end_of_lost_group()
             self.close_invocation()
@@ -146,6 +151,9 @@ class _Account:
         self.s["evaluation"] += d["eval_s"]
         self.s["checkpoint"] += d["checkpoint_s"]
         self.clock, self.step = {k: c[k] for k in self.clock}, r["step"]
+
+    def on_waited_for_benchmarks(self, r) -> None:
+        self.s["benchmarks"] += r["seconds"]
 
     def on_failure(self, r) -> None:
         if self.gap_from is None:

@@ -34,6 +34,7 @@ from raylm.model import lora
 from raylm.model.build import build_config
 from raylm.names import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY
 from raylm.run import goodput, lease, tracking
+from raylm.run.benchmarks import Benchmarks
 from raylm.run.exporter import write_run_info
 from raylm.run.lease import LeaseError, hold
 from raylm.run.preflight import Checked, preflight
@@ -157,6 +158,30 @@ def _check_fits(cfg: Config, plan: ResourcePlan, capacity: dict[str, float]) -> 
             f"cluster autoscales.")
 
 
+def plan_benchmarks(cfg: Config, plan: ResourcePlan, capacity: dict[str, float] | None
+                    ) -> str | None:
+    """The benchmark evaluations' resources (eval.resources) against the cluster's
+    ``capacity`` (None: autoscaling): refused when the cluster could never place one, said
+    when one cannot be placed beside the training workers (it then waits for them)."""
+    if not cfg.eval.tasks or capacity is None:
+        return None
+    need = cfg.eval.resources
+    short = {k: v for k, v in need.items() if v > capacity.get(k, 0.0) + 1e-9}
+    if short:
+        has = ", ".join(f"{capacity.get(k, 0):g} {k}" for k in short)
+        raise ValueError(
+            f"eval.resources={need}: the cluster has {has}, so no benchmark evaluation could "
+            f"ever start; ask for what a node has, or set scaling.wait_for_nodes=true if the "
+            f"cluster autoscales.")
+    most = cfg.scaling.worker_range[1]
+    training = {k: most * v for k, v in plan.per_worker().items()}
+    if any(v + training.get(k, 0.0) > capacity.get(k, 0.0) + 1e-9 for k, v in need.items()):
+        return (f"benchmark evaluations (eval.resources={need}) do not fit beside "
+                f"{most} training worker(s) on this cluster: each waits for room (at the latest, "
+                f"the end of training) while training goes on")
+    return None
+
+
 def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
                   record: RunRecord, resources: ResourcePlan, callbacks: list | None = None,
                   identity: dict[str, str] | None = None, reference: str | None = None,
@@ -219,6 +244,9 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     resources = plan_resources(cfg, None if cfg.scaling.wait_for_nodes else capacity)
     if resources.note:
         log(f"raylm: {resources.note}")
+    note = plan_benchmarks(cfg, resources, None if cfg.scaling.wait_for_nodes else capacity)
+    if note:
+        log(f"raylm: {note}")
     prepared = prepared_dir(cfg, log=log)
     manifest = json.loads((prepared / PREPARED_MANIFEST).read_text())
     layout = json.loads((prepared / LAYOUT).read_text())
@@ -265,7 +293,11 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     token = held.token if held is not None else None
     record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
                        verbose=cfg.run.verbose, progress=feed and feed.queue, ending=ending,
-                       lease=token)
+                       lease=token, benchmarks=Benchmarks(
+                           rd, cfg.eval, checkpoint_every=cfg.checkpoint.every,
+                           total_steps=cfg.train.steps) if cfg.eval.tasks else None)
+    # A sweep trial's reporter hears each benchmark's scores (raylm.run.sweep).
+    record.listeners += [c for c in callbacks or () if hasattr(c, "scored")]
     record.note("device", gpu=cfg.scaling.use_gpu, reason=device)
     if moved is not None:
         record.note("schedule_moved", **moved)

@@ -5,7 +5,8 @@ API) before Ray starts, so that a mistake costs seconds and one line, never a wo
 It resolves hub ids to their snapshot directories, builds the model's configuration once, and
 checks against it: the sequence length, the tensor-parallel and pipeline layouts, the weight
 files (on a meta-device model, adapters included), QLoRA's block sizes at every worker count
-the run may have, the sweep's own settings, and that the MLflow store can exist. What it
+the run may have, the sweep's own settings, the benchmarks (:mod:`raylm.run.benchmarks`), and
+that the MLflow store can exist. What it
 returns (:class:`Checked`) is what the later steps take instead of checking again: a sweep's
 trials reuse it.
 """
@@ -22,7 +23,7 @@ from raylm.model.build import build_config, build_meta_model, check_seq_len
 from raylm.model.parallelize import check_tensor_parallel
 from raylm.model.pipeline import check_pipeline
 from raylm.model.weights import check_weights
-from raylm.run import tracking
+from raylm.run import benchmarks, tracking
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
         fewest, most = cfg.scaling.worker_range
         for workers in range(fewest, most + 1):
             lora.check_nf4_shapes(model, cfg.lora.target_modules, workers)
+    # The eval extra installed, every benchmark known to lm-eval, and tune.metric's direction
+    # stated: before an hour of training, not after it.
+    benchmarks.check_settings(cfg.eval)
+    if sweep and cfg.tune.metric is not None:
+        benchmarks.higher_is_better(cfg.eval, cfg.tune.metric)
     if cfg.tracking.enabled and tracked:
         # A store that cannot exist, or a server that refuses this client, fails now, not
         # after the data is prepared.

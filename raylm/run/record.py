@@ -49,6 +49,8 @@ from raylm import rundir, storage
 from raylm.console import quiet_libraries
 from raylm.faults import LeaseLost, Mistake, Preempted, Rewind, cause, check_lease
 from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
+from raylm.run import benchmarks as bench
+from raylm.run.benchmarks import Benchmarks
 from raylm.run.goodput import goodput
 from raylm.run.tracking import Tracker
 
@@ -208,8 +210,12 @@ class RunRecord(UserCallback):
 
     def __init__(self, run_dir: str, *, total_steps: int, tracker: Tracker,
                  verbose: bool = False, progress=None, ending: Ending | None = None,
-                 lease: str | None = None) -> None:
+                 lease: str | None = None, benchmarks: Benchmarks | None = None) -> None:
         self.run_dir = run_dir
+        # The checkpoints' benchmark evaluations (raylm.run.benchmarks), when eval.tasks names
+        # any; ``listeners`` hear each one's scores (a sweep trial's reporter to Tune).
+        self.benchmarks = benchmarks
+        self.listeners: list[Any] = []
         # The token of the run directory's lease its driver holds: once another holds it,
         # nothing more is written (raylm.run.lease).
         self.lease = lease
@@ -298,7 +304,32 @@ class RunRecord(UserCallback):
         self.tracker.log_report(m, path)
         self._note_tracking(step)
         self._progress(m, step_time=step_time, checkpoint=path)
+        if self.benchmarks is not None:
+            self._benchmark(step, path)
         if path is not None:
+            self.flush()
+
+    def _benchmark(self, step: int, checkpoint: str | None) -> None:
+        """Start the evaluation of a due checkpoint (at the invocation's first report, those
+        of earlier invocations left unscored too) and record those that have ended; never
+        waits (see :mod:`raylm.run.benchmarks`)."""
+        b = self.benchmarks
+        if not b.resumed:
+            b.resume(self._every_record(),
+                     bad=rundir.read_manifest(self.run_dir)["bad_checkpoints"])
+        if checkpoint is not None:
+            b.start(step, checkpoint)
+        self._scored(b.collect())
+
+    def _scored(self, outcomes: list[dict[str, Any]]) -> None:
+        for r in outcomes:
+            self._add(r["event"], **{k: v for k, v in r.items() if k != "event"})
+            print(bench.describe(r), flush=True)
+            if r["event"] == "benchmark":
+                self.tracker.log_scores(r["scores"], r["step"])
+                for listener in self.listeners:
+                    listener.scored(r, val_loss=self.val_loss)
+        if outcomes:
             self.flush()
 
     def _progress(self, m: dict[str, Any], *, step_time: float, checkpoint: str | None
@@ -370,6 +401,10 @@ class RunRecord(UserCallback):
         try:
             if not self._ours():
                 return
+            if self.benchmarks is not None and self.benchmarks.pending:
+                began = time.time()
+                self._scored(self.benchmarks.wait())
+                self._add("waited_for_benchmarks", seconds=round(time.time() - began, 2))
             self._add("end", status="failed" if failed else "finished")
             self.log.flush()
             summary = {**self.summary(), "status": "failed" if failed else "finished",
@@ -400,9 +435,13 @@ class RunRecord(UserCallback):
     def goodput(self, *, every_invocation: bool = False) -> dict[str, Any]:
         """The goodput account (:mod:`raylm.run.goodput`) of this invocation, or of the whole
         run (the earlier invocations' records are read once)."""
-        if every_invocation and self.earlier is None:
+        return goodput(self._every_record() if every_invocation else self.records)
+
+    def _every_record(self) -> list[dict[str, Any]]:
+        """Every invocation's records: the earlier ones' read once, when first needed."""
+        if self.earlier is None:
             self.earlier = [r for r in read(self.run_dir) if r["invocation"] != self.invocation]
-        return goodput(self.earlier + self.records if every_invocation else self.records)
+        return self.earlier + self.records
 
     def placing(self) -> None:
         """Ray Train starts placing a worker group."""
@@ -455,6 +494,9 @@ class RunRecord(UserCallback):
                                          for c in r["changed"]}),
             # This invocation's while it runs; the whole run's in the final summary.
             "goodput": self.goodput(),
+            # Every invocation's scores (raylm.run.benchmarks); None when none are asked for.
+            "benchmarks": (bench.summarize(self._every_record())
+                           if self.benchmarks is not None else None),
         }
 
     def _add(self, event: str, *, at: float | None = None, **fields: Any) -> None:
@@ -486,12 +528,9 @@ class RunRecord(UserCallback):
             self.flush()
 
     def _log_events(self, step: int) -> None:
-        # MLflow's run spans every invocation of the raylm run: the earlier ones' records are
-        # read once, here, when this invocation first has something to add.
-        if self.earlier is None:
-            self.earlier = [r for r in read(self.run_dir) if r["invocation"] != self.invocation]
+        # MLflow's run spans every invocation of the raylm run.
         by_invocation: dict[str, list[dict[str, Any]]] = {}
-        for r in self.earlier + self.records:
+        for r in self._every_record():
             by_invocation.setdefault(r["invocation"], []).append(r)
         parts = [summarize(rs) for rs in by_invocation.values()]
         faults = [r for rs in by_invocation.values() for r in rs

@@ -18,6 +18,7 @@ end. Running ``raylm tune`` again with the same name resumes the sweep.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import tempfile
@@ -30,11 +31,11 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler
 
 from raylm import rundir, storage
-from raylm.config import Config, config_from_dict, run_dir, storage_root
+from raylm.config import Config, EvalConfig, config_from_dict, run_dir, storage_root
 from raylm.console import quiet_libraries, tune_verbosity
 from raylm.data.preparation import prepared_dir
 from raylm.names import GROUP_START
-from raylm.run import tracking
+from raylm.run import benchmarks, tracking
 from raylm.run.launch import (
     ResourcePlan,
     choose_device,
@@ -51,11 +52,21 @@ METRIC = "val_loss"
 
 
 def ranking(cfg: Config) -> tuple[str, str]:
-    """The validation figure trials are ranked by, and ``min`` or ``max``: the loss, or for
-    train.objective=dpo the preference accuracy (the held-out share of pairs whose chosen
-    answer has the higher reward), since the DPO loss moves with dpo.beta, which a sweep may
-    vary, and the accuracy does not."""
+    """The figure trials are ranked by, and ``min`` or ``max``: tune.metric's benchmark score
+    when set (its direction lm-eval's); else the validation loss, or for train.objective=dpo
+    the preference accuracy (the held-out share of pairs whose chosen answer has the higher
+    reward), since the DPO loss moves with dpo.beta, which a sweep may vary, and the accuracy
+    does not."""
+    if cfg.tune.metric is not None:
+        return cfg.tune.metric, _direction(cfg.eval.include_path, tuple(cfg.eval.tasks),
+                                           cfg.tune.metric)
     return ("val_accuracy", "max") if cfg.train.objective == "dpo" else (METRIC, "min")
+
+
+@functools.lru_cache(maxsize=8)
+def _direction(include_path: str | None, tasks: tuple[str, ...], metric: str) -> str:
+    ev = EvalConfig(tasks=list(tasks), include_path=include_path)
+    return "max" if benchmarks.higher_is_better(ev, metric) else "min"
 
 
 def search_space(cfg: Config) -> dict[str, Any]:
@@ -98,11 +109,24 @@ def trial_config(base: dict[str, dict[str, Any]], params: dict[str, Any], *, tri
 
 class TrialReporter(TuneReportCallback):
     """Ray Train's reporter to Tune, less the worker groups' announcements: they carry no
-    ``val_loss``, which Tune requires of every result of a trial."""
+    ``val_loss``, which Tune requires of every result of a trial. A sweep ranked by a
+    benchmark (tune.metric) reports a result as each checkpoint's scores arrive instead (the
+    run's record calls :meth:`scored`), with the step of the checkpoint they score: Tune
+    sees the score as soon as it exists, and training never waits for it."""
+
+    def __init__(self, *, by_benchmark: bool = False) -> None:
+        super().__init__()
+        self.by_benchmark = by_benchmark
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        if metrics[0].get("event") != GROUP_START:
+        if metrics[0].get("event") != GROUP_START and not self.by_benchmark:
             super().after_report(run_context, metrics, checkpoint)
+
+    def scored(self, record: dict[str, Any], *, val_loss: float | None) -> None:
+        if self.by_benchmark:
+            self._training_actor_item_queue.put(
+                {"step": record["step"], **record["scores"],
+                 **({} if val_loss is None else {METRIC: val_loss})})
 
 
 def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: str,
@@ -113,7 +137,8 @@ def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: 
     cfg = trial_config(base, params, trials_dir=trials_dir, trial_id=trial_id,
                        prepared=prepared)
     # A trial Tune restarts (its node lost) waits out its own earlier attempt's lease.
-    train(cfg, callbacks=[TrialReporter()], tracking_parent=parent,
+    train(cfg, callbacks=[TrialReporter(by_benchmark=cfg.tune.metric is not None)],
+          tracking_parent=parent,
           checked=checked.for_trial(cfg), lease_owner=f"trial {trial_id} of {trials_dir}")
 
 
@@ -173,7 +198,9 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
     t = cfg.train
     # max_t one past the last step: ASHA stops a trial that reaches max_t, which would end a
     # finished trial before it writes its summary and closes its MLflow run.
-    scheduler = ASHAScheduler(time_attr="step", max_t=t.steps + 1, grace_period=t.eval_every,
+    # A benchmark's first score comes with the first scored checkpoint.
+    first = t.eval_every * (cfg.eval.every if cfg.tune.metric is not None else 1)
+    scheduler = ASHAScheduler(time_attr="step", max_t=t.steps + 1, grace_period=min(first, t.steps),
                               reduction_factor=2)
     searcher = None
     if cfg.tune.search == "optuna":

@@ -98,6 +98,9 @@ class Tracker:
     def log_goodput(self, account: dict[str, Any], step: int) -> None:
         pass
 
+    def log_scores(self, scores: dict[str, float], step: int) -> None:
+        pass
+
     def start_node_monitor(self, node: str) -> None:
         pass
 
@@ -219,6 +222,18 @@ class MLflowTracker(Tracker):
         client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, max(step, 0))
                                                for k, v in values.items()])
         client.log_table(self.run_id, data=table(account), artifact_file="goodput.json")
+
+    def log_scores(self, scores: dict[str, float], step: int) -> None:
+        """Benchmark scores (:mod:`raylm.run.benchmarks`) as metrics at the step of the
+        checkpoint they score."""
+        self._guard("log benchmark scores", self._log_scores, scores, step)
+
+    def _log_scores(self, client, scores: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
+                                               for k, v in scores.items()])
 
     def start_node_monitor(self, node: str) -> None:
         """MLflow's system-metrics monitor for this node, logging as ``system/<node>/...``.

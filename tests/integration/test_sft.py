@@ -132,6 +132,34 @@ def pretrained(tmp_path_factory, tokenizer_dir):
                            vocab_size=tokenizer_vocab(tokenizer_dir))
 
 
+@pytest.fixture(scope="module")
+def reverse_task(tmp_path_factory):
+    """A multiple-choice benchmark of the reverse-words task as an lm-eval task folder: each
+    question rendered as fine-tuning renders it, the right reversal among three near misses."""
+    rng = random.Random(1)
+    root = tmp_path_factory.mktemp("tasks")
+    rows = []
+    for _ in range(24):
+        words = rng.sample(WORDS, 3)
+        right = " ".join(reversed(words))
+        # Two words swapped (both ways a reversal of three can be), and the words unreversed.
+        wrong = sorted({near_miss(words, rng) for _ in range(12)} | {" ".join(words)})
+        choices = [right, *wrong]
+        rng.shuffle(choices)
+        rows.append({"words": " ".join(words), "choices": choices,
+                     "answer": choices.index(right)})
+    (root / "reverse.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "reverse.yaml").write_text(
+        "task: reverse_mc\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {root / 'reverse.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: \"System: Answer with the words in reverse order.\\n\\nUser: Reverse: "
+        "{{words}}\\n\\nAssistant:\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    return root
+
+
 def lora_run(chats, tokenizer_dir, pretrained, tmp_path) -> list[str]:
     """LoRA rank 8 on the pretrained model, the chat data, fp32, 8 sequences per step."""
     return [f"--data.source={chats}", "--data.format=chat", f"--tokenizer.path={tokenizer_dir}",
@@ -144,11 +172,14 @@ def lora_run(chats, tokenizer_dir, pretrained, tmp_path) -> list[str]:
 
 
 def test_lora_on_two_workers_logs_registers_and_exports_its_adapters(
-        chats, tokenizer_dir, pretrained, tmp_path, capsys):
+        chats, tokenizer_dir, pretrained, reverse_task, tmp_path, capsys):
     """LoRA adapters on a saved pretrained model, 2 FSDP2 workers, chat data: MLflow holds and
     registers the final adapter, the checkpoint holds the adapters only, and the exports
-    (adapter, merged, int8) agree. (A LoRA run on 2 workers that loses one and resumes exactly
-    is the DPO test below: the same adapters' checkpoints, another loss.)"""
+    (adapter, merged, int8) agree. Each checkpoint is scored on a local lm-eval task beside the
+    run, the scores in MLflow, the summary and the history at its step, the same numbers
+    `raylm eval` and lm-eval's own command line give. (A LoRA run on 2 workers that loses one
+    and resumes exactly is the DPO test below: the same adapters' checkpoints, another
+    loss.)"""
     from raylm.run.launch import train
 
     args = [*lora_run(chats, tokenizer_dir, pretrained, tmp_path), "--scaling.num_workers=2",
@@ -156,7 +187,10 @@ def test_lora_on_two_workers_logs_registers_and_exports_its_adapters(
     store = f"sqlite:///{tmp_path}/mlflow.db"
     full = train(load_config(None, [*args, "--run.name=whole", "--train.steps=20",
                                     "--tracking.enabled=true", f"--tracking.uri={store}",
-                                    "--tracking.register_as=reverse-words"]),
+                                    "--tracking.register_as=reverse-words",
+                                    "--eval.tasks=[reverse_mc]",
+                                    f"--eval.include_path={reverse_task}",
+                                    "--eval.resources={CPU: 0.5}"]),
                  log=print)
     assert full["status"] == "finished" and full["workers"] == 2
     # MLflow holds the run's final adapter as peft writes it: the run's output model at its
@@ -216,6 +250,9 @@ def test_lora_on_two_workers_logs_registers_and_exports_its_adapters(
         base = AutoModelForCausalLM.from_pretrained(str(pretrained)).eval()
         assert not torch.allclose(base(input_ids=ids).logits, merged(input_ids=ids).logits)
 
+    check_benchmarks(full, tmp_path / "runs" / "whole", tmp_path / "merged", store,
+                     reverse_task, capsys)
+
     # Quantized for deployment: int8 linear weights that from_pretrained loads, smaller on
     # disk, measured against the merged model on the run's own validation blocks (the
     # unquantized figure is the run's final validation loss).
@@ -235,6 +272,75 @@ def test_lora_on_two_workers_logs_registers_and_exports_its_adapters(
         torch.testing.assert_close(int8(input_ids=ids).logits, merged(input_ids=ids).logits,
                                    atol=0.05, rtol=0)
 
+
+
+def check_benchmarks(full: dict, run_dir, merged, store: str, tasks, capsys) -> None:
+    """The LoRA run's benchmark scores (checkpoints at steps 10 and 20, scored beside it):
+    where a user reads them, what `raylm eval` and lm-eval's own command line give, and
+    which checkpoints a resumed run would score."""
+    import subprocess
+    import sys
+
+    from mlflow import MlflowClient
+
+    from raylm import api
+    from raylm.cli import main
+    from raylm.config import EvalConfig
+    from raylm.run import record
+    from raylm.run.benchmarks import Benchmarks, score_checkpoint
+
+    name = "eval/reverse_mc/acc"
+    scores = full["benchmarks"]["scores"]
+    assert set(scores) == {name, "eval/reverse_mc/acc_norm"} and not full["benchmarks"]["failed"]
+    assert scores[name]["latest_step"] == 20 and scores[name]["best_step"] in (10, 20)
+    history = MlflowClient(store).get_metric_history(full["mlflow_run_id"], name)
+    assert sorted(m.step for m in history) == [10, 20]
+    at = {m.step: m.value for m in history}
+    assert scores[name]["latest"] == at[20]
+    rows = api.Run(str(run_dir)).history.set_index("step")
+    assert rows.loc[10, name] == at[10] and rows.loc[20, name] == at[20]
+    # The run never waited for a benchmark: each ran on its own half CPU while it trained,
+    # or after its last step (the goodput account's "benchmarks").
+    assert full["goodput"]["seconds"]["benchmarks"] < 60
+
+    # `raylm eval` scores the step-10 checkpoint again with the same code: the same number,
+    # added to the run's record.
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--step=10"]) == 0
+    assert '"eval/reverse_mc/acc"' in capsys.readouterr().out
+    events = [r for r in record.read(str(run_dir)) if r["event"] == "benchmark"]
+    assert [r["step"] for r in events] == [10, 20, 10]
+    assert events[-1]["scores"] == events[0]["scores"]
+
+    # lm-eval's own command line on the merged export of step 20: the same scores.
+    out = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
+         f"pretrained={merged}", "dtype=float32", "--tasks", "reverse_mc", "--include_path",
+         str(tasks), "--device", "cpu", "--batch_size", "8", "--output_path",
+         str(merged.parent / "lm-eval")],
+        capture_output=True, text=True, timeout=300, check=True)
+    (found,) = list((merged.parent / "lm-eval").rglob("results_*.json"))
+    theirs = json.loads(found.read_text())["results"]["reverse_mc"]
+    assert theirs["acc,none"] == at[20], out.stdout[-2000:]
+    assert theirs["acc_norm,none"] == scores["eval/reverse_mc/acc_norm"]["latest"]
+
+    # A resumed run scores the due checkpoints no invocation scored, and only those.
+    class Here:
+        def start(self, checkpoint):
+            return score_checkpoint(str(run_dir), checkpoint, ev)
+
+        def finished(self, handles, timeout):
+            return [(h, h) for h in handles]
+
+    ev = EvalConfig(tasks=["reverse_mc"], include_path=str(tasks))
+    records = record.read(str(run_dir))
+    b = Benchmarks(str(run_dir), ev, checkpoint_every=10, total_steps=20, runner=Here())
+    assert b.resume(records, bad=[]) == []
+    unscored = [r for r in records if not (r["event"] == "benchmark" and r["step"] == 20)]
+    b = Benchmarks(str(run_dir), ev, checkpoint_every=10, total_steps=20, runner=Here())
+    assert b.resume(unscored, bad=[]) == [20]
+    (rescored,) = b.collect()
+    assert rescored["scores"][name] == at[20]
 
 
 def near_miss(words: list[str], rng: random.Random) -> str:

@@ -42,8 +42,8 @@ def test_ruff_finds_nothing():
 
 
 # The budget docs/development.md states: raising one is a decision made there, with its reason.
-MAX_LINES = 15_000  # raylm/ outside bench/
-MAX_CONFIG_KEYS = 120
+MAX_LINES = 16_000  # raylm/ outside bench/
+MAX_CONFIG_KEYS = 128
 
 
 def test_the_codebase_keeps_its_budget(capsys):

@@ -48,6 +48,7 @@ def test_a_lost_worker_splits_the_wall_time_by_cause():
         "productive": 36.0,  # four windows of 9 s that the final model holds
         "recomputed": 14.0,  # steps 11-15 (9 + 1 s), then 4 s from their report to the loss
         "data_wait": 4.0, "checkpoint": 0.5, "evaluation": 1.0, "preemption": 0.0,
+        "benchmarks": 0.0,
         "resources": 1.5,  # Ray's measure of both placements
         "startup": 4.0,  # 0 -> ready at 5, less 1 s waiting for resources
         "restart": 6.5,  # the loss at 40 -> ready at 47, less 0.5 s waiting for resources

@@ -1,0 +1,104 @@
+"""``raylm eval``: benchmark scores of a run's checkpoints, or of an exported model, after the
+fact, with the code that scores them while a run trains (:mod:`raylm.run.benchmarks`)::
+
+    raylm eval runs/my-run --all
+    raylm eval exported/ --eval.tasks=[arc_easy] --eval.limit=200
+
+Here the scoring runs in this process (no Ray): on its GPU if it has one, else its CPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from raylm import rundir, storage
+from raylm.config import ConfigError, EvalConfig, config_from_dict
+from raylm.names import RUN_INFO, SUMMARY
+from raylm.run import tracking
+from raylm.run.benchmarks import (
+    check_settings,
+    describe,
+    outcome_record,
+    score_checkpoint,
+    score_model,
+    summarize,
+)
+from raylm.run.exporter import read_run_info
+from raylm.run.lease import hold
+from raylm.run.record import EventLog, read
+
+
+def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = None,
+                    every: bool = False, log=print) -> list[dict[str, Any]]:
+    """Score a run's checkpoint (the latest usable one, the one at ``step``, or ``every``
+    one) or an exported model directory on ``ev`` (None: the run's own eval settings).
+
+    A run's scores go where its own evaluations go: its events, ``summary.json``'s
+    ``benchmarks`` and its MLflow run, under the run's lease (a run still training is
+    refused: it scores its own checkpoints). An export's scores are returned only."""
+    src = storage.normalize(source)
+    if not storage.is_file(storage.join(src, RUN_INFO)):
+        if not (Path(src) / "config.json").is_file():
+            raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
+        if step is not None or every:
+            raise ValueError("--step and --all choose among a run's checkpoints; "
+                             f"{src} is an exported model.")
+        if ev is None or not ev.tasks:
+            raise ConfigError("an exported model has no eval settings of its own: name the "
+                              "benchmarks with --eval.tasks")
+        check_settings(ev)
+        scored = score_model(Path(src), ev)
+        return [{"event": "benchmark", "step": None, "scores": scored.scores,
+                 "higher": scored.higher, "seconds": scored.seconds}]
+    cfg = config_from_dict(read_run_info(src)["config"])
+    ev = ev if ev is not None and ev.tasks else cfg.eval
+    if not ev.tasks:
+        raise ConfigError(f"run {cfg.run.name!r} named no benchmarks (eval.tasks): name them "
+                          f"with --eval.tasks")
+    check_settings(ev)
+    bad = rundir.read_manifest(src)["bad_checkpoints"]
+    found = {}
+    for path in rundir.candidates(src):
+        try:
+            marker = rundir.verify(path)
+        except (rundir.CheckpointError, OSError):
+            continue
+        if storage.name(path) not in bad:
+            found[marker["state"]["step"]] = path
+    if step is not None and step not in found:
+        raise ValueError(f"{src} has no usable checkpoint at step {step}; it has "
+                         f"{', '.join(map(str, sorted(found))) or 'none'}")
+    if not found:
+        raise ValueError(f"{src} holds no complete checkpoint to score.")
+    steps = sorted(found) if every else [step if step is not None else max(found)]
+    out = []
+    with hold(src, log=log):
+        summary_path = storage.join(src, SUMMARY)
+        summary = (json.loads(storage.read_text(summary_path))
+                   if storage.is_file(summary_path) else None)
+        tracker = tracking.Tracker()
+        if summary is not None and summary.get("mlflow_run_id") and cfg.tracking.enabled:
+            tracker = tracking.MLflowTracker(summary["mlflow_run_id"],
+                                             tracking.resolve_uri(cfg))
+        log_ = EventLog(src, f"{time.time():.6f}")
+        for s in steps:
+            log(f"raylm: scoring the checkpoint at step {s} ({found[s]}) on "
+                f"{', '.join(ev.tasks)}")
+            try:
+                result: Any = score_checkpoint(src, found[s], ev)
+            except Exception as e:  # noqa: BLE001 - recorded as the run's evaluations are
+                result = e
+            record = outcome_record(s, found[s], result)
+            log(describe(record))
+            log_.add({"invocation": log_.invocation, "time": time.time(), **record})
+            if record["event"] == "benchmark":
+                tracker.log_scores(record["scores"], s)
+            out.append(record)
+        log_.flush()
+        if summary is not None:
+            summary["benchmarks"] = summarize(read(src))
+            storage.write_text(summary_path, json.dumps(summary, indent=2))
+    return out
