@@ -21,6 +21,9 @@ What a run directory ``RUN_DIR = run.storage_path/run.name`` holds, and who writ
 ``lease.json``             the driver holding the run (:mod:`raylm.run.lease`), and
                            ``lease.json.lock`` beside it on a file system
 ``skipped_samples.json``   rank 0 at a rewind (:func:`write_manifest`)
+``.benchmarks/step_N/``    the controller: hard links of a checkpoint's files while its
+                           benchmark evaluation waits; the evaluation removes them
+                           (:mod:`raylm.run.benchmarks`)
 ``tuner.pkl``, trials      Ray Tune, for a sweep (:mod:`raylm.run.sweep`)
 =========================  ==================================================================
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -169,15 +171,43 @@ def score_model(directory: Path, ev: EvalConfig) -> Scored:
 
 def score_checkpoint(run_dir: str, checkpoint: str, ev: EvalConfig) -> Scored:
     """The evaluation task: ``checkpoint`` of the run written as ``raylm export --merge``
-    writes it, into a temporary directory, and scored there."""
+    writes it, into a temporary directory, and scored there. A held copy of the checkpoint
+    (:func:`hold`) is removed once read."""
     from raylm.run.exporter import read_run_info, write_export
 
     start = time.time()
     cfg = config_from_dict(read_run_info(run_dir)["config"])
-    with tempfile.TemporaryDirectory(prefix="raylm-eval-") as tmp, quiet_model_io():
-        write_export(run_dir, Path(tmp), cfg, merge=True, checkpoint_path=checkpoint)
-        scored = score_model(Path(tmp), ev)
+    try:
+        with tempfile.TemporaryDirectory(prefix="raylm-eval-") as tmp, quiet_model_io():
+            write_export(run_dir, Path(tmp), cfg, merge=True, checkpoint_path=checkpoint)
+            scored = score_model(Path(tmp), ev)
+    finally:
+        if storage.parent(checkpoint) == storage.join(run_dir, HELD):
+            shutil.rmtree(checkpoint, ignore_errors=True)
     return Scored(scored.scores, scored.higher, round(time.time() - start, 2))
+
+
+# Where a checkpoint waiting for its evaluation is held (RUN_DIR/.benchmarks/step_N): hard links
+# of its files, so that Ray Train removing the checkpoint (checkpoint.keep) while the evaluation
+# waits for a CPU or starts its process does not take the files from under it. No data is
+# copied.
+HELD = ".benchmarks"
+
+
+def hold(run_dir: str, checkpoint: str, step: int) -> str:
+    """``checkpoint``'s files held for its evaluation (see :data:`HELD`); the checkpoint itself
+    where links cannot be made (object storage, another file system), said in the record of a
+    failure if Ray Train removes it first."""
+    if storage.is_uri(run_dir):
+        return checkpoint
+    held = Path(run_dir) / HELD / f"step_{step}"
+    try:
+        shutil.rmtree(held, ignore_errors=True)
+        shutil.copytree(checkpoint, held, copy_function=os.link)
+    except OSError:
+        shutil.rmtree(held, ignore_errors=True)
+        return checkpoint
+    return str(held)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,12 +228,16 @@ class RayRunner:
 
     def __init__(self, run_dir: str, ev: EvalConfig) -> None:
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         res = dict(ev.resources)
         self.run_dir, self.ev = run_dir, ev
+        # Outside any placement group: a Tune trial's controller runs in the trial's, whose
+        # bundles hold nothing for an evaluation (Ray would place its tasks there).
         self.remote = ray.remote(score_checkpoint).options(
             num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None,
-            max_retries=1, retry_exceptions=True, name="raylm-benchmark")
+            max_retries=1, retry_exceptions=True, name="raylm-benchmark",
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))
 
     def start(self, checkpoint: str) -> Any:
         return self.remote.remote(self.run_dir, checkpoint, self.ev)
@@ -267,6 +301,8 @@ class Benchmarks:
         """Once, at the invocation's first report: the steps whose evaluations ended in the
         run's ``records``, and the due checkpoints on disk that none scored, started now."""
         self.resumed = True
+        if not storage.is_uri(self.run_dir):  # what earlier invocations held and left
+            shutil.rmtree(Path(self.run_dir) / HELD, ignore_errors=True)
         self.ended |= {r["step"] for r in records
                        if r["event"] in ("benchmark", "benchmark_failed")}
         started = []
@@ -288,7 +324,8 @@ class Benchmarks:
                 step, ev=self.ev, checkpoint_every=self.checkpoint_every,
                 total_steps=self.total_steps):
             return False
-        self.pending[step] = (self._runner().start(checkpoint), checkpoint)
+        held = hold(self.run_dir, checkpoint, step)
+        self.pending[step] = (self._runner().start(held), checkpoint)
         return True
 
     def collect(self, *, timeout: float | None = 0.0) -> list[dict[str, Any]]:

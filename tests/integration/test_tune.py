@@ -118,9 +118,11 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
         base, pretrained, tmp_path):
     """`raylm tune` of a DPO trial on LoRA adapters (the sweep choosing dpo.beta and the
     rank), stopped with Ctrl-C once the trial has a checkpoint; the same sweep run again goes
-    on with that trial from its newest checkpoint rather than from the start, and ranks it by
-    its preference accuracy. The trial's adapters have the rank the sweep gave it (2), not
-    the config's (4): the trial's settings reached its workers."""
+    on with that trial from its newest checkpoint rather than from the start. The sweep ranks
+    trials by a benchmark, an lm-eval task of held-out pairs scored beside the trial at its
+    checkpoints of steps 60 and 120: each is scored once over both invocations, and Tune
+    ranks by the score. The trial's adapters have the rank the sweep gave it (2), not the
+    config's (4): the trial's settings reached its workers."""
     import os
     import random
     import signal
@@ -143,11 +145,30 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
             f.write(json.dumps({"prompt": "Reverse: " + " ".join(w),
                                 "chosen": " ".join(reversed(w)), "rejected": " ".join(w)})
                     + "\n")
+    # The benchmark: 16 more pairs as lm-eval multiple choice, rendered as training renders a
+    # one-turn prompt.
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    rows = [rng.sample(words, 3) for _ in range(16)]
+    (tasks / "pairs.jsonl").write_text("".join(json.dumps(
+        {"words": " ".join(w), "choices": [" ".join(w), " ".join(reversed(w))], "answer": 1})
+        + "\n" for w in rows))
+    (tasks / "pairs.yaml").write_text(
+        f"task: held_out_pairs\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tasks / 'pairs.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: \"User: Reverse: {{words}}\\n\\nAssistant:\"\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\nmetric_list:\n"
+        "  - metric: acc\n")
     args = [sys.executable, "-m", "raylm", "tune", *base, "--run.name=resumed",
             f"--model.path={pretrained}", "--lora.rank=4", "--tune.lr_points=1",
             "--tune.lora_ranks=[2]", "--tune.max_concurrent=1", f"--data.source={pairs}",
             "--data.format=preference", "--data.seq_len=95", "--train.objective=dpo",
-            "--tune.dpo_betas=[0.3]"]
+            "--tune.dpo_betas=[0.3]", "--eval.tasks=[held_out_pairs]",
+            f"--eval.include_path={tasks}", "--eval.every=12", "--eval.resources={CPU: 0.5}",
+            "--tune.metric=eval/held_out_pairs/acc",
+            # Ranked by a benchmark, a trial reports to Tune only with its scores, so nothing
+            # paces its steps: 120 of them keep it training when the interrupt comes.
+            "--train.steps=120"]
     # The interrupted driver joins the suite's cluster (a local one would take ~10 s to start);
     # what its trial holds goes with it. Ray Train's default poll (2 s, one report each) paces
     # the trial at a 5-step report per 2 s, so it is still training when the interrupt comes.
@@ -170,7 +191,7 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     out, _ = first.communicate(timeout=120)
     (trial_dir,) = [d for d in trials.glob("*") if d.is_dir()]
     interrupted_at = newest_step()
-    assert 5 <= interrupted_at < 30, out[-3000:]
+    assert 5 <= interrupted_at < 120, out[-3000:]
 
     # The same sweep again, from this process (a second interpreter would start and import
     # everything once more): it resumes, and the trial goes on from its checkpoint.
@@ -180,15 +201,20 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     summary = json.loads((root / "resumed" / "tune_summary.json").read_text())
     (trial,) = summary["trials"]
     assert trial["trial_id"] == trial_dir.name and trial["config"]["lora.rank"] == 2
-    assert trial["config"]["dpo.beta"] == 0.3 and summary["metric"] == "val_accuracy"
-    assert summary["best"]["val_accuracy"] == trial["val_accuracy"]
-    assert 0.0 <= trial["val_accuracy"] <= 1.0
-    assert trial["steps"] == 30 and not trial["stopped_early"]
+    metric = "eval/held_out_pairs/acc"
+    assert trial["config"]["dpo.beta"] == 0.3 and summary["metric"] == metric
+    assert summary["best"][metric] == trial[metric]
+    assert trial["steps"] == 120 and not trial["stopped_early"]
     ran = json.loads((trial_dir / "summary.json").read_text())
     assert ran["status"] == "finished" and ran["resumed_from_step"] == interrupted_at
     records = [json.loads(line) for line in (trial_dir / "events.jsonl").read_text()
                .splitlines()]
     assert len({r["invocation"] for r in records}) == 2
+    scored = [r for r in records if r["event"] == "benchmark"]
+    assert [r["step"] for r in scored] == [60, 120], records
+    # Tune ranked by the scores as they came: its best is the best of the two.
+    assert trial[metric] == max(r["scores"][metric] for r in scored)
+    assert ran["benchmarks"]["scores"][metric]["best"] == trial[metric]
     assert ran["samples"]["duplicated"] == 0 and ran["samples"]["skipped"] == 0
     meta = dcp.FileSystemReader(trial["checkpoint_path"]).read_metadata()
     ranks = {v.size[0] for k, v in meta.state_dict_metadata.items()
