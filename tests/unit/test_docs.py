@@ -91,8 +91,9 @@ def _standin_rows(fmt: str) -> list[dict]:
 
 
 def _stand_in_inputs(cfg) -> str | None:
-    """Make what a reader brings (their own data file) where the page names one that is not
-    there; a model directory must come from an earlier command. Returns a problem, if any."""
+    """Make what a reader brings (their own data file, their own lm-eval tasks) where the
+    page names one that is not there; a model directory must come from an earlier command.
+    Returns a problem, if any."""
     from raylm.hub import is_hub_id
 
     d, m = cfg.data, cfg.model
@@ -105,6 +106,20 @@ def _stand_in_inputs(cfg) -> str | None:
             path.write_text("".join(json.dumps(r) + "\n" for r in _standin_rows(d.format)))
     if m.path and not is_hub_id(m.path) and not Path(m.path).exists():
         return f"model.path {m.path} is made by no command before it"
+    tasks = cfg.eval.include_path
+    if tasks and not Path(tasks).exists():
+        # The reader's own lm-eval tasks: each named one, over a two-question JSONL file.
+        Path(tasks).mkdir(parents=True)
+        (Path(tasks) / "rows.jsonl").write_text(
+            '{"q": "one", "choices": ["a", "b"], "answer": 0}\n'
+            '{"q": "two", "choices": ["a", "b"], "answer": 1}\n')
+        for name in cfg.eval.tasks:
+            (Path(tasks) / f"{name}.yaml").write_text(
+                f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                f"    test: {Path(tasks).resolve() / 'rows.jsonl'}\ntest_split: test\n"
+                "output_type: multiple_choice\ndoc_to_text: \"{{q}}\"\n"
+                "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\n"
+                "metric_list:\n  - metric: acc\n")
     return None
 
 
@@ -274,7 +289,7 @@ def test_no_committed_page_notebook_or_config_holds_a_machine_path():
 def test_the_command_reference_shows_every_command_and_its_defaults():
     page = hooks().cli_reference()
     for command in ("config show", "prepare", "train", "tune", "submit", "jobs", "export",
-                    "generate"):
+                    "generate", "eval"):
         assert f"## raylm {command}\n" in page
     words = " ".join(page.split())
     assert "--dry-run" in words and "(default: 64)" in words
