@@ -13,6 +13,8 @@
               asynchronous checkpoint
     fault     a run uninterrupted, then with its workers SIGKILLed after a checkpoint: time
               lost, steps trained again, final losses
+    evals     a run's tokens/s without and with an lm-eval task scoring every checkpoint
+              beside it
 """
 
 from __future__ import annotations
@@ -48,6 +50,18 @@ def _add_data_and_training(sub) -> None:
     ov.add_argument("--micro-batch", type=int, default=8)
     ov.add_argument("--seq-len", type=int, default=256)
     ov.add_argument("--workdir", default=None)
+    ev = sub.add_parser("evals", help="training tokens/s without and with benchmark "
+                                      "evaluations of every checkpoint beside the run")
+    ev.add_argument("--output", required=True)
+    ev.add_argument("--preset", default="tiny")
+    ev.add_argument("--steps", type=int, default=200)
+    ev.add_argument("--checkpoint-every", type=int, default=20)
+    ev.add_argument("--questions", type=int, default=64)
+    ev.add_argument("--cpus", type=int, default=1, help="CPUs of the training worker")
+    ev.add_argument("--eval-cpus", type=float, default=1.0, help="CPUs of one evaluation")
+    ev.add_argument("--eval-gpu", action="store_true", help="each evaluation on a GPU of its "
+                                                             "own instead")
+    ev.add_argument("--workdir", default=None)
     lo = sub.add_parser("lora", help="LoRA vs full fine-tuning: trainable parameters, "
                                      "checkpoint size, peak memory per worker, tokens/s")
     lo.add_argument("--output", required=True)
@@ -171,6 +185,13 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
 
         result = run(preset=args.preset, steps=args.steps, micro_batch=args.micro_batch,
                      seq_len=args.seq_len, workdir=args.workdir)
+    elif args.name == "evals":
+        from raylm.bench.evals import run
+
+        result = run(preset=args.preset, steps=args.steps,
+                     checkpoint_every=args.checkpoint_every, questions=args.questions,
+                     cpus=args.cpus, eval_cpus=args.eval_cpus, eval_gpu=args.eval_gpu,
+                     workdir=args.workdir)
     elif args.name == "lora":
         from raylm.bench.lora import run
 
