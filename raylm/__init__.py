@@ -1,9 +1,10 @@
 """raylm: elastic distributed language-model training on Ray.
 
 The Python API (:mod:`raylm.api`) is importable from here: ``raylm.train``, ``raylm.tune``,
-``raylm.prepare``, ``raylm.export``, ``raylm.generate``, ``raylm.Run``, ``raylm.Sweep``,
-``raylm.Config``, ``raylm.load_config``. They are loaded on first use, so that ``import raylm``
-(and the ``raylm`` command's light subcommands) do not import torch and Ray.
+``raylm.prepare``, ``raylm.export``, ``raylm.generate``, ``raylm.evaluate``, ``raylm.Run``,
+``raylm.Sweep``, ``raylm.Config``, ``raylm.load_config``. They are loaded on first use, so
+that ``import raylm`` (and the ``raylm`` command's light subcommands) do not import torch and
+Ray.
 """
 
 from __future__ import annotations
@@ -12,12 +13,22 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
 
-__all__ = ["prepare", "train", "tune", "export", "generate", "shutdown", "Run", "Sweep",
-           "Config", "load_config"]
+__all__ = ["prepare", "train", "tune", "export", "generate", "evaluate", "shutdown", "Run",
+           "Sweep", "Config", "load_config"]
 _CONFIG = ("Config", "load_config")
 
 if TYPE_CHECKING:
-    from raylm.api import Run, Sweep, export, generate, prepare, shutdown, train, tune
+    from raylm.api import (
+        Run,
+        Sweep,
+        evaluate,
+        export,
+        generate,
+        prepare,
+        shutdown,
+        train,
+        tune,
+    )
     from raylm.config import Config, load_config
 
 

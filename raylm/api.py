@@ -6,12 +6,13 @@
     run.history.plot(x="step", y=["loss", "val_loss"])
     raylm.export(run, "runs/tiny-hf")
     print(raylm.generate(run, "The river"))
+    raylm.evaluate(run, overrides={"eval.tasks": ["my_mc"], "eval.include_path": "my_tasks"})
 
 ``prepare``, ``train`` and ``tune`` take a config first (a YAML path, a :class:`Config`, or
 None for the defaults) and ``overrides``, a mapping of ``section.key`` to value, checked exactly
-as the CLI's ``--section.key=value`` (same errors, before Ray starts). ``export`` and
-``generate`` take a run (a :class:`Run`, or its directory) or, for ``generate``, an exported
-model directory.
+as the CLI's ``--section.key=value`` (same errors, before Ray starts). ``export``, ``generate``
+and ``evaluate`` take a run (a :class:`Run`, or its directory) or, for ``generate`` and
+``evaluate``, an exported model directory.
 
 Ray: each call joins the cluster that ``run.ray_address`` or ``RAY_ADDRESS`` names, or, when
 neither is set, starts a local one the first time and keeps it for the process, so a
@@ -282,6 +283,28 @@ def generate(source: Run | str | os.PathLike, prompt: str = "", *, chat: str | N
     with quiet_model_io():
         return run_generate(_source(source), prompt, chat=chat, system=system,
                             max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+
+
+def evaluate(source: Run | str | os.PathLike, *, overrides: Overrides = None,
+             step: int | None = None, every: bool = False) -> pd.DataFrame:
+    """Benchmark scores (``raylm eval``) of a run's latest usable checkpoint, the one at
+    ``step``, or ``every`` one, or of an exported model directory: one row per scored
+    checkpoint (``step``, and ``eval/<task>/<metric>`` columns). ``overrides`` are ``eval.*``
+    keys (``{"eval.tasks": ["arc_easy"]}``); without them a run is scored on its own. A run's
+    scores are also added to its record (its history, summary and MLflow run)."""
+    import pandas as pd
+
+    from raylm.run.evaluate import evaluate_source
+
+    other = [k for k in overrides or {} if not k.startswith("eval.")]
+    if other:
+        raise ValueError(f"evaluate takes eval.* overrides only, not {other[0]}: it scores "
+                         f"what a run already trained.")
+    ev = resolve(None, overrides).eval if overrides else None
+    records = evaluate_source(_source(source), ev, step=step, every=every, log=_say)
+    return pd.DataFrame([{"step": r["step"], **r.get("scores", {}),
+                          **({"error": r["error"]} if "error" in r else {})}
+                         for r in records])
 
 
 def shutdown() -> None:
