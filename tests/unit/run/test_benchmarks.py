@@ -142,3 +142,32 @@ def test_a_benchmark_that_cannot_be_placed_is_refused_and_one_that_waits_is_said
     assert "wait" in plan_benchmarks(cfg, plan, {"CPU": 2.0})
     assert plan_benchmarks(cfg, plan, {"CPU": 4.0}) is None
     assert plan_benchmarks(cfg, plan, None) is None  # autoscaling: the autoscaler's to place
+
+
+def test_an_exported_model_is_scored_in_process_by_the_python_api(tmp_path, tokenizer_dir):
+    """``raylm.evaluate`` on a model directory (an export's shape: weights and tokenizer):
+    lm-eval's scores, the same on a second call; a run's choices refused for it."""
+    import shutil
+
+    import raylm
+    from tests.conftest import save_tiny_llama, tokenizer_vocab
+
+    model = save_tiny_llama(tmp_path / "model", vocab_size=tokenizer_vocab(tokenizer_dir))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, model / f.name)
+    tasks = write_task(tmp_path / "tasks")
+    overrides = {"eval.tasks": ["tiny_mc"], "eval.include_path": str(tasks),
+                 "eval.batch_size": 2}
+    scores = raylm.evaluate(model, overrides=overrides)
+    assert list(scores.columns) == ["step", "eval/tiny_mc/acc"] and len(scores) == 1
+    # Five two-way questions: a share of fifths.
+    assert round(scores["eval/tiny_mc/acc"][0] * 5, 6) in range(6)
+    again = benchmarks.score_model(model, EvalConfig(tasks=["tiny_mc"],
+                                                     include_path=str(tasks)))
+    assert again.scores == {"eval/tiny_mc/acc": scores["eval/tiny_mc/acc"][0]}
+    with pytest.raises(ValueError, match="--step and --all choose among a run's checkpoints"):
+        raylm.evaluate(model, overrides=overrides, step=10)
+    with pytest.raises(ValueError, match="eval.\\* overrides only, not train.steps"):
+        raylm.evaluate(model, overrides={"train.steps": 3})
+    with pytest.raises(ConfigError, match="name the benchmarks with --eval.tasks"):
+        raylm.evaluate(model)
