@@ -45,9 +45,12 @@ def test_launcher_yaml_passes_rays_validation(name):
     head = prepared["available_node_types"][prepared["head_node_type"]]
     assert not head["resources"].get("GPU") and head["max_workers"] == 0
     groups = groups_of(prepared)
-    assert sorted(groups) == ["cpu_data", "gpu_train"]
-    # Only the data group advertises data_node; both groups autoscale from zero.
+    assert sorted(groups) == ["cpu_data", "gpu_eval", "gpu_train"]
+    # Only the data group advertises data_node, only the evaluation group eval_node (and too
+    # few CPUs for any training worker of jobs/configs); every group autoscales from zero.
     assert [n for n, g in groups.items() if "data_node" in g["resources"]] == ["cpu_data"]
+    assert [n for n, g in groups.items() if "eval_node" in g["resources"]] == ["gpu_eval"]
+    assert groups["gpu_eval"]["resources"]["CPU"] < 4
     assert all(g["min_workers"] == 0 < g["max_workers"] for g in groups.values())
     # The job server listens on loopback (reached through `ray dashboard`), token auth on.
     start = " ".join(prepared["head_start_ray_commands"])
@@ -75,6 +78,8 @@ def test_kuberay_cluster_translates_and_validates():
     assert types["gpu-train"]["min_workers"] == 0 < types["gpu-train"]["max_workers"]
     assert types["cpu-data"]["resources"]["data_node"] == 1000
     assert types["cpu-data"]["min_workers"] == 0 < types["cpu-data"]["max_workers"]
+    assert types["gpu-eval"]["resources"]["eval_node"] == 1
+    assert types["gpu-eval"]["resources"]["CPU"] < 4 and types["gpu-eval"]["resources"]["GPU"] == 1
     assert "GPU" not in types["headgroup"]["resources"]
     assert cr["spec"]["enableInTreeAutoscaling"] is True
 
@@ -169,7 +174,7 @@ def test_cluster_files_are_closed_by_default():
             if "ray start" in c:
                 assert ". ~/.raylm/mlflow.env" in c and "RAY_AUTH_MODE=token" in c
                 assert "mlflow-admin" not in c
-        assert any("[gpu,server]" in c for c in cfg["setup_commands"])
+        assert any("[gpu,server,eval]" in c for c in cfg["setup_commands"])
 
     # KubeRay: token auth by the operator, the server behind basic auth with its service's
     # names allowed, credentials from Secrets, one writer (Recreate, one replica, its own
