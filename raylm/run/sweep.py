@@ -266,6 +266,8 @@ def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
             "error": str(r.error).splitlines()[0] if r.error else None,
             "checkpoint_path": str(found[0]) if found else None,
             "history": history,
+            # A benchmark's [step, score] points, which the plot then draws.
+            **({"scores": ranked} if metric.startswith("eval/") else {}),
         })
     done = [t for t in trials if t[metric] is not None]
     best = better(done, key=lambda t: t[metric]) if done else None
@@ -337,16 +339,18 @@ def plot(summary: dict[str, Any], path: Path, *, total_steps: int) -> None:
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
     best = summary["best"]["trial_id"] if summary["best"] else None
+    metric = summary.get("metric", METRIC)
     for t in summary["trials"]:
-        if not t["history"]:
+        points = t.get("scores", t["history"])
+        if not points:
             continue
-        steps, losses = zip(*t["history"], strict=True)
+        steps, losses = zip(*points, strict=True)
         lr = t["config"].get("optim.lr")
         label = f"{t['trial_id']}: lr {lr:.2g} {t['config'].get('optim.schedule', '')}"
         ax.plot(steps, losses, marker="o", lw=2.5 if t["trial_id"] == best else 1.2,
                 label=label + (" (best)" if t["trial_id"] == best else ""))
     ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats)")
+    ax.set_ylabel(metric if metric.startswith("eval/") else "validation loss (nats)")
     ax.set_xlim(0, total_steps)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)

@@ -215,6 +215,8 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     # Tune ranked by the scores as they came: its best is the best of the two.
     assert trial[metric] == max(r["scores"][metric] for r in scored)
     assert ran["benchmarks"]["scores"][metric]["best"] == trial[metric]
+    # The sweep's record and plot hold the score at each scored step.
+    assert [s for s, _ in trial["scores"]] == [60, 120]
     assert ran["samples"]["duplicated"] == 0 and ran["samples"]["skipped"] == 0
     meta = dcp.FileSystemReader(trial["checkpoint_path"]).read_metadata()
     ranks = {v.size[0] for k, v in meta.state_dict_metadata.items()
