@@ -6,7 +6,7 @@
     run.history.plot(x="step", y=["loss", "val_loss"])
     raylm.export(run, "runs/tiny-hf")
     print(raylm.generate(run, "The river"))
-    raylm.evaluate(run, overrides={"eval.tasks": ["my_mc"], "eval.include_path": "my_tasks"})
+    raylm.evaluate(run, overrides={"eval.tasks": ["my_task"], "eval.include_path": "my_tasks"})
 
 ``prepare``, ``train`` and ``tune`` take a config first (a YAML path, a :class:`Config`, or
 None for the defaults) and ``overrides``, a mapping of ``section.key`` to value, checked exactly

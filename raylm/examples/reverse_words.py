@@ -131,8 +131,9 @@ def write(output: str | Path, *, train: int, heldout: int, pretrain: int = 20000
           seed: int = 0) -> dict[str, str]:
     """``output/train.jsonl`` and ``output/heldout.jsonl`` in raylm's chat format, the same
     questions as preference pairs (``train_pairs.jsonl``, ``heldout_pairs.jsonl``: the right
-    reversal chosen, a near miss rejected), and ``output/pretrain.jsonl``, text for the model
-    fine-tuned on them (``{"text": ...}`` rows)."""
+    reversal chosen, a near miss rejected), ``output/pretrain.jsonl``, text for the model
+    fine-tuned on them (``{"text": ...}`` rows), and ``output/tasks``, the held-out questions
+    as an lm-eval task (:func:`write_task`)."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     tr, ho = make_split(train=train, heldout=heldout, seed=seed)
@@ -147,7 +148,32 @@ def write(output: str | Path, *, train: int, heldout: int, pretrain: int = 20000
         pairs = out / f"{name}_pairs.jsonl"
         pairs.write_text("".join(json.dumps(pair(w, rng)) + "\n" for w in rows))
         paths[f"{name}_pairs"] = str(pairs)
+    paths["tasks"] = str(write_task(out / "tasks", ho))
     return paths
+
+
+TASK = "reverse_words"
+
+
+def write_task(output: Path, questions: list[list[str]]) -> Path:
+    """An lm-eval task folder (``eval.include_path``) of the task ``reverse_words``: each
+    question rendered as fine-tuning renders the conversation (raylm's default template, up to
+    and with the space of ``Assistant: ``), the greedy answer to its end of line scored by
+    exact match, as :func:`score` scores it. Generation, not multiple choice: lm-eval joins a
+    prompt's trailing space to a choice's first word, where training saw the space as a token
+    of its own."""
+    rows = [{"words": " ".join(w), "answer": answer(w)} for w in questions]
+    output.mkdir(parents=True, exist_ok=True)
+    data = output / f"{TASK}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (output / f"{TASK}.yaml").write_text(
+        f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data.resolve()}\ntest_split: test\noutput_type: generate_until\n"
+        f"doc_to_text: \"System: {SYSTEM}\\n\\nUser: Reverse the words: {{{{words}}}}\\n\\n"
+        "Assistant: \"\ndoc_to_target: \"{{answer}}\"\ngeneration_kwargs:\n"
+        "  until: [\"\\n\"]\n  do_sample: false\n  max_gen_toks: 16\n"
+        "metric_list:\n  - metric: exact_match\n")
+    return output
 
 
 def score(source: str | Path, data: str | Path, *, limit: int | None = None,

@@ -31,7 +31,9 @@ use.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import io
 import logging
 import math
 import os
@@ -44,7 +46,7 @@ from typing import Any, Protocol
 
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
-from raylm.console import quiet_model_io
+from raylm.console import quiet_model_io, quiet_torchao
 
 EXTRA = "pip install 'raylm[eval]'"
 PREFIX = "eval/"
@@ -146,6 +148,7 @@ def flatten(results: dict[str, dict[str, Any]], higher: dict[str, dict[str, bool
 def score_model(directory: Path, ev: EvalConfig) -> Scored:
     """lm-eval's scores of the model directory ``directory`` (an export) on ``ev.tasks``, on
     this process's GPU when it has one (bf16), else its CPUs (fp32)."""
+    quiet_torchao()
     import lm_eval
     import torch
     from lm_eval.models.huggingface import HFLM
@@ -154,17 +157,21 @@ def score_model(directory: Path, ev: EvalConfig) -> Scored:
     start = time.time()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    with quiet_model_io():
+    tasks = task_manager(ev)  # first: it quiets lm-eval's logger
+    # lm-eval's and datasets' progress bars (one per task and request kind, on stderr) would
+    # fill a run's output and a notebook's cells; the scores are said in one line instead.
+    with quiet_model_io(), contextlib.redirect_stderr(io.StringIO()):
         model = AutoModelForCausalLM.from_pretrained(
             str(directory), dtype=torch.bfloat16 if cuda else torch.float32,
             trust_remote_code=False).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=ev.batch_size, device=device)
-    # No bootstrap: the standard errors it estimates are not reported, and it is the slowest
-    # part of scoring a small task. The scores themselves do not depend on it.
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(ev.tasks), num_fewshot=ev.num_fewshot,
-                                  limit=ev.limit, task_manager=task_manager(ev),
-                                  log_samples=False, bootstrap_iters=0)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=ev.batch_size,
+                  device=device)
+        # No bootstrap: the standard errors it estimates are not reported, and it is the
+        # slowest part of scoring a small task. The scores themselves do not depend on it.
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(ev.tasks),
+                                      num_fewshot=ev.num_fewshot, limit=ev.limit,
+                                      task_manager=tasks, log_samples=False, bootstrap_iters=0)
     scores, higher = flatten(out["results"], out.get("higher_is_better") or {})
     return Scored(scores, higher, round(time.time() - start, 2))
 
@@ -173,6 +180,7 @@ def score_checkpoint(run_dir: str, checkpoint: str, ev: EvalConfig) -> Scored:
     """The evaluation task: ``checkpoint`` of the run written as ``raylm export --merge``
     writes it, into a temporary directory, and scored there. A held copy of the checkpoint
     (:func:`hold`) is removed once read."""
+    quiet_torchao()
     from raylm.run.exporter import read_run_info, write_export
 
     start = time.time()

@@ -135,7 +135,9 @@ def pretrained(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="module")
 def reverse_task(tmp_path_factory):
     """A multiple-choice benchmark of the reverse-words task as an lm-eval task folder: each
-    question rendered as fine-tuning renders it, the right reversal among three near misses."""
+    question rendered as fine-tuning renders it, the right reversal among three near misses.
+    (What it checks is where scores go and that they are lm-eval's; what a chat fine-tune
+    learned is measured by generation: docs/benchmarks.md says why.)"""
     rng = random.Random(1)
     root = tmp_path_factory.mktemp("tasks")
     rows = []

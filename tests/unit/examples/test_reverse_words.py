@@ -72,3 +72,29 @@ def test_the_pretraining_text_lists_words_in_order_and_the_model_loads(tmp_path)
     assert tok.eos_token_id == loaded.config.eos_token_id
     # The task's words, as answers hold them (after a space), are whole tokens.
     assert len(tok(" bread mill river")["input_ids"]) == 3
+
+
+def test_the_lm_eval_task_asks_each_held_out_question_as_fine_tuning_renders_it(tmp_path):
+    """The task ``write`` puts in ``tasks/`` loads in lm-eval, and its prompt is the default
+    chat template's rendering of the held-out conversation up to the answer, space included;
+    its target is the answer the conversation holds."""
+    from pathlib import Path
+
+    import yaml
+
+    from raylm.config import EvalConfig
+    from raylm.data.chat import DefaultTemplate
+    from raylm.examples.reverse_words import TASK
+    from raylm.run.benchmarks import check_settings
+
+    paths = write(tmp_path, train=5, heldout=3, pretrain=10)
+    check_settings(EvalConfig(tasks=[TASK], include_path=paths["tasks"]))
+    spec = yaml.safe_load((Path(paths["tasks"]) / f"{TASK}.yaml").read_text())
+    rows = [json.loads(line) for line in open(Path(paths["tasks"]) / f"{TASK}.jsonl")]
+    held = [json.loads(line)["messages"] for line in open(paths["heldout"])]
+    assert len(rows) == len(held) == 3
+    for row, messages in zip(rows, held, strict=True):
+        prompt = "".join(s.text for s in DefaultTemplate().prompt(messages[:2]))
+        assert spec["doc_to_text"].replace("{{words}}", row["words"]) == prompt
+        assert row["answer"] == messages[2]["content"]
+    assert spec["output_type"] == "generate_until" and spec["doc_to_target"] == "{{answer}}"
