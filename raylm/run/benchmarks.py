@@ -11,8 +11,9 @@ around a training run. Three places use it:
   the fact with the same code;
 - the Ray Train controller: :class:`Benchmarks`, which the run's record owns. At each due
   checkpoint it starts one evaluation as a Ray task on ``eval.resources`` and returns at once;
-  each later report collects what has finished (``ray.wait`` with no timeout), so a report is
-  never held up; when the run ends it waits for the evaluations still running, saying which;
+  each later report collects what has finished (``ray.wait`` with a zero timeout), so a
+  report is never held up; when the run ends it waits for the evaluations still running,
+  saying which;
 - the evaluation task: :func:`score_checkpoint` writes the checkpoint as ``raylm export
   --merge`` writes it (a LoRA run's adapters merged, the tokenizer and its chat template kept)
   to a temporary directory, loads it as transformers loads an export, and runs lm-eval's
@@ -26,7 +27,8 @@ checkpoints its earlier invocations left unscored and none twice.
 
 Scores are named ``eval/<task>/<metric>`` (``eval/<task>/<metric>/<filter>`` for a filter other
 than lm-eval's ``none``), the names MLflow, ``summary.json``, ``Run.history`` and ``tune.metric``
-use.
+use. lm-eval is the ``eval`` extra's, so it is imported where it is used, and a run without
+benchmarks never imports it.
 """
 
 from __future__ import annotations
@@ -179,19 +181,17 @@ def score_model(directory: Path, ev: EvalConfig) -> Scored:
 def score_checkpoint(run_dir: str, checkpoint: str, ev: EvalConfig) -> Scored:
     """The evaluation task: ``checkpoint`` of the run written as ``raylm export --merge``
     writes it, into a temporary directory, and scored there. A held copy of the checkpoint
-    (:func:`hold`) is removed once read."""
+    (:func:`hold`) is removed once scored (a retry after a failure reads it again)."""
     quiet_torchao()
     from raylm.run.exporter import read_run_info, write_export
 
     start = time.time()
     cfg = config_from_dict(read_run_info(run_dir)["config"])
-    try:
-        with tempfile.TemporaryDirectory(prefix="raylm-eval-") as tmp, quiet_model_io():
-            write_export(run_dir, Path(tmp), cfg, merge=True, checkpoint_path=checkpoint)
-            scored = score_model(Path(tmp), ev)
-    finally:
-        if storage.parent(checkpoint) == storage.join(run_dir, HELD):
-            shutil.rmtree(checkpoint, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="raylm-eval-") as tmp, quiet_model_io():
+        write_export(run_dir, Path(tmp), cfg, merge=True, checkpoint_path=checkpoint)
+        scored = score_model(Path(tmp), ev)
+    if storage.parent(checkpoint) == storage.join(run_dir, HELD):
+        shutil.rmtree(checkpoint, ignore_errors=True)
     return Scored(scored.scores, scored.higher, round(time.time() - start, 2))
 
 
@@ -309,8 +309,7 @@ class Benchmarks:
         """Once, at the invocation's first report: the steps whose evaluations ended in the
         run's ``records``, and the due checkpoints on disk that none scored, started now."""
         self.resumed = True
-        if not storage.is_uri(self.run_dir):  # what earlier invocations held and left
-            shutil.rmtree(Path(self.run_dir) / HELD, ignore_errors=True)
+        self.release()  # what earlier invocations held and left
         self.ended |= {r["step"] for r in records
                        if r["event"] in ("benchmark", "benchmark_failed")}
         started = []
@@ -359,7 +358,13 @@ class Benchmarks:
             log(f"raylm: waiting for the benchmark evaluations of the checkpoints at steps "
                 f"{steps} (eval.resources={self.ev.resources})")
             out += self.collect(timeout=WAIT_NOTE_S)
+        self.release()
         return out
+
+    def release(self) -> None:
+        """Every evaluation has ended: what failed ones held goes too."""
+        if not storage.is_uri(self.run_dir):
+            shutil.rmtree(Path(self.run_dir) / HELD, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------

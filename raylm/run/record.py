@@ -401,10 +401,12 @@ class RunRecord(UserCallback):
         try:
             if not self._ours():
                 return
-            if self.benchmarks is not None and self.benchmarks.pending:
+            if self.benchmarks is not None:
                 began = time.time()
-                self._scored(self.benchmarks.wait())
-                self._add("waited_for_benchmarks", seconds=round(time.time() - began, 2))
+                if self.benchmarks.pending:
+                    self._scored(self.benchmarks.wait())
+                    self._add("waited_for_benchmarks", seconds=round(time.time() - began, 2))
+                self.benchmarks.release()
             self._add("end", status="failed" if failed else "finished")
             self.log.flush()
             summary = {**self.summary(), "status": "failed" if failed else "finished",

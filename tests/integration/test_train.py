@@ -12,6 +12,7 @@ import pytest
 import raylm
 from raylm import rundir
 from raylm.config import load_config, parse_override
+from raylm.run.goodput import CAUSES
 from raylm.run.launch import train
 from tests.conftest import tiny_run
 from tests.integration import faults
@@ -120,7 +121,7 @@ def test_a_run_in_two_invocations_keeps_one_summary(base, relaid):
         "trainable_params", "peak_memory_gb", "param_memory_gb", "optimizer_memory_gb",
         "data_parallel", "tensor_parallel", "pipeline_parallel",
         "joules_per_token", "watts_per_gpu",
-        "energy_kwh", "gpu_hours", "cost", "goodput", "numerical_faults"}
+        "energy_kwh", "gpu_hours", "cost", "goodput", "numerical_faults", "benchmarks"}
     # The goodput ledger spans both invocations (not the time between them); steps 6-10, which
     # the first reported and the second trained again from step 5, were recomputed.
     assert summary["goodput"]["total_s"] == pytest.approx(first["wall_s"] + resumed["wall_s"],
@@ -398,7 +399,7 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
     assert logged["goodput_recomputed_steps"] == g["recomputed_steps"]
     table = json.loads(open(client.download_artifacts(out["mlflow_run_id"],
                                                       "goodput.json")).read())
-    assert table["columns"] == ["cause", "seconds", "share"] and len(table["data"]) == 10
+    assert table["columns"] == ["cause", "seconds", "share"] and len(table["data"]) == len(CAUSES)
     assert min(s for s, v in restarts if v == 2.0) > preempted["at_step"]
     full = trained
     assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)

@@ -5,6 +5,8 @@ the same export: tests/integration/test_sft.py.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from raylm.config import ConfigError, EvalConfig, load_config
@@ -44,6 +46,9 @@ def test_tune_metric_names_a_score_of_a_benchmark_the_run_asks_for(tmp_path):
         load_config(None, ["--eval.tasks=[arc_easy]", "--tune.metric=val_loss"])
     with pytest.raises(ConfigError, match="eval.resources"):
         load_config(None, ["--eval.resources={GPU: 0}"])
+    # The evaluations read it from another working directory: it travels absolute.
+    cfg = load_config(None, ["--eval.include_path=my_tasks"])
+    assert cfg.eval.include_path == str(Path.cwd() / "my_tasks")
     # Whether higher is better is the task file's word, else lm-eval's registry of metrics.
     tasks = write_task(tmp_path / "tasks", name="lower_mc", higher=False)
     ev = EvalConfig(tasks=["lower_mc"], include_path=str(tasks))
