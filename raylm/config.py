@@ -783,7 +783,8 @@ class EvalConfig:
     data set needs the network there, a local task's files that path)."""
     include_path: str | None = None
     """A directory of the user's own lm-eval task YAML files (their data in local JSON, JSONL
-    or Parquet files), whose task names eval.tasks may use."""
+    or Parquet files), whose task names eval.tasks may use; a relative one is made absolute
+    where the run starts (the paths inside the files are read as written)."""
     every: int = 1
     """Score every this many checkpoints (counted from step 0 in checkpoint.every steps); the
     final checkpoint is always scored."""
@@ -795,9 +796,9 @@ class EvalConfig:
     """Sequences the evaluation scores at a time."""
     resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     """What one evaluation takes on the cluster, apart from the training workers: CPU, GPU and
-    custom resources, e.g. ``{GPU: 1}``, or ``{CPU: 4, eval_node: 1}`` for a node group of
-    its own. An evaluation that cannot be placed beside training waits for room (said in the
-    run's lines), so training never waits for it."""
+    custom resources, e.g. ``{GPU: 1}``, or ``{CPU: 2, GPU: 1, eval_node: 1}`` for the
+    cluster files' evaluation node group. An evaluation that cannot be placed beside training
+    waits for room (said in the run's lines), so training never waits for it."""
 
     def __post_init__(self) -> None:
         _check(all(isinstance(t, str) and t.strip() for t in self.tasks), "eval.tasks",
