@@ -21,7 +21,8 @@ around a training run. Three places use it:
 
 Training never waits for an evaluation: it runs on resources of its own (an evaluation that
 cannot be placed beside training waits for them, not the other way round). A failed evaluation
-is retried once (Ray's task retry) and then recorded as failed with its reason; the run goes
+is retried once when a machine failed it (Ray's task retry; a mistake, such as a task file
+that does not load, is not retried) and then recorded as failed with its reason; the run goes
 on. Which checkpoints were scored is in the run's events, so a resumed run scores the due
 checkpoints its earlier invocations left unscored and none twice.
 
@@ -232,7 +233,7 @@ class Runner(Protocol):
 
 
 class RayRunner:
-    """Each evaluation one Ray task on ``eval.resources``, retried once if it fails."""
+    """Each evaluation one Ray task on ``eval.resources``, retried once if a machine fails it."""
 
     def __init__(self, run_dir: str, ev: EvalConfig) -> None:
         import ray
@@ -244,7 +245,9 @@ class RayRunner:
         # bundles hold nothing for an evaluation (Ray would place its tasks there).
         self.remote = ray.remote(score_checkpoint).options(
             num_cpus=res.pop("CPU", 0.0), num_gpus=res.pop("GPU", 0.0), resources=res or None,
-            max_retries=1, retry_exceptions=True, name="raylm-benchmark",
+            # Once more after what a machine causes (its process lost, an I/O or device
+            # error); never after a mistake (a ValueError: a task's file, a broken checkpoint).
+            max_retries=1, retry_exceptions=[OSError, RuntimeError], name="raylm-benchmark",
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None))
 
     def start(self, checkpoint: str) -> Any:
