@@ -1,10 +1,10 @@
 """raylm: elastic distributed language-model training on Ray.
 
 The Python API (:mod:`raylm.api`) is importable from here: ``raylm.train``, ``raylm.tune``,
-``raylm.prepare``, ``raylm.export``, ``raylm.generate``, ``raylm.evaluate``, ``raylm.Run``,
-``raylm.Sweep``, ``raylm.Config``, ``raylm.load_config``. They are loaded on first use, so
-that ``import raylm`` (and the ``raylm`` command's light subcommands) do not import torch and
-Ray.
+``raylm.prepare``, ``raylm.export``, ``raylm.prune``, ``raylm.generate``, ``raylm.evaluate``,
+``raylm.Run``, ``raylm.Sweep``, ``raylm.Config``, ``raylm.load_config``. They are loaded on
+first use, so that ``import raylm`` (and the ``raylm`` command's light subcommands) do not
+import torch and Ray.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
 
-__all__ = ["prepare", "train", "tune", "export", "generate", "evaluate", "shutdown", "Run",
-           "Sweep", "Config", "load_config"]
+__all__ = ["prepare", "train", "tune", "export", "prune", "generate", "evaluate", "shutdown",
+           "Run", "Sweep", "Config", "load_config"]
 _CONFIG = ("Config", "load_config")
 
 if TYPE_CHECKING:
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         export,
         generate,
         prepare,
+        prune,
         shutdown,
         train,
         tune,

@@ -5,14 +5,15 @@
     run = raylm.train("jobs/configs/cpu_tiny.yaml", overrides={"train.steps": 20})
     run.history.plot(x="step", y=["loss", "val_loss"])
     raylm.export(run, "runs/tiny-hf")
+    raylm.prune(run, "runs/tiny-pruned", sparsity=0.5)
     print(raylm.generate(run, "The river"))
     raylm.evaluate(run, overrides={"eval.tasks": ["my_task"], "eval.include_path": "my_tasks"})
 
 ``prepare``, ``train`` and ``tune`` take a config first (a YAML path, a :class:`Config`, or
 None for the defaults) and ``overrides``, a mapping of ``section.key`` to value, checked exactly
 as the CLI's ``--section.key=value`` (same errors, before Ray starts). ``export``, ``generate``
-and ``evaluate`` take a run (a :class:`Run`, or its directory) or, for ``generate`` and
-``evaluate``, an exported model directory.
+``prune`` and ``evaluate`` take a run (a :class:`Run`, or its directory) or, for ``generate``,
+``prune`` and ``evaluate``, a model directory.
 
 Ray: each call joins the cluster that ``run.ray_address`` or ``RAY_ADDRESS`` names, or, when
 neither is set, starts a local one the first time and keeps it for the process, so a
@@ -269,6 +270,24 @@ def export(run: Run | str | os.PathLike, output: str | os.PathLike, *, merge: bo
     with quiet_model_io():
         return run_export(_source(run), output, merge=merge, quantize=quantize,
                           overwrite=overwrite, log=_say)
+
+
+def prune(source: Run | str | os.PathLike, output: str | os.PathLike, *, sparsity: str | float,
+          method: str = "wanda", data: str | os.PathLike | None = None,
+          calibration_blocks: int = 32, overwrite: bool = False) -> dict[str, Any]:
+    """A pruned copy of a run's model (or of a model directory, with ``data``: prepared data
+    for wanda's calibration and the losses) in ``output`` (``raylm prune``): ``sparsity`` a
+    fraction of each layer's weights, or ``"2:4"``; ``method`` ``"wanda"`` or
+    ``"magnitude"``. Returns its report (each layer's sparsity, the validation loss before
+    and after, the sizes), which ``output/raylm_export.json`` holds too."""
+    from raylm.console import quiet_model_io
+    from raylm.run.prune import prune_source
+
+    with quiet_model_io():
+        return prune_source(_source(source), output, sparsity_text=str(sparsity), method=method,
+                            data=None if data is None else str(data),
+                            calibration_blocks=calibration_blocks, overwrite=overwrite,
+                            log=_say)
 
 
 def generate(source: Run | str | os.PathLike, prompt: str = "", *, chat: str | None = None,

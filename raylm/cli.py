@@ -9,6 +9,8 @@
                  [--no-code] [--no-wait]
     raylm jobs list|status ID|logs ID [--follow]|stop ID [--address http://HEAD:8265]
     raylm export RUN_DIR --output DIR [--merge | --quantize int8]
+    raylm prune RUN_DIR|MODEL_DIR --output DIR --sparsity 0.5|2:4 [--method wanda|magnitude]
+                [--data PREPARED_DIR] [--calibration-blocks N]
     raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT | --chat MESSAGE [--system TEXT]]
                    [--max-new-tokens N] [--temperature T]
 
@@ -107,6 +109,23 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an earlier raylm export of another kind in --output (a "
                          "directory raylm did not write is never replaced)")
+    pr = plain(sub, "prune", "write a pruned copy of a run's model (or a model directory), "
+                             "with each layer's sparsity and the validation loss before and "
+                             "after")
+    pr.add_argument("source", help="a run directory, or a model directory (with --data)")
+    pr.add_argument("--output", required=True, help="directory for the pruned model")
+    pr.add_argument("--sparsity", required=True,
+                    help="the fraction of each layer's weights to zero (0.5), or 2:4 (two of "
+                         "every four consecutive weights kept, what sparse tensor cores run)")
+    pr.add_argument("--method", default="wanda", choices=["wanda", "magnitude"],
+                    help="wanda: |weight| x the norm of its input over calibration data; "
+                         "magnitude: |weight|")
+    pr.add_argument("--data", help="prepared data (raylm prepare's output) for calibration and "
+                                   "the losses; default: the run's own")
+    pr.add_argument("--calibration-blocks", type=int, default=32,
+                    help="wanda: how many training blocks calibrate it")
+    pr.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier raylm export of another kind in --output")
     ev = with_config(sub, "eval", "score a run's checkpoint (or every one) or an exported model "
                                   "on lm-evaluation-harness benchmarks: the run's own eval.* "
                                   "settings, or --eval.tasks=...")
@@ -155,6 +174,8 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 WHY_NO_OVERRIDES = {
     "export": "it writes what the run trained, with the run's own config (see raylm export "
               "--help for its options).",
+    "prune": "it prunes what the run trained, with the run's own config (see raylm prune "
+             "--help for its options).",
     "generate": "it samples from what the run trained, with the run's own config (see raylm "
                 "generate --help for its options).",
     "jobs": "it inspects jobs already submitted; give settings to raylm submit.",
@@ -301,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         return _error(e)
     args = _parser().parse_args(rest)
-    if overrides and args.command in ("export", "generate", "jobs"):
+    if overrides and args.command in ("export", "prune", "generate", "jobs"):
         # They act on what a run already wrote (or on a cluster's jobs): a config key given
         # here would change nothing, and silence would let the user think it did.
         return _error(ConfigError(
@@ -314,6 +335,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = api.export(args.run_dir, args.output, merge=args.merge,
                              quantize=args.quantize, overwrite=args.overwrite)
             print(f"exported to {out}")
+            return 0
+        if args.command == "prune":
+            from raylm import api
+
+            api.prune(args.source, args.output, sparsity=args.sparsity, method=args.method,
+                      data=args.data, calibration_blocks=args.calibration_blocks,
+                      overwrite=args.overwrite)
+            print(f"pruned model written to {args.output}")
             return 0
         if args.command == "generate":
             from raylm import api

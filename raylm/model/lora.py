@@ -45,7 +45,7 @@ def _projection(module: nn.Module) -> bool:
             or hasattr(module, "base_layer"))
 
 
-def _projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, layer) of the projections in ``module``, not looking inside LoRA wrappers (their
     ``base_layer`` and adapters are the wrapper's own)."""
     out = []
@@ -57,22 +57,30 @@ def _projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def linear_projections(model: nn.Module) -> list[str]:
-    """What ``lora.target_modules: auto`` adapts: the names of every linear projection inside
-    the decoder layers, whatever the family calls them (Llama's q/k/v/o and gate/up/down,
-    Phi-3's fused qkv_proj and gate_up_proj, GPT-2's Conv1D c_attn, c_proj, c_fc). A
-    mixture-of-experts router (the ``gate`` beside ``experts``) is left out: it picks experts
-    and is not adapted; experts held as fused 3-D weights (Qwen3-MoE in transformers 5) are
-    no linear layers and get no adapters."""
+def block_projections(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name in the model, layer) of every linear projection inside the decoder layers,
+    whatever the family calls them (Llama's q/k/v/o and gate/up/down, Phi-3's fused qkv_proj
+    and gate_up_proj, GPT-2's Conv1D c_attn, c_proj, c_fc). A mixture-of-experts router (the
+    ``gate`` beside ``experts``) is left out: it picks experts, it is neither adapted nor
+    pruned; experts held as fused 3-D weights (Qwen3-MoE in transformers 5) are no linear
+    layers."""
 
-    names = set()
-    for layer in decoder_layers(model):
-        for name, _ in _projections(layer):
+    layers = decoder_layers(model)
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    out = []
+    for i, layer in enumerate(layers):
+        for name, module in projections(layer):
             parent, _, leaf = name.rpartition(".")
             router = hasattr(layer.get_submodule(parent) if parent else layer, "experts")
             if not (router and leaf == "gate"):
-                names.add(leaf)
-    return sorted(names)
+                out.append((f"{prefix}.{i}.{name}", module))
+    return out
+
+
+def linear_projections(model: nn.Module) -> list[str]:
+    """What ``lora.target_modules: auto`` adapts: the leaf names of
+    :func:`block_projections`."""
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in block_projections(model)})
 
 
 def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[str]:
@@ -84,7 +92,7 @@ def resolve_targets(model: nn.Module, target_modules: list[str] | str) -> list[s
             raise ValueError(f"lora.target_modules=auto: {type(model).__name__} has no linear "
                              f"layers inside its decoder layers; name the layers to adapt.")
         return targets
-    found = {name.rsplit(".", 1)[-1] for name, _ in _projections(model)}
+    found = {name.rsplit(".", 1)[-1] for name, _ in projections(model)}
     missing = sorted(set(target_modules) - found)
     if missing:
         raise ValueError(f"lora.target_modules: {', '.join(missing)} is not a linear layer of "
@@ -152,15 +160,20 @@ def settings(lora) -> dict:
 
 
 @torch.no_grad()
-def merge_adapters(model: nn.Module) -> nn.Module:
+def merge_adapters(model: nn.Module, *, keep_zeros: bool = False) -> nn.Module:
     """Fold every adapter into its base weight and put the plain linear layer back: the model
-    a Hugging Face client loads without peft. Returns the same model."""
+    a Hugging Face client loads without peft. With ``keep_zeros`` (a pruned base:
+    :mod:`raylm.model.sparsity`) the base's zeros stay zero in the merged weight, where the
+    adapters' dense product would fill them. Returns the same model."""
     quiet_torchao()
     from peft.tuners.lora import LoraLayer
 
     for name, module in list(model.named_modules()):
         if isinstance(module, LoraLayer):
+            kept = module.base_layer.weight != 0 if keep_zeros else None
             module.merge()
+            if kept is not None:
+                module.base_layer.weight.mul_(kept)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, module.base_layer)
     return model
@@ -175,7 +188,7 @@ def check_nf4_shapes(model: nn.Module, target_modules: list[str] | str,
     it by rows, and an NF4 shard is whole blocks of whole scale blocks)."""
     targets = set(resolve_targets(model, target_modules))
     unit = NF4_BLOCK * NF4_SCALER_BLOCK * world_size
-    for name, m in _projections(model):
+    for name, m in projections(model):
         if name.rsplit(".", 1)[-1] in targets:
             # The adapted layer's frozen weight is what is quantized.
             rows, cols = getattr(m, "base_layer", m).weight.shape

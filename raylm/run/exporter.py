@@ -27,6 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from raylm import rundir, storage
@@ -35,7 +36,7 @@ from raylm.console import quiet_model_io, quiet_torchao
 from raylm.data.chat import answer_segments, encode, generation_prompt, template_for
 from raylm.data.corpus import normalize, parse_answer, parse_prompt
 from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
-from raylm.model import lora
+from raylm.model import lora, sparsity
 from raylm.model.attention import AttentionChoice, choose_attention, fit_to_model
 from raylm.model.build import (
     build_config,
@@ -138,7 +139,7 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True,
     state = checkpoint.load(found[0], model=model, optimizer=None, config=config,
                             adapters=lora.settings(cfg.lora))
     if args and merge:
-        lora.merge_adapters(model)
+        lora.merge_adapters(model, keep_zeros=sparsity.is_pruned(cfg.model.path))
     model.eval()
     tokenizer_dir = storage.join(rd, TOKENIZER_DIR)
     if storage.is_uri(rd):
@@ -264,18 +265,25 @@ def _validation_losses(run_dir: str | Path, models: list, *, log) -> list[float]
     """Each model's loss on the run's validation blocks (as training evaluates: the same
     blocks, masked targets for fine-tuning data); empty, with the reason logged, when the run's
     prepared data is not on this machine."""
+    found = validation_batches(run_dir, log=log)
+    return [] if found is None else model_losses(models, *found)
 
+
+def validation_batches(run_dir: str | Path, *, log
+                       ) -> tuple[list[dict[str, torch.Tensor]], bool] | None:
+    """(batches, whether documents attend across each other) of the blocks the run's last
+    evaluation read; None, with the reason logged, when its prepared data is not here."""
     info = read_run_info(storage.normalize(run_dir))
     prepared = info.get("prepared")
     if not prepared or not Path(prepared, LAYOUT).is_file():
         where = prepared or "its path is not in run.json"
         log(f"validation loss not compared: the run's prepared data ({where}) is not on this "
             f"machine")
-        return []
+        return None
     cfg = config_from_dict(info["config"])
-    # The blocks the run's last evaluation read: each of its W workers took its share of the
-    # first blocks in storage order, so one reader taking W shares reads the same ones, and
-    # the unquantized figure is the run's own final validation loss.
+    # Each of the run's W workers took its share of the first blocks in storage order, so one
+    # reader taking W shares reads the same ones, and the unchanged model's figure is the
+    # run's own final validation loss.
     summary = storage.join(storage.normalize(run_dir), SUMMARY)
     workers = (json.loads(storage.read_text(summary)).get("workers") if storage.is_file(summary)
                else None) or cfg.scaling.worker_range[0]
@@ -283,16 +291,25 @@ def _validation_losses(run_dir: str | Path, models: list, *, log) -> list[float]
     per_rank = eval_samples_per_rank(PackedSplit.load(prepared, "val"), workers,
                                      cfg.train.eval_batches * micro)
     blocks = read_val_blocks(prepared, rank=0, world_size=1, eval_samples=per_rank * workers)
-    batches = [{k: torch.from_numpy(v[i:i + micro]) for k, v in blocks.items()}
-               for i in range(0, len(blocks["input_ids"]), micro)]
-    cross = cfg.data.across_documents
-    attention = choose_attention("cpu", cross_document=cross)
+    return batched(blocks, micro), cfg.data.across_documents
+
+
+def batched(blocks: dict[str, np.ndarray], micro: int) -> list[dict[str, torch.Tensor]]:
+    return [{k: torch.from_numpy(v[i:i + micro]) for k, v in blocks.items()}
+            for i in range(0, len(blocks["input_ids"]), micro)]
+
+
+def model_losses(models: list, batches: list[dict[str, torch.Tensor]], cross_document: bool
+                 ) -> list[float]:
+    """Each model's mean validation loss on ``batches``, on the CPU in fp32, as a worker
+    evaluates."""
+    attention = choose_attention("cpu", cross_document=cross_document)
     for m in models:
         # As in training: with a KV cache transformers ignores the per-document positions and
         # lets documents attend to each other.
         m.config.use_cache = False
     return [evaluate(Built(m, attention, "fp32", torch.device("cpu"), m.config), batches,
-                     cross_document=cross) for m in models]
+                     cross_document=cross_document) for m in models]
 
 
 def _save_adapters(model: torch.nn.Module, cfg, out: Path) -> None:

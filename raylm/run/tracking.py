@@ -101,6 +101,9 @@ class Tracker:
     def log_scores(self, scores: dict[str, float], step: int) -> None:
         pass
 
+    def log_pruning(self, report: dict[str, Any]) -> None:
+        pass
+
     def start_node_monitor(self, node: str) -> None:
         pass
 
@@ -234,6 +237,23 @@ class MLflowTracker(Tracker):
         now = int(time.time() * 1000)
         client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
                                                for k, v in scores.items()])
+
+    def log_pruning(self, report: dict[str, Any]) -> None:
+        """A pruned copy's figures (:mod:`raylm.run.prune`) as metrics at the step of the
+        checkpoint pruned, ``prune/<method>_<target>/...``, and its report as an artifact."""
+        self._guard("log the pruning report", self._log_pruning, report)
+
+    def _log_pruning(self, client, report: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        tag = f"{report['method']}_{report['sparsity'].replace(':', 'of').replace('%', 'pct')}"
+        figures = {"layer_sparsity": report["layer_sparsity"], "val_loss": report["val_loss"],
+                   "val_loss_before": report["val_loss_before"]}
+        now = int(time.time() * 1000)
+        client.log_batch(self.run_id, metrics=[
+            Metric(f"prune/{tag}/{k}", float(v), now, report["step"] or 0)
+            for k, v in figures.items() if v is not None])
+        client.log_text(self.run_id, json.dumps(report, indent=1), f"pruning/{tag}.json")
 
     def start_node_monitor(self, node: str) -> None:
         """MLflow's system-metrics monitor for this node, logging as ``system/<node>/...``.

@@ -29,7 +29,7 @@ import copy
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -49,6 +49,7 @@ from raylm.data.streams import (
     reader_wait,
 )
 from raylm.faults import MISTAKES, Mistake, Preempted, Rewind, check_lease
+from raylm.model import sparsity
 from raylm.model.lora import adapter_args
 from raylm.model.lora import settings as lora_settings
 from raylm.model.parallelize import Layout, ParallelPlan, layout_of, loss_context
@@ -169,6 +170,9 @@ class Setup:
     """The preference objective (train.objective=dpo); None for next-token training."""
     state_memory: dict[str, float] | None = None
     """Parameter and optimizer-state memory of the rank holding most, once measured."""
+    zeros: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """(weight, mask) of a pruned model.path's layers, zeroed again after every step (full
+    fine-tuning: :mod:`raylm.model.sparsity`); empty otherwise."""
 
 
 def train_loop_per_worker(loop_config: dict[str, Handoff]) -> None:
@@ -225,6 +229,7 @@ def train(run: Setup) -> None:
                                          accumulation=run.accumulation, grad_clip=o.grad_clip,
                                          cross_document=run.cfg.data.across_documents,
                                          health=run.health)
+        sparsity.reapply(run.zeros)
         state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
         run.recent.append((state.step, micro))
@@ -553,6 +558,8 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
                           micro_batch=micro_batch, device=device, skips=skips)
     fetching = FirstBatch(batches) if start_step < t.steps else None
     built, optimizer = build_model(handoff, device=device, plan=plan)
+    # From the pretrained weights, before a checkpoint replaces them.
+    zeros = kept_zeros(cfg, built, rank=rank)
     with bounded(f"checkpoint {found and found[0]} to be read", **reading):
         state, ledger = restore(found, cfg, built=built, optimizer=optimizer, rank=rank,
                                 layout=lay, skips=skips)
@@ -605,7 +612,20 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
                                                 cfg.checkpoint.writer, device=built.device,
                                                 model=built.model),
-                 identity=handoff.identity)
+                 identity=handoff.identity, zeros=zeros)
+
+
+def kept_zeros(cfg: Config, built: Built, *, rank: int
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The masks of a pruned ``model.path`` that full fine-tuning keeps (a LoRA base is frozen:
+    its zeros stay, and the merge keeps them)."""
+    if not sparsity.is_pruned(cfg.model.path) or adapter_args(cfg.lora):
+        return []
+    zeros = sparsity.zero_masks(built.model)
+    if rank == 0:
+        print(f"model.path {cfg.model.path} is pruned: its zero weights stay zero through "
+              f"training ({len(zeros)} layers)")
+    return zeros
 
 
 def build_model(handoff: Handoff, *, device: torch.device, plan: ParallelPlan
