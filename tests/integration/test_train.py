@@ -283,24 +283,49 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
     assert out[0]["generated_text"] == text
 
 
-def test_continue_from_exported_model_without_cross_document_attention_or_mlflow(
+def test_a_pruned_model_fine_tunes_without_cross_document_attention_or_mlflow_keeping_zeros(
         base, trained, tmp_path):
-    from raylm.cli import main
+    """The run pruned by Wanda (its own data: calibration from its training blocks, the
+    losses on its validation blocks, the figures in its MLflow run), then fine-tuned from the
+    pruned directory as a pretrained model on 2 FSDP workers: its zeros are zero in every
+    checkpoint and in the export."""
+    import torch
+    from mlflow import MlflowClient
+    from transformers import AutoModelForCausalLM
 
-    hf = tmp_path / "hf"
-    assert main(["export", str(base_dir(base) / "full"), "--output", str(hf)]) == 0
+    from raylm.cli import main
+    from raylm.model import sparsity
+
     full = trained
+    pruned = tmp_path / "pruned"
+    assert main(["prune", str(base_dir(base) / "full"), "--output", str(pruned),
+                 "--sparsity", "0.5", "--calibration-blocks", "16"]) == 0
+    report = json.loads((pruned / "raylm_export.json").read_text())
+    # The unpruned figure is the run's own last validation loss (the same blocks).
+    assert report["val_loss_before"] == pytest.approx(full["val_loss"], abs=1e-4)
+    assert report["step"] == 30 and report["layer_sparsity"] == 0.5
+    client = MlflowClient(full["mlflow_tracking_uri"])
+    history = client.get_metric_history(full["mlflow_run_id"], "prune/wanda_50pct/val_loss")
+    assert [(m.step, m.value) for m in history] == [(30, report["val_loss"])]
+    zeros = [m.weight == 0 for _, m in sparsity.prunable(
+        AutoModelForCausalLM.from_pretrained(str(pruned)))]
+
     # The pretrained weights are read on rank 0 and scattered to the 2 FSDP workers; the run
-    # starts where the exported one ended, not from a random model (ln 320 = 5.77).
+    # starts where the pruned one ended, not from a random model (ln 320 = 5.77).
     # Its MLflow server is down (nothing listens on port 9): said once, training goes on.
     # Without tokenizer.path the model directory's own tokenizer is used.
-    out = train_run(base, "--run.name=finetune", f"--model.path={hf}",
-                    "--tokenizer.path=null", "--train.steps=5", "--optim.lr=1e-4",
+    out = train_run(base, "--run.name=finetune", f"--model.path={pruned}",
+                    "--tokenizer.path=null", "--train.steps=5", "--optim.lr=1e-3",
                     "--optim.warmup_steps=1", "--train.eval_every=5",
                     "--data.cross_document_attention=false", "--tracking.uri=http://127.0.0.1:9")
     assert out["final_step"] == 5 and out["attention_backend"] == "sdpa-flash-cpu"
-    assert out["val_loss"] < full["val_loss"] + 0.3 < 5.77
+    assert out["val_loss"] < report["val_loss"] < 5.77
     assert out["mlflow_run_id"] is None
+    healed = tmp_path / "healed"
+    assert main(["export", str(base_dir(base) / "finetune"), "--output", str(healed)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(healed))
+    for z, (name, layer) in zip(zeros, sparsity.prunable(model), strict=True):
+        assert torch.equal(layer.weight == 0, z), name
 
 
 def test_bad_requests_fail_before_workers_start(base):
