@@ -259,16 +259,17 @@ def _source(run: Run | str | os.PathLike) -> str:
 
 
 def export(run: Run | str | os.PathLike, output: str | os.PathLike, *, merge: bool = False,
-           quantize: str | None = None, overwrite: bool = False) -> Path:
+           quantize: str | None = None, format: str = "hf", overwrite: bool = False) -> Path:
     """Write the run's newest checkpoint as a Hugging Face model directory (a peft adapter
-    directory for LoRA runs unless ``merge``; int8 weight-only with ``quantize="int8"``).
+    directory for LoRA runs unless ``merge``; int8 weight-only with ``quantize="int8"``), or
+    with ``format="gguf"`` as a GGUF file llama.cpp runs (``quantize`` f16, q8_0 or f32).
     ``output`` must be new, empty, or an earlier export of the same kind (of any kind with
     ``overwrite``); it never holds the run or its base model."""
     from raylm.console import quiet_model_io
     from raylm.run.exporter import export as run_export
 
     with quiet_model_io():
-        return run_export(_source(run), output, merge=merge, quantize=quantize,
+        return run_export(_source(run), output, merge=merge, quantize=quantize, format=format,
                           overwrite=overwrite, log=_say)
 
 

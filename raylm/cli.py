@@ -8,7 +8,8 @@
                  [--command train|tune] [--env KEY=VALUE ...] [--pip PKG ...] [--image URI]
                  [--no-code] [--no-wait]
     raylm jobs list|status ID|logs ID [--follow]|stop ID [--address http://HEAD:8265]
-    raylm export RUN_DIR --output DIR [--merge | --quantize int8]
+    raylm export RUN_DIR --output DIR [--merge | --quantize int8 | --format gguf
+                 [--quantize f16|q8_0|f32]]
     raylm prune RUN_DIR|MODEL_DIR --output DIR --sparsity 0.5|2:4 [--method wanda|magnitude]
                 [--data PREPARED_DIR] [--calibration-blocks N]
     raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT | --chat MESSAGE [--system TEXT]]
@@ -103,9 +104,13 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--merge", action="store_true",
                     help="LoRA runs: write the base with the adapters merged in, instead of a "
                          "PEFT adapter directory")
-    ex.add_argument("--quantize", choices=["int8"],
-                    help="write int8 weight-only linear layers (torchao; LoRA runs are merged "
-                         "first) and print the size and validation-loss change")
+    ex.add_argument("--format", default="hf", choices=["hf", "gguf"],
+                    help="hf: a Hugging Face directory; gguf: one GGUF file that llama.cpp runs "
+                         "(LoRA runs are merged first)")
+    ex.add_argument("--quantize", choices=["int8", "f16", "q8_0", "f32"],
+                    help="hf: int8 weight-only linear layers (torchao; LoRA runs are merged "
+                         "first), printing the size and validation-loss change; gguf: the "
+                         "tensor type, f16 (default), q8_0 or f32")
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an earlier raylm export of another kind in --output (a "
                          "directory raylm did not write is never replaced)")
@@ -333,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from raylm import api
 
             out = api.export(args.run_dir, args.output, merge=args.merge,
-                             quantize=args.quantize, overwrite=args.overwrite)
+                             quantize=args.quantize, format=args.format,
+                             overwrite=args.overwrite)
             print(f"exported to {out}")
             return 0
         if args.command == "prune":

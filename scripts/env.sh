@@ -36,6 +36,10 @@ UV=("$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/py
 # the suite's speed). pip remains the fallback where uv cannot reach its index.
 # Every version as constraints.txt fixes it (the set CI tests; scripts/lock.sh writes it).
 EXTRAS="${RAYLM_EXTRAS:-dev}"
+# llama-cpp-python (dev: the tests run the GGUF exports in llama.cpp) has no wheel on the
+# package index: it compiles llama.cpp, 3.5 minutes on 2 cores here without its multimodal
+# library (LLAVA_BUILD, which no test uses), once per fresh environment.
+export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
 "${UV[@]}" -c constraints.txt -e ".[$EXTRAS]" \
     || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt -e ".[$EXTRAS]"
 # raylm's own modules too (an editable install is not compiled): every Ray worker, driver and

@@ -15,6 +15,8 @@
               lost, steps trained again, final losses
     evals     a run's tokens/s without and with an lm-eval task scoring every checkpoint
               beside it
+    prune     a trained run pruned by each method and sparsity: validation loss before and
+              after, sizes; then healed by a short full and LoRA fine-tune
 """
 
 from __future__ import annotations
@@ -62,6 +64,17 @@ def _add_data_and_training(sub) -> None:
     ev.add_argument("--eval-gpu", action="store_true", help="each evaluation on a GPU of its "
                                                              "own instead")
     ev.add_argument("--workdir", default=None)
+    pr = sub.add_parser("prune", help="validation loss of a trained run before and after "
+                                      "pruning, and after healing")
+    pr.add_argument("--output", required=True)
+    pr.add_argument("--preset", default="tiny")
+    pr.add_argument("--steps", type=int, default=600, help="steps the run trains first")
+    pr.add_argument("--vocab-size", type=int, default=1024, help="its tokenizer's vocabulary")
+    pr.add_argument("--sparsities", default="0.25,0.5,2:4")
+    pr.add_argument("--methods", default="magnitude,wanda")
+    pr.add_argument("--heal-sparsity", default="0.5")
+    pr.add_argument("--heal-steps", type=int, default=60)
+    pr.add_argument("--workdir", default=None)
     lo = sub.add_parser("lora", help="LoRA vs full fine-tuning: trainable parameters, "
                                      "checkpoint size, peak memory per worker, tokens/s")
     lo.add_argument("--output", required=True)
@@ -191,6 +204,13 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
         result = run(preset=args.preset, steps=args.steps,
                      checkpoint_every=args.checkpoint_every, questions=args.questions,
                      cpus=args.cpus, eval_cpus=args.eval_cpus, eval_gpu=args.eval_gpu,
+                     workdir=args.workdir)
+    elif args.name == "prune":
+        from raylm.bench.prune import run
+
+        result = run(preset=args.preset, steps=args.steps, vocab_size=args.vocab_size,
+                     sparsities=args.sparsities.split(","), methods=args.methods.split(","),
+                     heal_steps=args.heal_steps, heal_sparsity=args.heal_sparsity,
                      workdir=args.workdir)
     elif args.name == "lora":
         from raylm.bench.lora import run

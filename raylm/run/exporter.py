@@ -57,6 +57,7 @@ TOKENIZER_DIGEST = ".raylm-tokenizer"
 
 
 QUANTIZATIONS = ("int8",)
+FORMATS = ("hf", "gguf")
 
 
 def _redacted(value):
@@ -149,7 +150,8 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True,
 
 
 def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
-           quantize: str | None = None, overwrite: bool = False, log=print) -> Path:
+           quantize: str | None = None, format: str = "hf", overwrite: bool = False,
+           log=print) -> Path:
     """Write the run's newest checkpoint as a directory plain clients use as it is.
 
     A full model: a Hugging Face model directory (``from_pretrained``, ``generate``,
@@ -160,18 +162,26 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
     loads onto the base model, or, with ``merge``, the merged model as a full directory. The
     tokenizer (with its chat template, if any) goes with either. ``quantize="int8"`` writes the
     (merged) model with int8 weights instead, and logs what that changed (see the module
-    docstring).
+    docstring). ``format="gguf"``: the (merged) model as one GGUF file that llama.cpp runs,
+    in ``quantize`` f16 (the default), q8_0 or f32 (:mod:`raylm.run.llamacpp`).
 
     The directory is built beside ``output`` and renamed into place (:mod:`raylm.outputs`):
     an ``output`` that is or holds the run directory or the LoRA base model is refused, and
     so is a non-empty one unless it is an earlier export of the same kind (of any kind with
     ``overwrite``)."""
-    if quantize is not None and quantize not in QUANTIZATIONS:
-        raise ValueError(f"--quantize {quantize}: not one of {', '.join(QUANTIZATIONS)}.")
+    if format not in FORMATS:
+        raise ValueError(f"--format {format}: not one of {', '.join(FORMATS)}")
     cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
-    adapters = bool(lora.adapter_args(cfg.lora))
-    kind = (f"model-{quantize}" if quantize else
-            "lora-adapter" if adapters and not merge else "model")
+    if format == "gguf":
+        quantize = gguf_settings(run_dir, cfg, quantize)
+        kind = f"gguf-{quantize}"
+    elif quantize is not None and quantize not in QUANTIZATIONS:
+        raise ValueError(f"--quantize {quantize}: not one of {', '.join(QUANTIZATIONS)} (f16, "
+                         f"q8_0 and f32 are GGUF's: add --format gguf)")
+    else:
+        adapters = bool(lora.adapter_args(cfg.lora))
+        kind = (f"model-{quantize}" if quantize else
+                "lora-adapter" if adapters and not merge else "model")
     inputs = [] if storage.is_uri(run_dir) else [("the run directory", run_dir)]
     if cfg.model.path:
         inputs.append(("the base model (model.path)", cfg.model.path))
@@ -179,7 +189,9 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
                        kind=kind, overwrite=overwrite)
     tmp = staging(out)
     try:
-        if quantize is not None:
+        if format == "gguf":
+            _write_gguf(run_dir, tmp, cfg, quantize, log=log)
+        elif quantize is not None:
             _write_quantized(run_dir, tmp, quantize, log=log)
         else:
             write_export(run_dir, tmp, cfg, merge=merge)
@@ -188,6 +200,50 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
         raise
     publish(tmp, out, mine=(EXPORT_INFO, "kind"))
     return out
+
+
+def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
+    """The GGUF export's tensor type, once the run's model family, rotary embedding and
+    tokenizer are known to be ones raylm writes for llama.cpp (refused here, before anything
+    is written or loaded)."""
+    from raylm.run import llamacpp
+
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ValueError("--format gguf needs the gguf package: pip install 'raylm[gguf]'"
+                         ) from None
+    quantize = quantize or "f16"
+    if quantize not in llamacpp.QUANTIZATIONS:
+        raise ValueError(f"--quantize {quantize}: GGUF exports are one of "
+                         f"{', '.join(llamacpp.QUANTIZATIONS)}")
+    info = read_run_info(storage.normalize(run_dir))
+    config = build_config(preset=cfg.model.preset, path=cfg.model.path,
+                          vocab_size=info["vocab_size"], eos_id=info["eos_id"],
+                          attn_implementation="sdpa")
+    llamacpp.check_model(config.to_dict())
+    tokenizer = storage.join(storage.normalize(run_dir), TOKENIZER_DIR, "tokenizer.json")
+    llamacpp.pre_tokenizer(json.loads(storage.read_text(tokenizer)))
+    return quantize
+
+
+def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, *, log) -> None:
+    """The GGUF export of :func:`export`, into the empty directory ``out``: the merged model
+    written as a Hugging Face directory first, then converted."""
+    from raylm.run.llamacpp import write_gguf
+
+    with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
+        plain = Path(tmp) / storage.name(storage.normalize(run_dir))
+        plain.mkdir()
+        write_export(run_dir, plain, cfg, merge=True)
+        step = json.loads((plain / EXPORT_INFO).read_text())["step"]
+        name = f"model-{quantize}.gguf"
+        report = write_gguf(plain, out / name, quantize=quantize)
+    (out / EXPORT_INFO).write_text(json.dumps(
+        {"run_dir": storage.normalize(run_dir), "step": step, "kind": f"gguf-{quantize}",
+         "file": name, **report}, indent=1))
+    log(f"GGUF ({report['architecture']}, {quantize}): {out / name}, "
+        f"{report['bytes'] / 2**20:.1f} MiB")
 
 
 def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,

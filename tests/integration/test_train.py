@@ -283,6 +283,63 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
     assert out[0]["generated_text"] == text
 
 
+def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
+        base, trained, tmp_path):
+    """The run as GGUF (f16, and Q8_0), run by llama.cpp: greedy decoding of a prompt gives
+    the merged Hugging Face export's first 16 tokens, and the validation loss on the run's own
+    blocks stays within 0.01 nats (f16) and 0.02 (Q8_0) of the export's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raylm.cli import main
+    from raylm.run.exporter import model_losses, validation_batches
+
+    run_dir = base_dir(base) / "full"
+    hf = tmp_path / "hf"
+    assert main(["export", str(run_dir), "--output", str(hf)]) == 0
+    files = {}
+    for quantize in ("f16", "q8_0"):
+        out = tmp_path / quantize
+        assert main(["export", str(run_dir), "--output", str(out), "--format", "gguf",
+                     "--quantize", quantize]) == 0
+        info = json.loads((out / "raylm_export.json").read_text())
+        assert info["kind"] == f"gguf-{quantize}" and info["step"] == 30
+        assert info["architecture"] == "llama" and info["tokenizer_pre"] == "gpt-2"
+        files[quantize] = out / info["file"]
+    model = AutoModelForCausalLM.from_pretrained(str(hf)).eval()
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    prompt = tok("The river carried", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
+                              do_sample=False)[0, len(prompt):].tolist()
+    batches, cross = validation_batches(str(run_dir), log=print)
+    blocks = [row.tolist() for b in batches for row in b["input_ids"]]
+    reference = model_losses([model], batches, cross)[0]
+    for quantize, bound in (("f16", 0.01), ("q8_0", 0.02)):
+        llm = llama_cpp.Llama(str(files[quantize]), n_ctx=64, logits_all=True, verbose=False,
+                              n_threads=2)
+        try:
+            got = []
+            for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
+                got.append(token)
+                if len(got) == 16:
+                    break
+            if quantize == "f16":
+                assert got == want
+            losses = []
+            for block in blocks:
+                llm.reset()
+                llm.eval(block[:-1])
+                logits = torch.from_numpy(np.array(llm.scores[:len(block) - 1]))
+                losses.append(torch.nn.functional.cross_entropy(
+                    logits, torch.tensor(block[1:])).item())
+        finally:
+            llm.close()
+        assert abs(float(np.mean(losses)) - reference) < bound, (quantize, losses, reference)
+
+
 def test_a_pruned_model_fine_tunes_without_cross_document_attention_or_mlflow_keeping_zeros(
         base, trained, tmp_path):
     """The run pruned by Wanda (its own data: calibration from its training blocks, the

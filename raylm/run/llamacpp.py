@@ -1,0 +1,204 @@
+"""GGUF files that llama.cpp runs (``raylm export RUN_DIR --format gguf``).
+
+The file is written by the ``gguf`` package, llama.cpp's own Python writer, with its tables of
+tensor names per architecture and its reader of a tokenizer's merges, special tokens and chat
+template. What is decided here is what llama.cpp's own converter (``convert_hf_to_gguf.py``,
+a script of llama.cpp's source tree, not of any package) decides for the families raylm
+trains, so that llama.cpp computes what transformers computes:
+
+- Llama and Mistral are llama.cpp's ``llama`` architecture, which applies rotary embeddings to
+  interleaved pairs of each head's dimensions where transformers rotates its two halves: the
+  query and key projections' rows are reordered to match (the other families use llama.cpp's
+  half-rotation, as transformers does). Qwen2 (biases on q/k/v) and Qwen3 (per-head query and
+  key norms) are architectures of their own.
+- One-dimensional tensors (norms, biases) stay fp32; the matrices are fp32, fp16, or Q8_0
+  (blocks of 32 values with one fp16 scale each; a matrix whose rows are not whole blocks
+  stays fp16). A tied output head is not written: llama.cpp reads the embedding table then.
+- The tokenizer: byte-level BPE (raylm's own, GPT-2's, Llama 3's, Qwen's), whose
+  pre-tokenizer regex llama.cpp must know by name; one it does not name is refused. A
+  SentencePiece-style vocabulary (Llama 2, Mistral v0.1, Gemma) is not written yet.
+
+Families and settings llama.cpp would compute differently (another rotary scaling than the
+default, a sliding window, Gemma's scaled embeddings and shifted norms) are refused before
+anything is written, naming the family or the setting.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+FAMILIES = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA",
+            "Qwen2ForCausalLM": "QWEN2", "Qwen3ForCausalLM": "QWEN3"}
+"""transformers' class -> gguf's MODEL_ARCH member."""
+PERMUTED = {"LLAMA"}
+QUANTIZATIONS = ("f16", "q8_0", "f32")
+
+# The pre-tokenizer regexes of byte-level BPE tokenizers, by the name llama.cpp gives them.
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+SPLIT_REGEXES = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+}
+
+
+def check_model(config: dict[str, Any]) -> str:
+    """The gguf architecture of a model's ``config.json``, or a refusal naming what llama.cpp
+    would compute differently."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    family = (config.get("architectures")
+              or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.get("model_type"), "?")])[0]
+    if family not in FAMILIES:
+        raise ValueError(f"--format gguf: raylm writes GGUF for "
+                         f"{', '.join(sorted(FAMILIES))}; this model is {family}. Export it "
+                         f"as a Hugging Face directory (without --format).")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"--format gguf: {family} with rotary scaling {kind!r} is not written "
+                         f"yet (llama.cpp needs its frequency factors); only the default "
+                         f"rotary embedding is.")
+    if config.get("use_sliding_window") and config.get("sliding_window"):
+        raise ValueError(f"--format gguf: {family} with a sliding window is not written yet.")
+    return FAMILIES[family]
+
+
+def pre_tokenizer(tokenizer_json: dict[str, Any]) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenization, or a refusal."""
+    model = tokenizer_json.get("model", {})
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ValueError("--format gguf: the tokenizer is not a byte-level BPE (a "
+                         "SentencePiece-style vocabulary, as Llama 2, Mistral v0.1 and Gemma "
+                         "have); raylm does not write it into GGUF yet.")
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
+        regex = parts[0].get("pattern", {}).get("Regex")
+        if regex in SPLIT_REGEXES:
+            return SPLIT_REGEXES[regex]
+    raise ValueError(f"--format gguf: the tokenizer's pre-tokenizer ({' + '.join(map(str, kinds))}"
+                     f") is not one llama.cpp names (GPT-2's, Llama 3's or Qwen2's byte-level "
+                     f"BPE); llama.cpp would split text into other tokens.")
+
+
+def write_gguf(model_dir: Path, out: Path, *, quantize: str) -> dict[str, Any]:
+    """``model_dir`` (a Hugging Face directory: config, safetensors, tokenizer) as the GGUF
+    file ``out``; returns what it wrote (architecture, tensor types, bytes)."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"--quantize {quantize}: GGUF exports are one of "
+                         f"{', '.join(QUANTIZATIONS)}")
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = gguf.MODEL_ARCH[check_model(config)]
+    tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    # The tokenizer as transformers loads it beside the model, not as its file says: for some
+    # families (Qwen2) transformers 5 puts the family's own pre-tokenizer in.
+    pre = pre_tokenizer(json.loads(tok.backend_tokenizer.to_str()))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    c = model.config
+    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(model_dir.name)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32,
+                          "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quantize])
+    _add_vocabulary(writer, tok, model_dir, pre=pre, size=c.vocab_size)
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    types: dict[str, int] = {}
+    tied = bool(c.tie_word_embeddings)
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"--format gguf: no GGUF name for the tensor {name} of "
+                             f"{arch.name.lower()}")
+        data = tensor.detach().float()
+        if arch.name in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _interleaved_rotary(data, kv_heads if "k_proj" in name else heads)
+        qtype = _add_tensor(writer, target, data.numpy(), quantize)
+        types[qtype] = types.get(qtype, 0) + 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"architecture": gguf.MODEL_ARCH_NAMES[arch], "tokenizer_pre": pre,
+            "tensor_types": types, "bytes": out.stat().st_size}
+
+
+def _interleaved_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """The rows of a query or key projection reordered from transformers' rotation of each
+    head's two halves to llama.cpp's rotation of adjacent pairs: within each head, row i of
+    the first half and row i of the second half become rows 2i and 2i + 1."""
+    rows = weight.shape[0] // heads
+    return (weight.reshape(heads, 2, rows // 2, *weight.shape[1:]).transpose(1, 2)
+            .reshape(weight.shape))
+
+
+def _add_tensor(writer, name: str, data: np.ndarray, quantize: str) -> str:
+    import gguf
+
+    if data.ndim == 1 or quantize == "f32":
+        writer.add_tensor(name, data.astype(np.float32))
+        return "f32"
+    if quantize == "q8_0" and data.shape[-1] % gguf.GGML_QUANT_SIZES[
+            gguf.GGMLQuantizationType.Q8_0][0] == 0:
+        packed = gguf.quants.quantize(data.astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        # Shaped in bytes per row: the writer reads the element shape back from it.
+        writer.add_tensor(name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        return "q8_0"
+    writer.add_tensor(name, data.astype(np.float16))
+    return "f16"
+
+
+def _add_vocabulary(writer, tok, model_dir: Path, *, pre: str, size: int) -> None:
+    """Every token id below the model's vocabulary size, in order (ids no token has are
+    unused padding), with its kind; the merges, special tokens and chat template as the
+    ``gguf`` package reads them from the directory."""
+    import gguf
+
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    added = tok.added_tokens_decoder
+    tokens, kinds = [], []
+    for i in range(size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            kinds.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            kinds.append(gguf.TokenType.CONTROL if added[i].special
+                         else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            kinds.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(kinds)
+    special = gguf.SpecialVocab(str(model_dir), load_merges=True, n_vocab=size)
+    special.add_to_gguf(writer, quiet=True)

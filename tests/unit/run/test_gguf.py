@@ -1,0 +1,167 @@
+"""GGUF files (raylm.run.llamacpp) run in llama.cpp itself (llama-cpp-python): its logits are
+transformers' for each family written, it splits text into transformers' tokens for each
+pre-tokenizer it names, and what it would compute otherwise is refused. The export of a
+trained run (greedy tokens, Q8_0's perplexity) is tested in tests/integration/test_train.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from raylm.run import llamacpp
+from tests.conftest import make_docs
+from tests.distributed.test_pretrained import family_config
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+TEXTS = ["The river carried the boats down to the mill, and 42 people waited.",
+         "Numbers 1234567 and 3.14; symbols (a+b)*c != d?\n\nNew  lines\tand tabs.",
+         "Unicode: café, naïve, 東京, emoji 🙂 — done."]
+
+
+def save_model(root: Path, family: str, tokenizer_dir: Path, **settings) -> Path:
+    """A tiny random-weight ``family`` model with the tokenizer of ``tokenizer_dir``."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    config = family_config(family)
+    config.vocab_size = len(vocab) + 8  # ids no token has: padding rows, as models have
+    for key, value in settings.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    out = root / family
+    model.save_pretrained(str(out))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def run_llama_cpp(path: Path, ids: list[int]) -> np.ndarray:
+    llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[:len(ids)])
+    finally:
+        llm.close()
+
+
+def llama_cpp_tokens(path: Path, text: str) -> list[int]:
+    llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    try:
+        return llm.tokenize(text.encode(), add_bos=False, special=False)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_llama_cpp_computes_transformers_logits_and_tokens_for_each_family(
+        family, tokenizer_dir, tmp_path):
+    """fp32 GGUF: llama.cpp's logits of a text are transformers' (to 1e-3, its matmuls sum in
+    another order), through Llama's reordered query/key rows, Qwen2's biases and Qwen3's
+    per-head norms; raylm's byte-level BPE splits every text alike in both. (Beside a Qwen2
+    model transformers 5 loads it with Qwen2's own pre-tokenizer, and the file says so.)"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = save_model(tmp_path, family, tokenizer_dir)
+    info = llamacpp.write_gguf(model_dir, tmp_path / "m.gguf", quantize="f32")
+    assert info["architecture"] == {"mistral": "llama"}.get(family, family)
+    assert info["tokenizer_pre"] == ("qwen2" if family == "qwen2" else "gpt-2")
+    assert set(info["tensor_types"]) == {"f32"}
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    for text in TEXTS:
+        assert llama_cpp_tokens(tmp_path / "m.gguf", text) == tok(
+            text, add_special_tokens=False)["input_ids"]
+    ids = tok(TEXTS[0], add_special_tokens=False)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    got = run_llama_cpp(tmp_path / "m.gguf", ids)
+    np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+
+
+def test_q8_0_and_f16_hold_their_types_and_stay_close(tokenizer_dir, tmp_path):
+    """Q8_0 quantizes every matrix (rows of 64: whole blocks of 32), F16 halves them; norms
+    stay fp32; both stay near the fp32 logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = save_model(tmp_path, "qwen3", tokenizer_dir)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok(TEXTS[0], add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(str(model_dir))(
+            torch.tensor([ids])).logits[0].numpy()
+    sizes = {}
+    for quantize, matrices, tol in [("f16", "f16", 5e-3), ("q8_0", "q8_0", 3e-2)]:
+        path = tmp_path / f"{quantize}.gguf"
+        info = llamacpp.write_gguf(model_dir, path, quantize=quantize)
+        # 2 layers x (7 projections) + embeddings + untied head; the 1-D norms fp32.
+        assert info["tensor_types"] == {matrices: 16, "f32": 9}
+        sizes[quantize] = info["bytes"]
+        np.testing.assert_allclose(run_llama_cpp(path, ids), want, atol=tol, rtol=0)
+    assert sizes["q8_0"] < 0.65 * sizes["f16"]
+
+
+def bpe_tokenizer(out: Path, regex: str) -> Path:
+    """A byte-level BPE trained here whose pre-tokenizer is ``regex`` then byte-level mapping,
+    as Llama 3's and Qwen2's tokenizer files have it."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(make_docs(200) + TEXTS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>").save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama-bpe", "qwen2"])
+def test_llama_3_and_qwen2_pre_tokenizers_are_named_and_split_alike(name, tmp_path):
+    from transformers import AutoTokenizer
+
+    regex = next(r for r, n in llamacpp.SPLIT_REGEXES.items() if n == name)
+    tok_dir = bpe_tokenizer(tmp_path / "tok", regex)
+    model_dir = save_model(tmp_path, "llama", tok_dir)
+    info = llamacpp.write_gguf(model_dir, tmp_path / "m.gguf", quantize="f16")
+    assert info["tokenizer_pre"] == name
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    for text in TEXTS:
+        assert llama_cpp_tokens(tmp_path / "m.gguf", text) == tok(
+            text, add_special_tokens=False)["input_ids"]
+
+
+def test_what_llama_cpp_would_compute_otherwise_is_refused(tokenizer_dir, tmp_path):
+    for family, says in [("gemma3", "this model is Gemma3ForCausalLM"),
+                         ("phi3", "this model is Phi3ForCausalLM"),
+                         ("gpt2", "this model is GPT2LMHeadModel")]:
+        with pytest.raises(ValueError, match=says):
+            llamacpp.check_model(family_config(family).to_dict())
+    scaled = family_config("llama")
+    scaled.rope_parameters = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match="rotary scaling 'llama3' is not written yet"):
+        llamacpp.check_model(scaled.to_dict())
+    window = family_config("qwen2")
+    window.use_sliding_window, window.sliding_window = True, 64
+    with pytest.raises(ValueError, match="sliding window"):
+        llamacpp.check_model(window.to_dict())
+    spm = {"model": {"type": "BPE", "byte_fallback": True}, "pre_tokenizer": None}
+    with pytest.raises(ValueError, match="SentencePiece-style"):
+        llamacpp.pre_tokenizer(spm)
+    other = {"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Whitespace"}}
+    with pytest.raises(ValueError, match=r"\(Whitespace\) is not one llama.cpp names"):
+        llamacpp.pre_tokenizer(other)
