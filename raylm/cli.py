@@ -96,41 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                                       "RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
     jb.add_argument("--follow", action="store_true", help="logs: keep streaming until the "
                                                           "job ends")
-    ex = plain(sub, "export", "write a run's latest checkpoint as a Hugging Face model "
-                              "directory (a LoRA run: a peft adapter directory, or with --merge "
-                              "the merged model)")
-    ex.add_argument("run_dir", help="the run directory (run.storage_path/run.name)")
-    ex.add_argument("--output", required=True, help="directory for the exported model")
-    ex.add_argument("--merge", action="store_true",
-                    help="LoRA runs: write the base with the adapters merged in, instead of a "
-                         "PEFT adapter directory")
-    ex.add_argument("--format", default="hf", choices=["hf", "gguf"],
-                    help="hf: a Hugging Face directory; gguf: one GGUF file that llama.cpp runs "
-                         "(LoRA runs are merged first)")
-    ex.add_argument("--quantize", choices=["int8", "f16", "q8_0", "f32"],
-                    help="hf: int8 weight-only linear layers (torchao; LoRA runs are merged "
-                         "first), printing the size and validation-loss change; gguf: the "
-                         "tensor type, f16 (default), q8_0 or f32")
-    ex.add_argument("--overwrite", action="store_true",
-                    help="replace an earlier raylm export of another kind in --output (a "
-                         "directory raylm did not write is never replaced)")
-    pr = plain(sub, "prune", "write a pruned copy of a run's model (or a model directory), "
-                             "with each layer's sparsity and the validation loss before and "
-                             "after")
-    pr.add_argument("source", help="a run directory, or a model directory (with --data)")
-    pr.add_argument("--output", required=True, help="directory for the pruned model")
-    pr.add_argument("--sparsity", required=True,
-                    help="the fraction of each layer's weights to zero (0.5), or 2:4 (two of "
-                         "every four consecutive weights kept, what sparse tensor cores run)")
-    pr.add_argument("--method", default="wanda", choices=["wanda", "magnitude"],
-                    help="wanda: |weight| x the norm of its input over calibration data; "
-                         "magnitude: |weight|")
-    pr.add_argument("--data", help="prepared data (raylm prepare's output) for calibration and "
-                                   "the losses; default: the run's own")
-    pr.add_argument("--calibration-blocks", type=int, default=32,
-                    help="wanda: how many training blocks calibrate it")
-    pr.add_argument("--overwrite", action="store_true",
-                    help="replace an earlier raylm export of another kind in --output")
+    _add_exports(sub)
     ev = with_config(sub, "eval", "score a run's checkpoint (or every one) or an exported model "
                                   "on lm-evaluation-harness benchmarks: the run's own eval.* "
                                   "settings, or --eval.tasks=...")
@@ -152,6 +118,45 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0,
                      help="seed of the sampling (the same seed, the same text)")
     return p
+
+
+def _add_exports(sub: argparse._SubParsersAction) -> None:
+    """``export`` and ``prune``: what a finished run is turned into."""
+    about = ("write a run's latest checkpoint as a Hugging Face model directory (a LoRA run: a "
+             "peft adapter directory, or with --merge the merged model), or a GGUF file")
+    ex = sub.add_parser("export", help=about, description=about, formatter_class=_Help)
+    ex.add_argument("run_dir", help="the run directory (run.storage_path/run.name)")
+    ex.add_argument("--output", required=True, help="directory for the exported model")
+    ex.add_argument("--merge", action="store_true",
+                    help="LoRA runs: write the base with the adapters merged in, instead of a "
+                         "PEFT adapter directory")
+    ex.add_argument("--format", default="hf", choices=["hf", "gguf"],
+                    help="hf: a Hugging Face directory; gguf: one GGUF file that llama.cpp runs "
+                         "(LoRA runs are merged first)")
+    ex.add_argument("--quantize", choices=["int8", "f16", "q8_0", "f32"],
+                    help="hf: int8 weight-only linear layers (torchao; LoRA runs are merged "
+                         "first), printing the size and validation-loss change; gguf: the "
+                         "tensor type, f16 (default), q8_0 or f32")
+    ex.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier raylm export of another kind in --output (a "
+                         "directory raylm did not write is never replaced)")
+    about = ("write a pruned copy of a run's model (or a model directory), with each layer's "
+             "sparsity and the validation loss before and after")
+    pr = sub.add_parser("prune", help=about, description=about, formatter_class=_Help)
+    pr.add_argument("source", help="a run directory, or a model directory (with --data)")
+    pr.add_argument("--output", required=True, help="directory for the pruned model")
+    pr.add_argument("--sparsity", required=True,
+                    help="the fraction of each layer's weights to zero (0.5), or 2:4 (two of "
+                         "every four consecutive weights kept, what sparse tensor cores run)")
+    pr.add_argument("--method", default="wanda", choices=["wanda", "magnitude"],
+                    help="wanda: |weight| x the norm of its input over calibration data; "
+                         "magnitude: |weight|")
+    pr.add_argument("--data", help="prepared data (raylm prepare's output) for calibration and "
+                                   "the losses; default: the run's own")
+    pr.add_argument("--calibration-blocks", type=int, default=32,
+                    help="wanda: how many training blocks calibrate it")
+    pr.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier raylm export of another kind in --output")
 
 
 OVERRIDES_HELP = """\

@@ -297,7 +297,7 @@ def _write_quantized(run_dir: str | Path, out: Path, method: str, *, log) -> Non
             if f.name not in {"config.json", "generation_config.json"} and \
                     not f.name.endswith(".safetensors"):
                 shutil.copy(f, out / f.name)
-        sizes = [_weights_bytes(plain), _weights_bytes(out)]
+        sizes = [stored_bytes(plain), stored_bytes(out)]
         losses = _validation_losses(run_dir, [full, model], log=log)
     report = {"quantization": f"{method} weight-only (torchao)",
               "unquantized_bytes": sizes[0], "bytes": sizes[1]}
@@ -313,7 +313,7 @@ def _write_quantized(run_dir: str | Path, out: Path, method: str, *, log) -> Non
     log(line)
 
 
-def _weights_bytes(directory: Path) -> int:
+def stored_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
 
 

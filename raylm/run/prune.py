@@ -38,6 +38,7 @@ from raylm.run.exporter import (
     load_run_model,
     model_losses,
     read_run_info,
+    stored_bytes,
     validation_batches,
 )
 from raylm.workers.step import Built, batch_loss
@@ -115,7 +116,7 @@ def _write_pruned(src: str, out: Path, *, cfg: Config, is_run: bool, prepared: s
         val = batched(blocks, micro), cfg.data.across_documents
     else:
         val = None
-    dense_bytes = _weights_bytes(model)
+    dense_bytes = _param_bytes(model)
     before = model_losses([model], *val)[0] if val else None
     calibrate = None
     if method == "wanda":
@@ -146,7 +147,7 @@ def _write_pruned(src: str, out: Path, *, cfg: Config, is_run: bool, prepared: s
         "pruned_layers": len(layers), "pruned_share_of_weights": round(pruned / total, 4),
         "layer_sparsity": round(zeros / pruned, 6), "model_sparsity": round(zeros / total, 6),
         "val_loss_before": before, "val_loss": after,
-        "bytes": _stored_bytes(out), "dense_bytes": dense_bytes,
+        "bytes": stored_bytes(out), "dense_bytes": dense_bytes,
         "compressed_bytes": _compressed_bytes(model, layers, target),
         "seconds": round(time.perf_counter() - t0, 1), "layers": layers,
     }
@@ -178,12 +179,8 @@ def _check_vocabulary(model, prepared: str | None) -> None:
                          f"model's tokenizer (data.tokenizer: pretrained).")
 
 
-def _weights_bytes(model) -> int:
+def _param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def _stored_bytes(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
 
 
 def _compressed_bytes(model, layers: list[dict], target: sparsity.Target) -> int:
@@ -192,7 +189,7 @@ def _compressed_bytes(model, layers: list[dict], target: sparsity.Target) -> int
     sparsity as a bitmask (1 bit per weight) and the kept values. Computed, not written:
     safetensors stores dense tensors."""
     size = next(model.parameters()).element_size()
-    dense = _weights_bytes(model)
+    dense = _param_bytes(model)
     for r in layers:
         n = r["shape"][0] * r["shape"][1]
         kept = round(n * (1 - r["sparsity"]))

@@ -178,10 +178,10 @@ def _check(c, sandbox: Path, capsys) -> str | None:
         return None if e.code == 0 else f"refused: {capsys.readouterr().err.strip()}"
     except ValueError as e:
         return f"refused: {e}"
-    if args.command in ("export", "generate", "jobs"):
+    if args.command in ("export", "prune", "generate", "jobs"):
         if overrides:
             return f"{args.command} takes no config overrides ({overrides[0]})"
-        if args.command == "export" and not Path(args.output).exists():
+        if args.command in ("export", "prune") and not Path(args.output).exists():
             save_tiny_llama(Path(args.output), vocab_size=300)  # the model the run would be
         return None
     try:

@@ -90,9 +90,7 @@ def test_wanda_scores_each_block_by_the_inputs_the_pruned_blocks_before_give_it(
     for block in want.model.layers:
         mine = [(n, m) for n, m in layers.items() if any(m is x for x in block.modules())]
         sq: dict[str, torch.Tensor] = {}
-        hooks = [m.register_forward_pre_hook(
-            lambda mod, args, n=n: sq.__setitem__(n, sq.get(n, 0) + args[0].reshape(
-                -1, args[0].shape[-1]).pow(2).sum(0))) for n, m in mine]
+        hooks = [m.register_forward_pre_hook(summing(sq, n)) for n, m in mine]
         with torch.no_grad():
             for ids in batches:
                 want(input_ids=ids)
@@ -110,6 +108,16 @@ def test_wanda_scores_each_block_by_the_inputs_the_pruned_blocks_before_give_it(
     sparsity.prune(plain, sparsity.Target(0.5), method="magnitude")
     assert not torch.equal(plain.model.layers[1].mlp.down_proj.weight == 0,
                            model.model.layers[1].mlp.down_proj.weight == 0)
+
+
+def summing(sums: dict, name: str):
+    """A pre-hook adding the squares of each input feature over every token to sums[name]."""
+
+    def hook(module, args):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        sums[name] = sums.get(name, 0) + x.pow(2).sum(0)
+
+    return hook
 
 
 def test_wanda_without_calibration_and_an_unknown_method_are_refused():

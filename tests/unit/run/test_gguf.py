@@ -124,12 +124,20 @@ def bpe_tokenizer(out: Path, regex: str) -> Path:
     tok.train_from_iterator(make_docs(200) + TEXTS, trainers.BpeTrainer(
         vocab_size=400, special_tokens=["<|end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>").save_pretrained(str(out))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(str(out))
     return out
+
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.mark.parametrize("name", ["llama-bpe", "qwen2"])
 def test_llama_3_and_qwen2_pre_tokenizers_are_named_and_split_alike(name, tmp_path):
+    """Each splits every text as transformers does; the tokenizer's chat template and its
+    end-of-text token go with it."""
     from transformers import AutoTokenizer
 
     regex = next(r for r, n in llamacpp.SPLIT_REGEXES.items() if n == name)
@@ -141,6 +149,12 @@ def test_llama_3_and_qwen2_pre_tokenizers_are_named_and_split_alike(name, tmp_pa
     for text in TEXTS:
         assert llama_cpp_tokens(tmp_path / "m.gguf", text) == tok(
             text, add_special_tokens=False)["input_ids"]
+    llm = llama_cpp.Llama(str(tmp_path / "m.gguf"), vocab_only=True, verbose=False)
+    try:
+        assert llm.metadata["tokenizer.chat_template"] == TEMPLATE
+        assert llm.token_eos() == tok.eos_token_id
+    finally:
+        llm.close()
 
 
 def test_what_llama_cpp_would_compute_otherwise_is_refused(tokenizer_dir, tmp_path):
