@@ -242,7 +242,7 @@ def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, *, log) -> N
     (out / EXPORT_INFO).write_text(json.dumps(
         {"run_dir": storage.normalize(run_dir), "step": step, "kind": f"gguf-{quantize}",
          "file": name, **report}, indent=1))
-    log(f"GGUF ({report['architecture']}, {quantize}): {out / name}, "
+    log(f"GGUF ({report['architecture']}, {quantize}): {name}, "
         f"{report['bytes'] / 2**20:.1f} MiB")
 
 

@@ -11,6 +11,10 @@ trains, so that llama.cpp computes what transformers computes:
   query and key projections' rows are reordered to match (the other families use llama.cpp's
   half-rotation, as transformers does). Qwen2 (biases on q/k/v) and Qwen3 (per-head query and
   key norms) are architectures of their own.
+- Gemma 3: its norms multiply by 1 + weight, llama.cpp's by the weight, so 1 is added to every
+  norm's weight; which layers attend through the sliding window, and the window's own rotary
+  base, are written per layer. llama.cpp scales queries by 1/sqrt(head_dim) (the 27B's
+  shape aside), so a ``query_pre_attn_scalar`` other than that is refused.
 - One-dimensional tensors (norms, biases) stay fp32; the matrices are fp32, fp16, or Q8_0
   (blocks of 32 values with one fp16 scale each; a matrix whose rows are not whole blocks
   stays fp16). A tied output head is not written: llama.cpp reads the embedding table then.
@@ -19,8 +23,8 @@ trains, so that llama.cpp computes what transformers computes:
   SentencePiece-style vocabulary (Llama 2, Mistral v0.1, Gemma) is not written yet.
 
 Families and settings llama.cpp would compute differently (another rotary scaling than the
-default, a sliding window, Gemma's scaled embeddings and shifted norms) are refused before
-anything is written, naming the family or the setting.
+default, Qwen2's sliding window) are refused before anything is written, naming the family or
+the setting.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import numpy as np
 import torch
 
 FAMILIES = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA",
-            "Qwen2ForCausalLM": "QWEN2", "Qwen3ForCausalLM": "QWEN3"}
+            "Qwen2ForCausalLM": "QWEN2", "Qwen3ForCausalLM": "QWEN3",
+            "Gemma3ForCausalLM": "GEMMA3"}
 """transformers' class -> gguf's MODEL_ARCH member."""
 PERMUTED = {"LLAMA"}
 QUANTIZATIONS = ("f16", "q8_0", "f32")
@@ -60,13 +65,26 @@ def check_model(config: dict[str, Any]) -> str:
                          f"{', '.join(sorted(FAMILIES))}; this model is {family}. Export it "
                          f"as a Hugging Face directory (without --format).")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"--format gguf: {family} with rotary scaling {kind!r} is not written "
-                         f"yet (llama.cpp needs its frequency factors); only the default "
-                         f"rotary embedding is.")
+    # Gemma 3 has one per kind of layer.
+    for part in rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) \
+            else [rope]:
+        kind = part.get("rope_type", part.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"--format gguf: {family} with rotary scaling {kind!r} is not "
+                             f"written yet (llama.cpp needs its frequency factors); only the "
+                             f"default rotary embedding is.")
     if config.get("use_sliding_window") and config.get("sliding_window"):
         raise ValueError(f"--format gguf: {family} with a sliding window is not written yet.")
+    if family == "Gemma3ForCausalLM":
+        heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+        scale = config["hidden_size"] // heads if layers == 62 else config["head_dim"]
+        if config.get("query_pre_attn_scalar") != scale:
+            raise ValueError(f"--format gguf: this Gemma 3 scales its queries by "
+                             f"query_pre_attn_scalar={config.get('query_pre_attn_scalar')}, "
+                             f"llama.cpp by {scale} (its head size).")
+        if config.get("attn_logit_softcapping"):
+            raise ValueError("--format gguf: Gemma 3 with attention logit soft-capping is not "
+                             "something llama.cpp computes.")
     return FAMILIES[family]
 
 
@@ -121,8 +139,18 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str) -> dict[str, Any]:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    gemma = arch.name == "GEMMA3"
+    if gemma:
+        rope = c.rope_parameters
+        writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+        writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+        if c.final_logit_softcapping:
+            writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    else:
+        writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     writer.add_vocab_size(c.vocab_size)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32,
                           "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -141,6 +169,8 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str) -> dict[str, Any]:
         data = tensor.detach().float()
         if arch.name in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             data = _interleaved_rotary(data, kv_heads if "k_proj" in name else heads)
+        if gemma and name.endswith("norm.weight"):
+            data = data + 1.0
         qtype = _add_tensor(writer, target, data.numpy(), quantize)
         types[qtype] = types.get(qtype, 0) + 1
     writer.write_header_to_file()

@@ -62,16 +62,25 @@ def llama_cpp_tokens(path: Path, text: str) -> list[int]:
         llm.close()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+FAMILY_SETTINGS = {
+    # Gemma 3 as published: queries scaled by the head size; one layer of two global, so
+    # both of its rotary bases and the window's layer pattern are used.
+    "gemma3": {"query_pre_attn_scalar": 16, "sliding_window": 8,
+               "layer_types": ["sliding_attention", "full_attention"]}}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_llama_cpp_computes_transformers_logits_and_tokens_for_each_family(
         family, tokenizer_dir, tmp_path):
     """fp32 GGUF: llama.cpp's logits of a text are transformers' (to 1e-3, its matmuls sum in
-    another order), through Llama's reordered query/key rows, Qwen2's biases and Qwen3's
-    per-head norms; raylm's byte-level BPE splits every text alike in both. (Beside a Qwen2
-    model transformers 5 loads it with Qwen2's own pre-tokenizer, and the file says so.)"""
+    another order), through Llama's reordered query/key rows, Qwen2's biases, Qwen3's
+    per-head norms and Gemma 3's shifted norms, scaled embeddings and sliding window (8
+    tokens, the text longer); raylm's byte-level BPE splits every text alike in both.
+    (Beside a Qwen2 model transformers 5 loads it with Qwen2's own pre-tokenizer, and the
+    file says so.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = save_model(tmp_path, family, tokenizer_dir)
+    model_dir = save_model(tmp_path, family, tokenizer_dir, **FAMILY_SETTINGS.get(family, {}))
     info = llamacpp.write_gguf(model_dir, tmp_path / "m.gguf", quantize="f32")
     assert info["architecture"] == {"mistral": "llama"}.get(family, family)
     assert info["tokenizer_pre"] == ("qwen2" if family == "qwen2" else "gpt-2")
@@ -158,7 +167,9 @@ def test_llama_3_and_qwen2_pre_tokenizers_are_named_and_split_alike(name, tmp_pa
 
 
 def test_what_llama_cpp_would_compute_otherwise_is_refused(tokenizer_dir, tmp_path):
-    for family, says in [("gemma3", "this model is Gemma3ForCausalLM"),
+    with pytest.raises(ValueError, match="query_pre_attn_scalar=256, llama.cpp by 16"):
+        llamacpp.check_model(family_config("gemma3").to_dict())
+    for family, says in [("gemma2", "this model is Gemma2ForCausalLM"),
                          ("phi3", "this model is Phi3ForCausalLM"),
                          ("gpt2", "this model is GPT2LMHeadModel")]:
         with pytest.raises(ValueError, match=says):
@@ -179,3 +190,27 @@ def test_what_llama_cpp_would_compute_otherwise_is_refused(tokenizer_dir, tmp_pa
     other = {"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Whitespace"}}
     with pytest.raises(ValueError, match=r"\(Whitespace\) is not one llama.cpp names"):
         llamacpp.pre_tokenizer(other)
+
+
+def test_a_run_of_a_family_not_written_is_refused_before_its_output_exists(tokenizer_dir,
+                                                                          tmp_path, capsys):
+    """``raylm export --format gguf`` of a Phi-3 run: refused from the run's record alone,
+    naming the family, and the output never made; GGUF's types need --format gguf."""
+    from raylm.cli import main
+    from raylm.config import load_config
+    from raylm.names import RUN_INFO
+
+    base = save_model(tmp_path, "phi3", tokenizer_dir)
+    cfg = load_config(None, [f"--model.path={base}", "--lora.rank=4"])
+    run = tmp_path / "runs" / "sft"
+    (run / "tokenizer").mkdir(parents=True)
+    shutil.copy(tokenizer_dir / "tokenizer.json", run / "tokenizer" / "tokenizer.json")
+    (run / RUN_INFO).write_text(json.dumps({"config": cfg.to_dict(), "vocab_size": 400,
+                                            "eos_id": 0}))
+    out = tmp_path / "gguf"
+    assert main(["export", str(run), "--output", str(out), "--format", "gguf"]) == 2
+    assert "this model is Phi3ForCausalLM" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["export", str(run), "--output", str(out), "--quantize", "q8_0"]) == 2
+    assert "add --format gguf" in capsys.readouterr().err
+    assert not out.exists()
