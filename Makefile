@@ -7,7 +7,7 @@ STAMP := $(VENV)/.raylm-installed
 
 .PHONY: env demo test test-fast docs bench-data
 
-$(STAMP): pyproject.toml constraints.txt scripts/env.sh
+$(STAMP): pyproject.toml constraints.txt scripts/env.sh scripts/llama_cpp.sh
 	bash scripts/env.sh $(VENV)
 	touch $(STAMP)
 

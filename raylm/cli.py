@@ -143,7 +143,8 @@ def _add_exports(sub: argparse._SubParsersAction) -> None:
     about = ("write a pruned copy of a run's model (or a model directory), with each layer's "
              "sparsity and the validation loss before and after")
     pr = sub.add_parser("prune", help=about, description=about, formatter_class=_Help)
-    pr.add_argument("source", help="a run directory, or a model directory (with --data)")
+    pr.add_argument("source", help="a run directory, or a model directory (wanda then needs "
+                                   "--data)")
     pr.add_argument("--output", required=True, help="directory for the pruned model")
     pr.add_argument("--sparsity", required=True,
                     help="the fraction of each layer's weights to zero (0.5), or 2:4 (two of "

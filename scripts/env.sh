@@ -21,6 +21,16 @@ fi
 PIP="$VENV/bin/pip"
 UV=("$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/python")
 "$PIP" install --quiet --disable-pip-version-check uv
+EXTRAS="${RAYLM_EXTRAS:-dev}"
+# llama.cpp, which the tests run GGUF exports in: its libraries compile (1.6 minutes here,
+# scripts/llama_cpp.sh says why) while the packages below download, once per environment.
+LLAMA_LIBS=""
+if [[ ",$EXTRAS," == *",dev,"* ]] && ! "$VENV/bin/python" -c "import llama_cpp" 2> /dev/null
+then
+    LLAMA_LIBS="$(mktemp -d)"
+    bash scripts/llama_cpp.sh build "$LLAMA_LIBS" > "$LLAMA_LIBS.log" 2>&1 &
+    LLAMA_BUILD=$!
+fi
 # torch first, through uv: it unpacks and compiles the CPU wheel in 10 s where pip takes 28 s
 # here. uv does not read pip's PIP_FIND_LINKS (where this machine keeps its wheels), so it is
 # passed on.
@@ -35,13 +45,17 @@ UV=("$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/py
 # process would otherwise compile what it imports (4 s more for each Ray worker, which halved
 # the suite's speed). pip remains the fallback where uv cannot reach its index.
 # Every version as constraints.txt fixes it (the set CI tests; scripts/lock.sh writes it).
-EXTRAS="${RAYLM_EXTRAS:-dev}"
-# llama-cpp-python (dev: the tests run the GGUF exports in llama.cpp) has no wheel on the
-# package index: it compiles llama.cpp, 3.5 minutes on 2 cores here without its multimodal
-# library (LLAVA_BUILD, which no test uses), once per fresh environment.
-export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
 "${UV[@]}" -c constraints.txt -e ".[$EXTRAS]" \
     || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt -e ".[$EXTRAS]"
+if [ -n "$LLAMA_LIBS" ]; then
+    if ! wait "$LLAMA_BUILD"; then
+        cat "$LLAMA_LIBS.log" >&2
+        echo "env: compiling llama.cpp failed (it needs cmake and a C++ compiler)" >&2
+        exit 1
+    fi
+    bash scripts/llama_cpp.sh install "$VENV" "$LLAMA_LIBS"
+    rm -rf "$LLAMA_LIBS" "$LLAMA_LIBS.log"
+fi
 # raylm's own modules too (an editable install is not compiled): every Ray worker, driver and
 # notebook kernel imports them, 0.3 s of compiling each where bytecode cannot be written.
 "$VENV/bin/python" -m compileall -q raylm > /dev/null
