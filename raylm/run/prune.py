@@ -65,9 +65,15 @@ def prune_source(source: str | Path, output: str | Path, *, sparsity_text: str,
                          f"this machine (config.json).")
     cfg = config_from_dict(read_run_info(src)["config"]) if is_run else Config()
     prepared = data or (read_run_info(src).get("prepared") if is_run else None)
-    if prepared is not None and not Path(prepared, LAYOUT).is_file():
-        raise ValueError(f"--data {prepared}: not prepared data (no {LAYOUT}); give the "
+    if data is not None and not Path(data, LAYOUT).is_file():
+        raise ValueError(f"--data {data}: not prepared data (no {LAYOUT}); give the "
                          f"directory `raylm prepare` wrote.")
+    if prepared is not None and not Path(prepared, LAYOUT).is_file():
+        if method == "wanda":
+            raise ValueError(f"the run's prepared data ({prepared}) is not on this machine: "
+                             f"give --data PREPARED_DIR (prepared with the run's tokenizer), "
+                             f"or use --method magnitude.")
+        prepared = None
     if method == "wanda" and prepared is None:
         raise ValueError(f"--method wanda scores weights by the activations of calibration "
                          f"data: give --data PREPARED_DIR (what `raylm prepare` wrote with "
