@@ -15,7 +15,7 @@ import torch
 
 from raylm.run import llamacpp
 from tests.conftest import make_docs
-from tests.distributed.test_pretrained import family_config
+from tests.distributed.test_pretrained import family_config, save_family
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -26,20 +26,9 @@ TEXTS = ["The river carried the boats down to the mill, and 42 people waited.",
 
 def save_model(root: Path, family: str, tokenizer_dir: Path, **settings) -> Path:
     """A tiny random-weight ``family`` model with the tokenizer of ``tokenizer_dir``."""
-    from transformers import AutoModelForCausalLM
-
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    config = family_config(family)
-    config.vocab_size = len(vocab) + 8  # ids no token has: padding rows, as models have
-    for key, value in settings.items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    out = root / family
-    model.save_pretrained(str(out))
+    # Ids no token has: padding rows, as models have.
+    out = save_family(root / family, family, vocab_size=len(vocab) + 8, **settings)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
