@@ -77,8 +77,7 @@ def prune_source(source: str | Path, output: str | Path, *, sparsity_text: str,
     if method == "wanda" and prepared is None:
         raise ValueError(f"--method wanda scores weights by the activations of calibration "
                          f"data: give --data PREPARED_DIR (what `raylm prepare` wrote with "
-                         f"this model's tokenizer) for the model directory {src}, or use "
-                         f"--method magnitude.")
+                         f"the tokenizer of {src}), or use --method magnitude.")
     inputs = [("the source", src)]
     if cfg.model.path:
         inputs.append(("the base model (model.path)", cfg.model.path))
@@ -86,8 +85,8 @@ def prune_source(source: str | Path, output: str | Path, *, sparsity_text: str,
                        inputs=inputs, kind=sparsity.PRUNED_KIND, overwrite=overwrite)
     tmp = staging(out)
     try:
-        report = _write_pruned(src, tmp, cfg=cfg, is_run=is_run, prepared=prepared,
-                               target=target, method=method,
+        report = _write_pruned(src, tmp, cfg=cfg, is_run=is_run, own_data=data is None,
+                               prepared=prepared, target=target, method=method,
                                calibration_blocks=calibration_blocks, log=log)
     except BaseException:
         discard(tmp)
@@ -98,9 +97,9 @@ def prune_source(source: str | Path, output: str | Path, *, sparsity_text: str,
     return report
 
 
-def _write_pruned(src: str, out: Path, *, cfg: Config, is_run: bool, prepared: str | None,
-                  target: sparsity.Target, method: str, calibration_blocks: int,
-                  log) -> dict[str, Any]:
+def _write_pruned(src: str, out: Path, *, cfg: Config, is_run: bool, own_data: bool,
+                  prepared: str | None, target: sparsity.Target, method: str,
+                  calibration_blocks: int, log) -> dict[str, Any]:
     quiet_torchao()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -113,7 +112,8 @@ def _write_pruned(src: str, out: Path, *, cfg: Config, is_run: bool, prepared: s
                 src, trust_remote_code=False, dtype=torch.float32).eval()
             tokenizer_dir, step = Path(src), None
     _check_vocabulary(model, prepared)
-    if is_run:
+    # The run's own evaluation blocks, unless other data was given.
+    if is_run and own_data:
         val = validation_batches(src, log=log)
     elif prepared is not None:
         micro = cfg.train.micro_batch_size
