@@ -359,13 +359,18 @@ def model_losses(models: list, batches: list[dict[str, torch.Tensor]], cross_doc
                  ) -> list[float]:
     """Each model's mean validation loss on ``batches``, on the CPU in fp32, as a worker
     evaluates."""
-    attention = choose_attention("cpu", cross_document=cross_document)
     for m in models:
         # As in training: with a KV cache transformers ignores the per-document positions and
         # lets documents attend to each other.
         m.config.use_cache = False
-    return [evaluate(Built(m, attention, "fp32", torch.device("cpu"), m.config), batches,
-                     cross_document=cross_document) for m in models]
+    return [evaluate(cpu_built(m, cross_document), batches, cross_document=cross_document)
+            for m in models]
+
+
+def cpu_built(model, cross_document: bool) -> Built:
+    """``model`` as a worker's step code takes it, on this process's CPU in fp32."""
+    return Built(model, choose_attention("cpu", cross_document=cross_document), "fp32",
+                 torch.device("cpu"), model.config)
 
 
 def _save_adapters(model: torch.nn.Module, cfg, out: Path) -> None:

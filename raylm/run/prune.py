@@ -35,13 +35,14 @@ from raylm.outputs import check_output, discard, publish, staging
 from raylm.run import tracking
 from raylm.run.exporter import (
     batched,
+    cpu_built,
     load_run_model,
     model_losses,
     read_run_info,
     stored_bytes,
     validation_batches,
 )
-from raylm.workers.step import Built, batch_loss
+from raylm.workers.step import batch_loss
 
 DEFAULT_CALIBRATION_BLOCKS = 32
 
@@ -129,7 +130,7 @@ def _write_pruned(src: str, out: Path, *, cfg: Config, is_run: bool, own_data: b
         micro = cfg.train.micro_batch_size
         batches = batched(read_first_blocks(prepared, "train", count=calibration_blocks), micro)
         cross = cfg.data.across_documents
-        built = Built(model, *_cpu_attention(cross), model.config)
+        built = cpu_built(model, cross)
 
         def forward(_, batch):
             batch_loss(built, batch, cross_document=cross)
@@ -166,12 +167,6 @@ def _write_pruned(src: str, out: Path, *, cfg: Config, is_run: bool, own_data: b
     return report
 
 
-def _cpu_attention(cross_document: bool):
-    from raylm.model.attention import choose_attention
-
-    return choose_attention("cpu", cross_document=cross_document), "fp32", torch.device("cpu")
-
-
 def _check_vocabulary(model, prepared: str | None) -> None:
     """The prepared tokens must be the model's: a block holding an id past its vocabulary was
     made with another tokenizer."""
@@ -182,7 +177,8 @@ def _check_vocabulary(model, prepared: str | None) -> None:
     if first.size and int(first.max()) >= vocab:
         raise ValueError(f"--data {prepared}: its blocks hold token id {int(first.max())}, past "
                          f"the model's vocabulary of {vocab}; prepare the data with the "
-                         f"model's tokenizer (data.tokenizer: pretrained).")
+                         f"model's tokenizer (raylm prepare --model.path=MODEL_DIR, "
+                         f"tokenizer.path unset).")
 
 
 def _param_bytes(model) -> int:
