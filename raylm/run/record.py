@@ -48,6 +48,7 @@ from ray.train.v2.api.callback import UserCallback
 from raylm import rundir, storage
 from raylm.console import quiet_libraries
 from raylm.faults import LeaseLost, Mistake, Preempted, Rewind, cause, check_lease
+from raylm.live import LiveMetrics
 from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
 from raylm.run import benchmarks as bench
 from raylm.run.benchmarks import Benchmarks
@@ -176,6 +177,19 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def by_invocation(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Records (in the order written) grouped by invocation, in the order they ran."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault(r["invocation"], []).append(r)
+    return list(groups.values())
+
+
+def counts(parts: list[dict[str, Any]]) -> dict[str, int]:
+    """Restarts, resizes and failures of every invocation's :func:`summarize`."""
+    return {k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")}
+
+
 # --------------------------------------------------------------------------------------------
 # The controller callback
 # --------------------------------------------------------------------------------------------
@@ -215,6 +229,7 @@ class RunRecord(UserCallback):
         # The checkpoints' benchmark evaluations (raylm.run.benchmarks), when eval.tasks names
         # any; ``listeners`` hear each one's scores (a sweep trial's reporter to Tune).
         self.benchmarks = benchmarks
+        self.live: LiveMetrics | None = None
         self.listeners: list[Any] = []
         # The token of the run directory's lease its driver holds: once another holds it,
         # nothing more is written (raylm.run.lease).
@@ -302,12 +317,22 @@ class RunRecord(UserCallback):
         if checkpoint_name is not None:
             path = self.checkpoint_path = storage.join(self.run_dir, checkpoint_name)
         self.tracker.log_report(m, path)
+        self._live()
         self._note_tracking(step)
         self._progress(m, step_time=step_time, checkpoint=path)
         if self.benchmarks is not None:
             self._benchmark(step, path)
         if path is not None:
             self.flush()
+
+    def _live(self) -> None:
+        """The run's goodput and interruptions so far, as live metrics (:mod:`raylm.live`);
+        the gauges are made here, on the controller (the record is pickled to it)."""
+        if self.live is None:
+            self.live = LiveMetrics(storage.name(self.run_dir))
+        records = self._every_record()
+        self.live.record({**counts([summarize(rs) for rs in by_invocation(records)]),
+                          "goodput": goodput(records)["goodput"]})
 
     def _benchmark(self, step: int, checkpoint: str | None) -> None:
         """Start the evaluation of a due checkpoint (at the invocation's first report, those
@@ -531,19 +556,14 @@ class RunRecord(UserCallback):
 
     def _log_events(self, step: int) -> None:
         # MLflow's run spans every invocation of the raylm run.
-        by_invocation: dict[str, list[dict[str, Any]]] = {}
-        for r in self._every_record():
-            by_invocation.setdefault(r["invocation"], []).append(r)
-        parts = [summarize(rs) for rs in by_invocation.values()]
-        faults = [r for rs in by_invocation.values() for r in rs
-                  if r["event"] == "numerical_fault"]
+        records = self._every_record()
+        parts = [summarize(rs) for rs in by_invocation(records)]
+        faults = [r for r in records if r["event"] == "numerical_fault"]
         self.tracker.log_events(
             {"interruptions": [e for p in parts for e in p["interruptions"]],
-             "failures": [r for rs in by_invocation.values() for r in rs
-                          if r["event"] == "failure"],
+             "failures": [r for r in records if r["event"] == "failure"],
              "numerical_faults": faults},
-            {**{k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")},
-             "numerical_faults": len(faults)}, step)
+            {**counts(parts), "numerical_faults": len(faults)}, step)
 
 
 class RepeatedFailure(RuntimeError):

@@ -49,6 +49,7 @@ from raylm.data.streams import (
     reader_wait,
 )
 from raylm.faults import MISTAKES, Mistake, Preempted, Rewind, check_lease
+from raylm.live import LiveMetrics
 from raylm.model import sparsity
 from raylm.model.lora import adapter_args
 from raylm.model.lora import settings as lora_settings
@@ -173,6 +174,8 @@ class Setup:
     zeros: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """(weight, mask) of a pruned model.path's layers, zeroed again after every step (full
     fine-tuning: :mod:`raylm.model.sparsity`); empty otherwise."""
+    live: LiveMetrics | None = None
+    """This rank's gauges in Ray's metrics (:mod:`raylm.live`)."""
 
 
 def train_loop_per_worker(loop_config: dict[str, Handoff]) -> None:
@@ -262,6 +265,8 @@ def train(run: Setup) -> None:
             metrics.update(validate(run))
             meter.eval_s += time.perf_counter() - t0
             metrics["clock"] = meter.clock(window_energy_j=window_energy)
+        if run.live is not None:
+            run.live.record(metrics)
         # The last checkpoint and a preemption's are written before the loop goes on (to its
         # end, or to stopping the group); the others in the background.
         save_and_report(run, metrics, save=todo.save,
@@ -612,7 +617,8 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
                                                 cfg.checkpoint.writer, device=built.device,
                                                 model=built.model),
-                 identity=handoff.identity, zeros=zeros)
+                 identity=handoff.identity, zeros=zeros,
+                 live=LiveMetrics(storage.name(handoff.run_dir), rank=rank))
 
 
 def kept_zeros(cfg: Config, built: Built, *, rank: int

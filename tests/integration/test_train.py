@@ -41,6 +41,43 @@ def bucket(base) -> str:
 
 
 trained_bar: list[str] = []  # what the full run's progress bar drew
+trained_series: dict[tuple, list] = {}  # every value of every series seen while it trained
+
+
+@contextlib.contextmanager
+def scraping(into: dict[tuple, list]):
+    """Scrape the node's Ray metrics endpoint every second, as Prometheus does, while the
+    block runs: each raylm series (name and labels) with the values it took, in order."""
+    import threading
+    import urllib.request
+
+    import ray
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    url = f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+    stop = threading.Event()
+
+    def scrape() -> None:
+        while not stop.wait(1.0):
+            try:
+                text = urllib.request.urlopen(url, timeout=10).read().decode()
+            except OSError:  # as Prometheus does: a failed scrape is a gap, not an end
+                continue
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    if s.name.startswith("ray_raylm_"):
+                        seen = into.setdefault((s.name, tuple(sorted(s.labels.items()))), [])
+                        if not seen or seen[-1] != s.value:
+                            seen.append(s.value)
+
+    thread = threading.Thread(target=scrape, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def full_overrides(base) -> dict:
@@ -53,7 +90,7 @@ def trained(base):
     """An uninterrupted 30-step run, through the Python API (overrides as a mapping) with the
     progress bar a notebook or a terminal gets."""
     bar = io.StringIO()
-    with contextlib.redirect_stderr(bar):
+    with contextlib.redirect_stderr(bar), scraping(trained_series):
         full = raylm.train(None, overrides=full_overrides(base)).summary
     trained_bar.append(bar.getvalue())
     return full
@@ -94,6 +131,50 @@ def test_an_uninterrupted_run_summarizes_itself(trained):
     assert full["precision"] == "fp32" and full["mfu"] is None  # no known peak on a CPU
     assert full["checkpoint_path"] and full["val_loss"] < 5.6  # from ln(320) = 5.77
     assert full["status"] == "finished" and full["wall_s"] > 0
+
+
+def test_the_runs_figures_are_scraped_from_rays_prometheus_endpoint(base, trained):
+    """Each rank's figures and the controller's goodput, read over HTTP from the node's metrics
+    endpoint while the run trained, as Prometheus reads them. A process's last values can end
+    with it before the agent exports them, so the test holds what was seen, not the end."""
+    import ray
+
+    from raylm.run.record import read
+
+    def series(name: str) -> dict[tuple, list]:
+        return {labels: values for (n, labels), values in trained_series.items()
+                if n == f"ray_raylm_{name}" and dict(labels)["run"] == "full"}
+
+    # Other modules' runs named "full" share the cluster: this run's ranks reported steps of
+    # 5 (train.log_every) up to 30, in order.
+    steps = {dict(k)["WorkerId"]: v for k, v in series("step").items()
+             if set(v) <= {5, 10, 15, 20, 25, 30} and v == sorted(v) and max(v) >= 20}
+    workers = {dict(k)["WorkerId"]: dict(k)["rank"] for k in series("step")
+               if dict(k)["WorkerId"] in steps}
+    assert sorted(workers.values()) == ["0", "1"], series("step")
+
+    def ranks(name: str) -> dict[str, list]:
+        return {workers[dict(k)["WorkerId"]]: v for k, v in series(name).items()
+                if dict(k)["WorkerId"] in workers}
+
+    evaluated = {r["val_loss"] for r in read(str(base_dir(base) / "full"))
+                 if r["event"] == "progress" and "val_loss" in r}
+    assert all(v and set(v) <= evaluated for v in ranks("val_loss").values()), evaluated
+    assert ranks("lr").keys() == {"0", "1"} and all(
+        v[-1] == 3e-3 for v in ranks("lr").values())  # constant after warmup
+    assert all(0 < x < 6 for v in ranks("loss").values() for x in v)
+    assert all(x > 0 for v in ranks("tokens_per_s").values() for x in v)
+    assert all(0 <= x <= 1 for v in ranks("data_wait_fraction").values() for x in v)
+    assert all(50 * 2**20 < x < 8 * 2**30 for v in ranks("peak_memory_bytes").values()
+               for x in v)
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    assert {dict(k)["NodeAddress"] for k in series("step")} == {node["NodeManagerAddress"]}
+    # Not measured on a CPU: no series at all rather than zeros.
+    assert ranks("mfu") == {} and ranks("energy_joules") == {}
+    # The controller's (no rank label): goodput so far, no restarts.
+    (goodput,) = [v for k, v in series("goodput").items() if "rank" not in dict(k)]
+    assert all(0 < x <= 1 for x in goodput)
+    assert {x for v in series("restarts").values() for x in v} == {0}
 
 
 def test_a_run_in_two_invocations_keeps_one_summary(base, relaid):
