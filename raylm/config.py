@@ -680,6 +680,17 @@ class ParallelConfig:
     train.global_batch_size into (at least parallel.pipeline; more of them shrink the idle
     share but make each smaller). 0: the share split into micro-batches of
     train.micro_batch_size sequences, as gradient accumulation would split it."""
+    reduce_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Precision of the gradients' reduce-scatter between data-parallel workers (FSDP2): fp32
+    sums in full precision; bf16 moves half the bytes but rounds each gradient to 8
+    significant bits before the sum (see docs/performance.md for the measured bytes and loss
+    difference). auto: fp32, except under train.precision=bf16-true, whose gradients are
+    bf16 already. Only data-parallel degrees above 1 reduce."""
+    prefetch: int = 0
+    """Decoder blocks whose weights each block all-gathers ahead (FSDP2 explicit prefetching,
+    forward and backward): more hides more of the gathers behind compute on slow links, and
+    holds that many more blocks' gathered weights. 0: FSDP2's own prefetching (the next block
+    in backward; in forward as far as the CPU runs ahead of the GPU)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1011,6 +1022,8 @@ def _check_layout(cfg: Config) -> None:
     _check(p.pipeline >= 1, "parallel.pipeline", p.pipeline, "an integer >= 1")
     _check(p.pipeline_microbatches >= 0, "parallel.pipeline_microbatches",
            p.pipeline_microbatches, "an integer >= 0 (0: one per train.micro_batch_size)")
+    _check(p.prefetch >= 0, "parallel.prefetch", p.prefetch,
+           "an integer >= 0 (0: FSDP2's own prefetching)")
     group, named = model_parallel_group(cfg)
     lo, hi = sc.worker_range
     odd = [n for n in range(lo, hi + 1) if n % group]

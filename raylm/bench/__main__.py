@@ -8,6 +8,8 @@
     float8    one GPU: raylm's step with float8 linears (tensorwise, rowwise) vs bf16:
               tokens/s, memory, loss after the same steps
     layouts   per-rank memory and step time under FSDP2, tensor and pipeline layouts
+    comm      bytes FSDP2 gathers and reduces per step and rank, time in collectives and its
+              share hidden behind compute, for parallel.reduce_dtype and parallel.prefetch
     scale     preparation driver at 1x and 8x; bytes each rank reads per epoch; checkpoint
               bytes each resuming rank fetches; training time lost to a synchronous and an
               asynchronous checkpoint
@@ -136,6 +138,19 @@ def _add_layouts_and_scale(sub) -> None:
     la.add_argument("--micro-batch", type=int, default=2)
     la.add_argument("--steps", type=int, default=3)
     la.add_argument("--workdir", default=None)
+    co = sub.add_parser("comm", help="FSDP2's bytes, collective time and overlap per step "
+                                     "and rank, by parallel.reduce_dtype and parallel.prefetch "
+                                     "(torch + transformers only)")
+    co.add_argument("--output", required=True)
+    co.add_argument("--preset", default="tiny")
+    co.add_argument("--workers", type=int, default=2)
+    co.add_argument("--settings", default="default,reduce_bf16,prefetch1,prefetch2")
+    co.add_argument("--seq-len", type=int, default=256)
+    co.add_argument("--global-batch", type=int, default=8, help="sequences per step")
+    co.add_argument("--micro-batch", type=int, default=4)
+    co.add_argument("--warmup", type=int, default=20)
+    co.add_argument("--steps", type=int, default=5, help="profiled steps, after the warmup")
+    co.add_argument("--workdir", default=None)
     sc = sub.add_parser("scale", help="what grows with the corpus and the cluster: the "
                                       "preparation driver's RSS and CPU at 1x and 8x, bytes "
                                       "each rank reads per epoch, bytes of a checkpoint each "
@@ -239,6 +254,13 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
         result = run(preset=args.preset, layouts=args.layouts.split(","), seq_len=args.seq_len,
                      global_batch=args.global_batch, micro_batch=args.micro_batch,
                      steps=args.steps, workdir=args.workdir)
+    elif args.name == "comm":
+        from raylm.bench.comm import run
+
+        result = run(preset=args.preset, workers=args.workers, settings=args.settings.split(","),
+                     seq_len=args.seq_len, global_batch=args.global_batch,
+                     micro_batch=args.micro_batch, warmup=args.warmup, steps=args.steps,
+                     workdir=args.workdir)
     elif args.name == "scale":
         from raylm.bench.scale import run
 

@@ -73,6 +73,12 @@ class ParallelPlan:
     float8: str = "off"
     """Float8 matmuls in the blocks' linear layers: off, tensorwise or rowwise (see
     :mod:`raylm.model.float8`)."""
+    reduce_dtype: str = "auto"
+    """dtype of FSDP2's gradient reduce-scatter: auto (fp32, or bf16 under bf16-true, whose
+    gradients are bf16), fp32 or bf16 (half the bytes)."""
+    prefetch: int = 0
+    """Blocks whose all-gather each block issues ahead, forward and backward (0: FSDP2's
+    implicit prefetching)."""
 
 
 DATA_PARALLEL = ParallelPlan()
@@ -241,7 +247,8 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
                  # A stage runs each block once per micro-batch, forward and backward: gathering
                  # its weights anew each time would repeat the all-gathers m times per step. It
                  # holds 1/pp of the blocks, so keeping them gathered is what it can afford.
-                 reshard_after_forward=plan.pipeline == 1)
+                 reshard_after_forward=plan.pipeline == 1, reduce_dtype=plan.reduce_dtype,
+                 prefetch=plan.prefetch)
 
 
 def tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
@@ -395,16 +402,21 @@ def loss_context(plan: ParallelPlan):
     return loss_parallel() if plan.tensor > 1 else contextlib.nullcontext()
 
 
-def shard(model: nn.Module, *, mesh, precision: str, reshard_after_forward: bool = True
-          ) -> nn.Module:
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def shard(model: nn.Module, *, mesh, precision: str, reshard_after_forward: bool = True,
+          reduce_dtype: str = "auto", prefetch: int = 0) -> nn.Module:
     """FSDP2 ``fully_shard`` per decoder block and at the root over ``mesh``, with the mixed
-    precision policy of ``precision``."""
+    precision policy of ``precision``, gradients reduced in ``reduce_dtype`` (see
+    :class:`ParallelPlan`) and each block's all-gather issued ``prefetch`` blocks ahead."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if precision == "bf16-mixed":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp = MixedPrecisionPolicy()
+    param = torch.bfloat16 if precision == "bf16-mixed" else None
+    reduce = REDUCE_DTYPES.get(reduce_dtype)
+    if reduce_dtype == "auto" and precision == "bf16-mixed":
+        reduce = torch.float32  # bf16 compute, fp32 gradient sums
+    mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     blocks = owned_blocks(model)
     for i, block in blocks:
         # The last block's parameters are needed again at once by backward: keep them gathered.
@@ -413,4 +425,12 @@ def shard(model: nn.Module, *, mesh, precision: str, reshard_after_forward: bool
     # None: FSDP2's default, which keeps the root's parameters gathered after forward.
     fully_shard(model, mesh=mesh, mp_policy=mp,
                 reshard_after_forward=None if reshard_after_forward else False)
+    if prefetch:
+        # Explicit prefetching: block i issues the all-gathers of the next ``prefetch`` blocks
+        # in forward and of the previous ones in backward, so each gather has that many blocks'
+        # compute to hide behind, at the cost of that many blocks' gathered weights held.
+        order = [b for _, b in blocks]
+        for i, block in enumerate(order):
+            block.set_modules_to_forward_prefetch(order[i + 1:i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(order[max(0, i - prefetch):i][::-1])
     return model

@@ -542,7 +542,8 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
     t, par = cfg.train, cfg.parallel
     plan = ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
                         compile=compile_blocks(cfg.model.compile, device), tensor=par.tensor,
-                        pipeline=par.pipeline, float8=cfg.model.float8)
+                        pipeline=par.pipeline, float8=cfg.model.float8,
+                        reduce_dtype=par.reduce_dtype, prefetch=par.prefetch)
     # Data goes by data-parallel rank: the workers of a tensor-parallel group, and the stages
     # of a pipeline, train on the same samples.
     lay = layout_of(rank, world, plan)
