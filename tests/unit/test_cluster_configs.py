@@ -87,7 +87,14 @@ def test_kuberay_cluster_translates_and_validates():
 def test_kuberay_job_runs_on_the_same_cluster_spec_and_nothing_is_public():
     job = yaml.safe_load((ROOT / "cluster/kuberay/rayjob.yaml").read_text())
     assert job["kind"] == "RayJob"
-    assert job["spec"]["rayClusterSpec"] == ray_cluster()["spec"]
+    # The same cluster, but for the training group's size, which Kueue admits at once.
+    spec, same = copy.deepcopy(job["spec"]["rayClusterSpec"]), ray_cluster()["spec"]
+    for group in (spec, same):
+        train = group["workerGroupSpecs"][0]
+        assert train["groupName"] == "gpu-train"
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            train.pop(key)
+    assert spec == same
     entry = job["spec"]["entrypoint"].split()
     assert entry[:2] == ["python", "jobs/pretrain.py"]
     assert (ROOT / entry[entry.index("--config") + 1]).is_file()
@@ -220,12 +227,14 @@ def test_cluster_files_are_closed_by_default():
         if selected == member:
             # The KubeRay operator polls a RayJob's status on the head's dashboard: admitted
             # there, from its own namespace, and nowhere else.
-            (operator,) = others
-            (source,) = operator["from"]
-            assert source["podSelector"]["matchLabels"] == {
-                "app.kubernetes.io/name": "kuberay-operator"}
-            assert "kubernetes.io/metadata.name" in source["namespaceSelector"]["matchLabels"]
-            assert operator["ports"] == [{"port": 8265, "protocol": "TCP"}]
+            # Prometheus scrapes the metrics port, from its own namespace.
+            operator, prometheus = others
+            for rule, name, port in ((operator, "kuberay-operator", 8265),
+                                     (prometheus, "prometheus", 8080)):
+                (source,) = rule["from"]
+                assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": name}
+                assert "kubernetes.io/metadata.name" in source["namespaceSelector"]["matchLabels"]
+                assert rule["ports"] == [{"port": port, "protocol": "TCP"}]
         else:
             assert others == []
     job = yaml.safe_load((ROOT / "cluster/kuberay/rayjob.yaml").read_text())
@@ -321,3 +330,204 @@ def test_submitting_over_plain_http_to_another_machine_is_warned():
     for fine in ("http://127.0.0.1:8265", "http://localhost:8265", "http://[::1]:8265",
                  "https://ray.example.com"):
         assert in_clear(fine) is None, fine
+
+
+# --------------------------------------------------------------------------------------------
+# Kubernetes manifests against the schemas of the operators they are written for, vendored in
+# tests/schemas (its README names the releases). Checked strictly, as `kubectl apply
+# --validate=strict` checks: a field the schema does not know is an error, not pruned.
+# --------------------------------------------------------------------------------------------
+
+SCHEMAS = ROOT / "tests" / "schemas"
+
+
+def strict(schema: dict) -> dict:
+    """``schema`` with every object that lists its properties closed to others (unless it
+    keeps unknown fields on purpose)."""
+    schema = dict(schema)
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        schema.setdefault("additionalProperties", False)
+    for key in ("properties", "patternProperties"):
+        if key in schema:
+            schema[key] = {k: strict(v) for k, v in schema[key].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            schema[key] = strict(schema[key])
+    for key in ("allOf", "anyOf", "oneOf"):
+        if key in schema:
+            schema[key] = [strict(v) for v in schema[key]]
+    return schema
+
+
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> the strict schema, for every served version of every CRD."""
+    import gzip
+
+    out = {}
+    for path in sorted(SCHEMAS.glob("*.yaml.gz")):
+        crd = yaml.safe_load(gzip.decompress(path.read_bytes()))
+        for v in crd["spec"]["versions"]:
+            if v["served"]:
+                key = (f"{crd['spec']['group']}/{v['name']}", crd["spec"]["names"]["kind"])
+                out[key] = strict(v["schema"]["openAPIV3Schema"])
+    return out
+
+
+def kuberay_objects() -> list[dict]:
+    return [d for name in ("rayjob.yaml", "kueue.yaml", "monitoring.yaml")
+            for d in yaml.safe_load_all((ROOT / "cluster/kuberay" / name).read_text())]
+
+
+def test_kuberay_manifests_validate_against_the_crds_of_the_releases_they_name():
+    schemas = crd_schemas()
+    kinds = []
+    for doc in kuberay_objects():
+        key = (doc["apiVersion"], doc["kind"])
+        assert key in schemas, f"{key}: no vendored schema"
+        body = {k: v for k, v in doc.items() if k != "metadata"}
+        jsonschema.validate(body, schemas[key])
+        kinds.append(doc["kind"])
+    assert sorted(kinds) == ["ClusterQueue", "LocalQueue", "PodMonitor", "PodMonitor",
+                             "RayJob", "ResourceFlavor"]
+    # The RayCluster's spec is the RayJob's rayClusterSpec schema.
+    cluster_schema = schemas[("ray.io/v1", "RayJob")]["properties"]["spec"]["properties"][
+        "rayClusterSpec"]
+    jsonschema.validate(ray_cluster()["spec"], cluster_schema)
+    # Strict: a misspelled field is refused.
+    job = yaml.safe_load((ROOT / "cluster/kuberay/rayjob.yaml").read_text())
+    job["spec"]["shutdownAfterJobFinished"] = True
+    with pytest.raises(jsonschema.ValidationError, match="shutdownAfterJobFinished"):
+        jsonschema.validate({k: v for k, v in job.items() if k != "metadata"},
+                            schemas[("ray.io/v1", "RayJob")])
+
+
+def quantity(value: str | int) -> float:
+    """A Kubernetes quantity ("500m", "32Gi", "8") as a number."""
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    text = str(value)
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * factor
+    return float(text)
+
+
+# What KubeRay gives the autoscaler's sidecar when autoscalerOptions names no resources, which
+# Kueue adds to the head's pod (kueue pkg/controller/jobs/raycluster: defaultAutoscalerResources).
+AUTOSCALER = {"cpu": 0.5, "memory": 512 * 2**20}
+
+
+def test_the_rayjob_is_one_kueue_admits_and_its_queue_fits_it():
+    """Kueue's own admission rules for a RayJob (v0.19's rayjob webhook, transcribed), and a
+    ClusterQueue quota that admits the job's minimum at once and holds it at its largest."""
+    from raylm.config import load_config
+
+    job = yaml.safe_load((ROOT / "cluster/kuberay/rayjob.yaml").read_text())
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in kuberay_objects()}
+    spec, cluster = job["spec"], job["spec"]["rayClusterSpec"]
+    local = docs[("LocalQueue", job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"])]
+    assert local["metadata"]["namespace"] == job["metadata"]["namespace"]
+    queue = docs[("ClusterQueue", local["spec"]["clusterQueue"])]
+    assert spec["suspend"] is True and spec["shutdownAfterJobFinishes"] is True
+    assert "clusterSelector" not in spec and spec["activeDeadlineSeconds"] > 0
+    if cluster["enableInTreeAutoscaling"]:
+        assert job["metadata"]["annotations"]["kueue.x-k8s.io/elastic-job"] == "true"
+    groups = cluster["workerGroupSpecs"]
+    assert 1 + len(groups) <= 18 and all(g["groupName"] != "head" for g in groups)
+
+    def requests(template: dict) -> dict[str, float]:
+        total = {"cpu": 0.0, "memory": 0.0, "nvidia.com/gpu": 0.0}
+        for c in template["spec"]["containers"]:
+            assert c["resources"]["requests"] == c["resources"]["limits"], c["name"]
+            for k, v in c["resources"]["requests"].items():
+                total[k] += quantity(v)
+        return total
+
+    head = requests(cluster["headGroupSpec"]["template"])
+    for k, v in AUTOSCALER.items():
+        head[k] += v
+
+    def demand(count: str) -> dict[str, float]:
+        out = dict(head)
+        for g in groups:
+            for k, v in requests(g["template"]).items():
+                out[k] += g[count] * v
+        return out
+
+    (flavor,) = queue["spec"]["resourceGroups"][0]["flavors"]
+    assert ("ResourceFlavor", flavor["name"]) in docs
+    quota = {r["name"]: quantity(r["nominalQuota"]) for r in flavor["resources"]}
+    assert set(quota) == set(queue["spec"]["resourceGroups"][0]["coveredResources"])
+    for k in quota:
+        assert demand("replicas")[k] <= demand("maxReplicas")[k] <= quota[k], k
+    # The training group's admitted size is the run's minimum: its workers over the pod's GPUs.
+    train = next(g for g in groups if g["groupName"] == "gpu-train")
+    config = spec["entrypoint"].split("--config ")[1].split()[0]
+    lo, _ = load_config(str(ROOT / config), []).scaling.worker_range
+    per_pod = quantity(train["template"]["spec"]["containers"][0]["resources"]["requests"][
+        "nvidia.com/gpu"])
+    assert train["replicas"] == train["minReplicas"] == -(-lo // int(per_pod))
+
+
+def test_prometheus_scrapes_every_ray_pod_and_gpu_and_grafana_gets_the_dashboard():
+    from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
+
+    # KubeRay: the PodMonitor selects the Ray pods by a label they carry, on a port each
+    # container names.
+    monitors = {d["metadata"]["name"]: d for d in kuberay_objects() if d["kind"] == "PodMonitor"}
+    ray_monitor = monitors["raylm-ray"]
+    cluster = ray_cluster()
+    for pod in [cluster["spec"]["headGroupSpec"]["template"],
+                *(g["template"] for g in cluster["spec"]["workerGroupSpecs"])]:
+        assert ray_monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"][
+            "labels"].items()
+        for c in containers(pod["spec"]):
+            assert {"containerPort": 8080, "name": "metrics"} in c["ports"]
+    assert ray_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert monitors["raylm-dcgm"]["spec"]["selector"]["matchLabels"] == {
+        "app": "nvidia-dcgm-exporter"}
+
+    # The launcher: Prometheus reads Ray's service discovery file, and the DCGM job maps each
+    # listed host to port 9400 (Prometheus anchors the regex at both ends: fullmatch).
+    prom = yaml.safe_load((ROOT / "cluster/prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    sd = f"/tmp/ray/{PROMETHEUS_SERVICE_DISCOVERY_FILE}"
+    for job in jobs.values():
+        assert job["file_sd_configs"] == [{"files": [sd]}]
+    (relabel,) = jobs["dcgm"]["relabel_configs"]
+    assert relabel["source_labels"] == ["__address__"]
+    assert relabel["target_label"] == "__address__"
+    found = re.fullmatch(relabel["regex"], "10.0.0.5:44217")
+    assert re.sub(r"\$\{(\d)\}", lambda m: found[int(m[1])],
+                  relabel["replacement"]) == "10.0.0.5:9400"
+    for name in LAUNCHER:
+        cfg = launcher(name)
+        (dcgm,) = [c for c in cfg["initialization_commands"] if "dcgm-exporter" in c]
+        assert dcgm.startswith("if nvidia-smi -L") and "-p 9400:9400" in dcgm
+        assert "dcp-metrics-included.csv" in dcgm
+        assert any("cluster/grafana/raylm.json /tmp/ray/session_latest/metrics/grafana/"
+                   "dashboards/" in c for c in cfg["head_start_ray_commands"])
+
+
+def test_the_dashboard_shows_every_live_series_and_names_only_series_that_exist():
+    import json
+
+    from raylm.live import RUN_FIGURES, WORKER_FIGURES
+
+    dashboard = json.loads((ROOT / "cluster/grafana/raylm.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] if p["type"] != "row"
+             for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    raylm = {f"ray_{name}" for name, *_ in (*WORKER_FIGURES, *RUN_FIGURES)}
+    # The collectors the GPU operator's exporter and the launcher's container run.
+    dcgm = {line.split(",")[0].strip()
+            for line in (SCHEMAS / "dcp-metrics-included.csv").read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+    named = set()
+    for expr in exprs:
+        series = set(re.findall(r"\b(ray_raylm_\w+|DCGM_\w+)\b", expr))
+        assert series, expr
+        named |= series
+    assert named - raylm - dcgm == set()
+    assert raylm <= named  # every live series has a panel
+    panel_ids = [p["id"] for p in dashboard["panels"]]
+    assert len(panel_ids) == len(set(panel_ids))
