@@ -9,7 +9,8 @@
               tokens/s, memory, loss after the same steps
     layouts   per-rank memory and step time under FSDP2, tensor and pipeline layouts
     comm      bytes FSDP2 gathers and reduces per step and rank, time in collectives and its
-              share hidden behind compute, for parallel.reduce_dtype and parallel.prefetch
+              share hidden behind compute, for parallel.reduce_dtype and parallel.prefetch;
+              and DDP's all-reduce in fp32, bf16 and PowerSGD
     scale     preparation driver at 1x and 8x; bytes each rank reads per epoch; checkpoint
               bytes each resuming rank fetches; training time lost to a synchronous and an
               asynchronous checkpoint
@@ -144,7 +145,8 @@ def _add_layouts_and_scale(sub) -> None:
     co.add_argument("--output", required=True)
     co.add_argument("--preset", default="tiny")
     co.add_argument("--workers", type=int, default=2)
-    co.add_argument("--settings", default="default,reduce_bf16,prefetch1,prefetch2")
+    co.add_argument("--settings", default="default,reduce_bf16,prefetch1,prefetch2,ddp_fp32,"
+                                          "ddp_bf16,ddp_powersgd1,ddp_powersgd4")
     co.add_argument("--seq-len", type=int, default=256)
     co.add_argument("--global-batch", type=int, default=8, help="sequences per step")
     co.add_argument("--micro-batch", type=int, default=4)
