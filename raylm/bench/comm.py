@@ -24,12 +24,13 @@ step's) against the default's shows what a setting changes in the numbers.
 
 The ``ddp_*`` settings are pure data parallelism without sharding (torch's
 DistributedDataParallel, every rank holding the whole model), where gradient compression hooks
-exist: the fp32 all-reduce (``ddp_fp32``, their baseline), torch's bf16 compression hook, and
-PowerSGD (Vogels et al. 2019; torch's hook, ranks 1 and 4, error feedback, after 2 uncompressed
-steps). Their ``all_reduce_bytes`` are the buffers all-reduced (gloo's or NCCL's own record of
-each call), which is what PowerSGD shrinks; the same batches, so their losses compare with the
-fp32 all-reduce's. raylm trains every multi-worker run with FSDP2, whose reduce-scatter no
-PowerSGD hook exists for: this side says what compression would give, to decide whether to build it.
+exist: the fp32 all-reduce (``ddp_fp32``, their baseline), a bf16 all-reduce (what torch's
+``bf16_compress_hook`` does, which runs on NCCL only), and PowerSGD (Vogels et al. 2019;
+torch's hook, ranks 1 and 4, error feedback, after 2 uncompressed steps). Their
+``all_reduce_bytes`` are the buffers all-reduced (gloo's or NCCL's own record of each call),
+which is what PowerSGD shrinks; the same batches, so their losses compare with the fp32
+all-reduce's. raylm trains every multi-worker run with FSDP2, whose reduce-scatter no PowerSGD
+hook exists for: this side says what compression would give, to decide whether to build it.
 
 Written by hand: the profiler records the events, but no library reduces them to bytes and
 overlap per FSDP2 step (Holistic Trace Analysis does overlap for CUDA traces only, and is not a
@@ -54,9 +55,11 @@ import torch.multiprocessing as mp
 from raylm.model.parallelize import ParallelPlan
 
 VOCAB = 32768
-# Bytes per element of the dtypes the profiler names in "Input type".
+# Bytes per element of the dtypes the profiler names: in "Input type" (operators, gloo), and
+# as NCCL's record_param_comms spells them in "dtype" (not yet seen on a GPU by this project).
 ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2,
-                 "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+                 "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+                 "Float": 4, "Double": 8, "BFloat16": 2, "Half": 2}
 SETTINGS = {"default": {}, "reduce_bf16": {"reduce_dtype": "bf16"},
             "prefetch1": {"prefetch": 1}, "prefetch2": {"prefetch": 2},
             "ddp_fp32": {"ddp": None}, "ddp_bf16": {"ddp": "bf16"},
