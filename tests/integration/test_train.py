@@ -14,6 +14,7 @@ from raylm import rundir
 from raylm.config import load_config, parse_override
 from raylm.run.goodput import CAUSES
 from raylm.run.launch import train
+from raylm.run.record import read
 from tests.conftest import tiny_run
 from tests.integration import faults
 
@@ -41,9 +42,6 @@ def bucket(base) -> str:
 
 
 trained_bar: list[str] = []  # what the full run's progress bar drew
-trained_series: dict[tuple, list] = {}  # every value of every series seen while it trained
-
-
 @contextlib.contextmanager
 def scraping(into: dict[tuple, list]):
     """Scrape the node's Ray metrics endpoint every second, as Prometheus does, while the
@@ -90,7 +88,7 @@ def trained(base):
     """An uninterrupted 30-step run, through the Python API (overrides as a mapping) with the
     progress bar a notebook or a terminal gets."""
     bar = io.StringIO()
-    with contextlib.redirect_stderr(bar), scraping(trained_series):
+    with contextlib.redirect_stderr(bar):
         full = raylm.train(None, overrides=full_overrides(base)).summary
     trained_bar.append(bar.getvalue())
     return full
@@ -131,50 +129,6 @@ def test_an_uninterrupted_run_summarizes_itself(trained):
     assert full["precision"] == "fp32" and full["mfu"] is None  # no known peak on a CPU
     assert full["checkpoint_path"] and full["val_loss"] < 5.6  # from ln(320) = 5.77
     assert full["status"] == "finished" and full["wall_s"] > 0
-
-
-def test_the_runs_figures_are_scraped_from_rays_prometheus_endpoint(base, trained):
-    """Each rank's figures and the controller's goodput, read over HTTP from the node's metrics
-    endpoint while the run trained, as Prometheus reads them. A process's last values can end
-    with it before the agent exports them, so the test holds what was seen, not the end."""
-    import ray
-
-    from raylm.run.record import read
-
-    def series(name: str) -> dict[tuple, list]:
-        return {labels: values for (n, labels), values in trained_series.items()
-                if n == f"ray_raylm_{name}" and dict(labels)["run"] == "full"}
-
-    # Other modules' runs named "full" share the cluster: this run's ranks reported steps of
-    # 5 (train.log_every) up to 30, in order.
-    steps = {dict(k)["WorkerId"]: v for k, v in series("step").items()
-             if set(v) <= {5, 10, 15, 20, 25, 30} and v == sorted(v) and max(v) >= 20}
-    workers = {dict(k)["WorkerId"]: dict(k)["rank"] for k in series("step")
-               if dict(k)["WorkerId"] in steps}
-    assert sorted(workers.values()) == ["0", "1"], series("step")
-
-    def ranks(name: str) -> dict[str, list]:
-        return {workers[dict(k)["WorkerId"]]: v for k, v in series(name).items()
-                if dict(k)["WorkerId"] in workers}
-
-    evaluated = {r["val_loss"] for r in read(str(base_dir(base) / "full"))
-                 if r["event"] == "progress" and "val_loss" in r}
-    assert all(v and set(v) <= evaluated for v in ranks("val_loss").values()), evaluated
-    assert ranks("lr").keys() == {"0", "1"} and all(
-        v[-1] == 3e-3 for v in ranks("lr").values())  # constant after warmup
-    assert all(0 < x < 6 for v in ranks("loss").values() for x in v)
-    assert all(x > 0 for v in ranks("tokens_per_s").values() for x in v)
-    assert all(0 <= x <= 1 for v in ranks("data_wait_fraction").values() for x in v)
-    assert all(50 * 2**20 < x < 8 * 2**30 for v in ranks("peak_memory_bytes").values()
-               for x in v)
-    (node,) = [n for n in ray.nodes() if n["Alive"]]
-    assert {dict(k)["NodeAddress"] for k in series("step")} == {node["NodeManagerAddress"]}
-    # Not measured on a CPU: no series at all rather than zeros.
-    assert ranks("mfu") == {} and ranks("energy_joules") == {}
-    # The controller's (no rank label): goodput so far, no restarts.
-    (goodput,) = [v for k, v in series("goodput").items() if "rank" not in dict(k)]
-    assert all(0 < x <= 1 for x in goodput)
-    assert {x for v in series("restarts").values() for x in v} == {0}
 
 
 def test_a_run_in_two_invocations_keeps_one_summary(base, relaid):
@@ -515,11 +469,13 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
     import tempfile
 
     killed = []
-    out = run_and_interfere(
-        base, ["--run.name=faults", "--train.steps=30", "--checkpoint.every=2"],
-        acts=[(5, lambda: killed.append(faults.kill_a_worker_during_an_async_save(
-                  before_step=30))),
-              (5, lambda: faults.train_workers()[-1].send_signal(signal.SIGTERM))])
+    live: dict[tuple, list] = {}
+    with scraping(live):
+        out = run_and_interfere(
+            base, ["--run.name=faults", "--train.steps=30", "--checkpoint.every=2"],
+            acts=[(5, lambda: killed.append(faults.kill_a_worker_during_an_async_save(
+                      before_step=30))),
+                  (5, lambda: faults.train_workers()[-1].send_signal(signal.SIGTERM))])
     assert killed and out["status"] == "finished"
     assert out["final_step"] == 30 and out["restarts"] == 2 and out["failures"] >= 1
     (pid, cut_short), = killed
@@ -567,6 +523,48 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
     full = trained
     assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
     assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
+    assert_live_series(live, run="faults", evaluated={
+        r["val_loss"] for r in read(str(base_dir(base) / "faults"))
+        if r["event"] == "progress" and "val_loss" in r})
+
+
+def assert_live_series(live: dict[tuple, list], *, run: str, evaluated: set[float]) -> None:
+    """What Ray's Prometheus endpoint served while the run trained, restarted twice: each
+    rank's figures from every worker group, and the controller's goodput and restarts. A
+    process's last values can end with it before the agent exports them, so this holds what
+    was seen, not the end."""
+    import ray
+
+    def series(name: str) -> dict[tuple, list]:
+        return {labels: values for (n, labels), values in live.items()
+                if n == f"ray_raylm_{name}" and dict(labels)["run"] == run}
+
+    def ranks(name: str) -> dict[str, list]:
+        by_rank: dict[str, list] = {}
+        for labels, values in series(name).items():
+            by_rank.setdefault(dict(labels)["rank"], []).extend(values)
+        return by_rank
+
+    # Both ranks, each worker's steps in order (a group reports the steps it trains).
+    assert sorted(ranks("step")) == ["0", "1"], series("step")
+    for values in series("step").values():
+        assert values == sorted(values) and set(values) <= set(range(1, 31))
+    assert all(set(v) <= evaluated for v in ranks("val_loss").values()), evaluated
+    assert all(v[-1] == 3e-3 for v in ranks("lr").values())  # constant after warmup
+    assert all(0 < x < 6 for v in ranks("loss").values() for x in v)
+    assert all(x > 0 for v in ranks("tokens_per_s").values() for x in v)
+    assert all(0 <= x <= 1 for v in ranks("data_wait_fraction").values() for x in v)
+    assert all(50 * 2**20 < x < 8 * 2**30 for v in ranks("peak_memory_bytes").values()
+               for x in v)
+    (node,) = [n for n in ray.nodes() if n["Alive"]]
+    assert {dict(k)["NodeAddress"] for k in series("step")} == {node["NodeManagerAddress"]}
+    # Not measured on a CPU: no series at all rather than zeros.
+    assert ranks("mfu") == {} and ranks("energy_joules") == {}
+    # The controller's (no rank label): goodput so far, and the restarts rising to 2.
+    (goodput,) = [v for k, v in series("goodput").items() if "rank" not in dict(k)]
+    assert all(0 < x <= 1 for x in goodput)
+    (restarts,) = series("restarts").values()
+    assert restarts == sorted(restarts) and restarts[-1] == 2, restarts
 
 
 def planted(base, root: Path, tokenizer_dir, *, steps: int, batch: int
