@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -52,9 +51,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from raylm.bench.layouts import VOCAB, _free_port
 from raylm.model.parallelize import ParallelPlan
 
-VOCAB = 32768
 # Bytes per element of the dtypes the profiler names: in "Input type" (operators, gloo), and
 # as NCCL's record_param_comms spells them in "dtype" (not yet seen on a GPU by this project).
 ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2,
@@ -296,12 +295,6 @@ def ddp_and_profile(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
         figures = {k: None for k in figures}
     return {"all_reduce_bytes": sent, **figures, "step_s": statistics.median(times),
             "losses": losses + more}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
