@@ -43,6 +43,8 @@ def bucket(base) -> str:
 
 
 trained_bar: list[str] = []  # what the full run's progress bar drew
+
+
 @contextlib.contextmanager
 def scraping(into: dict[tuple, list]):
     """Scrape the node's Ray metrics endpoint every 2 s (the test cluster's export interval;
