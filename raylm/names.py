@@ -32,3 +32,6 @@ CHECKPOINT_SAMPLES = "samples.npy"            # the per-sample ledger at the che
 
 # The ``event`` of the report a new worker group sends first (the record and sweeps read it).
 GROUP_START = "group_start"
+# The key of a report that carries the reports a worker held back while the one before waited
+# for the controller (raylm.workers.checkpoint.Checkpointer), oldest first.
+EARLIER_REPORTS = "earlier_reports"

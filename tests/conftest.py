@@ -9,12 +9,6 @@ from pathlib import Path
 
 import pytest
 
-# Ray Train's controller polls the workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
-# default) and each worker holds one pending report, so a loop that reports more often waits
-# for the poll: the tests' tiny runs, which report every 5 steps of ~0.05 s, ran at 2 s per
-# report. The drivers the tests start (in process and as subprocesses) pass it on to the
-# controller.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 # No usage statistics leave the tests (Ray Data's collector also queries a Prometheus on
 # localhost:9090 that the tests do not run, and logs the refusal at interpreter exit).
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

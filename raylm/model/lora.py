@@ -27,7 +27,9 @@ FSDP2 shards them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -308,11 +310,15 @@ def _dequantized(parts: list[torch.Tensor], rows: int, cols: int, block: int, n_
     return torch.stack([first * repeated, second * repeated], dim=-1).reshape(rows, cols)
 
 
-_fused_dequantized = torch.compile(_dequantized, dynamic=False)
+@functools.cache
+def _fused_dequantized() -> Callable[..., torch.Tensor]:
+    # Compiled at the first use on CUDA, not at import: ``torch.compile`` pulls dynamo and
+    # inductor in (2.3 to 3.1 CPU-s here), which every process importing this module paid.
+    return torch.compile(_dequantized, dynamic=False)
 
 
 def _weight(parts: list[torch.Tensor], *meta) -> torch.Tensor:
-    return (_fused_dequantized if parts[0].is_cuda else _dequantized)(parts, *meta)
+    return (_fused_dequantized() if parts[0].is_cuda else _dequantized)(parts, *meta)
 
 
 @torch.library.custom_op("raylm::nf4_linear", mutates_args=())

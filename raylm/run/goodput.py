@@ -28,8 +28,20 @@ The wall time of each invocation (from the driver building the run to its end) i
 ``resources``       placement groups waiting for CPUs/GPUs (Ray's own measure)
 ``startup``         the first group of an invocation: starting processes, building, restoring
 ``restart``         later groups: from a loss (or a resize) to the new group training again
-``other``           the rest: reporting, logging, the end of the run
+``reporting``       the loop's time between reports that none of the above holds: making the
+                    reports, the step vote, logging
+``finish``          a finished run's end: from its last report to the controller's end (Ray
+                    Train seeing the workers done), less benchmark waits
+``other``           the rest (what the records cannot place)
 ==================  =========================================================================
+
+Startup and restarts are also split into their parts (``startup_phases``, summed over every
+group): ``controller`` (the invocation's start, or a failure, to Ray Train placing a group),
+``resources``, ``workers`` (Ray starting the worker processes), ``imports`` (a worker process's
+start to raylm's loop imported), ``ray_train`` (from there to the training function: Ray
+Train's set-up, the process group), then the worker's own set-up, rank 0's: ``stream``,
+``build``, ``restore``, ``validation``, ``first_batch`` (the data stream's first batch once the
+model is ready) and ``setup_other``.
 
 ``goodput`` is ``productive / total``. Steps trained again are not found by arithmetic on step
 numbers alone: a window of reported steps is "recomputed" in the share that a later group's
@@ -48,7 +60,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CAUSES = ("productive", "recomputed", "data_wait", "checkpoint", "evaluation", "preemption",
-          "benchmarks", "resources", "startup", "restart", "other")
+          "benchmarks", "resources", "startup", "restart", "reporting", "finish", "other")
+PHASES = ("controller", "resources", "workers", "imports", "ray_train", "stream", "build",
+          "restore", "validation", "first_batch", "setup_other")
+# The worker's set-up phases as its group's first report names them (raylm.workers.loop).
+_WORKER_PHASES = ("stream", "build", "restore", "validation", "first_batch")
 
 
 @dataclass
@@ -91,6 +107,10 @@ class _Account:
         self.step = 0  # the current group's last reported step
         self.group: float | None = None  # the current group's start time
         self.lost: dict[str, Any] | None = None  # the failure that ended the current group
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.launch_from: float | None = None  # when the wait for the next placing began
+        self.placed_from: float | None = None  # the last placing of the group to come
+        self.tail_benchmarks = 0.0  # benchmark waits since the last report
 
     def close_invocation(self) -> None:
         if self.start is not None and self.end is not None:
@@ -106,13 +126,17 @@ class _Account:
             self.invocation, self.group_seen = r["invocation"], False
             self.start, self.gap_from, self.gap_resources = r["time"], r["time"], 0.0
             self.clock, self.placing, self.lost = None, None, None
+            self.launch_from = r["time"]
         self.end = max(self.end or r["time"], r["time"])
         getattr(self, "on_" + r["event"], lambda r: None)(r)
 
     def on_placing(self, r) -> None:
         if self.placing is not None:  # the attempt before timed out waiting for resources
             self.gap_resources += r["time"] - self.placing
-        self.placing = r["time"]
+        self.placing = self.placed_from = r["time"]
+        if self.launch_from is not None:
+            self.phases["controller"] += max(0.0, r["time"] - self.launch_from)
+            self.launch_from = None
 
     def on_placed(self, r) -> None:
         self.placing = None
@@ -135,17 +159,39 @@ class _Account:
         resources = min(self.gap_resources, gap)
         self.s["resources"] += resources
         self.s["restart" if self.group_seen else "startup"] += gap - resources
+        self.split_phases(r, resources)
         self.group_seen = True
         self.gap_from, self.gap_resources = None, 0.0
         self.clock = {"t": ready, "compute_s": 0.0, "data_wait_s": 0.0, "eval_s": 0.0,
                       "checkpoint_s": 0.0}
         self.step, self.group = r["from_step"], r["time"]
 
+    def split_phases(self, r, resources: float) -> None:
+        """A group's start in its parts (see the module doc); what a record lacks (older runs,
+        a group placed before its invocation's records began) stays in ``setup_other``."""
+        p = self.phases
+        p["resources"] += resources
+        worker = r.get("phases") or {}
+        before = (worker.get("process_s") or 0.0) + (worker.get("ray_train_s") or 0.0)
+        if self.placed_from is not None:
+            p["workers"] += max(0.0, r["time"] - self.placed_from - resources - before)
+        p["imports"] += worker.get("process_s") or 0.0
+        p["ray_train"] += worker.get("ray_train_s") or 0.0
+        setup = r.get("setup_s") or 0.0
+        parts = {k: worker.get(f"{k}_s") or 0.0 for k in _WORKER_PHASES}
+        for k, v in parts.items():
+            p[k] += v
+        p["setup_other"] += max(0.0, setup - sum(parts.values()))
+        self.placed_from = None
+
     def on_progress(self, r) -> None:
         c = r.get("clock")
         if c is None or self.clock is None:
             return
         d = {k: c[k] - self.clock[k] for k in self.clock}
+        accounted = d["compute_s"] + d["data_wait_s"] + d["eval_s"] + d["checkpoint_s"]
+        self.s["reporting"] += max(0.0, c["t"] - self.clock["t"] - accounted)
+        self.tail_benchmarks = 0.0
         self.windows.append(_Window(self.step, r["step"], d["compute_s"], d["data_wait_s"],
                                     c.get("energy_j")))
         self.s["evaluation"] += d["eval_s"]
@@ -154,12 +200,19 @@ class _Account:
 
     def on_waited_for_benchmarks(self, r) -> None:
         self.s["benchmarks"] += r["seconds"]
+        self.tail_benchmarks += r["seconds"]
+
+    def on_end(self, r) -> None:
+        if r.get("status") == "finished" and self.clock is not None and self.lost is None:
+            self.s["finish"] += max(0.0, r["time"] - self.clock["t"] - self.tail_benchmarks)
 
     def on_failure(self, r) -> None:
         if self.gap_from is None:
             self.gap_from = r["time"]
             if self.clock is not None:
                 self.lost = r
+        if self.launch_from is None:
+            self.launch_from = r["time"]
 
     def end_of_lost_group(self) -> None:
         """A preempted group stops right after its checkpoint: the drain. Any other loss
@@ -190,6 +243,7 @@ class _Account:
         return {"total_s": round(self.total, 2),
                 "goodput": round(self.s["productive"] / self.total, 4) if self.total else None,
                 "seconds": {k: round(v, 2) for k, v in self.s.items()},
+                "startup_phases": {k: round(v, 2) for k, v in self.phases.items()},
                 "recomputed_steps": int(steps_lost),
                 "energy_wasted_j": wasted_j}
 

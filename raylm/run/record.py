@@ -49,7 +49,15 @@ from raylm import rundir, storage
 from raylm.console import quiet_libraries
 from raylm.faults import LeaseLost, Mistake, Preempted, Rewind, cause, check_lease
 from raylm.live import LiveMetrics
-from raylm.names import EVENT_SEGMENTS, EVENTS, EXPORT_INFO, GROUP_START, RUN_INFO, SUMMARY
+from raylm.names import (
+    EARLIER_REPORTS,
+    EVENT_SEGMENTS,
+    EVENTS,
+    EXPORT_INFO,
+    GROUP_START,
+    RUN_INFO,
+    SUMMARY,
+)
 from raylm.run import benchmarks as bench
 from raylm.run.benchmarks import Benchmarks
 from raylm.run.goodput import goodput
@@ -268,8 +276,12 @@ class RunRecord(UserCallback):
     # is not worth that, so each hook reports its own errors and returns.
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        self._safely(self.report, metrics[0],
-                     None if checkpoint is None else storage.name(checkpoint.path))
+        # The reports rank 0 held back while its last one waited for the controller's poll
+        # (raylm.workers.checkpoint.Checkpointer) come first, in the order they were made.
+        m = dict(metrics[0])
+        for earlier in m.pop(EARLIER_REPORTS, ()):
+            self._safely(self.report, earlier, None)
+        self._safely(self.report, m, None if checkpoint is None else storage.name(checkpoint.path))
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         self._safely(self.failure, worker_exceptions)
@@ -294,12 +306,15 @@ class RunRecord(UserCallback):
             self.group = m["group_started"]
             self._add(GROUP_START, at=m["group_started"], workers=m["workers"],
                       from_step=m["resumed_from_step"] or 0, setup_s=m.get("setup_s"),
-                      resumed_clock=m.get("resumed_clock"))
+                      phases=m.get("phases"), resumed_clock=m.get("resumed_clock"))
             self.group_reported = False
         if m.get("event") == GROUP_START:
             return
         step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
-        self._add("progress", step=step, step_time=step_time, clock=m.get("clock"),
+        # Timed when rank 0 made it, which for a report held back is earlier than its arrival.
+        clock = m.get("clock")
+        self._add("progress", at=clock["t"] if clock else None, step=step, step_time=step_time,
+                  clock=clock,
                   **{k: v for k, v in m.items() if v is not None
                      and (k in HISTORY or k.startswith(HISTORY_PREFIXES))})
         first_of_group = not self.group_reported

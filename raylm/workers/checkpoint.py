@@ -51,8 +51,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from raylm import storage
-from raylm.names import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES
+from raylm.names import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, EARLIER_REPORTS
 from raylm.rundir import CheckpointError, check_compatible, file_hash, model_shape, verify
+from raylm.workers.preemption import report_queue
 
 log = logging.getLogger("raylm.workers.checkpoint")
 
@@ -450,7 +451,17 @@ class Checkpointer:
     directory to storage. One checkpoint is in flight at most: the next waits for the one
     before, so the group's collectives never interleave. Reports made meanwhile go through the
     same thread, so the loop does not wait for the upload either. (Ray is imported where it
-    is used: the rest of this module runs without it.)"""
+    is used: the rest of this module runs without it.)
+
+    Reports wait for nothing either. Ray Train's controller takes one report per worker per
+    poll (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default) and a worker holds one
+    untaken report, so a loop that reports more often than that blocked in ``ray.train.report``
+    until the next poll: a 2-worker tiny run reporting every step trained 12 s of 272. A
+    report without a checkpoint made while any rank's last one is not taken (the ranks agree
+    through :class:`raylm.workers.preemption.Vote`) is held back and sent, oldest first, under
+    ``EARLIER_REPORTS`` of the next report that goes out: the record sees every report, in
+    order, and the loop waits for the controller only at checkpoints, the end and a
+    preemption, where it must."""
 
     def __init__(self, asynchronous: bool, writer: str, *, device: torch.device,
                  model: nn.Module) -> None:
@@ -475,6 +486,20 @@ class Checkpointer:
             # flight at most, so a save never stages into buffers a write still reads.
             self.stager = stager(writer=self.writer, device=device)
         self._uploaded: threading.Event | None = None
+        self.held: list[dict[str, Any]] = []  # reports held back, oldest first
+
+    def busy(self) -> bool:
+        """Whether a report now could wait: this worker's last report is not taken by the
+        controller yet, or a checkpoint is still being uploaded (reports queue behind it)."""
+        reports = report_queue()
+        return bool(reports is not None and reports.unfinished_tasks) or (
+            self._uploaded is not None and not self._uploaded.is_set())
+
+    def _with_held(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        if self.held:
+            metrics = {**metrics, EARLIER_REPORTS: self.held}
+            self.held = []
+        return metrics
 
     def wait(self) -> None:
         """Until the checkpoint in flight (if any) is written, marked and uploaded."""
@@ -482,9 +507,15 @@ class Checkpointer:
             self._uploaded.wait()
             self._uploaded = None
 
-    def report(self, metrics: dict[str, Any]) -> None:
+    def report(self, metrics: dict[str, Any], *, hold: bool = False) -> None:
+        """Report ``metrics``, or with ``hold`` (every rank alike: some rank's last report is
+        not taken yet) keep them for the next report."""
         import ray.train
 
+        if hold:
+            self.held.append(metrics)
+            return
+        metrics = self._with_held(metrics)
         if self._uploaded is None or self._uploaded.is_set():
             ray.train.report(metrics)
         else:
@@ -498,6 +529,7 @@ class Checkpointer:
         import ray.train
 
         self.wait()
+        metrics = self._with_held(metrics)
         prefix = staging_prefix(step)
         if wait or not self.asynchronous:
             with tempfile.TemporaryDirectory(prefix=prefix) as tmp:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import copy
 import itertools
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -176,6 +177,26 @@ class Setup:
     fine-tuning: :mod:`raylm.model.sparsity`); empty otherwise."""
     live: LiveMetrics | None = None
     """This rank's gauges in Ray's metrics (:mod:`raylm.live`)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds the set-up spent on each of its parts (``build_s``, ``restore_s``, ...)."""
+
+
+# When this module finished importing: a worker imports it (torch, Ray Train, transformers'
+# model code and raylm's) while Ray Train unpacks the training function, before it runs it.
+IMPORTED = time.time()
+
+
+def process_started() -> float | None:
+    """When this process started (Linux's /proc), or None."""
+    try:
+        with open("/proc/self/stat") as f:
+            # The command name (field 2) may hold spaces; what follows its ")" does not.
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def train_loop_per_worker(loop_config: dict[str, Handoff]) -> None:
@@ -190,9 +211,15 @@ def train_loop_per_worker(loop_config: dict[str, Handoff]) -> None:
         except MISTAKES as e:
             raise Mistake(f"worker setup: {type(e).__name__}: {e}") from e
         try:
+            started = process_started()
             ray.train.report({**run.constant_metrics, "step": run.state.step,
                               "event": GROUP_START,
                               "setup_s": time.time() - group_started,
+                              "phases": {
+                                  "process_s": None if started is None
+                                  else max(0.0, IMPORTED - started),
+                                  "ray_train_s": group_started - IMPORTED,
+                                  **run.phases},
                               "resumed_clock": run.state.clock})
             train(run)
         finally:
@@ -238,7 +265,8 @@ def train(run: Setup) -> None:
         run.recent.append((state.step, micro))
         meter.step_ends(tokens_per_step)
         # Every rank takes part in the vote, every step.
-        cause = run.vote()
+        verdict = run.vote(busy=run.checkpointer.busy())
+        cause = verdict.cause
         todo = at_boundary(state.step, cfg=run.cfg, preempt_requested=cause is not None)
         if not todo.report:
             continue
@@ -270,7 +298,7 @@ def train(run: Setup) -> None:
         # The last checkpoint and a preemption's are written before the loop goes on (to its
         # end, or to stopping the group); the others in the background.
         save_and_report(run, metrics, save=todo.save,
-                        wait=todo.preempted or state.step >= t.steps)
+                        wait=todo.preempted or state.step >= t.steps, hold=verdict.busy)
         if todo.preempted:
             preemption.hand_over()
             notice = preemption.drain_notice()
@@ -445,11 +473,15 @@ def validate(run: Setup) -> dict[str, float]:
     return {"val_loss": val, "val_perplexity": float(np.exp(val))}
 
 
-def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bool) -> None:
+def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bool,
+                    hold: bool = False) -> None:
     """Report ``metrics``, with a checkpoint if ``save``: written before this returns if
-    ``wait``, else (when asynchronous) in the background."""
+    ``wait``, else (when asynchronous) in the background. ``hold``: a report would wait for
+    the controller (the vote says), so one without a checkpoint goes out with the next."""
     if not save:
-        run.checkpointer.report(metrics)
+        run.checkpointer.report(metrics, hold=hold)
+        if not hold:
+            run.vote.reported()
         return
     t0 = time.perf_counter()
     c = run.cfg.checkpoint
@@ -469,6 +501,7 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
                               state=copy.deepcopy(run.state.state_dict()),
                               config=run.built.config, samples=samples,
                               adapters=lora_settings(run.cfg.lora), identity=run.identity)
+    run.vote.reported()
     run.meter.checkpoint_s += time.perf_counter() - t0
 
 
@@ -560,15 +593,19 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
         found = rundir.latest_usable(handoff.run_dir, bad=manifest["bad_checkpoints"])
     skips = Skips(manifest["ranges"] + t.skip_positions)
     start_step = found[1]["state"]["step"] if found is not None else 0
+    phases = Phases()
     batches = open_stream(handoff, layout=lay, start_step=start_step,
                           micro_batch=micro_batch, device=device, skips=skips)
     fetching = FirstBatch(batches) if start_step < t.steps else None
+    phases.done("stream_s")
     built, optimizer = build_model(handoff, device=device, plan=plan)
     # From the pretrained weights, before a checkpoint replaces them.
     zeros = kept_zeros(cfg, built, rank=rank)
+    phases.done("build_s")
     with bounded(f"checkpoint {found and found[0]} to be read", **reading):
         state, ledger = restore(found, cfg, built=built, optimizer=optimizer, rank=rank,
                                 layout=lay, skips=skips)
+    phases.done("restore_s")
     assert state.step == start_step, (state.step, start_step)
     if rank == 0:
         announce(cfg, built, world=world, step=state.step, micro_batch=micro_batch,
@@ -577,6 +614,7 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
     if ctx.get_local_rank() == 0:
         tracker.start_node_monitor(f"node{ctx.get_node_rank()}")
     val_batches = validation_batches(handoff, layout=lay)
+    phases.done("validation_s")
     # What starting the stream (actor, first blocks) still costs once the model is ready is a
     # one-off, reported on its own rather than folded into the steady-state data-wait fraction.
     t0 = time.perf_counter()
@@ -586,6 +624,7 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
             timeout_s=cfg.data.first_batch_timeout_s, keep_waiting=cfg.scaling.wait_for_nodes,
             waiting_for=lambda: reader_wait(reader, rank=rank), log=print)
         batches = itertools.chain([first], batches)
+    phases.done("first_batch_s")
     constant = {
         "workers": world, "accumulation": accumulation, "micro_batch": micro_batch,
         # The layout as numbers: metrics that may change at a resize, unlike MLflow params.
@@ -619,7 +658,20 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
                                                 cfg.checkpoint.writer, device=built.device,
                                                 model=built.model),
                  identity=handoff.identity, zeros=zeros,
-                 live=LiveMetrics(storage.name(handoff.run_dir), rank=rank))
+                 live=LiveMetrics(storage.name(handoff.run_dir), rank=rank),
+                 phases=phases.seconds)
+
+
+class Phases:
+    """Seconds spent on each part of a worker's set-up, one after another."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.mark = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase], self.mark = now - self.mark, now
 
 
 def kept_zeros(cfg: Config, built: Built, *, rank: int

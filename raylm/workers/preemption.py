@@ -19,7 +19,7 @@ Ray's worker processes answer SIGTERM by exiting at once, and Python lets only t
 install a signal handler, while Ray Train runs the training function in a thread of its
 worker actor. So the handler is installed by a task sent to the worker's own actor, which
 Ray runs on that main thread; it only records the request. The training loop asks at every
-step boundary whether any rank got one (one all-reduce of two integers, :class:`Vote`), and if
+step boundary whether any rank got one (one all-reduce of three integers, :class:`Vote`), and if
 so every rank saves and reports a checkpoint, waits until the controller has taken that report
 (:func:`hand_over`), and then raises :class:`Preempted`: Ray Train
 counts a worker-group failure and, within ``train.max_failures``, restarts from that
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -106,6 +107,17 @@ def drain_notice() -> str | None:
     return f"node {nodes} is draining ({left:.0f} s to its deadline)"
 
 
+def report_queue():
+    """This Ray Train worker's queue of reports the controller has not taken yet (it holds
+    one), or None outside a Ray Train worker."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().get_result_queue()
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+
+
 def hand_over(timeout_s: float = 60.0) -> None:
     """Return once the controller has taken every report of every rank, so that the report of
     the preemption checkpoint reaches the run's record, MLflow and Ray Train's checkpoint list
@@ -117,12 +129,7 @@ def hand_over(timeout_s: float = 60.0) -> None:
     each rank waits until its own report queue is empty, then all ranks meet: after the
     barrier every rank's last report has been taken, and the join happens in the poll that
     took the last one. Outside a Ray Train worker this is only the barrier."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        reports = get_train_context().get_result_queue()
-    except (ImportError, AttributeError, RuntimeError):
-        reports = None
+    reports = report_queue()
     deadline = time.monotonic() + timeout_s
     while reports is not None and reports.unfinished_tasks:
         if time.monotonic() > deadline:
@@ -135,45 +142,67 @@ def hand_over(timeout_s: float = 60.0) -> None:
         dist.barrier()
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank agrees on after a step (:class:`Vote`)."""
+
+    cause: str | None
+    """Why the group must stop now ("SIGTERM" or "node drain"), or None."""
+    busy: bool
+    """Some rank's last report may still wait for the controller (or its checkpoint for its
+    upload): a report now would block that rank's loop until Ray Train's next poll."""
+
+
 class Vote:
-    """Every rank's stop flags (SIGTERM, node drain), all-reduced at every step, so that all
-    ranks stop at the same step; all ranks must call it at every step.
+    """Every rank's flags, all-reduced at every step, so that all ranks act alike: the stop
+    flags (SIGTERM, node drain), so that all ranks stop at the same step, and whether a report
+    is still waiting (the loop's reports, :class:`raylm.workers.checkpoint.Checkpointer`, are
+    sent only when no rank would wait for it); all ranks must call it at every step and
+    :meth:`reported` after every report.
 
     On a GPU the result is read one step late. Reading an all-reduced flag back at once makes
     the host wait until the GPU has run everything queued before it (the whole step) before it
     can queue the next step, and the GPU then idles while the host prepares it. So each step's
     flags are all-reduced and copied to pinned host memory without waiting, and read at the
     next step: by then that copy, queued behind the previous step's kernels, is done or nearly.
-    Every rank reads the same step's result, so all stop together, one step after the request.
-    On a CPU the result is read at once."""
+    Every rank reads the same step's result, so all stop together, one step after the request;
+    flags taken before the last report count as busy. On a CPU the result is read at once."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self.pending: tuple[torch.Tensor, torch.cuda.Event, int] | None = None
+        self.calls = 0
+        self.reported_at = 0  # the call after which the last report was made
 
-    def __call__(self) -> str | None:
-        """Why the group must stop now ("SIGTERM" or "node drain"), or None."""
+    def reported(self) -> None:
+        self.reported_at = self.calls
+
+    def __call__(self, *, busy: bool = False) -> Verdict:
+        """The group's verdict; ``busy``: this rank's last report is not taken yet."""
+        self.calls += 1
         # Set on the device by fill kernels: a copy from pageable host memory may wait for
         # the GPU's queue to drain, which is the wait this class exists to avoid.
-        flags = torch.zeros(2, dtype=torch.int32, device=self.device)
+        flags = torch.zeros(3, dtype=torch.int32, device=self.device)
         if requested():
             flags[0] = 1
         if drain_notice() is not None:
             flags[1] = 1
+        if busy:
+            flags[2] = 1
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if self.device.type != "cuda":
-            return _cause(flags.tolist())
+            return self._verdict(flags.tolist(), self.calls)
         host = flags.to("cpu", non_blocking=True)  # pinned: the copy does not block
         done = torch.cuda.Event()
         done.record()
-        previous, self.pending = self.pending, (host, done)
+        previous, self.pending = self.pending, (host, done, self.calls)
         if previous is None:
-            return None
+            return Verdict(cause=None, busy=True)
         previous[1].synchronize()
-        return _cause(previous[0].tolist())
+        return self._verdict(previous[0].tolist(), previous[2])
 
-
-def _cause(flags: list[int]) -> str | None:
-    sigterm, drain = (bool(v) for v in flags)
-    return "SIGTERM" if sigterm else "node drain" if drain else None
+    def _verdict(self, flags: list[int], taken_at: int) -> Verdict:
+        sigterm, drain, busy = (bool(v) for v in flags)
+        return Verdict(cause="SIGTERM" if sigterm else "node drain" if drain else None,
+                       busy=busy or taken_at <= self.reported_at)

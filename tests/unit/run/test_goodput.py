@@ -28,8 +28,8 @@ LOST_AND_RESTARTED = script(
     ("placed", 2.0, {"resources_s": 1.0}),
     ("group_start", 3.0, {"workers": 2, "from_step": 0, "setup_s": 2.0}),  # ready at 5
     progress(15.0, 5, clock(15.0, 9, 1, energy=100.0)),
-    progress(26.0, 10, clock(26.0, 18, 2, evaluation=1.0, checkpoint=0.5, energy=110.0)),
-    progress(36.0, 15, clock(36.0, 27, 3, evaluation=1.0, checkpoint=0.5, energy=100.0)),
+    progress(26.0, 10, clock(26.0, 17.5, 2, evaluation=1.0, checkpoint=0.5, energy=110.0)),
+    progress(36.0, 15, clock(36.0, 26.5, 3, evaluation=1.0, checkpoint=0.5, energy=100.0)),
     ("failure", 40.0, {"error": "ActorDiedError: worker lost"}),
     ("placing", 41.0, {}),
     ("placed", 43.0, {"resources_s": 0.5}),
@@ -45,20 +45,22 @@ def test_a_lost_worker_splits_the_wall_time_by_cause():
     assert list(g["seconds"]) == list(CAUSES)
     assert g["total_s"] == 70.0
     assert g["seconds"] == {
-        "productive": 36.0,  # four windows of 9 s that the final model holds
+        "productive": 35.5,  # the windows the final model holds: 9 + 8.5 + 9 + 9 s
         "recomputed": 14.0,  # steps 11-15 (9 + 1 s), then 4 s from their report to the loss
         "data_wait": 4.0, "checkpoint": 0.5, "evaluation": 1.0, "preemption": 0.0,
         "benchmarks": 0.0,
         "resources": 1.5,  # Ray's measure of both placements
         "startup": 4.0,  # 0 -> ready at 5, less 1 s waiting for resources
         "restart": 6.5,  # the loss at 40 -> ready at 47, less 0.5 s waiting for resources
-        "other": 2.5}  # reports and the end: 70 less all the above
-    assert g["goodput"] == pytest.approx(36 / 70, abs=1e-4)
+        "reporting": 0.0,  # every window's wall time is its clock's
+        "finish": 3.0,  # the last report at 67 -> the end at 70
+        "other": 0.0}
+    assert g["goodput"] == pytest.approx(35.5 / 70, abs=1e-4)
     assert g["recomputed_steps"] == 5
     assert g["energy_wasted_j"] == pytest.approx(100.0)
     assert sum(g["seconds"].values()) == pytest.approx(g["total_s"])
     line = describe(g)
-    assert line.startswith("goodput 51.4% of 70.0s (productive 36.0s; recomputed 14.0s")
+    assert line.startswith("goodput 50.7% of 70.0s (productive 35.5s; recomputed 14.0s")
     assert "5 steps trained twice" in line
     t = table(g)
     assert t["cause"] == list(CAUSES) and sum(t["share"]) == pytest.approx(1.0, abs=1e-3)
@@ -151,3 +153,32 @@ def test_a_checkpoint_saved_after_the_last_report_the_controller_took_counts():
     assert s["recomputed"] == 25 - 15 and g["recomputed_steps"] == 0
     assert s["checkpoint"] == 0.5 and s["restart"] == 28 - 25
     assert sum(s.values()) == pytest.approx(36.0)
+
+
+def test_reports_the_end_and_each_part_of_a_start_are_placed():
+    """The loop's time outside its clocks is ``reporting``, a finished run's tail after its last
+    report is ``finish``, and a group's start splits into the parts its records name."""
+    phases = {"process_s": 3.0, "ray_train_s": 1.0, "stream_s": 0.1, "build_s": 0.6,
+              "restore_s": 0.2, "validation_s": 0.1, "first_batch_s": 0.5}
+    g = goodput(script(
+        "1",
+        ("invocation", 0.0, {}),
+        ("placing", 2.0, {}),
+        ("placed", 7.0, {"resources_s": 0.5}),
+        ("group_start", 7.5, {"workers": 2, "from_step": 0, "setup_s": 2.0,
+                              "phases": phases}),  # ready at 9.5
+        progress(19.5, 5, clock(19.5, 8, 0.5)),  # 1.5 s of the 10 s window outside its clock
+        progress(28.5, 10, clock(28.5, 16, 1)),  # 0.5 s
+        ("waited_for_benchmarks", 29.0, {"seconds": 0.5}),
+        ("end", 31.5, {"status": "finished"}),
+    ))
+    s = g["seconds"]
+    assert (s["reporting"], s["finish"], s["benchmarks"], s["other"]) == (2.0, 2.5, 0.5, 0.0)
+    assert s["startup"] == 9.0 and s["resources"] == 0.5  # 0 -> ready at 9.5
+    assert g["startup_phases"] == {
+        "controller": 2.0, "resources": 0.5,
+        "workers": 1.0,  # placing at 2 -> the loop at 7.5, less resources, imports, Ray Train
+        "imports": 3.0, "ray_train": 1.0, "stream": 0.1, "build": 0.6, "restore": 0.2,
+        "validation": 0.1, "first_batch": 0.5, "setup_other": 0.5}
+    assert sum(g["startup_phases"].values()) == pytest.approx(s["startup"] + s["resources"])
+    assert sum(s.values()) == pytest.approx(g["total_s"])

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from raylm import storage
-from raylm.names import GROUP_START
+from raylm.names import EARLIER_REPORTS, GROUP_START
 from raylm.run import record
 from raylm.run.tracking import Tracker
 
@@ -128,6 +128,33 @@ def test_object_storage_gets_segments_at_checkpoints_and_linear_traffic(tmp_path
     assert two_hundred["written"] == pytest.approx(2 * hundred["written"], rel=0.02)
     print(f"events written: 100 steps {hundred['written']} B, 200 steps "
           f"{two_hundred['written']} B; read: 0 B")
+
+
+def test_reports_held_back_reach_the_record_in_order_timed_when_made(tmp_path, capsys):
+    """A worker whose last report waits for the controller's poll holds the next ones back
+    and sends them with a later report (raylm.workers.checkpoint.Checkpointer): the record
+    takes each as if it had come alone, at the time rank 0 made it."""
+    r = record.RunRecord(str(tmp_path), total_steps=4, tracker=Tracker())
+    r.after_report(None, [announce(group=100.0)], None)
+    made = [{**report(step, group=100.0), "clock": {"t": 100.0 + step, "compute_s": step,
+             "data_wait_s": 0.0, "eval_s": 0.0, "checkpoint_s": 0.0, "energy_j": None}}
+            for step in (1, 2, 3, 4)]
+    last = {**made[3], EARLIER_REPORTS: made[:3]}
+    r.after_report(None, [last, dict(last)], _Checkpoint(f"{tmp_path}/checkpoint_4"))
+    progress = [e for e in record.read(str(tmp_path)) if e["event"] == "progress"]
+    assert [(e["step"], e["time"]) for e in progress] == [(1, 101.0), (2, 102.0), (3, 103.0),
+                                                         (4, 104.0)]
+    out = capsys.readouterr().out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == [
+        "1/4", "2/4", "3/4", "4/4"]
+    assert f"checkpoint {tmp_path}/checkpoint_4" in out.splitlines()[-1]
+    assert r.summary()["final_step"] == 4 and EARLIER_REPORTS not in r.latest
+    assert r.goodput()["seconds"]["productive"] == 4.0
+
+
+class _Checkpoint:
+    def __init__(self, path: str) -> None:
+        self.path = path
 
 
 def test_a_failing_hook_never_reaches_the_controller(tmp_path, capsys):
