@@ -9,7 +9,8 @@
 # metrics), e.g.
 #   RAYLM_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130" \
 #       RAYLM_EXTRAS=dev,gpu bash scripts/env.sh
-# RAYLM_EXTRAS (default dev) names the extras of pyproject.toml to install with raylm.
+# RAYLM_EXTRAS (default dev) names the extras of pyproject.toml to install with raylm; set
+# and empty, raylm alone (what `make demo` runs on).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${1:-.venv}"
@@ -21,7 +22,7 @@ fi
 PIP="$VENV/bin/pip"
 UV=("$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/python")
 "$PIP" install --quiet --disable-pip-version-check uv
-EXTRAS="${RAYLM_EXTRAS:-dev}"
+EXTRAS="${RAYLM_EXTRAS-dev}"
 # llama.cpp, which the tests run GGUF exports in: its libraries compile (1.6 minutes here,
 # scripts/llama_cpp.sh says why) while the packages below download, once per environment.
 LLAMA_LIBS=""
@@ -45,8 +46,9 @@ fi
 # process would otherwise compile what it imports (4 s more for each Ray worker, which halved
 # the suite's speed). pip remains the fallback where uv cannot reach its index.
 # Every version as constraints.txt fixes it (the set CI tests; scripts/lock.sh writes it).
-"${UV[@]}" -c constraints.txt -e ".[$EXTRAS]" \
-    || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt -e ".[$EXTRAS]"
+TARGET=".${EXTRAS:+[$EXTRAS]}"
+"${UV[@]}" -c constraints.txt -e "$TARGET" \
+    || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt -e "$TARGET"
 if [ -n "$LLAMA_LIBS" ]; then
     if ! wait "$LLAMA_BUILD"; then
         cat "$LLAMA_LIBS.log" >&2

@@ -16,6 +16,8 @@
               asynchronous checkpoint
     fault     a run uninterrupted, then with its workers SIGKILLed after a checkpoint: time
               lost, steps trained again, final losses
+    startup   `raylm train` to the first step (starting Ray, or on a running head), a
+              worker's SIGKILL to the next step, and one report's cost to the loop, by phase
     evals     a run's tokens/s without and with an lm-eval task scoring every checkpoint
               beside it
     prune     a trained run pruned by each method and sparsity: validation loss before and
@@ -167,6 +169,14 @@ def _add_layouts_and_scale(sub) -> None:
     sc.add_argument("--preset", default="125m")
     sc.add_argument("--ranks", default="2,4", help="rank counts that save and resume")
     sc.add_argument("--workdir", default=None)
+    st = sub.add_parser("startup", help="command to first step (cold and warm cluster), "
+                                         "SIGKILL to the next step, one report's cost")
+    st.add_argument("--output", required=True)
+    st.add_argument("--workers", default="1,2", help="worker counts to run")
+    st.add_argument("--steps", type=int, default=60)
+    st.add_argument("--kill-after", type=int, default=20,
+                    help="the recovery run's worker is killed after this step's checkpoint")
+    st.add_argument("--workdir", default=None)
     fa = sub.add_parser("fault", help="time lost to a SIGKILLed worker, and the final loss "
                                       "against an uninterrupted run")
     fa.add_argument("--output", required=True)
@@ -210,6 +220,11 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
         result = run(packages=args.packages.split(","), num_files=args.files,
                      seq_len=args.seq_len, num_proc=args.num_proc,
                      repeats=args.repeats, workdir=args.workdir)
+    elif args.name == "startup":
+        from raylm.bench.startup import run
+
+        result = run(workers=[int(n) for n in args.workers.split(",")], steps=args.steps,
+                     kill_after=args.kill_after, workdir=args.workdir)
     elif args.name == "overhead":
         from raylm.bench.overhead import run
 

@@ -34,16 +34,16 @@ def train_workers() -> list:
 
 
 def kill_after_checkpoint(run_dir: str, *, step: int, delay_s: float, timeout_s: float,
-                          done: threading.Event) -> dict[str, Any]:
+                          done: threading.Event, count: int | None = None) -> dict[str, Any]:
     """Wait for a verified checkpoint at ``step`` or later in ``run_dir``, wait ``delay_s``,
-    SIGKILL every training worker; what was done and when."""
+    SIGKILL every training worker (or ``count`` of them); what was done and when."""
 
     deadline = time.monotonic() + timeout_s
     while not done.is_set() and time.monotonic() < deadline:
         found = rundir.latest_verified(run_dir, warn=lambda m: None)
         if found and found[1]["state"]["step"] >= step:
             time.sleep(delay_s)
-            victims = train_workers()
+            victims = train_workers()[:count]
             for p in victims:
                 p.send_signal(signal.SIGKILL)
             return {"killed_pids": [p.pid for p in victims], "killed_at": time.time(),

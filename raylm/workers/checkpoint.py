@@ -535,8 +535,9 @@ class Checkpointer:
             with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
                 t0 = time.perf_counter()
                 save(tmp, **saving)
-                if "clock" in metrics:  # the report counts the write it reports
+                if "clock" in metrics:  # the report counts the write it reports, and ends
                     metrics["clock"]["checkpoint_s"] += time.perf_counter() - t0
+                    metrics["clock"]["t"] = time.time()
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
             return
         # Ray Train deletes the directory once it is uploaded.
