@@ -123,12 +123,12 @@ def hand_over(timeout_s: float = 60.0) -> None:
     the preemption checkpoint reaches the run's record, MLflow and Ray Train's checkpoint list
     before the group stops.
 
-    Ray Train's controller takes one report per worker per poll (every 2 s) and joins them
-    once every rank has delivered; a rank that raises before its last report was taken ends
-    the group in that poll, and the other ranks' copy of the report is dropped with it. So
-    each rank waits until its own report queue is empty, then all ranks meet: after the
-    barrier every rank's last report has been taken, and the join happens in the poll that
-    took the last one. Outside a Ray Train worker this is only the barrier."""
+    Ray Train's controller takes one report per worker per poll (raylm.run.launch sets how
+    often) and joins them once every rank has delivered; a rank that raises before its last
+    report was taken ends the group in that poll, and the other ranks' copy of the report is
+    dropped with it. So each rank waits until its own report queue is empty, then all ranks
+    meet: after the barrier every rank's last report has been taken, and the join happens in
+    the poll that took the last one. Outside a Ray Train worker this is only the barrier."""
     reports = report_queue()
     deadline = time.monotonic() + timeout_s
     while reports is not None and reports.unfinished_tasks:
