@@ -176,6 +176,8 @@ def _add_layouts_and_scale(sub) -> None:
     st.add_argument("--steps", type=int, default=60)
     st.add_argument("--kill-after", type=int, default=20,
                     help="the recovery run's worker is killed after this step's checkpoint")
+    st.add_argument("--tracking", choices=("on", "off"), default="on",
+                    help="MLflow for the runs (off where MLflow is not installed)")
     st.add_argument("--workdir", default=None)
     fa = sub.add_parser("fault", help="time lost to a SIGKILLed worker, and the final loss "
                                       "against an uninterrupted run")
@@ -224,7 +226,8 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
         from raylm.bench.startup import run
 
         result = run(workers=[int(n) for n in args.workers.split(",")], steps=args.steps,
-                     kill_after=args.kill_after, workdir=args.workdir)
+                     kill_after=args.kill_after, tracking=args.tracking == "on",
+                     workdir=args.workdir)
     elif args.name == "overhead":
         from raylm.bench.overhead import run
 

@@ -1,7 +1,7 @@
 """What a run pays around its steps: a report, the start, a recovery.
 
     python -m raylm.bench startup --output runs/bench-startup.json [--workers 1,2]
-        [--steps 60] [--kill-after 20]
+        [--steps 60] [--kill-after 20] [--tracking on|off]
 
 Prepares a slice of the builtin corpus once (not timed), then for each worker count runs
 ``raylm train`` as a user would, in a fresh process, on the tiny preset reporting every step
@@ -170,8 +170,8 @@ def figures(records: list[dict[str, Any]], *, started: float,
     return out
 
 
-def run(*, workers: list[int], steps: int, kill_after: int, workdir: str | None
-        ) -> dict[str, Any]:
+def run(*, workers: list[int], steps: int, kill_after: int, workdir: str | None,
+        tracking: bool = True) -> dict[str, Any]:
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="raylm-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     # Ray 2.60 turns token authentication on for new clusters: the head, and every command
@@ -181,7 +181,8 @@ def run(*, workers: list[int], steps: int, kill_after: int, workdir: str | None
     prepared = root / "prepared"
     if not (prepared / "manifest.json").is_file():
         subprocess.run([*raylm_command(), "prepare", *DATA, f"--output={prepared}",
-                        f"--run.storage_path={root}/runs", "--run.ray_address=local"],
+                        f"--run.storage_path={root}/runs", "--run.ray_address=local",
+                        f"--tracking.enabled={str(tracking).lower()}"],
                        env=env, check=True, stdout=subprocess.DEVNULL)
 
     def argv(name: str, n: int, *more: str) -> list[str]:
@@ -191,7 +192,7 @@ def run(*, workers: list[int], steps: int, kill_after: int, workdir: str | None
                 "--train.eval_batches=2", f"--checkpoint.every={kill_after}",
                 "--train.global_batch_size=8", f"--train.micro_batch_size={8 // n}",
                 f"--scaling.num_workers={n}", f"--run.storage_path={root}/runs",
-                f"--run.name={name}", *more]
+                f"--run.name={name}", f"--tracking.enabled={str(tracking).lower()}", *more]
 
     def one(name: str, n: int, *more: str, run_env: dict[str, str], kill: bool = False):
         shutil.rmtree(root / "runs" / name, ignore_errors=True)
@@ -216,7 +217,7 @@ def run(*, workers: list[int], steps: int, kill_after: int, workdir: str | None
         "metric": "seconds from `raylm train` to the first step (cold: it starts Ray; warm: a "
                   "running head), from a worker's SIGKILL to the next trained step, and what "
                   "one report costs the step loop; tiny preset, fp32, every step reported",
-        "steps": steps, "kill_after": kill_after, "workers": workers,
+        "steps": steps, "kill_after": kill_after, "workers": workers, "tracking": tracking,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "runs": results,
         "summary": {name: {k: r.get(k) for k in ("first_step_s", "recovery_s",
