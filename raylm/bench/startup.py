@@ -154,7 +154,7 @@ def figures(records: list[dict[str, Any]], *, started: float,
                    "first_step": round(progress[0]["time"] - ready, 2)},
         "reports": len(progress),
         "report_cost_s": round(account["seconds"]["reporting"] / len(progress), 4),
-        "wall_s": round(progress[-1]["time"] - started, 2),
+        "last_step_s": round(progress[-1]["time"] - started, 2),
         "goodput": account,
     }
     if kill is not None and failure is not None:
@@ -197,8 +197,12 @@ def run(*, workers: list[int], steps: int, kill_after: int, workdir: str | None,
     def one(name: str, n: int, *more: str, run_env: dict[str, str], kill: bool = False):
         shutil.rmtree(root / "runs" / name, ignore_errors=True)
         print(f"bench startup: {name}", flush=True)
-        return timed_run(argv(name, n, *more), env=run_env, run_dir=root / "runs" / name,
-                         log=root / f"{name}.log", kill_after=kill_after if kill else None)
+        result = timed_run(argv(name, n, *more), env=run_env, run_dir=root / "runs" / name,
+                           log=root / f"{name}.log", kill_after=kill_after if kill else None)
+        if kill and "recovery_s" not in result:
+            raise RuntimeError(f"{name}: no worker was killed and replaced after step "
+                               f"{kill_after}; its output is in {root / f'{name}.log'}")
+        return result
 
     results: dict[str, Any] = {}
     for n in workers:
@@ -221,7 +225,7 @@ def run(*, workers: list[int], steps: int, kill_after: int, workdir: str | None,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "runs": results,
         "summary": {name: {k: r.get(k) for k in ("first_step_s", "recovery_s",
-                                                  "report_cost_s", "wall_s")}
+                                                  "report_cost_s", "last_step_s")}
                     | {"goodput": r["goodput"]["goodput"]} for name, r in results.items()},
     }
 
