@@ -32,6 +32,7 @@ node drains, not to a signal sent to a process.
 
 from __future__ import annotations
 
+import queue
 import signal
 import time
 from dataclasses import dataclass
@@ -107,7 +108,7 @@ def drain_notice() -> str | None:
     return f"node {nodes} is draining ({left:.0f} s to its deadline)"
 
 
-def report_queue():
+def report_queue() -> queue.Queue | None:
     """This Ray Train worker's queue of reports the controller has not taken yet (it holds
     one), or None outside a Ray Train worker."""
     try:
@@ -175,6 +176,7 @@ class Vote:
         self.reported_at = 0  # the call after which the last report was made
 
     def reported(self) -> None:
+        """A report went out after the last call (its flags cannot say it was taken)."""
         self.reported_at = self.calls
 
     def __call__(self, *, busy: bool = False) -> Verdict:
