@@ -170,12 +170,10 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
             # paces its steps: 120 of them keep it training when the interrupt comes.
             "--train.steps=120"]
     # The interrupted driver joins the suite's cluster (a local one would take ~10 s to start);
-    # what its trial holds goes with it. Ray Train's poll at Ray's 2 s (one report each;
-    # raylm would poll every 0.5 s) paces the trial at a report per 2 s (each carries a
-    # checkpoint, and those are never held back), so it is still training when the interrupt
-    # comes.
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
+    # what its trial holds goes with it. Ray Train's poll (2 s, one report each) paces the
+    # trial at a report per 2 s (each carries a checkpoint, and those are never held back), so
+    # it is still training when the interrupt comes.
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     trials = root / "resumed" / "trials"
 
     def newest_step() -> int:
