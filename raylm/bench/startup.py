@@ -195,7 +195,8 @@ def run(*, workers: list[int], steps: int, kill_after: int, workdir: str | None,
                 f"--run.name={name}", f"--tracking.enabled={str(tracking).lower()}", *more]
 
     def one(name: str, n: int, *more: str, run_env: dict[str, str], kill: bool = False):
-        shutil.rmtree(root / "runs" / name, ignore_errors=True)
+        if (root / "runs" / name).exists():  # never another run's directory, nor a resume
+            raise ValueError(f"{root / 'runs' / name} exists: give --workdir a new folder")
         print(f"bench startup: {name}", flush=True)
         result = timed_run(argv(name, n, *more), env=run_env, run_dir=root / "runs" / name,
                            log=root / f"{name}.log", kill_after=kill_after if kill else None)
