@@ -22,6 +22,7 @@ MLFLOW_RUN = "mlflow_run.json"        # the MLflow run this run logs into
 JOB_CONFIG = "raylm_job.yaml"         # the config a submitted job runs
 LEASE = "lease.json"                  # who runs it now (raylm.run.lease)
 SKIPPED = "skipped_samples.json"      # positions rewinds left out, bad checkpoints (workers)
+TUNE_EXPERIMENT = "tune"              # a sweep's Ray Tune experiment (raylm.run.sweep)
 
 # An exported model directory (raylm export): what it is, from which run and step.
 EXPORT_INFO = "raylm_export.json"

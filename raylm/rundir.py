@@ -24,7 +24,8 @@ What a run directory ``RUN_DIR = run.storage_path/run.name`` holds, and who writ
 ``.benchmarks/step_N/``    the controller: hard links of a checkpoint's files while its
                            benchmark evaluation waits; the evaluation removes them
                            (:mod:`raylm.run.benchmarks`)
-``tuner.pkl``, trials      Ray Tune, for a sweep (:mod:`raylm.run.sweep`)
+``tune/``, ``trials/``     a sweep's Ray Tune experiment and its trials' run directories
+                           (:mod:`raylm.run.sweep`)
 =========================  ==================================================================
 
 A resume finds its checkpoint by listing ``checkpoint_*`` in storage and verifying markers
@@ -49,7 +50,7 @@ import numpy as np
 
 from raylm import storage
 from raylm.data.packing import SampleOrder, Skips
-from raylm.names import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, SKIPPED
+from raylm.names import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, SKIPPED, TUNE_EXPERIMENT
 
 log = logging.getLogger("raylm.rundir")
 
@@ -270,6 +271,15 @@ def latest_usable(run_dir: str | os.PathLike, *, bad: Collection[str], warn=log.
             f"If the loss that marked them was the device's or a setting's, fix that and "
             f"remove the names from bad_checkpoints there, or start a new run (run.name).")
     return found
+
+
+def tune_experiment(run_dir: str) -> str | None:
+    """The Ray Tune experiment a sweep in ``run_dir`` resumes, if it has one: ``tune/``, or
+    the run directory itself for a sweep laid out before Tune had a folder of its own."""
+    for path in (storage.join(run_dir, TUNE_EXPERIMENT), run_dir):
+        if storage.is_file(storage.join(path, "tuner.pkl")):
+            return path
+    return None
 
 
 def empty_manifest() -> dict[str, Any]:

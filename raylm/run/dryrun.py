@@ -95,7 +95,7 @@ def _run(cfg: Config, *, sweep: bool) -> str:
     rd = run_dir(cfg)
     where = storage.redact(rd)
     if sweep:
-        if storage.is_file(storage.join(rd, "tuner.pkl")):
+        if rundir.tune_experiment(rd) is not None:
             return f"run: resumes the sweep in {where}"
         return f"run: a new sweep in {where}"
     from raylm.run.launch import base_model_identity, finished

@@ -2,18 +2,25 @@
 
 Each Ray Tune trial is a whole raylm training run: a Tune function trainable that builds and
 fits its own TorchTrainer (Ray Train V2's way of running Train inside Tune), so a trial can be
-a multi-worker FSDP2 run with its own restarts. Ray Train's ``TuneReportCallback`` forwards the
-trial's reports to Tune, where ASHA stops the trials whose validation loss trails. Search:
+a multi-worker FSDP2 run with its own restarts. The trial's Train controller hands its reports
+to Tune (:class:`TrialReporter`, :class:`ToTune`), where ASHA stops the trials whose
+validation loss trails. Search:
 random, grid, or Optuna's TPE through Tune's ``OptunaSearch``; nothing here is a hand-written
 searcher or scheduler.
 
 Every report of a trial carries ``val_loss`` (Tune refuses results without the metric it
 optimizes), so trials report, evaluate and checkpoint at the same steps: ``train.eval_every``.
 
-Layout: ``RUN_DIR`` (storage path / run name) is Tune's experiment directory; trial ``ID``
-trains in ``RUN_DIR/trials/ID`` (its checkpoints, summary.json, MLflow run nested under the
-sweep's). ``RUN_DIR/tune_summary.json``, ``best.yaml`` and ``val_loss.png`` are written at the
-end. Running ``raylm tune`` again with the same name resumes the sweep.
+Layout: ``RUN_DIR`` is storage path / run name. Trial ``ID`` trains in ``RUN_DIR/trials/ID``
+(its checkpoints, summary.json, MLflow run nested under the sweep's);
+``RUN_DIR/tune_summary.json``, ``best.yaml`` and ``val_loss.png`` are written at the end.
+Tune's own experiment (its state, ``tuner.pkl``, its per-trial results) is ``RUN_DIR/tune``,
+a folder of its own: when Tune restores an experiment it copies every top-level ``.json`` of
+the experiment folder into its staging folder and uploads the staging folder back at each
+later sync, which in the run directory itself wrote the restore-time copies of the sweep's
+lease and ``tune_summary.json`` over the current ones. Running ``raylm tune`` again with the
+same name resumes the sweep (also one whose Tune experiment is ``RUN_DIR`` itself, as raylm
+laid sweeps out before).
 """
 
 from __future__ import annotations
@@ -22,19 +29,20 @@ import functools
 import json
 import math
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import yaml
 from ray import tune
-from ray.tune.integration.ray_train import TuneReportCallback
+from ray.train.v2.api.callback import UserCallback
 from ray.tune.schedulers import ASHAScheduler
 
 from raylm import rundir, storage
-from raylm.config import Config, EvalConfig, config_from_dict, run_dir, storage_root
+from raylm.config import Config, EvalConfig, config_from_dict, run_dir
 from raylm.console import quiet_libraries, tune_verbosity
 from raylm.data.preparation import prepared_dir
-from raylm.names import GROUP_START
+from raylm.names import GROUP_START, TUNE_EXPERIMENT
 from raylm.run import benchmarks, tracking
 from raylm.run.launch import (
     ResourcePlan,
@@ -107,26 +115,63 @@ def trial_config(base: dict[str, dict[str, Any]], params: dict[str, Any], *, tri
     return config_from_dict(tree)
 
 
-class TrialReporter(TuneReportCallback):
-    """Ray Train's reporter to Tune, less the worker groups' announcements: they carry no
-    ``val_loss``, which Tune requires of every result of a trial. A sweep ranked by a
-    benchmark (tune.metric) reports a result as each checkpoint's scores arrive instead (the
-    run's record calls :meth:`scored`), with the step of the checkpoint they score: Tune
-    sees the score as soon as it exists, and training never waits for it."""
+class TrialReporter(UserCallback):
+    """A trial's results for Tune, from its Train controller: each report (less the worker
+    groups' announcements, which carry no ``val_loss``, which Tune requires of every result of
+    a trial), with its checkpoint's path. A sweep ranked by a benchmark (tune.metric) reports
+    a result as each checkpoint's scores arrive instead (the run's record calls
+    :meth:`scored`), with the step of the checkpoint they score: Tune sees the score as soon
+    as it exists, and training never waits for it. Results go into the trial's
+    :class:`ToTune` queue."""
 
-    def __init__(self, *, by_benchmark: bool = False) -> None:
-        super().__init__()
+    def __init__(self, queue, *, by_benchmark: bool = False) -> None:
+        self.queue = queue
         self.by_benchmark = by_benchmark
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        if metrics[0].get("event") != GROUP_START and not self.by_benchmark:
-            super().after_report(run_context, metrics, checkpoint)
+        if metrics[0].get("event") == GROUP_START or self.by_benchmark:
+            return
+        result = dict(metrics[0])
+        if checkpoint is not None:
+            result["checkpoint_path"] = checkpoint.path
+        self.queue.put(result)
 
     def scored(self, record: dict[str, Any], *, val_loss: float | None) -> None:
         if self.by_benchmark:
-            self._training_actor_item_queue.put(
-                {"step": record["step"], **record["scores"],
-                 **({} if val_loss is None else {METRIC: val_loss})})
+            self.queue.put({"step": record["step"], **record["scores"],
+                            **({} if val_loss is None else {METRIC: val_loss})})
+
+
+class ToTune:
+    """Hands a trial's results to Tune from a thread of the trial's own process, in order,
+    every one of them before the trial's function returns.
+
+    Why not Ray Train's ``TuneReportCallback``: it puts results into a queue that Tune's main
+    thread polls only while the trial's function runs, and the function's return is itself a
+    result. A result put in the last moments of a run could come second: the score of a
+    trial's last checkpoint, put as its run ended, was never seen by Tune whenever the run
+    ended within a fraction of a second of it (a trial trained to step 120 and ranked by its
+    score at step 60). Here a thread takes the results from the queue and reports each one
+    through Tune's session as the function would, and :meth:`close`, called when the run has
+    ended, lets the function return only once that thread has reported them all."""
+
+    def __init__(self) -> None:
+        from ray.util.queue import Queue
+
+        self.queue = Queue(actor_options={"num_cpus": 0})
+        self.thread = threading.Thread(target=self._forward, name="raylm-to-tune", daemon=True)
+        self.thread.start()
+
+    def _forward(self) -> None:
+        while (result := self.queue.get()) is not None:
+            # Returns once Tune took it; a trial Tune stops ends this thread here.
+            tune.report(result)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """After the run's controller ended (nothing more is put): wait until every result
+        went to Tune. A Tune that stopped asking (it stops the trial) leaves the rest."""
+        self.queue.put(None)
+        self.thread.join(timeout_s)
 
 
 def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: str,
@@ -136,10 +181,15 @@ def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: 
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(base, params, trials_dir=trials_dir, trial_id=trial_id,
                        prepared=prepared)
-    # A trial Tune restarts (its node lost) waits out its own earlier attempt's lease.
-    train(cfg, callbacks=[TrialReporter(by_benchmark=cfg.tune.metric is not None)],
-          tracking_parent=parent,
-          checked=checked.for_trial(cfg), lease_owner=f"trial {trial_id} of {trials_dir}")
+    to_tune = ToTune()
+    try:
+        # A trial Tune restarts (its node lost) waits out its own earlier attempt's lease.
+        train(cfg, callbacks=[TrialReporter(to_tune.queue,
+                                            by_benchmark=cfg.tune.metric is not None)],
+              tracking_parent=parent, checked=checked.for_trial(cfg),
+              lease_owner=f"trial {trial_id} of {trials_dir}")
+    finally:
+        to_tune.close()
 
 
 def trial_resources(cfg: Config, plan: ResourcePlan) -> dict[str, float]:
@@ -208,9 +258,10 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
 
         searcher = OptunaSearch(seed=t.seed)
     metric, mode = ranking(cfg)
-    if tune.Tuner.can_restore(rd):
+    experiment = rundir.tune_experiment(rd)
+    if experiment is not None:
         log(f"raylm: resuming the sweep in {rd}")
-        tuner = tune.Tuner.restore(rd, trainable, resume_errored=True)
+        tuner = tune.Tuner.restore(experiment, trainable, resume_errored=True)
     else:
         log(f"raylm: sweep of {cfg.tune.search} search, up to {concurrent} trials at a time, "
             f"in {rd}")
@@ -221,7 +272,7 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
                 metric=metric, mode=mode, scheduler=scheduler, search_alg=searcher,
                 num_samples=1 if cfg.tune.search == "grid" else cfg.tune.num_samples,
                 max_concurrent_trials=concurrent),
-            run_config=tune.RunConfig(name=cfg.run.name, storage_path=storage_root(cfg),
+            run_config=tune.RunConfig(name=TUNE_EXPERIMENT, storage_path=rd,
                                       verbose=tune_verbosity(cfg.run.verbose)),
         )
     failed = True

@@ -126,3 +126,20 @@ def test_a_dpo_sweep_varies_beta_and_ranks_trials_by_preference_accuracy(tmp_pat
     assert ranking(load_config(None, [])) == ("val_loss", "min")
     with pytest.raises(ConfigError, match="tune.dpo_betas"):
         load_config(None, ["--tune.dpo_betas=[0.1]"])
+
+
+def test_a_sweep_resumes_tunes_experiment_in_its_own_folder_or_in_an_older_sweeps_run_dir(
+        tmp_path):
+    """Tune's experiment is RUN_DIR/tune (Tune writes restore-time copies of its experiment
+    folder's top-level .json files back at its syncs, so raylm's own files stay out of it);
+    a sweep laid out before, with tuner.pkl in RUN_DIR itself, still resumes there."""
+    from raylm.rundir import tune_experiment
+
+    rd = tmp_path / "sweep"
+    rd.mkdir()
+    assert tune_experiment(str(rd)) is None
+    (rd / "tuner.pkl").write_bytes(b"")
+    assert tune_experiment(str(rd)) == str(rd)
+    (rd / "tune").mkdir()
+    (rd / "tune" / "tuner.pkl").write_bytes(b"")
+    assert tune_experiment(str(rd)) == str(rd / "tune")
