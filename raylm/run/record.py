@@ -23,9 +23,9 @@ worker or node, a preempted worker), ``resize`` when Ray Train replaced a health
 says from how many workers to how many, the last step reported before (``at_step``), the step
 resumed from, the steps trained again, and the time lost: wall time from the last report
 before to the first report after, less the time the steps beyond ``at_step`` took at the speed
-before. Reports reach the controller when it polls the workers (every 2 s by default): a group
-that dies before its announcement was polled is not seen, and its failures count towards the
-next restart, whose "from" side is then unknown (None).
+before. Reports reach the controller when it polls the workers (:mod:`raylm.run.launch` sets
+how often): a group that dies before its announcement was polled is not seen, and its failures
+count towards the next restart, whose "from" side is then unknown (None).
 
 Storage traffic grows linearly with the run: on a local or mounted path each record is one
 small append; in object storage (no appends) records are buffered and written as a new

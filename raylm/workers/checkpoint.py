@@ -454,14 +454,15 @@ class Checkpointer:
     is used: the rest of this module runs without it.)
 
     Reports wait for nothing either. Ray Train's controller takes one report per worker per
-    poll (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s by default) and a worker holds one
-    untaken report, so a loop that reports more often than that blocked in
-    ``ray.train.report`` until the next poll: a 2-worker tiny run reporting every step trained
-    12 s of 272. A report without a checkpoint made while any rank's last one is not taken (the
-    ranks agree through :class:`raylm.workers.preemption.Vote`) is held back and sent, oldest
-    first, under ``EARLIER_REPORTS`` of the next report that goes out: the record sees every
-    report, in order, and the loop waits for the controller only at checkpoints, the end and
-    a preemption, where it must."""
+    poll (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``: Ray's 2 s, raylm's 0.5) and a worker
+    holds one untaken report, so a loop that reports more often than that blocked in
+    ``ray.train.report`` until the next poll: at Ray's 2 s, a 2-worker tiny run reporting every
+    step trained 12 s of 272. A
+    report without a checkpoint made while any rank's last one is not taken (the ranks agree
+    through :class:`raylm.workers.preemption.Vote`) is held back and sent, oldest first, under
+    ``EARLIER_REPORTS`` of the next report that goes out: the record sees every report, in
+    order, and the loop waits for the controller only at checkpoints, the end and a
+    preemption, where it must."""
 
     def __init__(self, asynchronous: bool, writer: str, *, device: torch.device,
                  model: nn.Module) -> None:

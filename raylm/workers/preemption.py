@@ -124,8 +124,8 @@ def hand_over(timeout_s: float = 60.0) -> None:
     the preemption checkpoint reaches the run's record, MLflow and Ray Train's checkpoint list
     before the group stops.
 
-    Ray Train's controller takes one report per worker per poll (every 2 s by default) and
-    joins them once every rank has delivered; a rank that raises before its last
+    Ray Train's controller takes one report per worker per poll (raylm.run.launch sets how
+    often) and joins them once every rank has delivered; a rank that raises before its last
     report was taken ends the group in that poll, and the other ranks' copy of the report is
     dropped with it. So each rank waits until its own report queue is empty, then all ranks
     meet: after the barrier every rank's last report has been taken, and the join happens in

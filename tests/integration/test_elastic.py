@@ -98,10 +98,11 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     # placement group of a group of the old size before the elastic policy settles for fewer
     # workers; a group of one is placed at once.
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "4")
-    # Ray Train's poll (every 2 s, one pending report per worker) paces this run at one
-    # checkpoint's report per poll (a report with a checkpoint is never held back), so it is
-    # still going when the node comes back (the resize came at step 55-60 of 120) and when the
-    # drain comes. Drains are looked for every 0.5 s instead of 5.
+    # Ray Train's poll at Ray's 2 s (one pending report per worker; raylm would poll every
+    # 0.5 s) paces this run at one checkpoint's report per poll (a report with a checkpoint is
+    # never held back), so it is still going when the node comes back (the resize came at step
+    # 55-60 of 120) and when the drain comes. Drains are looked for every 0.5 s instead of 5.
+    monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
     cfg = load_config(None, [
         *tiny_run(tmp_path, tokenizer_dir), "--run.name=elastic",

@@ -170,10 +170,12 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
             # paces its steps: 120 of them keep it training when the interrupt comes.
             "--train.steps=120"]
     # The interrupted driver joins the suite's cluster (a local one would take ~10 s to start);
-    # what its trial holds goes with it. Ray Train's poll (2 s, one report each) paces the
-    # trial at a report per 2 s (each carries a checkpoint, and those are never held back), so
-    # it is still training when the interrupt comes.
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    # what its trial holds goes with it. Ray Train's poll at Ray's 2 s (one report each;
+    # raylm would poll every 0.5 s) paces the trial at a report per 2 s (each carries a
+    # checkpoint, and those are never held back), so it is still training when the interrupt
+    # comes.
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+           "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "2"}
     trials = root / "resumed" / "trials"
 
     def newest_step() -> int:
@@ -198,6 +200,10 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     said: list[str] = []
     sweep(load_config(None, args[4:]), log=said.append)
     assert any("resuming the sweep" in line for line in said), said
+    # Tune's experiment has a folder of its own, so Tune's syncs never write the copies it
+    # took at the restore over the sweep's lease or summary.
+    assert (root / "resumed" / "tune" / "tuner.pkl").is_file()
+    assert not (root / "resumed" / "tuner.pkl").exists()
     summary = json.loads((root / "resumed" / "tune_summary.json").read_text())
     (trial,) = summary["trials"]
     assert trial["trial_id"] == trial_dir.name and trial["config"]["lora.rank"] == 2

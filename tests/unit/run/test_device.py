@@ -38,3 +38,19 @@ def test_auto_refuses_what_only_gpus_run_and_an_autoscaler_it_cannot_read():
                                           "no GPU now but autoscales"):
         choose_device(waits, {"CPU": 2.0})
     assert choose_device(waits, {"CPU": 2.0, "GPU": 4.0})[0].scaling.use_gpu is True
+
+
+def test_the_controller_polls_often_for_small_groups_and_never_overrides_the_user(monkeypatch):
+    from raylm.run import launch
+
+    assert [launch.poll_interval(n) for n in (1, 2, 64, 128, 192, 256, 1024)] == [
+        0.5, 0.5, 0.5, 1.0, 1.5, 2.0, 2.0]
+    monkeypatch.delenv(launch.POLL_ENV, raising=False)
+    monkeypatch.setattr(launch, "_poll_set", {})
+    launch.set_poll_interval(2)
+    assert launch.os.environ[launch.POLL_ENV] == "0.5"
+    launch.set_poll_interval(200)  # a later run of the same process, larger: raylm's own value
+    assert launch.os.environ[launch.POLL_ENV] == "1.5625"
+    monkeypatch.setenv(launch.POLL_ENV, "3")  # the user's
+    launch.set_poll_interval(2)
+    assert launch.os.environ[launch.POLL_ENV] == "3"
