@@ -43,7 +43,8 @@ from raylm.run.progress import Feed
 from raylm.run.record import Ending, EndOfRun, EndOnMistake, FinalModel, RunRecord
 from raylm.run.reference import needs_stored_reference, stored_reference
 from raylm.schedule import EXTEND_CLEANLY, schedule_change
-from raylm.workers.loop import HANDOFF, Handoff, train_loop_per_worker
+from raylm.workers.handoff import HANDOFF, Handoff
+from raylm.workers.loop import train_loop_per_worker
 
 
 def cluster_capacity() -> dict[str, float]:

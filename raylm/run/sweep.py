@@ -3,7 +3,7 @@
 Each Ray Tune trial is a whole raylm training run: a Tune function trainable that builds and
 fits its own TorchTrainer (Ray Train V2's way of running Train inside Tune), so a trial can be
 a multi-worker FSDP2 run with its own restarts. The trial's Train controller hands its reports
-to Tune (:class:`TrialReporter`, :class:`ToTune`), where ASHA stops the trials whose
+to Tune (:mod:`raylm.run.trial`), where ASHA stops the trials whose
 validation loss trails. Search:
 random, grid, or Optuna's TPE through Tune's ``OptunaSearch``; nothing here is a hand-written
 searcher or scheduler.
@@ -29,20 +29,18 @@ import functools
 import json
 import math
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 import yaml
 from ray import tune
-from ray.train.v2.api.callback import UserCallback
 from ray.tune.schedulers import ASHAScheduler
 
 from raylm import rundir, storage
 from raylm.config import Config, EvalConfig, config_from_dict, run_dir
 from raylm.console import quiet_libraries, tune_verbosity
 from raylm.data.preparation import prepared_dir
-from raylm.names import GROUP_START, TUNE_EXPERIMENT
+from raylm.names import TUNE_EXPERIMENT
 from raylm.run import benchmarks, tracking
 from raylm.run.launch import (
     ResourcePlan,
@@ -55,8 +53,7 @@ from raylm.run.launch import (
 from raylm.run.lease import hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.tracking import Tracker
-
-METRIC = "val_loss"
+from raylm.run.trial import METRIC, ToTune, TrialReporter
 
 
 def ranking(cfg: Config) -> tuple[str, str]:
@@ -113,65 +110,6 @@ def trial_config(base: dict[str, dict[str, Any]], params: dict[str, Any], *, tri
     tree["run"].update(name=trial_id, storage_path=trials_dir)
     tree["data"]["source"] = prepared
     return config_from_dict(tree)
-
-
-class TrialReporter(UserCallback):
-    """A trial's results for Tune, from its Train controller: each report (less the worker
-    groups' announcements, which carry no ``val_loss``, which Tune requires of every result of
-    a trial), with its checkpoint's path. A sweep ranked by a benchmark (tune.metric) reports
-    a result as each checkpoint's scores arrive instead (the run's record calls
-    :meth:`scored`), with the step of the checkpoint they score: Tune sees the score as soon
-    as it exists, and training never waits for it. Results go into the trial's
-    :class:`ToTune` queue."""
-
-    def __init__(self, queue, *, by_benchmark: bool = False) -> None:
-        self.queue = queue
-        self.by_benchmark = by_benchmark
-
-    def after_report(self, run_context, metrics, checkpoint) -> None:
-        if metrics[0].get("event") == GROUP_START or self.by_benchmark:
-            return
-        result = dict(metrics[0])
-        if checkpoint is not None:
-            result["checkpoint_path"] = checkpoint.path
-        self.queue.put(result)
-
-    def scored(self, record: dict[str, Any], *, val_loss: float | None) -> None:
-        if self.by_benchmark:
-            self.queue.put({"step": record["step"], **record["scores"],
-                            **({} if val_loss is None else {METRIC: val_loss})})
-
-
-class ToTune:
-    """Hands a trial's results to Tune from a thread of the trial's own process, in order,
-    every one of them before the trial's function returns.
-
-    Why not Ray Train's ``TuneReportCallback``: it puts results into a queue that Tune's main
-    thread polls only while the trial's function runs, and the function's return is itself a
-    result. A result put in the last moments of a run could come second: the score of a
-    trial's last checkpoint, put as its run ended, was never seen by Tune whenever the run
-    ended within a fraction of a second of it (a trial trained to step 120 and ranked by its
-    score at step 60). Here a thread takes the results from the queue and reports each one
-    through Tune's session as the function would, and :meth:`close`, called when the run has
-    ended, lets the function return only once that thread has reported them all."""
-
-    def __init__(self) -> None:
-        from ray.util.queue import Queue
-
-        self.queue = Queue(actor_options={"num_cpus": 0})
-        self.thread = threading.Thread(target=self._forward, name="raylm-to-tune", daemon=True)
-        self.thread.start()
-
-    def _forward(self) -> None:
-        while (result := self.queue.get()) is not None:
-            # Returns once Tune took it; a trial Tune stops ends this thread here.
-            tune.report(result)
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """After the run's controller ended (nothing more is put): wait until every result
-        went to Tune. A Tune that stopped asking (it stops the trial) leaves the rest."""
-        self.queue.put(None)
-        self.thread.join(timeout_s)
 
 
 def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: str,

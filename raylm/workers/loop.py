@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import ray.train
@@ -61,6 +61,7 @@ from raylm.schedule import lr_at
 from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter, run_figures, window_figures
+from raylm.workers.handoff import HANDOFF, Handoff, NodeMonitor
 from raylm.workers.health import (
     Fault,
     Health,
@@ -89,42 +90,6 @@ from raylm.workers.step import (
     train_step,
 )
 from raylm.workers.watchdog import bounded
-
-
-class NodeMonitor(Protocol):
-    """System metrics of this worker's node, logged beside the run's metrics (the run's MLflow
-    tracker, handed to workers by the driver)."""
-
-    def start_node_monitor(self, node: str) -> None: ...
-
-    def stop_node_monitor(self) -> None: ...
-
-
-# The key of TorchTrainer's train_loop_config (a dict to Ray Train) that holds the Handoff.
-HANDOFF = "handoff"
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """What the driver gives every worker of a run, once (TorchTrainer's
-    ``train_loop_config[HANDOFF]``); the rest a worker works out from the config."""
-
-    cfg: Config
-    """The run's resolved config (choices the driver made, like the device, included)."""
-    run_dir: str
-    prepared: str
-    """The prepared data's directory (raylm.data.preparation)."""
-    vocab_size: int
-    eos_id: int
-    tracker: NodeMonitor
-    reader_resources: dict[str, float]
-    """What each worker's Ray Data reader reserves (the run's resource plan)."""
-    identity: dict[str, str]
-    """What the run trains with, written into every checkpoint (data, tokenizer, base)."""
-    reference: str | None = None
-    """The stored reference of a DPO full fine-tune (raylm.run.reference)."""
-    lease: str | None = None
-    """The token of the run directory's lease its driver holds (raylm.run.lease)."""
 
 
 @dataclass

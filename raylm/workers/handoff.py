@@ -1,0 +1,50 @@
+"""What the driver hands every worker of a run, once: TorchTrainer's ``train_loop_config``.
+
+A module of its own, without torch: Ray Train's controller unpickles the train loop's config
+with the run's context, and a :class:`Handoff` defined beside the loop made the controller
+import the loop, torch and transformers' model code with it (about 1.5 CPU-seconds, sampled
+with py-spy, spent while the workers' own imports wait for the same 2 cores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from raylm.config import Config
+
+
+class NodeMonitor(Protocol):
+    """System metrics of this worker's node, logged beside the run's metrics (the run's MLflow
+    tracker, handed to workers by the driver)."""
+
+    def start_node_monitor(self, node: str) -> None: ...
+
+    def stop_node_monitor(self) -> None: ...
+
+
+# The key of TorchTrainer's train_loop_config (a dict to Ray Train) that holds the Handoff.
+HANDOFF = "handoff"
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the driver gives every worker of a run, once (TorchTrainer's
+    ``train_loop_config[HANDOFF]``); the rest a worker works out from the config."""
+
+    cfg: Config
+    """The run's resolved config (choices the driver made, like the device, included)."""
+    run_dir: str
+    prepared: str
+    """The prepared data's directory (raylm.data.preparation)."""
+    vocab_size: int
+    eos_id: int
+    tracker: NodeMonitor
+    reader_resources: dict[str, float]
+    """What each worker's Ray Data reader reserves (the run's resource plan)."""
+    identity: dict[str, str]
+    """What the run trains with, written into every checkpoint (data, tokenizer, base)."""
+    reference: str | None = None
+    """The stored reference of a DPO full fine-tune (raylm.run.reference)."""
+    lease: str | None = None
+    """The token of the run directory's lease its driver holds (raylm.run.lease)."""
