@@ -3,10 +3,9 @@
 Each Ray Tune trial is a whole raylm training run: a Tune function trainable that builds and
 fits its own TorchTrainer (Ray Train V2's way of running Train inside Tune), so a trial can be
 a multi-worker FSDP2 run with its own restarts. The trial's Train controller hands its reports
-to Tune (:mod:`raylm.run.trial`), where ASHA stops the trials whose
-validation loss trails. Search:
-random, grid, or Optuna's TPE through Tune's ``OptunaSearch``; nothing here is a hand-written
-searcher or scheduler.
+to Tune (:mod:`raylm.run.trial`), where ASHA stops the trials whose validation loss trails.
+Search: random, grid, or Optuna's TPE through Tune's ``OptunaSearch``; nothing here is a
+hand-written searcher or scheduler.
 
 Every report of a trial carries ``val_loss`` (Tune refuses results without the metric it
 optimizes), so trials report, evaluate and checkpoint at the same steps: ``train.eval_every``.

@@ -75,5 +75,8 @@ class ToTune:
     def close(self, timeout_s: float = 60.0) -> None:
         """After the run's controller ended (nothing more is put): wait until every result
         went to Tune. A Tune that stopped asking (it stops the trial) leaves the rest."""
-        self.queue.put(None)
+        try:
+            self.queue.put(None)
+        except Exception:  # noqa: BLE001 - the queue's actor is gone: nothing more can reach Tune
+            return
         self.thread.join(timeout_s)
