@@ -194,6 +194,7 @@ class AsyncSave:
         self.path = Path(directory)
         self.path.mkdir(parents=True, exist_ok=True)
         self.group = group
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._marker = dict(state=state, config=config, samples=samples, adapters=adapters,
                             identity=identity)
         self._write = dcp.async_save(
@@ -204,14 +205,26 @@ class AsyncSave:
 
     def finish(self) -> None:
         self._write.result()
-        _write_marker(self.path, group=self.group, **self._marker)
+        _write_marker(self.path, group=self.group, world=self.world, **self._marker)
 
 
 def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndarray | None,
                   adapters: dict[str, Any] | None, group: dist.ProcessGroup | None = None,
-                  identity: dict[str, str] | None = None) -> None:
+                  identity: dict[str, str] | None = None, world: int | None = None) -> None:
     """Rank 0 writes the ledger and then the marker naming every rank's files, their sizes
-    and hashes (each rank hashes its own, just written and still in the page cache)."""
+    and hashes (each rank hashes its own, just written and still in the page cache).
+    ``world``: how many ranks saved (an asynchronous save's finish comes later, from Ray
+    Train's upload thread)."""
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1 and not dist.is_initialized():
+        # A group torn down while its checkpoint was in flight (a node lost): Ray Train
+        # destroys the process group, and the upload thread finished the save after it. A
+        # marker of this rank's files alone would pass for a whole checkpoint of one rank
+        # (the others' shards named by DCP's metadata, never uploaded), and every resume
+        # from it would fail in DCP's load; without a marker it is skipped as unfinished.
+        raise CheckpointError(f"{path}: the process group of its {world} ranks ended before "
+                              f"every rank's files were known; no marker is written")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if samples is not None and rank0:
         np.save(path / CHECKPOINT_SAMPLES, samples)

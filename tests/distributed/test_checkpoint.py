@@ -213,3 +213,52 @@ def test_checkpoint_in_object_storage_is_found_verified_and_resumed(saved, tmp_p
     # One rank loads everything: it reads every stored chunk once, nothing twice.
     whole = size_of(ckpt)
     assert 0.8 * whole < fetched["bytes"] <= whole
+
+
+def torn_down(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
+    """Both ranks save in the background; the process group is destroyed before the save's
+    finish (Ray Train tears a group down when a node is lost, while its upload thread still
+    finishes the checkpoint in flight)."""
+    import torch.distributed as dist
+
+    from raylm.workers import checkpoint
+    from raylm.workers.optim import build_optimizer
+    from raylm.workers.step import build_training_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
+                                 device=torch.device("cpu"), precision="fp32", seed=0)
+    opt = build_optimizer(built.model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95),
+                          device_type="cpu")
+    pending = checkpoint.AsyncSave(
+        ckpt, model=built.model, optimizer=opt, config=built.config, samples=None,
+        adapters=None, group=dist.new_group(backend="gloo"), writer="thread",
+        state={"step": 1, "tokens_seen": 128, "data_position": 4})
+    pending._write.result()  # every shard and DCP's metadata are written
+    dist.barrier()
+    dist.destroy_process_group()
+    try:
+        pending.finish()
+        said = "finished"
+    except rundir.CheckpointError as e:
+        said = str(e)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(said)
+    exit_now()
+
+
+def test_a_save_whose_group_is_torn_down_before_it_finishes_gets_no_marker(tmp_path):
+    """A checkpoint in flight when its group ends (a node lost) is left unmarked, so resuming
+    passes it over; a marker listing rank 0's files alone once passed for a whole 1-rank
+    checkpoint, and every restart of the run failed in DCP's load on rank 1's missing
+    shard."""
+    ckpt, out = tmp_path / "checkpoint_000", str(tmp_path / "said")
+    run_ranks(torn_down, args=(2, free_port(), str(ckpt), out), world=2)
+    for rank in range(2):
+        said = open(f"{out}.{rank}").read()
+        assert "process group of its 2 ranks ended" in said and "no marker" in said, said
+    assert not (ckpt / CHECKPOINT_MARKER).exists()
+    assert any(p.name.startswith("__1_") for p in ckpt.iterdir())  # the shards were written
+    assert rundir.latest_verified(tmp_path, warn=lambda _: None) is None
