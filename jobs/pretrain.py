@@ -19,7 +19,7 @@ from pathlib import Path
 # an older one installed on the cluster.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raylm.cli import main  # noqa: E402
+from raylm.cli import run  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    run(["train", *sys.argv[1:]])

@@ -1,5 +1,3 @@
-import sys
+from raylm.cli import run
 
-from raylm.cli import main
-
-sys.exit(main())
+run()

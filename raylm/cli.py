@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 from raylm import __version__
 from raylm.config import Config, ConfigError, for_sweep, load_config
@@ -388,6 +390,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
+def run(argv: Sequence[str] | None = None) -> NoReturn:
+    """The ``raylm`` command as a process of its own: the console script, ``python -m raylm``
+    and the scripts in jobs/ (:func:`main` is for callers that go on afterwards, like tests).
+
+    Its exit skips the interpreter's teardown, which frees every module and object one by one:
+    with torch, transformers and Ray loaded that took 1.3 s after a dry run and 2.0 s after a
+    training run here, after the command's last line, for a process about to end (and a job's
+    status waits for it). What must run at exit still does, in its order: the exit handlers
+    (Ray's disconnect and its last log lines, MLflow's and logging's flushes), after any
+    thread Python would wait for has ended, as at a normal exit."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's --help and usage errors
+        code = e.code
+    if not isinstance(code, int) or any(
+            t.is_alive() and not t.daemon and t is not threading.main_thread()
+            for t in threading.enumerate()):
+        sys.exit(code)
+    import atexit
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _error(e: Exception) -> int:
     text = " ".join(str(e).split("\n"))
     if len(text) > MAX_ERROR_CHARS:
@@ -397,4 +428,4 @@ def _error(e: Exception) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -63,3 +63,38 @@ def test_a_dry_run_preflights_and_says_what_would_run_where(capsys, ray_never_st
     assert f"run: a new sweep in {tmp_path}/runs/tiny-builtin-sweep" in capsys.readouterr().out
     assert main(["train", "--dry-run", "--data.seq_len=4096"]) == 2
     assert "data.seq_len=4096 is above the 1024 positions" in capsys.readouterr().err
+
+
+EXITING = """
+import atexit, sys, threading, time
+from raylm import cli
+atexit.register(lambda: print("exit handler ran", flush=True))
+if "--thread" in sys.argv:
+    def late():
+        time.sleep(0.5)
+        print("thread ended", flush=True)
+    threading.Thread(target=late).start()
+cli.run([a for a in sys.argv[1:] if a != "--thread"])
+"""
+
+
+@pytest.mark.parametrize(("command", "code", "said"), [
+    (["config"], 2, "the following arguments are required"),  # argparse's own exit
+    (["--version"], 0, f"raylm {raylm.__version__}"),
+    (["export", "runs/x", "--output", "runs/y", "--train.steps=3"], 2,
+     "raylm: error: raylm export takes no config overrides"),  # main's own refusal
+])
+def test_the_command_as_a_process_keeps_its_code_output_and_exit_handlers(command, code, said):
+    """`raylm` as a process (the console script) ends without the interpreter's teardown: its
+    exit code, every line it printed (a pipe, not a terminal) and the exit handlers remain,
+    and a thread Python would wait for is waited for."""
+    import subprocess
+    import sys
+
+    for extra in ([], ["--thread"]):
+        p = subprocess.run([sys.executable, "-c", EXITING, *command, *extra],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == code, p.stderr
+        assert said in p.stdout + p.stderr
+        assert p.stdout.rstrip().endswith("exit handler ran"), p.stdout
+        assert ("thread ended" in p.stdout) == bool(extra)

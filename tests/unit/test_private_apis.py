@@ -1,4 +1,4 @@
-"""Every private API raylm reaches into, in one list: an upgrade of Ray, torch or MLflow that
+"""Every private API raylm reaches into, in one list: an upgrade of Python, Ray, torch or MLflow that
 moves or removes one fails here, by name, rather than as a quiet loss of a feature (a mistake
 retried as a fault, a drain notice never read, a planted pickle read without checks).
 
@@ -36,6 +36,9 @@ PRIVATE = [
      "cluster/mlflow.sh"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper",
      "activation checkpointing of decoder blocks", "raylm/model/parallelize.py"),
+    ("atexit", "_run_exitfuncs",
+     "the command's exit handlers, run before it ends without the interpreter's teardown",
+     "raylm/cli.py"),
 ]
 
 
