@@ -1,6 +1,7 @@
-"""Every private API raylm reaches into, in one list: an upgrade of Python, Ray, torch or MLflow that
-moves or removes one fails here, by name, rather than as a quiet loss of a feature (a mistake
-retried as a fault, a drain notice never read, a planted pickle read without checks).
+"""Every private API raylm reaches into, in one list: an upgrade of Python, Ray, torch or
+MLflow that moves or removes one fails here, by name, rather than as a quiet loss of a feature
+(a mistake retried as a fault, a drain notice never read, a planted pickle read without
+checks).
 
 The floors in pyproject.toml are the versions these were read from; where one falls, this file
 says what to look at."""
