@@ -25,6 +25,8 @@ Each figure comes from the command's start (this process's clock) and the run's 
 - ``report_cost_s``: what one report cost the loop, the account's ``reporting`` seconds over
   the reports made;
 - ``recovery_s``: the kill to the first step the new group trained, and the restart's phases;
+- ``exit_s``: the run's end (its record's last event, on the controller) to the command's
+  process gone: the driver's last lines, leaving Ray (and, cold, stopping it), the exit;
 - ``goodput``: the run's account.
 
 Written by hand: Ray Train logs its own worker-group start-up in debug lines, but nothing
@@ -128,6 +130,7 @@ def timed_run(argv: list[str], *, env: dict[str, str], run_dir: Path, log: Path,
     with open(log, "w") as out:
         code = subprocess.call([*raylm_command(), "train", *argv], env=env, stdout=out,
                                stderr=subprocess.STDOUT)
+    exited = time.time()
     done.set()
     if watcher is not None:
         watcher.join()
@@ -135,12 +138,14 @@ def timed_run(argv: list[str], *, env: dict[str, str], run_dir: Path, log: Path,
         raise RuntimeError(f"raylm train exited {code}; its output is in {log}")
     from raylm.run.record import read
 
-    return figures(read(str(run_dir)), started=started, kill=kill or None)
+    return figures(read(str(run_dir)), started=started, kill=kill or None, exited=exited)
 
 
 def figures(records: list[dict[str, Any]], *, started: float,
-            kill: dict[str, Any] | None) -> dict[str, Any]:
-    """A run's start, reports and recovery from its records (see the module doc)."""
+            kill: dict[str, Any] | None, exited: float | None = None) -> dict[str, Any]:
+    """A run's start, reports and recovery from its records (see the module doc); with
+    ``exited`` (when the command's process ended), ``exit_s``: from the run's end record to
+    then (the driver's last lines, leaving Ray, the process's exit)."""
     progress = [r for r in records if r["event"] == "progress"]
     account = goodput(records)
     first_group = next(i for i, r in enumerate(records) if r["event"] == "group_start")
@@ -157,6 +162,9 @@ def figures(records: list[dict[str, Any]], *, started: float,
         "last_step_s": round(progress[-1]["time"] - started, 2),
         "goodput": account,
     }
+    end = next((r for r in reversed(records) if r["event"] == "end"), None)
+    if exited is not None and end is not None:
+        out["exit_s"] = round(exited - end["time"], 2)
     if kill is not None and failure is not None:
         restart = next(r for r in records[failure:] if r["event"] == "group_start")
         after = next(r for r in progress if r["time"] > restart["time"])
@@ -226,7 +234,7 @@ def run(*, workers: list[int], steps: int, kill_after: int, workdir: str | None,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "runs": results,
         "summary": {name: {k: r.get(k) for k in ("first_step_s", "recovery_s",
-                                                  "report_cost_s", "last_step_s")}
+                                                  "report_cost_s", "last_step_s", "exit_s")}
                     | {"goodput": r["goodput"]["goodput"]} for name, r in results.items()},
     }
 

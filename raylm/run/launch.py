@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,12 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raylm import faults, rundir, storage
 from raylm.config import Config, ConfigError, run_dir, storage_root, validate
-from raylm.console import one_copy_of_worker_prints, quiet_libraries, train_log_level
+from raylm.console import (
+    one_copy_of_worker_prints,
+    quiet_libraries,
+    quiet_model_io,
+    train_log_level,
+)
 from raylm.data.preparation import prepared_dir
 from raylm.data.streams import READER_CPUS
 from raylm.data.tokenizer import load_backend
@@ -36,7 +42,7 @@ from raylm.model.build import build_config
 from raylm.names import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY
 from raylm.run import goodput, lease, tracking
 from raylm.run.benchmarks import Benchmarks
-from raylm.run.exporter import write_run_info
+from raylm.run.exporter import export, write_run_info
 from raylm.run.lease import LeaseError, hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
@@ -344,8 +350,8 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
         raise LeaseError(f"run {cfg.run.name!r} stopped: its driver lost the lease on "
                          f"{storage.redact(rd)} to another process, which now drives the run "
                          f"(see {storage.redact(held.path)})")
-    # The record finished summary.json (and the MLflow run) on the controller as the run
-    # ended; this reads it.
+    # The record finished summary.json (and the MLflow run, unless the final model is logged
+    # next) on the controller as the run ended; this reads it.
     summary = record.final_summary()
     if summary is None:  # the controller itself was lost
         tracker.finish(failed=True)
@@ -353,8 +359,56 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
             raise error
         raise RuntimeError(f"the Ray Train controller of run {cfg.run.name!r} ended without "
                            f"finishing its record; see its log")
+    if error is None and ending.final_model is not None and tracker:
+        summary = end_tracked_run(rd, summary, tracker, ending.final_model, log=log)
     say_how_it_ended(cfg, summary, error=error, tracker=tracker, log=log)
     return summary
+
+
+def end_tracked_run(rd: str, summary: dict[str, Any], tracker: tracking.Tracker,
+                    final: FinalModel, *, log=print) -> dict[str, Any]:
+    """A finished run's final model logged to MLflow (see :func:`log_final_model`), its URI
+    added to summary.json, and then the MLflow run ended. Here, on the driver, rather than on
+    the controller as the run ends: the driver has torch and transformers loaded already (the
+    preflight built the model), which the controller imported for this alone, 2 to 3 s more
+    after every tracked run's last step here."""
+    if summary.get("tracking_lost"):  # the store went away during the run: left alone
+        return summary
+    try:
+        if summary.get("status") == "finished":
+            model = log_final_model(rd, tracker, final, log=log)
+            if model is not None:
+                summary = {**summary, **model}
+                storage.write_text(storage.join(rd, SUMMARY), json.dumps(summary, indent=2))
+                tracker.log_run_files(rd, (SUMMARY,))
+    finally:
+        tracker.finish(failed=summary.get("status") != "finished")
+    return summary
+
+
+def log_final_model(run_dir: str, tracker: tracking.Tracker, final: FinalModel, *, log=print
+                    ) -> dict[str, Any] | None:
+    """The run's final checkpoint, exported (a LoRA run's adapter, or the full model), logged
+    to MLflow as the run's model and, with ``register_as``, registered."""
+    with (tempfile.TemporaryDirectory(prefix="raylm-final-model-") as tmp,
+          quiet_model_io()):
+        try:
+            exported = export(run_dir, Path(tmp) / "model", log=log)
+        except Exception as e:  # the run trained; only its copy for MLflow is missing
+            log(f"raylm: warning: the final model was not logged to MLflow: it could not be "
+                f"exported ({type(e).__name__}: {e}); `raylm export {run_dir}` says why")
+            return None
+        step = json.loads((exported / EXPORT_INFO).read_text())["step"]
+        model = tracker.log_model(
+            exported, adapter=final.adapter, step=step,
+            name="adapter" if final.adapter else "model",
+            description=f"raylm run {final.run_name!r} ({run_dir}) at step {step}",
+            register_as=final.register_as)
+    if model is not None:
+        registered = (f", registered as {model['registered_model']} version "
+                      f"{model['registered_version']}" if "registered_model" in model else "")
+        log(f"raylm: final model logged to MLflow as {model['mlflow_model_uri']}{registered}")
+    return model
 
 
 def reference_before_trials(cfg: Config, prepared: str, *, log=print) -> None:

@@ -53,7 +53,6 @@ from raylm.names import (
     EARLIER_REPORTS,
     EVENT_SEGMENTS,
     EVENTS,
-    EXPORT_INFO,
     GROUP_START,
     RUN_INFO,
     SUMMARY,
@@ -216,7 +215,8 @@ class FinalModel:
 class Ending:
     """What the record needs from the driver to finish the run: the train split's row groups
     and the order's seed and window (the final checkpoint's sample accounting), and whether
-    to log a final model (None: tracking is off, or the run is a sweep's trial)."""
+    the driver logs a final model once the run has finished (None: tracking is off, or the run
+    is a sweep's trial); the record then leaves the MLflow run open for it."""
 
     row_group_sizes: list[int]
     seed: int
@@ -445,7 +445,8 @@ class RunRecord(UserCallback):
 
     def finish(self, failed: bool) -> None:
         """The run ended (``failed``: Ray Train gave up on it): the final summary.json, and
-        the MLflow run's final model, files and status."""
+        the MLflow run's files and status (its final model: see :class:`Ending`)."""
+        driver_ends = False
         try:
             if not self._ours():
                 return
@@ -465,13 +466,16 @@ class RunRecord(UserCallback):
             if e is not None and self.checkpoint_path is not None:
                 summary["samples"] = sample_accounting(self.checkpoint_path, e,
                                                        run_dir=self.run_dir)
-            if not failed and e is not None and e.final_model is not None and self.tracker:
-                summary.update(log_final_model(self.run_dir, self.tracker, e.final_model) or {})
             storage.write_text(storage.join(self.run_dir, SUMMARY),
                                json.dumps(summary, indent=2))
             self.tracker.log_run_files(self.run_dir, (SUMMARY, RUN_INFO))
+            # The driver logs the final model (torch and transformers are loaded there, not
+            # here) and then ends the MLflow run (raylm.run.launch.log_final_model).
+            driver_ends = (not failed and e is not None and e.final_model is not None
+                           and bool(self.tracker))
         finally:
-            self.tracker.finish(failed=failed)
+            if not driver_ends:
+                self.tracker.finish(failed=failed)
 
     def final_summary(self) -> dict[str, Any] | None:
         """summary.json as this invocation's record finished it (read on the driver once the
@@ -665,37 +669,6 @@ def sample_accounting(checkpoint_path: str, ending: Ending, *, run_dir: str
     skips = rundir.read_manifest(run_dir)["ranges"] + list(ending.skip_positions)
     return rundir.account_samples(rows, group_sizes=ending.row_group_sizes, seed=ending.seed,
                           window=ending.window, skips=skips)
-
-
-def log_final_model(run_dir: str, tracker: Tracker, final: FinalModel, *, log=print
-                    ) -> dict[str, Any] | None:
-    """The run's final checkpoint, exported (a LoRA run's adapter, or the full model), logged
-    to MLflow as the run's model and, with ``register_as``, registered."""
-    import tempfile
-    from pathlib import Path
-
-    from raylm.console import quiet_model_io
-    from raylm.run.exporter import export
-
-    with (tempfile.TemporaryDirectory(prefix="raylm-final-model-") as tmp,
-          quiet_model_io()):
-        try:
-            exported = export(run_dir, Path(tmp) / "model", log=log)
-        except Exception as e:  # the run trained; only its copy for MLflow is missing
-            log(f"raylm: warning: the final model was not logged to MLflow: it could not be "
-                f"exported ({type(e).__name__}: {e}); `raylm export {run_dir}` says why")
-            return None
-        step = json.loads((exported / EXPORT_INFO).read_text())["step"]
-        model = tracker.log_model(
-            exported, adapter=final.adapter, step=step,
-            name="adapter" if final.adapter else "model",
-            description=f"raylm run {final.run_name!r} ({run_dir}) at step {step}",
-            register_as=final.register_as)
-    if model is not None:
-        registered = (f", registered as {model['registered_model']} version "
-                      f"{model['registered_version']}" if "registered_model" in model else "")
-        log(f"raylm: final model logged to MLflow as {model['mlflow_model_uri']}{registered}")
-    return model
 
 
 class EndOnMistake(ControllerCallback, WorkerGroupCallback):

@@ -41,8 +41,10 @@ RECORDS = [
 
 
 def test_first_step_recovery_and_report_cost_come_from_the_records():
-    f = figures(RECORDS, started=100.0, kill={"killed_at": 114.0, "killed_pids": [1]})
+    f = figures(RECORDS, started=100.0, kill={"killed_at": 114.0, "killed_pids": [1]},
+                exited=126.5)
     assert f["first_step_s"] == 12.5  # step 1 reported at 112.5
+    assert f["exit_s"] == 1.5  # the end record at 125.0, the command gone at 126.5
     p = f["phases"]
     assert p["cli"] == 4.0 and p["controller"] == 2.0 and p["first_step"] == 0.5
     assert (p["imports"], p["ray_train"], p["build"]) == (2.0, 0.5, 1.0)
