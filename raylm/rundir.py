@@ -13,8 +13,9 @@ What a run directory ``RUN_DIR = run.storage_path/run.name`` holds, and who writ
 ``events.jsonl``           the run's record on the Ray Train controller
                            (:mod:`raylm.run.record`; in object storage
                            ``events/<invocation>-<n>.jsonl`` segments)
-``summary.json``           the record only: while the run goes (``status: running``), then
-                           once at its end; the driver reads it
+``summary.json``           the record: while the run goes (``status: running``), then
+                           once at its end; the driver reads it, and adds the final
+                           model's MLflow URI once it has logged it
 ``run.json``,              the driver at each start (:mod:`raylm.run.exporter`: what
 ``tokenizer/``             ``raylm export`` needs)
 ``mlflow_run.json``        the driver, when it creates the MLflow run (:mod:`raylm.run.tracking`)
