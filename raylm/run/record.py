@@ -470,7 +470,7 @@ class RunRecord(UserCallback):
                                json.dumps(summary, indent=2))
             self.tracker.log_run_files(self.run_dir, (SUMMARY, RUN_INFO))
             # The driver logs the final model (torch and transformers are loaded there, not
-            # here) and then ends the MLflow run (raylm.run.launch.log_final_model).
+            # here) and then ends the MLflow run (raylm.run.launch.end_tracked_run).
             driver_ends = (not failed and e is not None and e.final_model is not None
                            and bool(self.tracker))
         finally:
