@@ -371,7 +371,7 @@ def end_tracked_run(rd: str, summary: dict[str, Any], tracker: tracking.Tracker,
     added to summary.json, and then the MLflow run ended. Here, on the driver, rather than on
     the controller as the run ends: the driver has torch and transformers loaded already (the
     preflight built the model), which the controller imported for this alone (the command
-    ended 1.2 to 1.7 s later after a tracked tiny run here)."""
+    ended 1.0 to 1.7 s later after a tracked tiny run here)."""
     if summary.get("tracking_lost"):  # the store went away during the run: left alone
         return summary
     try:
