@@ -841,29 +841,17 @@ def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok
         raise ValueError(f"no fine-tuning example of {d.source!r} was kept (dropped: "
                          f"{ {k: v for k, v in dropped.items() if v} }); check data.format "
                          f"and its fields, or data.seq_len for too_long.")
-    manifest = {
-        "documents_read": read,
-        "documents_kept": kept,
-        "dropped": dropped,
-        "bad_records": bad_records,
-        "tokens": tokens,
-        "block_length": L,
-        "blocks": blocks,
-        "tail_tokens_dropped": tail,
-        "pieces": len(results),
-        "tokenizer_path": str(tok_path),
-        "fingerprint": fp,
-    }
+    manifest = {"documents_read": read, "documents_kept": kept, "dropped": dropped,
+                "bad_records": bad_records, "tokens": tokens, "block_length": L,
+                "blocks": blocks, "tail_tokens_dropped": tail, "pieces": len(results),
+                "tokenizer_path": str(tok_path), "fingerprint": fp}
     if d.examples:
         manifest.update({
             "format": d.format, "loss_on": d.trains_on,
             "trained_tokens": total(None, "trained_tokens"),
             "padding_tokens": padding, "truncated": sum(r.truncated for r in results)})
     layout = {
-        "block_length": L,
-        "eos_id": eos,
-        "seq_len": d.seq_len,
-        "loss_mask": d.examples,
+        "block_length": L, "eos_id": eos, "seq_len": d.seq_len, "loss_mask": d.examples,
         "sources": sources,
         "splits": {s: {"blocks": total(s, "blocks"),
                        "tail_tokens_dropped": total(s, "tail_tokens"),

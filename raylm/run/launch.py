@@ -46,7 +46,7 @@ from raylm.run.exporter import export, write_run_info
 from raylm.run.lease import LeaseError, hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
-from raylm.run.record import Ending, EndOfRun, EndOnMistake, FinalModel, RunRecord
+from raylm.run.record import Ending, FinalModel, RunRecord, controller_callbacks
 from raylm.run.reference import needs_stored_reference, stored_reference
 from raylm.schedule import EXTEND_CLEANLY, schedule_change
 from raylm.workers.handoff import HANDOFF, Handoff
@@ -240,8 +240,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
             storage_path=storage_root(cfg),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            callbacks=[record, EndOfRun(record, max_failures_at_one_step=(
-                cfg.train.max_failures_at_one_step)), EndOnMistake(), *(callbacks or [])],
+            callbacks=[*controller_callbacks(record, cfg), *(callbacks or [])],
             logging_config=LoggingConfig(log_level=train_log_level(cfg.run.verbose)),
         ),
     )

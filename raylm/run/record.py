@@ -147,17 +147,12 @@ def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                              else (group["from_step"], group["time"]))
                 pending = {
                     "event": "restart" if failures else "resize",
-                    "from_workers": group["workers"],
-                    "to_workers": r["workers"],
-                    "at_step": at,
-                    "resumed_from_step": r["from_step"],
-                    "steps_redone": max(0, at - r["from_step"]),
-                    "time_lost_s": None,
+                    "from_workers": group["workers"], "to_workers": r["workers"],
+                    "at_step": at, "resumed_from_step": r["from_step"],
+                    "steps_redone": max(0, at - r["from_step"]), "time_lost_s": None,
                     "failures": len(failures),
                     "cause": failures[-1]["error"] if failures else "resize",
-                    "_since": since,
-                    "_step_time": step_time,
-                }
+                    "_since": since, "_step_time": step_time}
             group, last, failures = r, None, []
         elif kind == "progress":
             if pending is not None:
@@ -497,9 +492,9 @@ class RunRecord(UserCallback):
             self.earlier = [r for r in read(self.run_dir) if r["invocation"] != self.invocation]
         return self.earlier + self.records
 
-    def placing(self) -> None:
-        """Ray Train starts placing a worker group."""
-        self._add("placing")
+    def placing(self, workers: int) -> None:
+        """Ray Train starts placing a worker group of ``workers``."""
+        self._add("placing", workers=workers)
 
     def placed(self, resources_s: float | None) -> None:
         """The group is placed; its placement group waited ``resources_s`` for resources."""
@@ -525,12 +520,9 @@ class RunRecord(UserCallback):
             else self.tracker.uri,
             "tracking_lost": self.tracking_lost,
             "resumed_from_step": self.resumed_from_step,
-            "workers": m.get("workers"),
-            "trainable_params": m.get("trainable_params"),
-            "peak_memory_gb": m.get("peak_memory_gb"),
-            "param_memory_gb": m.get("param_memory_gb"),
-            "optimizer_memory_gb": m.get("optimizer_memory_gb"),
-            **{k: m.get(k) for k in ("data_parallel", "tensor_parallel", "pipeline_parallel")},
+            **{k: m.get(k) for k in ("workers", "trainable_params", "peak_memory_gb",
+                                     "param_memory_gb", "optimizer_memory_gb", "data_parallel",
+                                     "tensor_parallel", "pipeline_parallel")},
             # GPU energy and time (None on CPUs): see raylm.workers.energy.
             **{k: m.get(k) for k in ("joules_per_token", "watts_per_gpu", "energy_kwh",
                                      "gpu_hours", "cost")},
@@ -623,7 +615,7 @@ class EndOfRun(ControllerCallback, WorkerGroupCallback):
         self.record._safely(self.record.finish, result.error is not None)
 
     def before_worker_group_start(self, worker_group_context) -> None:
-        self.record._safely(self.record.placing)
+        self.record._safely(lambda: self.record.placing(worker_group_context.num_workers))
 
     def after_worker_group_start(self, worker_group) -> None:
         self.record._safely(lambda: self.record.placed(resource_wait(worker_group)))
@@ -669,6 +661,47 @@ def sample_accounting(checkpoint_path: str, ending: Ending, *, run_dir: str
     skips = rundir.read_manifest(run_dir)["ranges"] + list(ending.skip_positions)
     return rundir.account_samples(rows, group_sizes=ending.row_group_sizes, seed=ending.seed,
                           window=ending.window, skips=skips)
+
+
+class FreshClusterView(ControllerCallback, WorkerGroupCallback):
+    """On an elastic run's controller: Ray Train's elastic policy sizes a group by what Ray
+    Data's autoscaling coordinator reserved for it, which reads the cluster's nodes every 20 s;
+    after a node loss the policy asked again for the old size and waited
+    ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s by default) for it. The coordinator is
+    asked to read them again (its ``recompute``, as Ray Train asks before pinning nodes) at each
+    restart and every ``every_s`` while a group runs; unawaited, as it takes one caller's calls
+    in order. Without the coordinator (another Ray), Ray's own refresh applies."""
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s, self.last, self.coordinator = every_s, 0.0, None
+
+    def refresh(self) -> None:
+        import ray
+
+        self.last = time.monotonic()
+        try:
+            self.coordinator = self.coordinator or ray.get_actor(
+                "AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+            self.coordinator.get_reserved_resources.remote("raylm", recompute=True)
+        except Exception:  # noqa: BLE001 - a faster view, never a reason to fail the run
+            self.coordinator = None
+
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+        if failure_decision == FailureDecision.RETRY:
+            self.refresh()
+
+    def after_worker_group_poll_status(self, worker_group_status) -> None:
+        if time.monotonic() - self.last >= self.every_s:
+            self.refresh()
+
+
+def controller_callbacks(record: RunRecord, cfg) -> list:
+    """The record and the controller callbacks that go with it, for ``cfg``'s run."""
+    sc = cfg.scaling
+    elastic = [FreshClusterView(min(sc.resize_interval_s, 5.0))] if isinstance(
+        sc.num_workers, list) else []
+    return [record, EndOfRun(record, max_failures_at_one_step=(
+        cfg.train.max_failures_at_one_step)), EndOnMistake(), *elastic]
 
 
 class EndOnMistake(ControllerCallback, WorkerGroupCallback):

@@ -245,11 +245,9 @@ def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
         found = rundir.latest_verified(storage.join(rd, "trials", str(trial_id)),
                                            warn=lambda m: None)
         trials.append({
-            "trial_id": trial_id,
-            "config": {k: v for k, v in r.config.items()},
+            "trial_id": trial_id, "config": {k: v for k, v in r.config.items()},
             "val_loss": min((v for _, v in history), default=None),
-            metric: better((v for _, v in ranked), default=None),
-            "steps": steps,
+            metric: better((v for _, v in ranked), default=None), "steps": steps,
             "stopped_early": r.error is None and steps < cfg.train.steps,
             "error": str(r.error).splitlines()[0] if r.error else None,
             "checkpoint_path": str(found[0]) if found else None,
@@ -260,16 +258,13 @@ def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
     done = [t for t in trials if t[metric] is not None]
     best = better(done, key=lambda t: t[metric]) if done else None
     return {
-        "trials": trials,
-        "metric": metric,
+        "trials": trials, "metric": metric,
         "best": None if best is None else {
             "trial_id": best["trial_id"], "config": best["config"],
             **{k: best[k] for k in dict.fromkeys((METRIC, metric))},
             "checkpoint_path": best["checkpoint_path"]},
-        "mlflow_parent_run_id": parent.run_id,
-        "mlflow_tracking_uri": parent.uri,
-        "trials_dir": storage.join(rd, "trials"),
-    }
+        "mlflow_parent_run_id": parent.run_id, "mlflow_tracking_uri": parent.uri,
+        "trials_dir": storage.join(rd, "trials")}
 
 
 def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print,

@@ -71,6 +71,12 @@ def autoscaling():
                              **settings):
             return fake_cluster_config(head_resources, worker_node_types, **settings)
 
+        def shutdown(self):
+            # `ray stop --force` kills at once, then waits for the killed processes to be
+            # gone for a third of the grace period (16 s) per group of them: 12.5 s here,
+            # where killed processes nobody reaps stay in the process table.
+            subprocess.check_call([BIN / "ray", "stop", "--force", "--grace-period=0"])
+
     # The cluster is started with `ray` from this environment. Token authentication: `ray
     # start` turns it on when this user has a token, which a first local ray.init writes;
     # make one the same way if no test has yet. This process never joins the cluster: the

@@ -120,7 +120,7 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     rank), stopped with Ctrl-C once the trial has a checkpoint; the same sweep run again goes
     on with that trial from its newest checkpoint rather than from the start. The sweep ranks
     trials by a benchmark, an lm-eval task of held-out pairs scored beside the trial at its
-    checkpoints of steps 60 and 120: each is scored once over both invocations, and Tune
+    checkpoints of steps 40 and 80: each is scored once over both invocations, and Tune
     ranks by the score. The trial's adapters have the rank the sweep gave it (2), not the
     config's (4): the trial's settings reached its workers."""
     import os
@@ -164,11 +164,11 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
             "--tune.lora_ranks=[2]", "--tune.max_concurrent=1", f"--data.source={pairs}",
             "--data.format=preference", "--data.seq_len=95", "--train.objective=dpo",
             "--tune.dpo_betas=[0.3]", "--eval.tasks=[held_out_pairs]",
-            f"--eval.include_path={tasks}", "--eval.every=12", "--eval.resources={CPU: 0.5}",
+            f"--eval.include_path={tasks}", "--eval.every=8", "--eval.resources={CPU: 0.5}",
             "--tune.metric=eval/held_out_pairs/acc",
             # Ranked by a benchmark, a trial reports to Tune only with its scores, so nothing
-            # paces its steps: 120 of them keep it training when the interrupt comes.
-            "--train.steps=120"]
+            # paces its steps: 80 of them keep it training when the interrupt comes.
+            "--train.steps=80"]
     # The interrupted driver joins the suite's cluster (a local one would take ~10 s to start);
     # what its trial holds goes with it. Ray Train's poll at Ray's 2 s (one report each;
     # raylm would poll every 0.5 s) paces the trial at a report per 2 s (each carries a
@@ -193,7 +193,7 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     out, _ = first.communicate(timeout=120)
     (trial_dir,) = [d for d in trials.glob("*") if d.is_dir()]
     interrupted_at = newest_step()
-    assert 5 <= interrupted_at < 120, out[-3000:]
+    assert 5 <= interrupted_at < 40, out[-3000:]
 
     # The same sweep again, from this process (a second interpreter would start and import
     # everything once more): it resumes, and the trial goes on from its checkpoint.
@@ -210,19 +210,19 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     metric = "eval/held_out_pairs/acc"
     assert trial["config"]["dpo.beta"] == 0.3 and summary["metric"] == metric
     assert summary["best"][metric] == trial[metric]
-    assert trial["steps"] == 120 and not trial["stopped_early"]
+    assert trial["steps"] == 80 and not trial["stopped_early"]
     ran = json.loads((trial_dir / "summary.json").read_text())
     assert ran["status"] == "finished" and ran["resumed_from_step"] == interrupted_at
     records = [json.loads(line) for line in (trial_dir / "events.jsonl").read_text()
                .splitlines()]
     assert len({r["invocation"] for r in records}) == 2
     scored = [r for r in records if r["event"] == "benchmark"]
-    assert [r["step"] for r in scored] == [60, 120], records
+    assert [r["step"] for r in scored] == [40, 80], records
     # Tune ranked by the scores as they came: its best is the best of the two.
     assert trial[metric] == max(r["scores"][metric] for r in scored)
     assert ran["benchmarks"]["scores"][metric]["best"] == trial[metric]
     # The sweep's record and plot hold the score at each scored step.
-    assert [s for s, _ in trial["scores"]] == [60, 120]
+    assert [s for s, _ in trial["scores"]] == [40, 80]
     assert ran["samples"]["duplicated"] == 0 and ran["samples"]["skipped"] == 0
     meta = dcp.FileSystemReader(trial["checkpoint_path"]).read_metadata()
     ranks = {v.size[0] for k, v in meta.state_dict_metadata.items()

@@ -37,6 +37,9 @@ PRIVATE = [
      "cluster/mlflow.sh"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper",
      "activation checkpointing of decoder blocks", "raylm/model/parallelize.py"),
+    ("ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator",
+     "_AutoscalingCoordinatorActor", "an elastic run's coordinator reads the cluster's nodes again "
+     "at each restart, not 20 s later", "raylm/run/record.py"),
     ("atexit", "_run_exitfuncs",
      "the command's exit handlers, run before it ends without the interpreter's teardown",
      "raylm/cli.py"),
@@ -107,3 +110,14 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape(tmp_path, monkeyp
     assert "placement_group_handle" in {f.name for f in dataclasses.fields(WorkerGroupState)}
     assert "end_to_end_creation_latency_ms" in inspect.getsource(
         importlib.import_module("ray._private.state").GlobalState._gen_placement_group_info)
+    # raylm.run.record.FreshClusterView: the elastic policy's source of cluster resources, by
+    # the name and namespace Ray creates it under, and its call that reads the nodes again.
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as dac
+
+    made = inspect.getsource(dac.get_or_create_autoscaling_coordinator)
+    assert 'name="AutoscalingCoordinator"' in made
+    assert 'namespace="AutoscalingCoordinator"' in made
+    assert list(inspect.signature(
+        dac._AutoscalingCoordinatorActor.get_reserved_resources).parameters) == [
+        "self", "requester_id", "recompute"]
+    assert "TICK_INTERVAL_S = 20" in inspect.getsource(dac._AutoscalingCoordinatorActor)
