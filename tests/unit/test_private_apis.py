@@ -117,7 +117,8 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape(tmp_path, monkeyp
     made = inspect.getsource(dac.get_or_create_autoscaling_coordinator)
     assert 'name="AutoscalingCoordinator"' in made
     assert 'namespace="AutoscalingCoordinator"' in made
-    assert list(inspect.signature(
-        dac._AutoscalingCoordinatorActor.get_reserved_resources).parameters) == [
-        "self", "requester_id", "recompute"]
+    # (Ray adds its own tracing parameter once a process has wrapped the class in ray.remote.)
+    assert [p for p in inspect.signature(
+        dac._AutoscalingCoordinatorActor.get_reserved_resources).parameters
+        if not p.startswith("_ray")] == ["self", "requester_id", "recompute"]
     assert "TICK_INTERVAL_S = 20" in inspect.getsource(dac._AutoscalingCoordinatorActor)
