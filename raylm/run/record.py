@@ -663,22 +663,23 @@ def sample_accounting(checkpoint_path: str, ending: Ending, *, run_dir: str
                           window=ending.window, skips=skips)
 
 
-class FreshClusterView(ControllerCallback, WorkerGroupCallback):
+class FreshClusterView(ControllerCallback):
     """On an elastic run's controller: Ray Train's elastic policy sizes a group by what Ray
     Data's autoscaling coordinator reserved for it, which reads the cluster's nodes every 20 s;
     after a node loss the policy asked again for the old size and waited
-    ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s by default) for it. The coordinator is
-    asked to read them again (its ``recompute``, as Ray Train asks before pinning nodes) at each
-    restart and every ``every_s`` while a group runs; unawaited, as it takes one caller's calls
-    in order. Without the coordinator (another Ray), Ray's own refresh applies."""
+    ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S`` (60 s by default) for it. At each decision to
+    restart, the coordinator is asked to read them again (its ``recompute``, as Ray Train asks
+    before pinning nodes); unawaited, as it takes one caller's calls in order. Only then: read
+    while a group runs, a lost node turned the restart into a healthy-looking resize before
+    the lost worker's failure was seen. Without the coordinator, Ray's own refresh applies."""
 
-    def __init__(self, every_s: float) -> None:
-        self.every_s, self.last, self.coordinator = every_s, 0.0, None
+    coordinator = None
 
-    def refresh(self) -> None:
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
         import ray
 
-        self.last = time.monotonic()
+        if failure_decision != FailureDecision.RETRY:
+            return
         try:
             self.coordinator = self.coordinator or ray.get_actor(
                 "AutoscalingCoordinator", namespace="AutoscalingCoordinator")
@@ -686,20 +687,10 @@ class FreshClusterView(ControllerCallback, WorkerGroupCallback):
         except Exception:  # noqa: BLE001 - a faster view, never a reason to fail the run
             self.coordinator = None
 
-    def before_controller_execute_failure_decision(self, failure_decision) -> None:
-        if failure_decision == FailureDecision.RETRY:
-            self.refresh()
-
-    def after_worker_group_poll_status(self, worker_group_status) -> None:
-        if time.monotonic() - self.last >= self.every_s:
-            self.refresh()
-
 
 def controller_callbacks(record: RunRecord, cfg) -> list:
     """The record and the controller callbacks that go with it, for ``cfg``'s run."""
-    sc = cfg.scaling
-    elastic = [FreshClusterView(min(sc.resize_interval_s, 5.0))] if isinstance(
-        sc.num_workers, list) else []
+    elastic = [FreshClusterView()] if isinstance(cfg.scaling.num_workers, list) else []
     return [record, EndOfRun(record, max_failures_at_one_step=(
         cfg.train.max_failures_at_one_step)), EndOnMistake(), *elastic]
 

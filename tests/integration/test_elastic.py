@@ -101,14 +101,14 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     # Ray Train's poll at Ray's 2 s (one pending report per worker; raylm would poll every
     # 0.5 s) paces this run at one checkpoint's report per poll (a report with a checkpoint is
     # never held back), so it is still going when the node comes back (the resize came at step
-    # 20-25 of 100) and when the drain comes (step 41-46). Drains are looked for every 0.5 s
+    # 40-65 of 120) and when the drain comes (step 61-78). Drains are looked for every 0.5 s
     # instead of 5.
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
     cfg = load_config(None, [
         *tiny_run(tmp_path, tokenizer_dir), "--run.name=elastic",
         "--train.global_batch_size=8", "--train.micro_batch_size=2",
-        "--train.steps=100", "--train.log_every=5", "--train.eval_every=100",
+        "--train.steps=120", "--train.log_every=5", "--train.eval_every=100",
         "--train.eval_batches=2", "--checkpoint.every=5", "--optim.lr=3e-3",
         "--scaling.num_workers=[1,2]", "--scaling.worker_resources={trainer: 1}",
         "--scaling.resize_interval_s=2", "--tracking.enabled=false"])
@@ -154,7 +154,7 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     thread.join(300)
     assert "summary" in out, "the run did not finish"
     s = out["summary"]
-    assert s["status"] == "finished" and s["final_step"] == 100 and s["workers"] == 1
+    assert s["status"] == "finished" and s["final_step"] == 120 and s["workers"] == 1
     shrink, grow, drained = s["interruptions"]
     assert (shrink["event"], shrink["from_workers"], shrink["to_workers"]) == ("restart", 2, 1)
     assert (grow["event"], grow["from_workers"], grow["to_workers"]) == ("resize", 1, 2)
@@ -162,8 +162,8 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
         "restart", 2, 1)
     assert s["restarts"] == 2 and s["resizes"] == 3
     # The first group placed after the loss was of the 1 worker that fits: the elastic policy
-    # saw the lost node gone at once (raylm's FreshClusterView), rather than asking again for
-    # 2 until Ray's view of the nodes caught up.
+    # saw the lost node gone at the restart (raylm's FreshClusterView), rather than asking
+    # again for 2 until Ray's view of the nodes caught up.
     records = record.read(str(run_dir))
     lost_at = next(i for i, e in enumerate(records) if e["event"] == "failure")
     assert next(e for e in records[lost_at:] if e["event"] == "placing")["workers"] == 1
@@ -173,5 +173,5 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     assert "node drain" in drained["cause"] and "draining" in drained["cause"]
     assert drained["steps_redone"] == 0
     assert drained["resumed_from_step"] == drained["at_step"] > grow["resumed_from_step"]
-    assert s["samples"] == {"steps": 100, "trained": 800, "duplicated": 0, "skipped": 0,
+    assert s["samples"] == {"steps": 120, "trained": 960, "duplicated": 0, "skipped": 0,
                             "withheld": 0, "in_order": True, "left_out": 0}
