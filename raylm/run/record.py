@@ -676,10 +676,10 @@ class FreshClusterView(ControllerCallback):
     coordinator = None
 
     def before_controller_execute_failure_decision(self, failure_decision) -> None:
-        import ray
-
         if failure_decision != FailureDecision.RETRY:
             return
+        import ray
+
         try:
             self.coordinator = self.coordinator or ray.get_actor(
                 "AutoscalingCoordinator", namespace="AutoscalingCoordinator")

@@ -101,7 +101,7 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     # Ray Train's poll at Ray's 2 s (one pending report per worker; raylm would poll every
     # 0.5 s) paces this run at one checkpoint's report per poll (a report with a checkpoint is
     # never held back), so it is still going when the node comes back (the resize came at step
-    # 40-65 of 120) and when the drain comes (step 61-78). Drains are looked for every 0.5 s
+    # 40-65 of 120) and when the drain comes (step 56-78). Drains are looked for every 0.5 s
     # instead of 5.
     monkeypatch.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2")
     monkeypatch.setenv("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", "0.5")
