@@ -318,7 +318,8 @@ class DataConfig:
                "unset (automatic) or a number >= 0")
         _check(d.first_batch_timeout_s > 0, "data.first_batch_timeout_s",
                d.first_batch_timeout_s, "a number of seconds > 0")
-        for key in ("text_field", "messages_field", "prompt_field", "completion_field"):
+        for key in ("text_field", "messages_field", "prompt_field", "completion_field",
+                    "chosen_field", "rejected_field"):
             _check(bool(getattr(d, key)), f"data.{key}", getattr(d, key),
                    "a non-empty field name")
         _check(d.format != "text" or d.loss_on in (None, "all"), "data.loss_on", d.loss_on,

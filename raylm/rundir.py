@@ -201,7 +201,7 @@ _RAY_CKPT = re.compile(r"^checkpoint_")
 
 
 def account_samples(rows: np.ndarray, *, group_sizes: list[int], seed: int, window: int,
-            skips: list[list[int]] = ()) -> dict[str, Any]:
+                    skips: list[list[int]] = ()) -> dict[str, Any]:
     """A ledger ``(steps, global batch)`` against the seed's order for as many samples, less
     the position ranges ``skips`` left out of it (:class:`raylm.data.packing.Skips`).
 
@@ -227,6 +227,7 @@ def account_samples(rows: np.ndarray, *, group_sizes: list[int], seed: int, wind
         "in_order": bool(np.array_equal(trained, expected)),
         "left_out": int(positions[-1] + 1 - len(flat)) if len(flat) else 0,
     }
+
 
 def candidates(run_dir: str | os.PathLike) -> list[str]:
     """Checkpoint directories under ``run_dir`` (Ray Train names them checkpoint_*), newest

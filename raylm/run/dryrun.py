@@ -101,7 +101,7 @@ def _run(cfg: Config, *, sweep: bool) -> str:
     from raylm.run.launch import base_model_identity, finished
 
     found = rundir.latest_usable(rd, bad=rundir.read_manifest(rd)["bad_checkpoints"],
-                                     warn=lambda m: None)
+                                 warn=lambda m: None)
     if found is None:
         return f"run: a new run in {where} (run.name={cfg.run.name})"
     path, marker = found
@@ -110,8 +110,8 @@ def _run(cfg: Config, *, sweep: bool) -> str:
     # the rest is compared when the run starts.
     if marker.get("identity"):
         rundir.check_same_run(marker, {**marker["identity"],
-                                           "base_model": base_model_identity(cfg)},
-                                  str(path), accept=cfg.checkpoint.accept_changes)
+                                       "base_model": base_model_identity(cfg)},
+                              str(path), accept=cfg.checkpoint.accept_changes)
     if finished(cfg, found) is not None:
         return (f"run: {where} has trained its {step} steps already: nothing to do (raise "
                 f"train.steps to train on)")

@@ -218,7 +218,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
                   identity: dict[str, str] | None = None, reference: str | None = None,
                   lease: str | None = None) -> TorchTrainer:
     """The run's TorchTrainer. ``identity``: what the run trains with, written into every
-    checkpoint's marker (:func:`raylm.workers.rundir.check_same_run`); ``reference``: the
+    checkpoint's marker (:func:`raylm.rundir.check_same_run`); ``reference``: the
     stored reference of a DPO full fine-tune (:mod:`raylm.run.reference`); ``lease``: the
     token of the run directory's lease the driver holds, which the workers check before each
     checkpoint (:mod:`raylm.run.lease`)."""
@@ -287,7 +287,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     if rundir.describe_manifest(skipped):
         log(f"raylm: {rundir.describe_manifest(skipped)}")
     found = rundir.latest_usable(rd, bad=skipped["bad_checkpoints"],
-                                     warn=lambda m: log(f"warning: {m}"))
+                                 warn=lambda m: log(f"warning: {m}"))
     done = finished(cfg, found)
     if done is not None:
         log(f"raylm: run {cfg.run.name!r} has trained its {done['final_step']} steps already "
@@ -534,7 +534,7 @@ def check_same_run(cfg: Config, found: tuple[str, dict] | None, identity: dict[s
     if found is None:
         return []
     changed = rundir.check_same_run(found[1], identity, str(found[0]),
-                                        accept=cfg.checkpoint.accept_changes)
+                                    accept=cfg.checkpoint.accept_changes)
     if changed:
         log(f"raylm: warning: resuming {found[0]} with changed "
             f"{', '.join(rundir.IDENTITY[k] for k in changed)} "
@@ -553,8 +553,7 @@ def check_resumable(cfg: Config, found: tuple[str, dict] | None, *, vocab_size: 
         return None
     model_cfg = build_config(preset=cfg.model.preset, path=cfg.model.path,
                              vocab_size=vocab_size, eos_id=eos_id, attn_implementation="sdpa")
-    rundir.check_compatible(found[1], model_cfg, str(found[0]),
-                                lora.settings(cfg.lora))
+    rundir.check_compatible(found[1], model_cfg, str(found[0]), lora.settings(cfg.lora))
     state = found[1]["state"]
     log(f"raylm: run {cfg.run.name!r} exists; resuming from step {state['step']} "
         f"of {cfg.train.steps} ({found[0]})")

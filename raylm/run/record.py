@@ -660,7 +660,7 @@ def sample_accounting(checkpoint_path: str, ending: Ending, *, run_dir: str
         return None
     skips = rundir.read_manifest(run_dir)["ranges"] + list(ending.skip_positions)
     return rundir.account_samples(rows, group_sizes=ending.row_group_sizes, seed=ending.seed,
-                          window=ending.window, skips=skips)
+                                  window=ending.window, skips=skips)
 
 
 class FreshClusterView(ControllerCallback):

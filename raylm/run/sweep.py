@@ -243,7 +243,7 @@ def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
         steps = max((s for s, _ in history), default=0)
         trial_id = r.metrics.get("trial_id")  # Tune adds it to every result
         found = rundir.latest_verified(storage.join(rd, "trials", str(trial_id)),
-                                           warn=lambda m: None)
+                                       warn=lambda m: None)
         trials.append({
             "trial_id": trial_id, "config": {k: v for k, v in r.config.items()},
             "val_loss": min((v for _, v in history), default=None),

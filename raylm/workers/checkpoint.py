@@ -114,7 +114,7 @@ def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.opt
          ) -> None:
     """Write this rank's shards into ``directory`` (rank 0 also ``samples``, the sample
     ledger, and the marker, last). ``identity``: what the run trains with (data, tokenizer,
-    base model; see :func:`check_same_run`)."""
+    base model; see :func:`raylm.rundir.check_same_run`)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))

@@ -154,6 +154,13 @@ def test_values_that_size_allocations_have_a_ceiling(override, allowed):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("key", ["text_field", "messages_field", "prompt_field",
+                                 "completion_field", "chosen_field", "rejected_field"])
+def test_every_field_name_of_the_data_must_be_given(key):
+    with pytest.raises(ConfigError, match=f"data.{key}.*a non-empty field name"):
+        load_config(None, [f"--data.{key}="])
+
+
 def test_duplicate_keys_are_refused_with_both_lines(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("train:\n  steps: 5\n  seed: 1\n  steps: 50\n")
