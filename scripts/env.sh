@@ -23,7 +23,7 @@ PIP="$VENV/bin/pip"
 UV=("$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/python")
 "$PIP" install --quiet --disable-pip-version-check uv
 EXTRAS="${RAYLM_EXTRAS-dev}"
-# llama.cpp, which the tests run GGUF exports in: its libraries compile (1.6 minutes here,
+# llama.cpp, which the tests run GGUF exports in: its libraries compile (54 s alone here,
 # scripts/llama_cpp.sh says why) while the packages below download, once per environment.
 LLAMA_LIBS=""
 if [[ ",$EXTRAS," == *",dev,"* ]] && ! "$VENV/bin/python" -c "import llama_cpp" 2> /dev/null
@@ -50,6 +50,7 @@ TARGET=".${EXTRAS:+[$EXTRAS]}"
 "${UV[@]}" -c constraints.txt -e "$TARGET" \
     || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt -e "$TARGET"
 if [ -n "$LLAMA_LIBS" ]; then
+    bash scripts/llama_cpp.sh binding "$VENV"  # 7 s of its own, while the libraries compile
     if ! wait "$LLAMA_BUILD"; then
         cat "$LLAMA_LIBS.log" >&2
         echo "env: compiling llama.cpp failed (it needs cmake and a C++ compiler)" >&2
