@@ -185,16 +185,16 @@ def test_training_outlives_its_mlflow_server(base, server, capsys):
     lines: list[str] = []
     run_dir = Path(next(a for a in base if a.startswith("--run.storage_path=")).split("=", 1)[1])
     out = faults.run_and_interfere(
-        lambda: train(load_config(None, [*base, "--run.name=orphaned", "--train.steps=60",
+        lambda: train(load_config(None, [*base, "--run.name=orphaned", "--train.steps=30",
                                           f"--tracking.uri={uri}", "--tracking.log_model=true"]),
                       log=lines.append),
         run_dir / "orphaned", acts=[(4, kill)])
-    assert out["status"] == "finished" and out["final_step"] == 60
-    assert out["samples"]["trained"] == 60 * 4 and out["samples"]["in_order"]
+    assert out["status"] == "finished" and out["final_step"] == 30
+    assert out["samples"]["trained"] == 30 * 4 and out["samples"]["in_order"]
     lost = [e for e in record.read(str(run_dir / "orphaned")) if e["event"] == "tracking_lost"]
     # The controller hears of reports at its polls, so the first one it failed to log may
     # be older than the checkpoint that the server outlived.
-    assert len(lost) == 1 and lost[0]["step"] < 60, lost
+    assert len(lost) == 1 and lost[0]["step"] < 30, lost
     assert out["tracking_lost"] == {"step": lost[0]["step"], "error": lost[0]["error"]}
     assert "mlflow_model_uri" not in out
     # The driver said nothing more about it, in its log or its own prints (the tracker's

@@ -280,7 +280,6 @@ def check_benchmarks(full: dict, run_dir, merged, store: str, tasks, capsys) -> 
     """The LoRA run's benchmark scores (checkpoints at steps 10 and 20, scored beside it):
     where a user reads them, what `raylm eval` and lm-eval's own command line give, and
     which checkpoints a resumed run would score."""
-    import subprocess
     import sys
 
     from mlflow import MlflowClient
@@ -314,16 +313,22 @@ def check_benchmarks(full: dict, run_dir, merged, store: str, tasks, capsys) -> 
     assert [r["step"] for r in events] == [10, 20, 10]
     assert events[-1]["scores"] == events[0]["scores"]
 
-    # lm-eval's own command line on the merged export of step 20: the same scores.
-    out = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "run", "--model", "hf", "--model_args",
-         f"pretrained={merged}", "dtype=float32", "--tasks", "reverse_mc", "--include_path",
-         str(tasks), "--device", "cpu", "--batch_size", "8", "--output_path",
-         str(merged.parent / "lm-eval")],
-        capture_output=True, text=True, timeout=300, check=True)
+    # lm-eval's own command line on the merged export of step 20: the same scores. Its entry
+    # point (`python -m lm_eval` and the `lm_eval` script call it), in this process: a fresh
+    # interpreter would spend seconds importing what this one holds.
+    from unittest import mock
+
+    from lm_eval.__main__ import cli_evaluate
+
+    with mock.patch.object(sys, "argv", [
+            "lm_eval", "run", "--model", "hf", "--model_args", f"pretrained={merged}",
+            "dtype=float32", "--tasks", "reverse_mc", "--include_path", str(tasks),
+            "--device", "cpu", "--batch_size", "8", "--output_path",
+            str(merged.parent / "lm-eval")]):
+        cli_evaluate()
     (found,) = list((merged.parent / "lm-eval").rglob("results_*.json"))
     theirs = json.loads(found.read_text())["results"]["reverse_mc"]
-    assert theirs["acc,none"] == at[20], out.stdout[-2000:]
+    assert theirs["acc,none"] == at[20], capsys.readouterr().out[-2000:]
     assert theirs["acc_norm,none"] == scores["eval/reverse_mc/acc_norm"]["latest"]
 
     # A resumed run scores the due checkpoints no invocation scored, and only those.
