@@ -2,6 +2,8 @@
 #             (prepare + train)
 # make test   set up .venv if missing, then run the whole test suite (what CI runs)
 # make test-fast   the unit and distributed tests only, no Ray cluster (the developer's loop)
+# make test-latest the unit and distributed tests on the newest releases pyproject.toml admits,
+#                  in .venv-latest (scripts/test_latest.sh)
 # make docs   serve the documentation site on http://127.0.0.1:8000
 VENV ?= .venv
 # What raylm needs to run (the demo), and all the tests need besides (their extras, and
@@ -9,7 +11,7 @@ VENV ?= .venv
 RUN_STAMP := $(VENV)/.raylm-run-installed
 STAMP := $(VENV)/.raylm-installed
 
-.PHONY: env demo test test-fast docs bench-data
+.PHONY: env demo test test-fast test-latest docs bench-data
 
 $(RUN_STAMP): pyproject.toml constraints.txt scripts/env.sh
 	RAYLM_EXTRAS= bash scripts/env.sh $(VENV)
@@ -31,6 +33,9 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q --durations=10 tests/unit tests/distributed
+
+test-latest:
+	bash scripts/test_latest.sh .venv-latest
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs serve -a 127.0.0.1:8000

@@ -34,7 +34,9 @@ build() {
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
         -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DCMAKE_INSTALL_RPATH='$ORIGIN' > "$work/cmake.log"
-    cmake --build "$work/build" --target llama -j "$(nproc)" > "$work/build.log"
+    # The compiler's warnings too: pages of them, worth reading only if the build fails.
+    cmake --build "$work/build" --target llama -j "$(nproc)" > "$work/build.log" 2>&1 \
+        || { tail -n 40 "$work/build.log" >&2; return 1; }
     mkdir -p "$out"
     cp -P "$work"/build/bin/lib*.so* "$out"/
     rm -rf "$work"
