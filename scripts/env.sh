@@ -20,18 +20,9 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP="$VENV/bin/pip"
-EXTRAS="${RAYLM_EXTRAS-dev}"
-# Bytecode is compiled as the packages install, as pip does: where PYTHONDONTWRITEBYTECODE is
-# set (CI here) every process would otherwise compile what it imports (4 s more for each Ray
-# worker, which halved the suite's speed). Not for the test environment (`dev`): compiling all
-# of it took 29 s of its 110 here, most of it never imported (the packages' own tests, the
-# model families no test builds, the docs' packages), and the suite lifts
-# PYTHONDONTWRITEBYTECODE for its processes (tests/conftest.py), which write the bytecode of
-# what they import the first time they import it.
-COMPILE=(--compile-bytecode)
-[[ ",$EXTRAS," == *",dev,"* ]] && COMPILE=()
-UV=("$VENV/bin/uv" pip install --quiet ${COMPILE[@]+"${COMPILE[@]}"} --python "$VENV/bin/python")
+UV=("$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/python")
 "$PIP" install --quiet --disable-pip-version-check uv
+EXTRAS="${RAYLM_EXTRAS-dev}"
 # llama.cpp, which the tests run GGUF exports in: its libraries compile (54 s alone here,
 # scripts/llama_cpp.sh says why) while the packages below download, once per environment.
 LLAMA_LIBS=""
@@ -50,8 +41,10 @@ fi
     || "$PIP" install --quiet --disable-pip-version-check -c constraints.txt \
         ${RAYLM_TORCH:-torch==2.13.0}
 # The rest through uv too: the same versions as pip resolves, in 56 s instead of 104 s here
-# (parallel downloads); the torch installed above satisfies raylm's floor, so it stays. pip
-# remains the fallback where uv cannot reach its index.
+# (parallel downloads); the torch installed above satisfies raylm's floor, so it stays. The
+# bytecode is compiled now, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI here) every
+# process would otherwise compile what it imports (4 s more for each Ray worker, which halved
+# the suite's speed). pip remains the fallback where uv cannot reach its index.
 # Every version as constraints.txt fixes it (the set CI tests; scripts/lock.sh writes it).
 TARGET=".${EXTRAS:+[$EXTRAS]}"
 "${UV[@]}" -c constraints.txt -e "$TARGET" \
@@ -68,7 +61,5 @@ if [ -n "$LLAMA_LIBS" ]; then
 fi
 # raylm's own modules too (an editable install is not compiled): every Ray worker, driver and
 # notebook kernel imports them, 0.3 s of compiling each where bytecode cannot be written.
-if [ ${#COMPILE[@]} -gt 0 ]; then
-    "$VENV/bin/python" -m compileall -q raylm > /dev/null
-fi
+"$VENV/bin/python" -m compileall -q raylm > /dev/null
 "$VENV/bin/python" -c "import torch, ray, raylm; print(f'env: ready (torch {torch.__version__}, ray {ray.__version__})')"

@@ -23,9 +23,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/pip" install --quiet --disable-pip-version-check uv
 # --upgrade: the newest inside the ranges each time, not what an earlier run left here.
-# Not compiled ahead, as for `make env`: the suite's processes write their bytecode.
-"$VENV/bin/uv" pip install --quiet --upgrade --python "$VENV/bin/python" -e ".[dev]"
+"$VENV/bin/uv" pip install --quiet --compile-bytecode --upgrade --python "$VENV/bin/python" \
+    -e ".[dev]"
 bash scripts/llama_cpp.sh "$VENV"
+"$VENV/bin/python" -m compileall -q raylm > /dev/null
 "$VENV/bin/python" -c "
 from importlib.metadata import version
 names = 'torch ray transformers peft torchao mlflow datasets tokenizers pyarrow numpy'.split()

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
-
-# Every process of the suite (Ray's workers, the commands and kernels it starts) writes the
-# bytecode of what it imports, whatever the caller's PYTHONDONTWRITEBYTECODE: the test
-# environment is not compiled ahead (scripts/env.sh), and a Ray worker that compiled torch and
-# transformers in memory at each start would take 4 s longer to start.
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
 
 # No usage statistics leave the tests (Ray Data's collector also queries a Prometheus on
 # localhost:9090 that the tests do not run, and logs the refusal at interpreter exit).
