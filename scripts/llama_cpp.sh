@@ -15,8 +15,8 @@
 # the two libraries it loads are built and put where it looks for them; scripts/env.sh compiles
 # them while it installs the other packages. They are compiled at -O1: 54 s here where -O3
 # (CMake's Release) takes 78 s, which held up the environment by 20 s, and the tests' models
-# have a few thousand parameters (the GGUF tests took 4.1 s at -O3, 4.7 s at -O0). Users who
-# want the binding install the `llamacpp` extra, which builds it the usual way, optimized.
+# have a few thousand parameters (the GGUF tests took 4.1 s at -O3, 4.7 s at -O1 or -O0).
+# Users who want the binding install the `llamacpp` extra, which builds it the usual way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION="$(grep '^llama-cpp-python==' constraints.txt | cut -d= -f3)"
