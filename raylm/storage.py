@@ -139,27 +139,6 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     write_bytes(path, text.encode())
 
 
-def create_text(path: str | os.PathLike, text: str) -> bool:
-    """Write ``text`` to ``path`` only if nothing is there; False if something was. Local
-    files: one exclusive create, so of two writers exactly one wins. Object storage (pyarrow
-    has no conditional put): a check, then a whole-object write, so two writers within the
-    same moment may both win; callers read the object back to see whose it is."""
-    if is_uri(path):
-        if is_file(path):
-            return False
-        write_text(path, text)
-        return True
-    target = Path(normalize(path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return True
-
-
 def remove(path: str | os.PathLike) -> None:
     """Delete the file at ``path`` if it is there."""
     fs, p = _resolve(path)

@@ -51,9 +51,10 @@ def run(rank: int = 0, world_size: int = 1) -> dict[str, list[float]]:
     and the loss over the first 16 blocks afterwards (identical on every rank)."""
     from raylm.config import batch_plan
     from raylm.data.packing import SampleOrder, rank_positions
+    from raylm.model.assemble import build_training_model, evaluate
     from raylm.schedule import lr_at
     from raylm.workers.optim import build_optimizer, set_lr
-    from raylm.workers.step import build_training_model, evaluate, train_step
+    from raylm.workers.step import train_step
 
     torch.set_num_threads(1)
     blocks, sizes = packed_blocks()

@@ -188,8 +188,9 @@ def _batches(spec: dict[str, Any], *, rank: int, world: int, device: torch.devic
 def train_and_profile(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     """On an initialized process group: build, train ``spec["warmup"]`` steps, then profile
     ``spec["steps"]``; this rank's figures and every step's loss."""
+    from raylm.model.assemble import build_training_model
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, train_step
+    from raylm.workers.step import train_step
 
     cuda = spec["device"] == "cuda"
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")

@@ -2,7 +2,7 @@
 
 Each layout runs as its own group of processes (gloo on CPUs; NCCL with one GPU per rank where
 the machine has enough GPUs, else the layout is skipped and says so) that build the model
-through raylm's own step core (:func:`raylm.workers.step.build_training_model`: FSDP2 over ``dp``,
+through raylm's own step core (:func:`raylm.model.assemble.build_training_model`: FSDP2 over ``dp``,
 tensor parallelism over ``tp``, pipeline stages over ``pp``), then take ``steps`` AdamW steps
 on random tokens, every layout with the same global batch. Per layout, on the rank that holds
 most: parameter and optimizer-state memory (what the layouts divide), peak memory (CUDA
@@ -59,9 +59,10 @@ def _free_port() -> int:
 def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
+    from raylm.model.assemble import build_training_model
     from raylm.workers.metrics import peak_memory_bytes, state_memory_bytes
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, train_step
+    from raylm.workers.step import train_step
 
     cuda = spec["device"] == "cuda"
     if cuda:

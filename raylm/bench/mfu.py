@@ -7,7 +7,7 @@ Needs torch and transformers only (no Ray, MLflow or datasets), so it runs on an
 a CUDA GPU. For each preset and each compile setting, in one process and on the same random
 tokens (blocks of ``seq_len + 1``, pinned host memory, as a data loader delivers them):
 
-- raylm: :func:`raylm.workers.step.build_training_model` (bf16-mixed, the attention kernel raylm
+- raylm: :func:`raylm.model.assemble.build_training_model` (bf16-mixed, the attention kernel raylm
   pins, its initialization), :func:`raylm.workers.optim.build_optimizer` (fused AdamW), and per step
   what a worker does besides fetching data: the learning rate from the schedule,
   :func:`raylm.workers.step.train_step` (clipping included), the preemption vote, and the loss read
@@ -39,13 +39,14 @@ import torch
 import torch.nn.functional as F
 
 from raylm.config import OptimConfig
+from raylm.model.assemble import Built, batch_loss, build_training_model
 from raylm.model.parallelize import ParallelPlan
 from raylm.schedule import lr_at
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter
 from raylm.workers.metrics import bf16_peak, flops_per_token
 from raylm.workers.optim import build_optimizer, set_lr
-from raylm.workers.step import Built, batch_loss, build_training_model, clip_grad_norm, train_step
+from raylm.workers.step import clip_grad_norm, train_step
 
 # The bench's schedule: cosine from 3e-4 after 10 warmup steps, down to 0.
 SCHEDULE = OptimConfig(lr=3e-4, warmup_steps=10, min_lr_ratio=0.0)

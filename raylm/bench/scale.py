@@ -62,7 +62,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing as mp
@@ -70,13 +70,17 @@ import torch.multiprocessing as mp
 from raylm.bench.layouts import VOCAB, _free_port
 from raylm.names import LAYOUT
 
+if TYPE_CHECKING:
+    from raylm.data.streams import PackedSplit
+
 
 def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
+    from raylm.model.assemble import build_training_model
     from raylm.workers import checkpoint
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, train_step
+    from raylm.workers.step import train_step
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -137,9 +141,10 @@ def _stall_rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str
     import torch.distributed as dist
 
     from raylm import storage
+    from raylm.model.assemble import build_training_model
     from raylm.workers import checkpoint
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, train_step
+    from raylm.workers.step import train_step
 
     # Training leaves a core to the writer, as a GPU leaves its host's CPUs (on a CPU-only
     # machine training on every core, the write competes with the step and stalls it anyway).
@@ -371,13 +376,41 @@ def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
     }
 
 
+def rank_reads(train: PackedSplit, *, rank: int, world: int, steps: int, seed: int = 0,
+               window: int = 16, global_batch: int = 16) -> dict[str, int]:
+    """What rank ``rank`` of ``world`` reads of ``train`` in ``steps`` steps from the start:
+    the bytes read, the bytes of its own samples and of the whole split (how close a rank's
+    reads come to its share: :func:`reads` reports it per worker count). Rank ``rank``'s own
+    reader (raylm.data.streams' ``_ReadBlocks``) counts the bytes it reads."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from raylm.data.streams import _ReadBlocks
+
+    group_bytes = np.array([
+        sum(md.row_group(g).column(c).total_compressed_size for c in range(md.num_columns))
+        for name in train.files
+        for md in [pq.ParquetFile(Path(train.directory) / name).metadata]
+        for g in range(md.num_row_groups)], dtype=np.float64)
+    reader = _ReadBlocks(train, mode="train", seed=seed, window=window, rank=rank,
+                         world_size=world, global_batch=global_batch)
+    samples = steps * global_batch // world
+    own = 0.0
+    for start in range(0, samples, 256):
+        rows = reader({"id": np.arange(start, min(start + 256, samples))})["row"]
+        g = np.searchsorted(reader.order.group_offsets, rows, side="right") - 1
+        own += float((group_bytes[g] / reader.order.group_sizes[g]).sum())
+    return {"bytes_read": reader.bytes_read, "own_bytes": round(own),
+            "split_bytes": int(group_bytes.sum())}
+
+
 def reads(*, packages: list[str], root: Path, workers: tuple[int, ...] = (1, 2, 4),
           seq_len: int = 256) -> dict[str, Any]:
     import ray
 
     from raylm.config import load_config
     from raylm.data.preparation import prepare
-    from raylm.data.streams import PackedSplit, rank_reads
+    from raylm.data.streams import PackedSplit
 
     corpus = write_builtin_shards(packages, root / "corpus", shards=8, variants=1)
     cfg = load_config(None, [f"--data.source={root / 'corpus'}", f"--data.seq_len={seq_len}",

@@ -269,28 +269,6 @@ class _ReadBlocks:
         return out
 
 
-def rank_reads(train: PackedSplit, *, rank: int, world: int, steps: int, seed: int = 0,
-               window: int = 16, global_batch: int = 16) -> dict[str, int]:
-    """What rank ``rank`` of ``world`` reads of ``train`` in ``steps`` steps from the start:
-    the bytes read, the bytes of its own samples and of the whole split (how close a rank's
-    reads come to its share: ``python -m raylm.bench scale`` reports it per worker count)."""
-    group_bytes = np.array([
-        sum(md.row_group(g).column(c).total_compressed_size for c in range(md.num_columns))
-        for name in train.files
-        for md in [pq.ParquetFile(Path(train.directory) / name).metadata]
-        for g in range(md.num_row_groups)], dtype=np.float64)
-    reader = _ReadBlocks(train, mode="train", seed=seed, window=window, rank=rank,
-                         world_size=world, global_batch=global_batch)
-    samples = steps * global_batch // world
-    own = 0.0
-    for start in range(0, samples, 256):
-        rows = reader({"id": np.arange(start, min(start + 256, samples))})["row"]
-        g = np.searchsorted(reader.order.group_offsets, rows, side="right") - 1
-        own += float((group_bytes[g] / reader.order.group_sizes[g]).sum())
-    return {"bytes_read": reader.bytes_read, "own_bytes": round(own),
-            "split_bytes": int(group_bytes.sum())}
-
-
 def eval_samples_per_rank(split: PackedSplit, world_size: int, limit: int | None = None) -> int:
     """Equal for all ranks (collectives need it): at most ``limit``, at most N // world."""
     n = split.num_blocks // world_size

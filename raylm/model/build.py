@@ -108,10 +108,8 @@ def max_positions(config) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 0)
 
 
-def check_seq_len(seq_len: int, *, preset: str | None, path: str | None) -> None:
-    """Refuse a ``data.seq_len`` beyond the model's positions (the vocabulary is not needed)."""
-    config = build_config(preset=preset, path=path, vocab_size=1, eos_id=0,
-                          attn_implementation="sdpa")
+def check_seq_len(seq_len: int, config, *, preset: str | None, path: str | None) -> None:
+    """Refuse a ``data.seq_len`` beyond the positions of ``config`` (the model's)."""
     positions = max_positions(config)
     if seq_len > positions:
         raise ValueError(f"data.seq_len={seq_len} is above the {positions} positions of "

@@ -146,11 +146,6 @@ def autocast(precision: str, device_type: str):
     return contextlib.nullcontext()
 
 
-def decoder_blocks(model: nn.Module) -> nn.ModuleList:
-    """The repeated decoder layers of a transformers causal LM."""
-    return decoder_layers(model)
-
-
 # The styles of transformers' TP plans that raylm applies (see tensor_parallel).
 TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
@@ -229,7 +224,7 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
         # DTensor warns, at every step, that the gradient norm over (dp, tp) takes two small
         # all-reduces instead of one: a scalar per step, not worth a flattened mesh.
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    blocks = decoder_blocks(model)
+    blocks = decoder_layers(model)
     if plan.float8 != "off":
         to_float8(model, plan.float8, blocks=blocks, device_type=device_type)
     for i, block in owned_blocks(model):

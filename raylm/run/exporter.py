@@ -13,10 +13,10 @@ stays in the training precision (a lookup reads one row per token, so it costs m
 compute). The figures that decide whether to ship it, the size against the unquantized export
 and the validation-loss change on the run's own validation blocks, are measured by the export.
 
-It is the one driver-side module that uses what workers use (``raylm.workers.checkpoint`` to
-read a checkpoint into a model, ``raylm.workers.step.evaluate`` for that validation loss):
-an export does on one process what a worker does, and the same code reading and scoring the
-checkpoint is what makes the export's figures the run's.
+The model is assembled by :mod:`raylm.model.assemble` and the checkpoint read into it by
+``raylm.workers.checkpoint``, as a worker reads it; the validation loss is the assembly's
+``evaluate``: an export does on one process what a worker does, and the same code reading and
+scoring the checkpoint is what makes the export's figures the run's.
 """
 
 from __future__ import annotations
@@ -37,19 +37,11 @@ from raylm.data.chat import answer_segments, encode, generation_prompt, template
 from raylm.data.corpus import normalize, parse_answer, parse_prompt
 from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
 from raylm.model import lora, sparsity
-from raylm.model.attention import AttentionChoice, choose_attention, fit_to_model
-from raylm.model.build import (
-    build_config,
-    build_meta_model,
-    materialize,
-    max_positions,
-    reset_buffers,
-)
-from raylm.model.weights import load_pretrained_weights
+from raylm.model.assemble import Built, build_for_checkpoint, evaluate
+from raylm.model.build import build_config, max_positions
 from raylm.names import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.outputs import check_output, discard, publish, staging
 from raylm.workers import checkpoint
-from raylm.workers.step import Built, evaluate
 
 TOKENIZER_DIR = "tokenizer"
 # In RUN_DIR/tokenizer, written after its files: their digest (see write_run_info).
@@ -122,22 +114,11 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True,
              else (checkpoint_path, rundir.verify(checkpoint_path)))
     if found is None:
         raise ValueError(f"{rd} holds no complete checkpoint to export.")
-    config = build_config(preset=cfg.model.preset, path=cfg.model.path,
-                          vocab_size=info["vocab_size"], eos_id=info["eos_id"],
-                          attn_implementation="sdpa")
-    config._attn_implementation = fit_to_model(
-        AttentionChoice("sdpa", "sdpa"), config, requested="auto",
-        device_type="cpu").implementation
-    model = build_meta_model(config)
     args = lora.adapter_args(cfg.lora)
-    if args:
-        model = lora.add_adapters(model, **args)
-    materialize(model, "cpu")
-    reset_buffers(model)  # rotary frequencies are not in checkpoints
-    if args:
-        # A LoRA checkpoint holds the adapters; the frozen base is the pretrained model's.
-        load_pretrained_weights(model, cfg.model.path)
-    state = checkpoint.load(found[0], model=model, optimizer=None, config=config,
+    built = build_for_checkpoint(preset=cfg.model.preset, path=cfg.model.path,
+                                 vocab_size=info["vocab_size"], eos_id=info["eos_id"], lora=args)
+    model = built.model
+    state = checkpoint.load(found[0], model=model, optimizer=None, config=built.config,
                             adapters=lora.settings(cfg.lora))
     if args and merge:
         lora.merge_adapters(model, keep_zeros=sparsity.is_pruned(cfg.model.path))
@@ -363,14 +344,8 @@ def model_losses(models: list, batches: list[dict[str, torch.Tensor]], cross_doc
         # As in training: with a KV cache transformers ignores the per-document positions and
         # lets documents attend to each other.
         m.config.use_cache = False
-    return [evaluate(cpu_built(m, cross_document), batches, cross_document=cross_document)
+    return [evaluate(Built.on_cpu(m, cross_document), batches, cross_document=cross_document)
             for m in models]
-
-
-def cpu_built(model, cross_document: bool) -> Built:
-    """``model`` as a worker's step code takes it, on this process's CPU in fp32."""
-    return Built(model, choose_attention("cpu", cross_document=cross_document), "fp32",
-                 torch.device("cpu"), model.config)
 
 
 def _save_adapters(model: torch.nn.Module, cfg, out: Path) -> None:

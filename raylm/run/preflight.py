@@ -46,9 +46,9 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
         cfg = for_sweep(cfg)  # before a hub id becomes a snapshot path
     cfg = with_hub_snapshots(cfg)
     m = cfg.model
-    check_seq_len(cfg.data.seq_len, preset=m.preset, path=m.path)
     model_config = build_config(preset=m.preset, path=m.path, vocab_size=1, eos_id=0,
                                 attn_implementation="eager")
+    check_seq_len(cfg.data.seq_len, model_config, preset=m.preset, path=m.path)
     check_tensor_parallel(model_config, tensor=cfg.parallel.tensor, seq_len=cfg.data.seq_len)
     check_pipeline(model_config, pipeline=cfg.parallel.pipeline)
     adapters = lora.adapter_args(adapted(cfg, sweep=sweep).lora)

@@ -30,19 +30,18 @@ from raylm.config import Config, config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
 from raylm.data.streams import read_first_blocks, read_val_blocks
 from raylm.model import sparsity
+from raylm.model.assemble import Built, batch_loss
 from raylm.names import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.outputs import check_output, discard, publish, staging
 from raylm.run import tracking
 from raylm.run.exporter import (
     batched,
-    cpu_built,
     load_run_model,
     model_losses,
     read_run_info,
     stored_bytes,
     validation_batches,
 )
-from raylm.workers.step import batch_loss
 
 DEFAULT_CALIBRATION_BLOCKS = 32
 
@@ -130,7 +129,7 @@ def _write_pruned(src: str, out: Path, *, cfg: Config, is_run: bool, own_data: b
         micro = cfg.train.micro_batch_size
         batches = batched(read_first_blocks(prepared, "train", count=calibration_blocks), micro)
         cross = cfg.data.across_documents
-        built = cpu_built(model, cross)
+        built = Built.on_cpu(model, cross)
 
         def forward(_, batch):
             batch_loss(built, batch, cross_document=cross)

@@ -248,7 +248,7 @@ UNIFORM_SPREAD = 1e-4
 
 def first_prediction_check(spread: float, *, model_path: str) -> None:
     """A pretrained model whose logits do not vary over the vocabulary (``spread``, from
-    :func:`raylm.workers.step.logit_spread` on the run's first batch) predicts every token
+    :func:`raylm.model.assemble.logit_spread` on the run's first batch) predicts every token
     alike: its weights did not load. Decided from the logits, not from the loss: a randomly
     initialized model's first loss can land on ln(vocab) by chance when few targets are
     trained, though its predictions differ from token to token."""

@@ -52,6 +52,14 @@ from raylm.data.streams import (
 from raylm.faults import MISTAKES, Mistake, Preempted, Rewind, check_lease
 from raylm.live import LiveMetrics
 from raylm.model import sparsity
+from raylm.model.assemble import (
+    Built,
+    batch_loss,
+    build_training_model,
+    evaluate,
+    logit_spread,
+    plain,
+)
 from raylm.model.lora import adapter_args
 from raylm.model.lora import settings as lora_settings
 from raylm.model.parallelize import Layout, ParallelPlan, layout_of, loss_context
@@ -79,16 +87,7 @@ from raylm.workers.metrics import (
 )
 from raylm.workers.optim import build_optimizer, set_lr
 from raylm.workers.preference import preference_evaluate, preference_step
-from raylm.workers.step import (
-    Built,
-    TrainState,
-    batch_loss,
-    build_training_model,
-    evaluate,
-    logit_spread,
-    plain,
-    train_step,
-)
+from raylm.workers.step import TrainState, train_step
 from raylm.workers.watchdog import bounded
 
 

@@ -46,11 +46,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from raylm.config import DpoConfig, PreferenceLoss
+from raylm.model.assemble import Built, global_count
 from raylm.model.head_loss import head_rows
 from raylm.model.lora import adapters_off
 from raylm.model.parallelize import autocast
 from raylm.names import REFERENCE_COLUMN
-from raylm.workers.step import Built, apply_update, clip_grad_norm
+from raylm.workers.step import apply_update, clip_grad_norm
 
 if TYPE_CHECKING:
     from raylm.workers.health import Health
@@ -192,14 +193,6 @@ def numbered(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     return answer_segments(batch["position_ids"], batch["loss_mask"])
 
 
-def global_pairs(local: int, device: torch.device) -> torch.Tensor:
-    """``local`` pairs summed over every rank (all call it)."""
-    n = torch.full((), local, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(n)
-    return n
-
-
 def _answer_rows(built: Built, batch: dict[str, torch.Tensor], at: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of the flat target positions ``at`` of ``batch`` (n, V), and ``at`` on the
@@ -303,7 +296,7 @@ def preference_step(built: Built, optimizer: torch.optim.Optimizer,
         raise ValueError("train.objective=dpo does not run under pipeline parallelism")
     world = dist.get_world_size() if dist.is_initialized() else 1
     each = [numbered(batch) for batch in micro_batches]
-    count = global_pairs(sum(pairs for _, pairs in each), built.device).float()
+    count = global_count(sum(pairs for _, pairs in each), built.device).float()
     total = torch.zeros(1 + len(FIGURES), device=built.device)
     for batch, segments in zip(micro_batches, each, strict=True):
         loss_sum, figures = pair_terms(built, batch, objective, segments=segments)

@@ -12,7 +12,7 @@ time, writing each group's figures as a file of their own with the same rows in 
 row groups, and a reader finds a block's figures at the same (file, row group, row).
 
 The scorer builds the model as a training worker does
-(:func:`raylm.workers.step.build_training_model`, one process, the run's precision and
+(:func:`raylm.model.assemble.build_training_model`, one process, the run's precision and
 attention) and sums nothing: it stores each target's log-probability, and the step sums them
 with the same segments as the policy's (:func:`raylm.workers.preference.reference_sums`).
 """
@@ -46,7 +46,7 @@ class ReferenceScorer:
         # Before the model code is imported: its libraries' import-time lines (torchao's about
         # its installation) are quieted as in a training worker.
         quiet_libraries(cfg.run.verbose)
-        from raylm.workers.step import build_training_model
+        from raylm.model.assemble import build_training_model
 
         self.prepared, self.out, self.block_length = prepared, out, block_length
         self.micro_batch = cfg.train.micro_batch_size

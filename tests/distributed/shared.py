@@ -87,8 +87,9 @@ def run_composed(world: int, rank: int, plan: ParallelPlan, out: dict, pretraine
     """Pipeline stages that are themselves split (tensor parallelism) or sharded (FSDP2 over
     data-parallel ranks): losses and gradient norms of AdamW steps, masked steps and
     evaluation, for the tiny model and for LoRA on a pretrained base."""
+    from raylm.model.assemble import build_training_model, evaluate
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, evaluate, train_step
+    from raylm.workers.step import train_step
 
     lay = layout_of(rank, world, plan)
     per = BATCH // lay.dp_size
@@ -116,9 +117,9 @@ def reload(world: int, rank: int, plan: ParallelPlan, directory: str
     it (with its optimizer state), whole: every stage's, gathered to full tensors."""
     import torch.distributed as dist
 
+    from raylm.model.assemble import build_training_model
     from raylm.workers import checkpoint
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model
 
     built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32", seed=5,

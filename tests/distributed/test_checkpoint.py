@@ -23,9 +23,10 @@ def session(world: int, rank: int, ckpt: str, *, resume: bool, preset: str = "ti
             fetched: dict | None = None) -> list:
     import torch.distributed as dist
 
+    from raylm.model.assemble import build_training_model
     from raylm.workers import checkpoint
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, train_step
+    from raylm.workers.step import train_step
 
     built = build_training_model(preset=preset, path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32", seed=0)
@@ -221,9 +222,9 @@ def torn_down(rank: int, world: int, port: int, ckpt: str, out: str) -> None:
     finishes the checkpoint in flight)."""
     import torch.distributed as dist
 
+    from raylm.model.assemble import build_training_model
     from raylm.workers import checkpoint
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

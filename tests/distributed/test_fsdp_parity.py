@@ -25,9 +25,10 @@ STEPS = 3
 
 
 def run(world: int, rank: int, out: dict, pretrained: str) -> None:
+    from raylm.model.assemble import batch_loss, build_training_model
     from raylm.model.parallelize import ParallelPlan
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import batch_loss, build_training_model, clip_grad_norm, train_step
+    from raylm.workers.step import clip_grad_norm, train_step
 
     built = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32", seed=0)

@@ -60,9 +60,10 @@ class Reads:
 
 def train(rank: int, world: int, path: str, *, fused: bool, schedule: list[int], guard: bool
           ) -> tuple[list, int, dict]:
+    from raylm.model.assemble import build_training_model
     from raylm.workers.health import Health
     from raylm.workers.optim import param_groups
-    from raylm.workers.step import build_training_model, train_step
+    from raylm.workers.step import train_step
 
     built = build_training_model(preset=None, path=path, vocab_size=VOCAB, eos_id=0,
                                  device=torch.device("cpu"), precision="fp32")

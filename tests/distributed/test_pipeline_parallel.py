@@ -36,9 +36,10 @@ def halves(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
 
 def run(world: int, rank: int, plan: ParallelPlan, schedule: str, out: dict,
         pretrained: str, checkpoint_dir: str | None = None) -> None:
+    from raylm.model.assemble import build_training_model, evaluate
     from raylm.workers import checkpoint
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, evaluate, train_step
+    from raylm.workers.step import train_step
 
     def build(**kw):
         return build_training_model(vocab_size=VOCAB, eos_id=0, device=torch.device("cpu"),
@@ -158,9 +159,9 @@ def test_lora_under_pipeline_parallelism_matches(results, schedule):
 
 
 def test_a_checkpoint_saved_by_two_stages_loads_into_the_whole_model(results):
+    from raylm.model.assemble import build_training_model
     from raylm.workers import checkpoint
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model
 
     pp, _, pretrained = results
     model = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,

@@ -99,7 +99,7 @@ def built_logits(built) -> torch.Tensor:
 
 
 def build(path: Path, lora: dict | None):
-    from raylm.workers.step import build_training_model
+    from raylm.model.assemble import build_training_model
 
     return build_training_model(preset=None, path=str(path), vocab_size=VOCAB, eos_id=0,
                                 device=torch.device("cpu"), precision="fp32", seed=0,
@@ -284,7 +284,7 @@ def test_a_model_stored_in_bf16_trains_in_the_runs_dtypes(tmp_path, precision):
     masters for what trains, and a frozen LoRA base in bf16 only under bf16-mixed."""
     from transformers import AutoModelForCausalLM
 
-    from raylm.workers.step import build_training_model
+    from raylm.model.assemble import build_training_model
 
     path = save_family(tmp_path / "model", "qwen2", tied=True)
     AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).save_pretrained(
@@ -402,9 +402,10 @@ def two_steps(path: str, *, layout: str, lora: dict | None, rank: int | None
               ) -> list[list[float]]:
     """Loss and gradient norm of two AdamW steps of the model at ``path``, laid out as
     ``layout`` (``rank`` None: one process)."""
+    from raylm.model.assemble import build_training_model
     from raylm.model.parallelize import ParallelPlan
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, train_step
+    from raylm.workers.step import train_step
 
     plan = ParallelPlan(**({"tensor": 2} if layout == "tensor" else
                            {"pipeline": 2} if layout == "pipeline" else {}))

@@ -29,8 +29,9 @@ TP2 = ParallelPlan(tensor=2)
 
 
 def run(world: int, rank: int, plan: ParallelPlan, out: dict, pretrained: str) -> None:
+    from raylm.model.assemble import build_training_model, evaluate
     from raylm.workers.optim import build_optimizer
-    from raylm.workers.step import build_training_model, evaluate, train_step
+    from raylm.workers.step import train_step
 
     lay = layout_of(rank, world, plan)
     per = BATCH // lay.dp_size

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from raylm.config import DpoConfig
+from raylm.model.assemble import build_training_model
 from raylm.model.parallelize import ParallelPlan
 from raylm.workers import checkpoint
 from raylm.workers.optim import build_optimizer
-from raylm.workers.step import build_training_model, train_step
+from raylm.workers.step import train_step
 
 pytestmark = pytest.mark.gpu
 

@@ -31,7 +31,7 @@ def hub_cache(tmp_path, monkeypatch):
 
 
 def test_a_hub_id_loads_the_cached_snapshot(hub_cache):
-    from raylm.workers.step import build_training_model
+    from raylm.model.assemble import build_training_model
 
     cfg = load_config(None, ["--model.path=acme/tiny", "--lora.rank=4"])
     assert cfg.model.path == "acme/tiny"  # not made a path under the working directory

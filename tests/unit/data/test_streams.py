@@ -7,9 +7,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from raylm.bench.scale import rank_reads
 from raylm.data.packing import rank_positions, source_key
 from raylm.data.preparation import BlockWriter
-from raylm.data.streams import PackedSplit, _ReadBlocks, rank_reads
+from raylm.data.streams import PackedSplit, _ReadBlocks
 
 L, GROUP_ROWS, WINDOW, BATCH = 257, 64, 8, 16
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raylm.model.assemble import build_training_model
 from raylm.model.build import build_meta_model, decoder_layers
 from raylm.model.float8 import convertible, to_float8
 from raylm.model.head_loss import LossHead
 from raylm.model.parallelize import ParallelPlan
 from raylm.workers.optim import build_optimizer
-from raylm.workers.step import build_training_model, train_step
+from raylm.workers.step import train_step
 
 pytest.importorskip("torchao")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from raylm.model import head_loss
-from raylm.workers.step import batch_loss, build_training_model
+from raylm.model.assemble import batch_loss, build_training_model
 
 VOCAB, SEQ, ROWS = 320, 25, 4
 

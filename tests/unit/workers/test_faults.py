@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from raylm.faults import Mistake, cause
+from raylm.model.assemble import batch_loss, build_training_model, logit_spread
 from raylm.workers.health import first_prediction_check
-from raylm.workers.step import batch_loss, build_training_model, logit_spread
 from tests.conftest import save_tiny_qwen3
 
 

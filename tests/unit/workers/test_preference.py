@@ -179,8 +179,8 @@ def test_raylms_packed_lora_step_equals_trls_dpo_trainer(tokenizer_dir, tmp_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from raylm.data.packing import ExamplePacker, position_ids
+    from raylm.model.assemble import build_training_model
     from raylm.workers.preference import answer_segments, pair_terms
-    from raylm.workers.step import build_training_model
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     tok.pad_token = tok.eos_token

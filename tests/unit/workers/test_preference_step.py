@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from raylm.config import DpoConfig
+from raylm.model.assemble import build_training_model
 from raylm.model.lora import adapters_off
 from raylm.workers.preference import (
     FIGURES,
@@ -19,7 +20,6 @@ from raylm.workers.preference import (
     preference_evaluate,
     preference_step,
 )
-from raylm.workers.step import build_training_model
 from tests.conftest import head_matmuls
 from tests.pairs import pair_blocks
 

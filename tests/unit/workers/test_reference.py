@@ -17,6 +17,7 @@ import torch
 from raylm.config import DpoConfig, load_config
 from raylm.data.preparation import BlockWriter
 from raylm.data.streams import PackedSplit, _ReadBlocks, reference_file
+from raylm.model.assemble import build_training_model
 from raylm.names import REFERENCE_COLUMN
 from raylm.workers.preference import (
     answer_segments,
@@ -26,7 +27,6 @@ from raylm.workers.preference import (
     scored,
 )
 from raylm.workers.scorer import ReferenceScorer
-from raylm.workers.step import build_training_model
 from tests.pairs import pair_blocks
 
 VOCAB, SEQ, BLOCKS, GROUP = 96, 64, 10, 4

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from raylm import rundir
+from raylm.model.assemble import build_training_model, evaluate
 from raylm.model.parallelize import ParallelPlan
-from raylm.workers.step import TrainState, build_training_model, evaluate, train_step
+from raylm.workers.step import TrainState, train_step
 from tests.conftest import floats, head_matmuls, save_tiny_llama
 
 VOCAB = 300
@@ -67,8 +68,8 @@ def test_train_state_round_trip():
 
 
 def test_precisions_are_honored_when_asked():
+    from raylm.model.assemble import batch_loss
     from raylm.model.parallelize import resolve_precision
-    from raylm.workers.step import batch_loss
 
     assert resolve_precision("auto", "cpu") == "fp32"  # no native bf16 here: 33x slower
     true = build_training_model(preset="tiny", path=None, vocab_size=VOCAB, eos_id=0,
@@ -119,7 +120,8 @@ sys.modules["mlflow"] = None
 import torch
 from raylm.workers import checkpoint
 from raylm.workers.optim import build_optimizer
-from raylm.workers.step import build_training_model, train_step
+from raylm.model.assemble import build_training_model
+from raylm.workers.step import train_step
 b = build_training_model(preset="tiny", path=None, vocab_size=300, eos_id=0,
                          device=torch.device("cpu"), precision="fp32")
 opt = build_optimizer(b.model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), device_type="cpu")
