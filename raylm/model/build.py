@@ -242,13 +242,3 @@ def reset_buffers(model: nn.Module) -> None:
             fresh = type(module)(module.config)
             for bname, buf in fresh.named_buffers(recurse=False):
                 getattr(module, bname).copy_(buf.to(getattr(module, bname).device))
-
-
-def count_params(model: nn.Module, *, exclude_embeddings: bool = False) -> int:
-    """Parameters of the full model (FSDP shards counted at their full size)."""
-    total = 0
-    for name, p in model.named_parameters():
-        if exclude_embeddings and "embed_tokens" in name:
-            continue
-        total += p.numel()
-    return total

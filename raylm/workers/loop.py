@@ -39,7 +39,7 @@ import ray.train.torch
 import torch
 
 from raylm import rundir, storage
-from raylm.config import Config, DpoConfig, batch_plan
+from raylm.config import Config, batch_plan
 from raylm.console import quiet_libraries
 from raylm.data.packing import SampleOrder, Skips, check_positions, step_positions
 from raylm.data.streams import (
@@ -56,7 +56,6 @@ from raylm.model.assemble import (
     Built,
     batch_loss,
     build_training_model,
-    evaluate,
     logit_spread,
     plain,
 )
@@ -79,15 +78,14 @@ from raylm.workers.health import (
 )
 from raylm.workers.ledger import Ledger
 from raylm.workers.metrics import (
-    flops_per_token,
     mfu,
     peak_flops,
     peak_memory_bytes,
     state_memory_bytes,
 )
 from raylm.workers.optim import build_optimizer, set_lr
-from raylm.workers.preference import preference_evaluate, preference_step
-from raylm.workers.step import TrainState, train_step
+from raylm.workers.preference import Preference
+from raylm.workers.step import NextToken, TrainState
 from raylm.workers.watchdog import bounded
 
 
@@ -129,11 +127,10 @@ class Setup:
     checkpointer: ckpt.Checkpointer
     identity: dict[str, str]
     """What the run trains with, written into every checkpoint (data, tokenizer, base)."""
+    objective: NextToken | Preference
     run_dir: str = ""
     lease: str | None = None
     """The token of the run directory's lease its driver holds (raylm.run.lease)."""
-    objective: DpoConfig | None = None
-    """The preference objective (train.objective=dpo); None for next-token training."""
     state_memory: dict[str, float] | None = None
     """Parameter and optimizer-state memory of the rank holding most, once measured."""
     zeros: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -207,22 +204,15 @@ def train(run: Setup) -> None:
         lr = lr_at(state.step, o, total=t.steps)
         set_lr(run.optimizer, lr)
         if (state.step == 0 and run.cfg.model.path and run.built.pipeline is None
-                and run.objective is None):
+                and run.objective.checks_first_prediction):
             # Once, before a run from pretrained weights trains on them.
             first_prediction_check(
                 logit_spread(run.built, micro[0],
                              cross_document=run.cfg.data.across_documents),
                 model_path=run.cfg.model.path)
-        figures: dict[str, torch.Tensor] = {}
-        if run.objective is not None:
-            loss, grad_norm, figures = preference_step(
-                run.built, run.optimizer, micro, accumulation=run.accumulation,
-                objective=run.objective, grad_clip=o.grad_clip, health=run.health)
-        else:
-            loss, grad_norm = train_step(run.built, run.optimizer, micro,
-                                         accumulation=run.accumulation, grad_clip=o.grad_clip,
-                                         cross_document=run.cfg.data.across_documents,
-                                         health=run.health)
+        loss, grad_norm, figures = run.objective.step(
+            run.built, run.optimizer, micro, accumulation=run.accumulation,
+            grad_clip=o.grad_clip, health=run.health)
         sparsity.reapply(run.zeros)
         state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
@@ -241,7 +231,7 @@ def train(run: Setup) -> None:
         metrics = {"step": state.step, "loss": float(loss), "lr": lr,
                    "grad_norm": float(grad_norm), "tokens_seen": state.tokens_seen,
                    "preempted": todo.preempted, **window,
-                   **{f"dpo_{k}": float(v) for k, v in figures.items()},
+                   **{k: float(v) for k, v in figures.items()},
                    **run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
                                  gpu_hour_price=run.cfg.tracking.gpu_hour_price),
                    **run.constant_metrics}
@@ -254,7 +244,7 @@ def train(run: Setup) -> None:
             on_faults(run, faults, metrics)
         if todo.evaluate:
             t0 = time.perf_counter()
-            metrics.update(validate(run))
+            metrics.update(run.objective.evaluate(run.built, run.val_batches))
             meter.eval_s += time.perf_counter() - t0
             metrics["clock"] = meter.clock(window_energy_j=window_energy)
         if run.live is not None:
@@ -429,14 +419,6 @@ def state_memory(run: Setup) -> dict[str, float]:
     return {"param_memory_gb": params, "optimizer_memory_gb": optim}
 
 
-def validate(run: Setup) -> dict[str, float]:
-    if run.objective is not None:
-        return preference_evaluate(run.built, run.val_batches, run.objective)
-    val = evaluate(run.built, run.val_batches,
-                   cross_document=run.cfg.data.across_documents)
-    return {"val_loss": val, "val_perplexity": float(np.exp(val))}
-
-
 def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bool,
                     hold: bool = False) -> None:
     """Report ``metrics``, with a checkpoint if ``save``: written before this returns if
@@ -601,7 +583,8 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
         "resumed_from_step": state.step if state.step else None,
         "group_started": group_started, "data_startup_s": time.perf_counter() - t0,
     }
-    meter = StepMeter(flops_per_token=step_flops(cfg, built),
+    objective = objective_for(cfg)
+    meter = StepMeter(flops_per_token=objective.flops(built.config, cfg.data.seq_len),
                       peak_flops=listed_peak(built, rank=rank), world_size=world,
                       device=device, energy=energy, energy_since=energy_since)
     health = Health(device=device, start_step=state.step, report_every=t.log_every,
@@ -618,8 +601,7 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
                  recent=collections.deque(maxlen=t.log_every),
                  resumed=(storage.name(found[0]), state.step) if found is not None else None,
                  run_dir=handoff.run_dir, lease=handoff.lease,
-                 objective=preference_objective(cfg),
-                 constant_metrics=constant,
+                 objective=objective, constant_metrics=constant,
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
                                                 cfg.checkpoint.writer, device=built.device,
                                                 model=built.model),
@@ -671,19 +653,12 @@ def build_model(handoff: Handoff, *, device: torch.device, plan: ParallelPlan
     return built, optimizer
 
 
-def preference_objective(cfg: Config) -> DpoConfig | None:
-    """The dpo section, which the step takes as it is, for train.objective=dpo."""
-    return cfg.dpo if cfg.train.objective == "dpo" else None
-
-
-def step_flops(cfg: Config, built: Built) -> float:
-    """Model FLOPs per trained token: forward and backward, and the reference's forward
-    where a preference loss scores one in the step (2 of the 6 FLOPs per parameter again;
-    a full fine-tune's reference was scored before training)."""
-    flops = flops_per_token(built.config, cfg.data.seq_len)
-    if cfg.train.objective == "dpo" and cfg.dpo.needs_reference and cfg.lora.rank:
-        flops *= 4 / 3
-    return flops
+def objective_for(cfg: Config) -> NextToken | Preference:
+    """What the run trains toward: the step, validation figures and FLOPs per token of next-token
+    training, or of a preference loss (train.objective=dpo)."""
+    if cfg.train.objective == "dpo":
+        return Preference(cfg.dpo, adapters=bool(cfg.lora.rank))
+    return NextToken(cross_document=cfg.data.across_documents)
 
 
 def worker_device(cfg: Config) -> torch.device:

@@ -51,6 +51,7 @@ from raylm.model.head_loss import head_rows
 from raylm.model.lora import adapters_off
 from raylm.model.parallelize import autocast
 from raylm.names import REFERENCE_COLUMN
+from raylm.workers.metrics import flops_per_token
 from raylm.workers.step import apply_update, clip_grad_norm
 
 if TYPE_CHECKING:
@@ -111,17 +112,11 @@ def smoothed(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return out
 
 
-def target_logps(logits: torch.Tensor, targets: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """The log-probability of the target at each flat position ``at`` of a (B, T) batch: fp32
-    log-softmax of those positions' logits only (answers are a part of a block: the prompts'
-    and the padding's rows of the vocabulary-wide logits are never copied to fp32)."""
-    at = _on(at, logits.device)
-    return row_logps(logits.reshape(-1, logits.size(-1)).index_select(0, at), targets, at)
-
-
 def row_logps(rows: torch.Tensor, targets: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """:func:`target_logps` from the logits of the positions ``at`` alone (``rows``: (n, V),
-    ``at`` on their device)."""
+    """The log-probability of the target at each flat position ``at`` of a (B, T) batch, from
+    the logits of those positions alone (``rows``: (n, V), ``at`` on their device): fp32
+    log-softmax of those rows only (answers are a part of a block: the prompts' and the
+    padding's rows of the vocabulary-wide logits are never copied to fp32)."""
     rows = rows.float()
     picked = targets.reshape(-1).to(rows.device, non_blocking=True).index_select(0, at)
     return rows.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1)
@@ -148,20 +143,6 @@ def segment_sums(values: torch.Tensor, index: torch.Tensor, *, num_segments: int
     index = index.to(values.device, non_blocking=True)
     zeros = torch.zeros(num_segments, dtype=torch.float32, device=values.device)
     return zeros.index_add(0, index, values), zeros.index_add(0, index, torch.ones_like(values))
-
-
-def answer_logps(logits: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor, *,
-                 num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed log-probability of each answer's trained targets, and their count.
-    ``segments`` (B, T): for each target, the index of the answer it belongs to across the
-    batch, or -1 for a target that is not trained (prompt, padding).
-
-    Which positions are trained is worked out where ``segments`` is (the host, in training):
-    selecting by a mask on the GPU would wait for it to count the mask."""
-    at, index = trained(segments)
-    if logits.device.type == "cuda" and index.device.type == "cpu":
-        index = index.pin_memory()
-    return segment_sums(target_logps(logits, targets, at), index, num_segments=num_segments)
 
 
 # Per-pair figures reported, as global means over the step's pairs.
@@ -331,3 +312,28 @@ def preference_evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]]
     n = float(total[-1])
     values = (total[:-1] / n).tolist() if n else [float("nan")] * (1 + len(FIGURES))
     return {f"val_{k}": v for k, v in zip(("loss", *FIGURES), values, strict=True)}
+
+
+class Preference:
+    """A preference loss over packed pairs (``train.objective=dpo``): the loop's objective, as
+    :class:`raylm.workers.step.NextToken` is for next-token training."""
+
+    checks_first_prediction = False  # pairs, not text to predict
+
+    def __init__(self, dpo: DpoConfig, *, adapters: bool) -> None:
+        self.dpo = dpo
+        # With adapters the reference is the policy with them off, scored in the step: 2 of
+        # the 6 FLOPs per parameter again (a full fine-tune's was scored before training).
+        self.flops_factor = 4 / 3 if dpo.needs_reference and adapters else 1
+
+    def step(self, built, optimizer, micro, *, accumulation, grad_clip, health=None):
+        loss, norm, figures = preference_step(built, optimizer, micro, accumulation=accumulation,
+                                              objective=self.dpo, grad_clip=grad_clip,
+                                              health=health)
+        return loss, norm, {f"dpo_{k}": v for k, v in figures.items()}
+
+    def evaluate(self, built, batches) -> dict[str, float]:
+        return preference_evaluate(built, batches, self.dpo)
+
+    def flops(self, config, seq_len: int) -> float:
+        return flops_per_token(config, seq_len) * self.flops_factor

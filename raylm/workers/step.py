@@ -5,6 +5,9 @@ workers (:mod:`raylm.workers.loop` drives it there) and on GPU machines that hav
 ``train_step`` takes micro-batches of a :class:`raylm.model.assemble.Built` model and returns
 (loss, grad norm): the one seam a loss mask, adapters or a pipeline schedule plug into. The
 model, its loss and its evaluation are :mod:`raylm.model.assemble`'s.
+
+The loop asks a run's objective (:class:`NextToken` here, ``Preference`` for DPO) for its step,
+validation figures and FLOPs per token: another objective is another class, not loop branches.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -20,6 +24,7 @@ from torch import nn
 from raylm.model.assemble import (
     Built,
     batch_loss,
+    evaluate,
     plain,
     run_pipeline,
     shared_loss,
@@ -27,6 +32,7 @@ from raylm.model.assemble import (
     trained_targets,
 )
 from raylm.model.parallelize import loss_context
+from raylm.workers.metrics import flops_per_token
 
 if TYPE_CHECKING:
     from raylm.workers.health import Health
@@ -201,3 +207,28 @@ def pipeline_step(built: Built, optimizer: torch.optim.Optimizer,
     norm = clip_grad_norm(built.model, grad_clip, pp_group=built.model.pp_group)
     apply_update(optimizer, health.check(mean, norm) if health is not None else None)
     return mean.detach(), norm.detach()
+
+
+class NextToken:
+    """Next-token cross-entropy over the trained targets (every target in pretraining)."""
+
+    checks_first_prediction = True  # that pretrained weights loaded, on the first batch
+
+    def __init__(self, *, cross_document: bool) -> None:
+        self.cross_document = cross_document
+
+    def step(self, built: Built, optimizer: torch.optim.Optimizer, micro, *, accumulation: int,
+             grad_clip: float, health: Health | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss, gradient norm, the objective's own figures by report key) on the device."""
+        return (*train_step(built, optimizer, micro, accumulation=accumulation,
+                            grad_clip=grad_clip, cross_document=self.cross_document,
+                            health=health), {})
+
+    def evaluate(self, built: Built, batches) -> dict[str, float]:
+        val = evaluate(built, batches, cross_document=self.cross_document)
+        return {"val_loss": val, "val_perplexity": float(np.exp(val))}
+
+    def flops(self, config, seq_len: int) -> float:
+        """Model FLOPs per trained token."""
+        return flops_per_token(config, seq_len)

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from raylm.config import DpoConfig
-from raylm.workers.preference import Answers, answer_logps, pair_losses
+from raylm.workers.preference import Answers, pair_losses, row_logps, segment_sums, trained
+
+
+def answer_logps(logits, targets, segments, *, num_segments):
+    """Each answer's summed log-probability of its trained targets, and their count, from a
+    (B, T, V) batch's whole logits, through the step's pieces. ``segments`` (B, T): each
+    target's answer across the batch, or -1 for an untrained one."""
+    at, index = trained(segments)
+    rows = logits.reshape(-1, logits.size(-1)).index_select(0, at)
+    return segment_sums(row_logps(rows, targets, at), index, num_segments=num_segments)
 
 
 def answers(chosen, rejected, chosen_len=(1.0,), rejected_len=(1.0,)) -> Answers:
