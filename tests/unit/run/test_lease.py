@@ -111,10 +111,12 @@ def test_a_restarted_trial_waits_out_its_earlier_attempts_lease_and_no_other(tmp
 
 
 RACER = """
-import sys, time
+import os, sys, time
 from raylm.run.lease import Lease, LeaseError
-start = float(sys.argv[2])
-time.sleep(max(0.0, start - time.time()))
+print("ready", flush=True)
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.005)
+time.sleep(max(0.0, float(open(sys.argv[2]).read()) - time.time()))
 try:
     Lease(sys.argv[1]).take()
 except LeaseError:
@@ -134,10 +136,14 @@ def test_of_processes_racing_for_a_lease_exactly_one_wins(tmp_path, left_by):
         (tmp_path / LEASE).write_text(json.dumps(
             {"host": "lost-node", "pid": 7, "started": 0.0, "beat": time.time() - 600,
              "token": "gone"}))
-    start = time.time() + 3.0  # past every interpreter's start-up
-    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(start)],
+    go = tmp_path.parent / f"{tmp_path.name}-go"
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), str(go)],
                                stdout=subprocess.PIPE, text=True) for _ in range(6)]
     try:
+        assert [r.stdout.readline().strip() for r in racers] == ["ready"] * 6
+        # Every interpreter has started: they all take the lease at one instant.
+        go.with_suffix(".tmp").write_text(str(time.time() + 0.2))
+        go.with_suffix(".tmp").rename(go)
         said = sorted(r.stdout.readline().strip() for r in racers)
         assert said == ["refused"] * 5 + ["won"], said
         winner = json.loads((tmp_path / LEASE).read_text())
