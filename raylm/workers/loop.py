@@ -95,13 +95,11 @@ class Setup:
 
     cfg: Config
     rank: int
-    world_size: int
     layout: Layout
     built: Built
     optimizer: torch.optim.Optimizer
     state: TrainState
     ledger: Ledger
-    micro_batch: int
     accumulation: int
     batches: Iterator[dict[str, torch.Tensor]]
     val_batches: list[dict[str, torch.Tensor]]
@@ -593,9 +591,8 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
     split = PackedSplit.load(handoff.prepared, "train")
     order = SampleOrder(split.row_group_sizes, seed=t.seed, window=cfg.data.shuffle_window,
                         global_batch=t.global_batch_size)
-    return Setup(cfg=cfg, rank=rank, world_size=world, layout=lay, built=built,
-                 optimizer=optimizer, state=state, ledger=ledger, micro_batch=micro_batch,
-                 accumulation=accumulation, batches=batches, val_batches=val_batches,
+    return Setup(cfg=cfg, rank=rank, layout=lay, built=built, optimizer=optimizer, state=state,
+                 ledger=ledger, accumulation=accumulation, batches=batches, val_batches=val_batches,
                  tracker=tracker, meter=meter, vote=preemption.Vote(device), health=health,
                  skips=skips, manifest=manifest, order=order, split=split,
                  recent=collections.deque(maxlen=t.log_every),
