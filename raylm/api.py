@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from raylm import storage
 from raylm.config import Config, load_config
-from raylm.names import RUN_INFO, SUMMARY
+from raylm.names import RUN_INFO, SUMMARY, Event
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -104,11 +104,11 @@ class Run:
         rows: dict[int, dict[str, Any]] = {}
         scores: dict[int, dict[str, float]] = {}
         for r in read(self.run_dir):
-            if r["event"] == "progress":
+            if r["event"] == Event.PROGRESS:
                 rows[r["step"]] = {k: v for k, v in r.items() if k not in ("event",
                                                                             "invocation",
                                                                             "clock")}
-            elif r["event"] == "benchmark":
+            elif r["event"] == Event.BENCHMARK:
                 scores.setdefault(r["step"], {}).update(r["scores"])
         for step, values in scores.items():
             rows.setdefault(step, {"step": step}).update(values)

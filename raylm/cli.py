@@ -34,6 +34,7 @@ from typing import NoReturn
 
 from raylm import __version__
 from raylm.config import Config, ConfigError, for_sweep, load_config
+from raylm.names import Event
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -263,7 +264,7 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     records = evaluate_source(args.source, ev, step=args.step, every=args.all)
     print(json.dumps([{k: r.get(k) for k in ("step", "scores", "error")} for r in records],
                      indent=2))
-    return 0 if all(r["event"] == "benchmark" for r in records) else 1
+    return 0 if all(r["event"] == Event.BENCHMARK for r in records) else 1
 
 
 def dry_run(cfg: Config, *, sweep: bool) -> int:

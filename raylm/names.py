@@ -3,6 +3,8 @@ directory, and the events workers report. Written and read in different places (
 tasks, workers, the controller, the driver, later commands), so they are defined once here.
 """
 
+from enum import StrEnum
+
 # A prepared directory (raylm.data.preparation writes it; workers and the driver read it).
 PREPARED_MANIFEST = "manifest.json"   # counts, sources, tokenizer, fingerprint
 LAYOUT = "layout.json"                # the packed blocks of each split
@@ -31,8 +33,13 @@ EXPORT_INFO = "raylm_export.json"
 CHECKPOINT_MARKER = "raylm_checkpoint.json"   # present once the checkpoint is complete
 CHECKPOINT_SAMPLES = "samples.npy"            # the per-sample ledger at the checkpoint
 
-# The ``event`` of the report a new worker group sends first (the record and sweeps read it).
-GROUP_START = "group_start"
+# The kinds of record in a run's events.jsonl, each its ``event`` (the name in lower case), and
+# of the interruptions its summary lists (RESTART, RESIZE). A new worker group reports
+# GROUP_START first; the controller's record writes the rest.
+Event = StrEnum("Event", " ".join(("INVOCATION DEVICE SCHEDULE_MOVED RESUMED_WITH_CHANGES PLACING",
+                                   "PLACED GROUP_START PROGRESS NUMERICAL_FAULT FAILURE RESTART",
+                                   "RESIZE BENCHMARK BENCHMARK_FAILED WAITED_FOR_BENCHMARKS",
+                                   "TRACKING_LOST END")), module=__name__)
 # The key of a report that carries the reports a worker held back while the one before waited
 # for the controller (raylm.workers.checkpoint.Checkpointer), oldest first.
 EARLIER_REPORTS = "earlier_reports"

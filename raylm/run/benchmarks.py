@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
+from raylm.names import Event
 
 EXTRA = "pip install 'raylm[eval]'"
 PREFIX = "eval/"
@@ -279,11 +280,11 @@ def outcome_record(step: int, checkpoint: str, result: Any) -> dict[str, Any]:
     ``benchmark_failed`` (its reason)."""
     name = storage.name(checkpoint)
     if isinstance(result, Scored):
-        return {"event": "benchmark", "step": step, "checkpoint": name,
+        return {"event": Event.BENCHMARK, "step": step, "checkpoint": name,
                 "scores": result.scores, "higher": result.higher, "seconds": result.seconds}
     lines = str(getattr(result, "cause", None) or result).strip().splitlines()
     reason = f"{type(result).__name__}: {lines[-1] if lines else ''}"[:300]
-    return {"event": "benchmark_failed", "step": step, "checkpoint": name, "error": reason}
+    return {"event": Event.BENCHMARK_FAILED, "step": step, "checkpoint": name, "error": reason}
 
 
 class Benchmarks:
@@ -314,7 +315,7 @@ class Benchmarks:
         self.resumed = True
         self.release()  # what earlier invocations held and left
         self.ended |= {r["step"] for r in records
-                       if r["event"] in ("benchmark", "benchmark_failed")}
+                       if r["event"] in (Event.BENCHMARK, Event.BENCHMARK_FAILED)}
         started = []
         for path in rundir.candidates(self.run_dir):
             if storage.name(path) in bad:
@@ -379,7 +380,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """summary.json's ``benchmarks``: per score the latest and the best (by lm-eval's
     direction) with their steps; and the evaluations that failed."""
     scores: dict[str, dict[str, Any]] = {}
-    for r in sorted((r for r in records if r["event"] == "benchmark"), key=lambda r: r["step"]):
+    for r in sorted((r for r in records if r["event"] == Event.BENCHMARK), key=lambda r: r["step"]):
         for name, value in r["scores"].items():
             s = scores.setdefault(name, {"best": value, "best_step": r["step"]})
             s.update(latest=value, latest_step=r["step"])
@@ -387,15 +388,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             if (value > s["best"]) if higher else (value < s["best"]):
                 s.update(best=value, best_step=r["step"])
     failed = [{"step": r["step"], "error": r["error"]} for r in records
-              if r["event"] == "benchmark_failed"]
+              if r["event"] == Event.BENCHMARK_FAILED]
     return {"scores": scores, "failed": failed,
-            "seconds": round(sum(r["seconds"] for r in records if r["event"] == "benchmark"),
+            "seconds": round(sum(r["seconds"] for r in records if r["event"] == Event.BENCHMARK),
                              2)}
 
 
 def describe(record: dict[str, Any]) -> str:
     """A benchmark record as one line of the run's output."""
-    if record["event"] == "benchmark_failed":
+    if record["event"] == Event.BENCHMARK_FAILED:
         return (f"raylm: warning: the benchmark evaluation of step {record['step']} failed "
                 f"(after one retry): {record['error']}; training goes on")
     shown = ", ".join(f"{n[len(PREFIX):]} {v:.4f}" for n, v in list(record["scores"].items())[:6])

@@ -16,7 +16,7 @@ from typing import Any
 
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
-from raylm.names import RUN_INFO, SUMMARY
+from raylm.names import RUN_INFO, SUMMARY, Event
 from raylm.run import tracking
 from raylm.run.benchmarks import (
     check_settings,
@@ -51,7 +51,7 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
                               "benchmarks with --eval.tasks")
         check_settings(ev)
         scored = score_model(Path(src), ev)
-        return [{"event": "benchmark", "step": None, "scores": scored.scores,
+        return [{"event": Event.BENCHMARK, "step": None, "scores": scored.scores,
                  "higher": scored.higher, "seconds": scored.seconds}]
     cfg = config_from_dict(read_run_info(src)["config"])
     ev = ev if ev is not None and ev.tasks else cfg.eval
@@ -94,7 +94,7 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
             record = outcome_record(s, found[s], result)
             log(describe(record))
             log_.add({"invocation": log_.invocation, "time": time.time(), **record})
-            if record["event"] == "benchmark":
+            if record["event"] == Event.BENCHMARK:
                 tracker.log_scores(record["scores"], s)
             out.append(record)
         log_.flush()

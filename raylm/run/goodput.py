@@ -59,6 +59,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from raylm.names import Event
+
 CAUSES = ("productive", "recomputed", "data_wait", "checkpoint", "evaluation", "preemption",
           "benchmarks", "resources", "startup", "restart", "reporting", "finish", "other")
 PHASES = ("controller", "resources", "workers", "imports", "ray_train", "stream", "build",
@@ -118,7 +120,7 @@ class _Account:
         self.start = self.end = None
 
     def record(self, r: dict[str, Any]) -> None:
-        if r["event"] in ("benchmark", "benchmark_failed"):
+        if r["event"] in (Event.BENCHMARK, Event.BENCHMARK_FAILED):
             return  # beside the wall time (see the module doc)
         if r["invocation"] != self.invocation:
             self.end_of_lost_group()

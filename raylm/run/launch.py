@@ -39,7 +39,7 @@ from raylm.data.streams import READER_CPUS
 from raylm.data.tokenizer import load_backend
 from raylm.model import lora
 from raylm.model.build import build_config
-from raylm.names import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY
+from raylm.names import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, Event
 from raylm.run import goodput, lease, tracking
 from raylm.run.benchmarks import Benchmarks
 from raylm.run.exporter import export, write_run_info
@@ -329,11 +329,11 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                            total_steps=cfg.train.steps) if cfg.eval.tasks else None)
     # A sweep trial's reporter hears each benchmark's scores (raylm.run.sweep).
     record.listeners += [c for c in callbacks or () if hasattr(c, "scored")]
-    record.note("device", gpu=cfg.scaling.use_gpu, reason=device)
+    record.note(Event.DEVICE, gpu=cfg.scaling.use_gpu, reason=device)
     if moved is not None:
-        record.note("schedule_moved", **moved)
+        record.note(Event.SCHEDULE_MOVED, **moved)
     if changed:
-        record.note("resumed_with_changes", changed=changed)
+        record.note(Event.RESUMED_WITH_CHANGES, changed=changed)
     error = None
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,

@@ -53,9 +53,9 @@ from raylm.names import (
     EARLIER_REPORTS,
     EVENT_SEGMENTS,
     EVENTS,
-    GROUP_START,
     RUN_INFO,
     SUMMARY,
+    Event,
 )
 from raylm.run import benchmarks as bench
 from raylm.run.benchmarks import Benchmarks
@@ -129,16 +129,16 @@ def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     pending = None  # an interruption waiting for the new group's first report
     for r in records:
         kind = r["event"]
-        if kind == "failure":
+        if kind == Event.FAILURE:
             failures.append(r)
-        elif kind == GROUP_START:
+        elif kind == Event.GROUP_START:
             if pending is not None:
                 out.append(pending)
             pending = None
             if group is None and failures:
                 # This invocation's earlier group failed before the controller heard of it.
                 pending = {
-                    "event": "restart", "from_workers": None, "to_workers": r["workers"],
+                    "event": Event.RESTART, "from_workers": None, "to_workers": r["workers"],
                     "at_step": None, "resumed_from_step": r["from_step"],
                     "steps_redone": None, "time_lost_s": None, "failures": len(failures),
                     "cause": failures[-1]["error"], "_since": None, "_step_time": 0.0}
@@ -146,7 +146,7 @@ def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 at, since = ((last["step"], last["time"]) if last is not None
                              else (group["from_step"], group["time"]))
                 pending = {
-                    "event": "restart" if failures else "resize",
+                    "event": Event.RESTART if failures else Event.RESIZE,
                     "from_workers": group["workers"], "to_workers": r["workers"],
                     "at_step": at, "resumed_from_step": r["from_step"],
                     "steps_redone": max(0, at - r["from_step"]), "time_lost_s": None,
@@ -154,7 +154,7 @@ def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "cause": failures[-1]["error"] if failures else "resize",
                     "_since": since, "_step_time": step_time}
             group, last, failures = r, None, []
-        elif kind == "progress":
+        elif kind == Event.PROGRESS:
             if pending is not None:
                 if pending["_since"] is not None:
                     beyond = max(0, r["step"] - pending["at_step"])
@@ -172,9 +172,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The summary.json fields for one invocation's records."""
     inter = interruptions(records)
     return {
-        "restarts": sum(e["event"] == "restart" for e in inter),
+        "restarts": sum(e["event"] == Event.RESTART for e in inter),
         "resizes": sum(e["from_workers"] not in (None, e["to_workers"]) for e in inter),
-        "failures": sum(r["event"] == "failure" for r in records),
+        "failures": sum(r["event"] == Event.FAILURE for r in records),
         "interruptions": inter,
     }
 
@@ -265,7 +265,7 @@ class RunRecord(UserCallback):
         self.stuck_at = -1  # the furthest step when the failures counted below began
         self.failures_in_place = 0  # failures in a row without training past stuck_at
         # The goodput account counts this invocation's wall time from here (raylm.run.goodput).
-        self._add("invocation", at=self.started)
+        self._add(Event.INVOCATION, at=self.started)
 
     # Ray Train's hooks. An exception in a controller callback ends the whole run; the record
     # is not worth that, so each hook reports its own errors and returns.
@@ -299,16 +299,16 @@ class RunRecord(UserCallback):
             if self.group is None:
                 self.resumed_from_step = m["resumed_from_step"]
             self.group = m["group_started"]
-            self._add(GROUP_START, at=m["group_started"], workers=m["workers"],
+            self._add(Event.GROUP_START, at=m["group_started"], workers=m["workers"],
                       from_step=m["resumed_from_step"] or 0, setup_s=m.get("setup_s"),
                       phases=m.get("phases"), resumed_clock=m.get("resumed_clock"))
             self.group_reported = False
-        if m.get("event") == GROUP_START:
+        if m.get("event") == Event.GROUP_START:
             return
         step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
         # Timed when rank 0 made it, which for a report held back is earlier than its arrival.
         clock = m.get("clock")
-        self._add("progress", at=clock["t"] if clock else None, step=step, step_time=step_time,
+        self._add(Event.PROGRESS, at=clock["t"] if clock else None, step=step, step_time=step_time,
                   clock=clock,
                   **{k: v for k, v in m.items() if v is not None
                      and (k in HISTORY or k.startswith(HISTORY_PREFIXES))})
@@ -368,7 +368,7 @@ class RunRecord(UserCallback):
         for r in outcomes:
             self._add(r["event"], **{k: v for k, v in r.items() if k != "event"})
             print(bench.describe(r), flush=True)
-            if r["event"] == "benchmark":
+            if r["event"] == Event.BENCHMARK:
                 self.tracker.log_scores(r["scores"], r["step"])
                 for listener in self.listeners:
                     listener.scored(r, val_loss=self.val_loss)
@@ -391,7 +391,7 @@ class RunRecord(UserCallback):
     def _numerical_fault(self, fault: dict[str, Any]) -> None:
         """A step the numerical check kept from the weights: in the events, said in a line,
         and logged to MLflow with the run's other events."""
-        self._add("numerical_fault", **fault)
+        self._add(Event.NUMERICAL_FAULT, **fault)
         ranges = ", ".join(f"{a}-{b - 1}" for a, b in fault["positions"])
         done = {"skip": "its update skipped", "rewind": "the run rewinds",
                 "stop": "the run stops"}[fault["action"]]
@@ -415,7 +415,7 @@ class RunRecord(UserCallback):
         if not any(cause(e, Preempted) or cause(e, Rewind) for e in worker_exceptions.values()):
             self.failures_in_place += 1
         text = str(error).strip().splitlines()
-        self._add("failure", ranks=sorted(worker_exceptions),
+        self._add(Event.FAILURE, ranks=sorted(worker_exceptions),
                   error=f"{type(error).__name__}: {text[0] if text else ''}"[:300])
         self.flush()
 
@@ -449,9 +449,9 @@ class RunRecord(UserCallback):
                 began = time.time()
                 if self.benchmarks.pending:
                     self._scored(self.benchmarks.wait())
-                    self._add("waited_for_benchmarks", seconds=round(time.time() - began, 2))
+                    self._add(Event.WAITED_FOR_BENCHMARKS, seconds=round(time.time() - began, 2))
                 self.benchmarks.release()
-            self._add("end", status="failed" if failed else "finished")
+            self._add(Event.END, status="failed" if failed else "finished")
             self.log.flush()
             summary = {**self.summary(), "status": "failed" if failed else "finished",
                        "wall_s": round(time.time() - self.started, 2), "samples": None,
@@ -494,11 +494,11 @@ class RunRecord(UserCallback):
 
     def placing(self, workers: int) -> None:
         """Ray Train starts placing a worker group of ``workers``."""
-        self._add("placing", workers=workers)
+        self._add(Event.PLACING, workers=workers)
 
     def placed(self, resources_s: float | None) -> None:
         """The group is placed; its placement group waited ``resources_s`` for resources."""
-        self._add("placed", resources_s=resources_s)
+        self._add(Event.PLACED, resources_s=resources_s)
 
     def summary(self) -> dict[str, Any]:
         """summary.json as the record knows it: where the run is now."""
@@ -528,15 +528,15 @@ class RunRecord(UserCallback):
                                      "gpu_hours", "cost")},
             **summarize(self.records),
             "numerical_faults": [{k: v for k, v in r.items() if k not in ("invocation", "event")}
-                                 for r in self.records if r["event"] == "numerical_fault"],
+                                 for r in self.records if r["event"] == Event.NUMERICAL_FAULT],
             # Where the workers ran, and why (scaling.use_gpu, and the cluster).
             "device": next((r["reason"] for r in reversed(self.records)
-                            if r["event"] == "device"), None),
+                            if r["event"] == Event.DEVICE), None),
             "attention_backend": m.get("attention_backend"),
             "precision": m.get("precision"),
             # What this invocation resumed with although it changed (checkpoint.accept_changes).
             "changed_on_resume": sorted({c for r in self.records
-                                         if r["event"] == "resumed_with_changes"
+                                         if r["event"] == Event.RESUMED_WITH_CHANGES
                                          for c in r["changed"]}),
             # This invocation's while it runs; the whole run's in the final summary.
             "goodput": self.goodput(),
@@ -570,17 +570,17 @@ class RunRecord(UserCallback):
         record and the summary, so the run's record shows where MLflow's ends."""
         if self.tracker.lost and self.tracking_lost is None:
             self.tracking_lost = {"step": step, "error": self.tracker.lost}
-            self._add("tracking_lost", **self.tracking_lost)
+            self._add(Event.TRACKING_LOST, **self.tracking_lost)
             self.flush()
 
     def _log_events(self, step: int) -> None:
         # MLflow's run spans every invocation of the raylm run.
         records = self._every_record()
         parts = [summarize(rs) for rs in by_invocation(records)]
-        faults = [r for r in records if r["event"] == "numerical_fault"]
+        faults = [r for r in records if r["event"] == Event.NUMERICAL_FAULT]
         self.tracker.log_events(
             {"interruptions": [e for p in parts for e in p["interruptions"]],
-             "failures": [r for r in records if r["event"] == "failure"],
+             "failures": [r for r in records if r["event"] == Event.FAILURE],
              "numerical_faults": faults},
             {**counts(parts), "numerical_faults": len(faults)}, step)
 

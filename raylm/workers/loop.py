@@ -63,7 +63,7 @@ from raylm.model.lora import adapter_args
 from raylm.model.lora import settings as lora_settings
 from raylm.model.parallelize import Layout, ParallelPlan, layout_of, loss_context
 from raylm.model.pipeline import describe_split
-from raylm.names import GROUP_START
+from raylm.names import Event
 from raylm.schedule import lr_at
 from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
@@ -172,7 +172,7 @@ def train_loop_per_worker(loop_config: dict[str, Handoff]) -> None:
         try:
             started = process_started()
             ray.train.report({**run.constant_metrics, "step": run.state.step,
-                              "event": GROUP_START,
+                              "event": Event.GROUP_START,
                               "setup_s": time.time() - group_started,
                               "phases": {
                                   "process_s": None if started is None

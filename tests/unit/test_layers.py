@@ -76,3 +76,19 @@ def test_the_layout_table_names_every_module():
                if p.name not in ("__init__.py", "__main__.py") and "bench" not in p.parts
                and p.name not in table and f"{p.stem}:" not in table]
     assert missing == [], f"docs/development.md's layout table lacks {missing}"
+
+
+def test_event_kinds_are_named_once():
+    """A run's event kinds are raylm.names.Event's members: no module writes or compares one as
+    a string of its own, so a kind cannot be renamed in one place and missed in another."""
+    import re
+
+    from raylm.names import Event
+
+    kinds = "|".join(e.value for e in Event)
+    literal = re.compile(rf'(["\']event["\']\]?\s*(?:==|!=|:|in\s*[(\[{{])\s*|_add\(|note\()'
+                         rf'["\']({kinds})["\']')
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}"
+             for p in sorted((ROOT / "raylm").rglob("*.py")) if "bench" not in p.parts
+             for m in literal.finditer(p.read_text())]
+    assert found == [], found

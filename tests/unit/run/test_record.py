@@ -9,7 +9,7 @@ import json
 import pytest
 
 from raylm import storage
-from raylm.names import EARLIER_REPORTS, GROUP_START
+from raylm.names import EARLIER_REPORTS, Event
 from raylm.run import record
 from raylm.run.tracking import Tracker
 
@@ -33,7 +33,7 @@ def report(step: int, *, group: float, workers: int = 2, resumed: int | None = N
 def announce(*, group: float, workers: int = 2, resumed: int | None = None) -> dict:
     """A worker group's first report, before it trains."""
     return {**report(resumed or 0, group=group, workers=workers, resumed=resumed),
-            "event": GROUP_START}
+            "event": Event.GROUP_START}
 
 
 class Boom(RuntimeError):
