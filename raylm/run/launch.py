@@ -40,10 +40,10 @@ from raylm.data.tokenizer import load_backend
 from raylm.model import lora
 from raylm.model.build import build_config
 from raylm.names import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, Event
-from raylm.run import goodput, lease, tracking
+from raylm.run import goodput, tracking
 from raylm.run.benchmarks import Benchmarks
 from raylm.run.exporter import export, write_run_info
-from raylm.run.lease import LeaseError, hold
+from raylm.run.lease import Lease, LeaseError, hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
 from raylm.run.record import Ending, FinalModel, RunRecord, controller_callbacks
@@ -258,14 +258,14 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     lease is held throughout (:mod:`raylm.run.lease`): a second live driver of the same run
     directory is refused, an earlier attempt of the same ``lease_owner`` waited out."""
     checked = checked or preflight(cfg, tracked=tracking_parent is None)
-    with hold(run_dir(checked.cfg), owner=lease_owner, log=log):
+    with hold(run_dir(checked.cfg), owner=lease_owner, log=log) as h:
         return _train(checked.cfg, log=log, callbacks=callbacks,
-                      tracking_parent=tracking_parent, bar=bar)
+                      tracking_parent=tracking_parent, bar=bar, held=h.held)
 
 
 def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: tracking.Tracker | None,
-           bar: bool) -> dict[str, Any]:
-    """:func:`train`, once the run is checked and its lease held."""
+           bar: bool, held: Lease) -> dict[str, Any]:
+    """:func:`train`, once the run is checked and its lease (``held``) held."""
     rd = run_dir(cfg)
     quiet_libraries(cfg.run.verbose)
     one_copy_of_worker_prints()
@@ -320,11 +320,9 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                                             register_as=cfg.tracking.register_as)
                                  if cfg.tracking.log_model and tracking_parent is None
                                  else None))
-    held = lease.held(rd)
-    token = held.token if held is not None else None
     record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
                        verbose=cfg.run.verbose, progress=feed and feed.queue, ending=ending,
-                       lease=token, benchmarks=Benchmarks(
+                       lease=held.token, benchmarks=Benchmarks(
                            rd, cfg.eval, checkpoint_every=cfg.checkpoint.every,
                            total_steps=cfg.train.steps) if cfg.eval.tasks else None)
     # A sweep trial's reporter hears each benchmark's scores (raylm.run.sweep).
@@ -338,13 +336,13 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
                       resources=resources, callbacks=callbacks, identity=identity,
-                      reference=reference, lease=token).fit()
+                      reference=reference, lease=held.token).fit()
     except Exception as e:  # Ray Train raises once max_failures is used up
         error = e
     finally:
         if feed is not None:
             feed.close()
-    if held is not None and (held.lost.is_set() or faults.cause(error, faults.LeaseLost)):
+    if held.lost.is_set() or faults.cause(error, faults.LeaseLost):
         tracker.finish(failed=True)
         raise LeaseError(f"run {cfg.run.name!r} stopped: its driver lost the lease on "
                          f"{storage.redact(rd)} to another process, which now drives the run "

@@ -373,11 +373,6 @@ class Lease:
                   f"expires in {EXPIRES_S:.0f} s", flush=True)
 
 
-def held(run_dir: str) -> Lease | None:
-    """The lease this process holds on ``run_dir``, if any."""
-    return _HELD.get(storage.normalize(run_dir))
-
-
 class hold:
     """``with hold(run_dir):`` the lease on ``run_dir`` for the block, taken here unless this
     process holds it already (then the outer holder gives it back). ``owner``: what holds it
@@ -393,6 +388,11 @@ class hold:
             self.lease = _HELD[self.key] = Lease(self.key, owner=self.owner,
                                                  log=self.log).take()
         return self
+
+    @property
+    def held(self) -> Lease:
+        """The lease this process holds on the run directory (taken here or outside)."""
+        return _HELD[self.key]
 
     def __exit__(self, *exc: Any) -> None:
         if self.lease is not None:
