@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from raylm import storage
 from raylm.config import Config, load_config
-from raylm.names import RUN_INFO, SUMMARY, Event
+from raylm.contracts import RUN_INFO, SUMMARY, Event
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -198,10 +198,10 @@ def prepare(config: ConfigLike = None, *, overrides: Overrides = None,
     config reads (reused when it is there already). Returns the manifest, with ``directory``
     added: where the prepared data lies."""
     from raylm.console import quiet_libraries
+    from raylm.contracts import PREPARED_MANIFEST
     from raylm.data.corpus import resolve_sources
     from raylm.data.preparation import prepare as run_prepare
     from raylm.data.preparation import prepared_dir
-    from raylm.names import PREPARED_MANIFEST
     from raylm.outputs import check_output
 
     cfg = resolve(config, overrides)

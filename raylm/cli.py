@@ -34,7 +34,7 @@ from typing import NoReturn
 
 from raylm import __version__
 from raylm.config import Config, ConfigError, for_sweep, load_config
-from raylm.names import Event
+from raylm.contracts import Event
 
 
 def _parser() -> argparse.ArgumentParser:

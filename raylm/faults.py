@@ -20,10 +20,8 @@ callbacks may implement.
 
 from __future__ import annotations
 
-import json
-
 from raylm import storage
-from raylm.names import LEASE
+from raylm.contracts import LEASE, LeaseRecord, Malformed
 
 # Errors in setup that no machine fault raises: the same input raises them again. Connection,
 # storage and collective errors (OSError, RuntimeError and their kin) stay faults.
@@ -49,15 +47,12 @@ def check_lease(run_dir: str, token: str | None) -> None:
         return
     path = storage.join(run_dir, LEASE)
     try:
-        holder = json.loads(storage.read_bytes(path))
-    except FileNotFoundError:
+        holder = LeaseRecord.from_json(storage.read_bytes(path))
+    except (FileNotFoundError, Malformed):
         holder = None
-    except ValueError:
-        holder = {}
-    if isinstance(holder, dict) and holder.get("token") == token:
+    if holder is not None and holder.token == token:
         return
-    by = (f"pid {holder.get('pid')} on {holder.get('host')}"
-          if isinstance(holder, dict) and holder.get("pid") else "no one")
+    by = f"pid {holder.pid} on {holder.host}" if holder is not None else "no one"
     raise LeaseLost(
         f"this run's driver no longer holds the lease {storage.redact(path)} (it is held by "
         f"{by}): the driver stalled or lost its storage for longer than the lease lasts, and "

@@ -3,31 +3,8 @@ controller, the sweep, the exporter and the workers all read a run through this 
 the workers also write it (:mod:`raylm.workers.checkpoint` writes checkpoints with DCP; the
 skip manifest is written by a rewind).
 
-What a run directory ``RUN_DIR = run.storage_path/run.name`` holds, and who writes it:
-
-=========================  ==================================================================
-``checkpoint_*/``          Ray Train's upload of the workers' checkpoint: DCP's shards and
-                           ``.metadata`` (every rank), ``samples.npy`` (the sample ledger)
-                           and the marker ``raylm_checkpoint.json`` (rank 0, last): see
-                           :func:`verify`
-``events.jsonl``           the run's record on the Ray Train controller
-                           (:mod:`raylm.run.record`; in object storage
-                           ``events/<invocation>-<n>.jsonl`` segments)
-``summary.json``           the record: while the run goes (``status: running``), then
-                           once at its end; the driver reads it, and adds the final
-                           model's MLflow URI once it has logged it
-``run.json``,              the driver at each start (:mod:`raylm.run.exporter`: what
-``tokenizer/``             ``raylm export`` needs)
-``mlflow_run.json``        the driver, when it creates the MLflow run (:mod:`raylm.run.tracking`)
-``lease.json``             the driver holding the run (:mod:`raylm.run.lease`), and
-                           ``lease.json.lock`` beside it on a file system
-``skipped_samples.json``   rank 0 at a rewind (:func:`write_manifest`)
-``.benchmarks/step_N/``    the controller: hard links of a checkpoint's files while its
-                           benchmark evaluation waits; the evaluation removes them
-                           (:mod:`raylm.run.benchmarks`)
-``tune/``, ``trials/``     a sweep's Ray Tune experiment and its trials' run directories
-                           (:mod:`raylm.run.sweep`)
-=========================  ==================================================================
+What a run directory ``RUN_DIR = run.storage_path/run.name`` holds, and who writes each
+file, is listed where the files are named, in :mod:`raylm.contracts`.
 
 A resume finds its checkpoint by listing ``checkpoint_*`` in storage and verifying markers
 (:func:`latest_usable`) rather than through ``ray.train.get_checkpoint()``: Ray Train knows
@@ -50,8 +27,15 @@ from typing import Any
 import numpy as np
 
 from raylm import storage
+from raylm.contracts import (
+    CHECKPOINT_MARKER,
+    CHECKPOINT_SAMPLES,
+    SKIPPED,
+    TUNE_EXPERIMENT,
+    Malformed,
+    Marker,
+)
 from raylm.data.packing import SampleOrder, Skips
-from raylm.names import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, SKIPPED, TUNE_EXPERIMENT
 
 log = logging.getLogger("raylm.rundir")
 
@@ -81,75 +65,47 @@ def file_hash(read_chunks) -> str:
     return h.hexdigest()
 
 
-def _check_marker(marker: Any, where: str) -> None:
-    """A marker of the shape :func:`_write_marker` writes, or :class:`CheckpointError` (so a
-    damaged one is skipped as a broken checkpoint, not an error that stops every restart)."""
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {CHECKPOINT_MARKER} is malformed ({why})")
-
-    if not isinstance(marker, dict):
-        raise bad("not an object")
-    for key in ("state", "model", "files"):
-        if not isinstance(marker.get(key), dict):
-            raise bad(f"{key} is not an object")
-    step = marker["state"].get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise bad("state.step is not a step number")
-    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-               and v >= 0 for k, v in marker["files"].items()):
-        raise bad("files does not map names to sizes")
-    hashes = marker.get("hashes", {})
-    if not isinstance(hashes, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in hashes.items()):
-        raise bad("hashes does not map names to digests")
-    for key in ("adapters", "identity"):
-        if not isinstance(marker.get(key, {}), dict):
-            raise bad(f"{key} is not an object")
-
-
-def verify(directory: str | os.PathLike, *, every_hash: bool = False) -> dict[str, Any]:
+def verify(directory: str | os.PathLike, *, every_hash: bool = False) -> Marker:
     """The marker of a complete checkpoint (a path or URI); :class:`CheckpointError` saying
     what is wrong. Files are checked by size, and by hash up to :data:`HASHED_ON_RESUME` (all of
     them with ``every_hash``). Checkpoints from before hashes were recorded have sizes only."""
     d = str(directory)
     try:
-        marker = json.loads(storage.read_text(storage.join(d, CHECKPOINT_MARKER)))
+        marker = Marker.from_json(storage.read_text(storage.join(d, CHECKPOINT_MARKER)))
     except FileNotFoundError:
         raise CheckpointError(f"{d}: no {CHECKPOINT_MARKER} (save did not finish)") from None
-    except ValueError:
-        raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} is corrupted") from None
-    _check_marker(marker, d)
-    if not marker.get("files"):
-        raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} lists no files")
-    for name, size in marker["files"].items():
+    except Malformed as e:
+        # Skipped as a broken checkpoint, not an error that stops every restart.
+        raise CheckpointError(f"{d}: {e}") from None
+    for name, size in marker.files.items():
         found = storage.size(storage.join(d, name))
         if found is None:
             raise CheckpointError(f"{d}: {name} is missing")
         if found != size:
             raise CheckpointError(f"{d}: {name} has {found} bytes, expected {size} (truncated)")
-    for name, digest in marker.get("hashes", {}).items():
-        if name not in marker["files"]:
+    for name, digest in marker.hashes.items():
+        if name not in marker.files:
             raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} hashes {name}, which it does not "
                                   f"list")
-        if every_hash or marker["files"][name] <= HASHED_ON_RESUME:
+        if every_hash or marker.files[name] <= HASHED_ON_RESUME:
             if file_hash(storage.read_chunks(storage.join(d, name))) != digest:
                 raise CheckpointError(f"{d}: {name} does not match its hash (changed or "
                                       f"corrupted since it was written)")
     return marker
 
 
-def check_compatible(marker: dict[str, Any], config, where: str,
+def check_compatible(marker: Marker, config, where: str,
                      adapters: dict[str, Any] | None = None) -> None:
-    want, have = model_shape(config), marker["model"]
+    want, have = model_shape(config), marker.model
     diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a} vs model {b}" for k, (a, b) in diff.items())
         raise CheckpointError(
             f"The checkpoint {where} is for a different model ({detail}). Use the model.preset "
             f"or model.path it was trained with, or start a new run (a new run.name).")
-    if marker.get("adapters", {}) != (adapters or {}):
+    if marker.adapters != (adapters or {}):
         raise CheckpointError(
-            f"The checkpoint {where} holds LoRA adapters {marker.get('adapters') or 'none'} "
+            f"The checkpoint {where} holds LoRA adapters {marker.adapters or 'none'} "
             f"but the run asks for {adapters or 'none'} (lora.*): resume with the settings it "
             f"was trained with, or start a new run (a new run.name).")
 
@@ -168,13 +124,13 @@ def _comparable(recorded: str, now: str | None) -> bool:
     return (":" in recorded) == (":" in now)
 
 
-def check_same_run(marker: dict[str, Any], identity: dict[str, str], where: str, *,
+def check_same_run(marker: Marker, identity: dict[str, str], where: str, *,
                    accept: list[str]) -> list[str]:
     """What changed since the checkpoint ``where`` was written, among the run's data,
     tokenizer and base model, when ``accept`` (``checkpoint.accept_changes``) allows all of
     it; :class:`CheckpointError` naming the rest otherwise. Checkpoints written before raylm
     recorded an identity have none to compare."""
-    recorded = marker.get("identity") or {}
+    recorded = marker.identity
     changed = [k for k in IDENTITY if k in recorded and recorded[k] != identity.get(k)
                and _comparable(recorded[k], identity.get(k))]
     owner = {"format": "data"}
@@ -197,7 +153,6 @@ def load_samples(directory: str | os.PathLike) -> np.ndarray | None:
 
 
 _RAY_CKPT = re.compile(r"^checkpoint_")
-
 
 
 def account_samples(rows: np.ndarray, *, group_sizes: list[int], seed: int, window: int,
@@ -236,9 +191,8 @@ def candidates(run_dir: str | os.PathLike) -> list[str]:
 
     def step_of(p: str) -> int:
         try:
-            marker = json.loads(storage.read_text(storage.join(p, CHECKPOINT_MARKER)))
-            return int(marker["state"]["step"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return Marker.from_json(storage.read_text(storage.join(p, CHECKPOINT_MARKER))).step
+        except (OSError, Malformed):
             return -1
 
     dirs = [storage.join(root, n) for n in storage.list_dirs(root) if _RAY_CKPT.match(n)]
@@ -246,7 +200,7 @@ def candidates(run_dir: str | os.PathLike) -> list[str]:
 
 
 def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning,
-                    exclude: Collection[str] = ()) -> tuple[str, dict] | None:
+                    exclude: Collection[str] = ()) -> tuple[str, Marker] | None:
     """The newest complete checkpoint of a run, skipping (and warning about) broken ones, and
     those named in ``exclude`` (checkpoint directory names)."""
     for path in candidates(run_dir):
@@ -260,7 +214,7 @@ def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning,
 
 
 def latest_usable(run_dir: str | os.PathLike, *, bad: Collection[str], warn=log.warning
-                  ) -> tuple[str, dict] | None:
+                  ) -> tuple[str, Marker] | None:
     """:func:`latest_verified` without the checkpoints a rewind marked ``bad``
     (``skipped_samples.json``); :class:`CheckpointError` when the run has verified checkpoints
     and every one is marked bad: starting from step 0 would silently drop the run's progress

@@ -41,13 +41,13 @@ def kill_after_checkpoint(run_dir: str, *, step: int, delay_s: float, timeout_s:
     deadline = time.monotonic() + timeout_s
     while not done.is_set() and time.monotonic() < deadline:
         found = rundir.latest_verified(run_dir, warn=lambda m: None)
-        if found and found[1]["state"]["step"] >= step:
+        if found and found[1].step >= step:
             time.sleep(delay_s)
             victims = train_workers()[:count]
             for p in victims:
                 p.send_signal(signal.SIGKILL)
             return {"killed_pids": [p.pid for p in victims], "killed_at": time.time(),
-                    "checkpoint_step": found[1]["state"]["step"]}
+                    "checkpoint_step": found[1].step}
         time.sleep(0.1)
     return {"killed_pids": [], "error": f"no checkpoint at step {step} within {timeout_s:g} s"}
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from raylm.config import load_config
+from raylm.contracts import PREPARED_MANIFEST
 from raylm.data.tokenizer import load_backend
 from raylm.model.build import build_config
-from raylm.names import PREPARED_MANIFEST
 from raylm.run.launch import train
 
 

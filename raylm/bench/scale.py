@@ -68,7 +68,7 @@ import torch
 import torch.multiprocessing as mp
 
 from raylm.bench.layouts import VOCAB, _free_port
-from raylm.names import LAYOUT
+from raylm.contracts import LAYOUT
 
 if TYPE_CHECKING:
     from raylm.data.streams import PackedSplit
@@ -117,7 +117,7 @@ def checkpoint_fetch(*, preset: str, ranks: list[int], root: Path) -> dict[str, 
         where = root / f"ranks-{n}" / "checkpoint_000"
         spec = {"preset": preset, "checkpoint": str(where), "resume": False}
         _spawn(n, spec, root / f"save-{n}")
-        size = sum(rundir.verify(where)["files"].values())
+        size = sum(rundir.verify(where).files.values())
         fetched = [r["bytes"] for r in _spawn(n, {**spec, "checkpoint": f"file://{where}",
                                                   "resume": True}, root / f"load-{n}")]
         # What each rank fetched before: the whole directory.
@@ -256,7 +256,7 @@ def async_checkpoint(*, preset: str, root: Path, ranks: int = 1,
         results[mode] = {
             "stall_s": round(worst["stall_s"], 3),
             "first_stall_s": round(max(r["first"]["stall_s"] for r in per_rank), 3),
-            "checkpoint_bytes": sum(rundir.verify(where)["files"].values()),
+            "checkpoint_bytes": sum(rundir.verify(where).files.values()),
             "detail": per_rank}
         shutil.rmtree(root / f"bucket-{mode}")
         shutil.rmtree(root / f"local-{mode}")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from raylm.names import PREPARED_MANIFEST
+from raylm.contracts import PREPARED_MANIFEST
 
 Format = Literal["text", "jsonl", "parquet", "arrow", "pydoc"]
 

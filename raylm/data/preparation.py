@@ -57,6 +57,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raylm.config import Config, cache_dir
+from raylm.contracts import LAYOUT, SPLITS
 from raylm.data.chat import (
     DefaultTemplate,
     JinjaTemplate,
@@ -86,7 +87,6 @@ from raylm.data.corpus import (
 )
 from raylm.data.packing import ExamplePacker, Packer, source_key
 from raylm.data.tokenizer import build_tokenizer, chat_template, load_backend, tokenizer_fingerprint
-from raylm.names import LAYOUT, SPLITS
 from raylm.outputs import check_output, discard, publish, staging
 
 # 64 row groups per file: with 256-block row groups, 16,384 blocks (~17 MB at seq_len 256).

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raylm.contracts import LAYOUT, REFERENCE_COLUMN
 from raylm.data.packing import (
     SampleOrder,
     Skips,
@@ -41,7 +42,6 @@ from raylm.data.packing import (
     rank_share,
     source_of,
 )
-from raylm.names import LAYOUT, REFERENCE_COLUMN
 
 if TYPE_CHECKING:
     import torch
@@ -386,11 +386,6 @@ class FirstBatch:
             if not ok:
                 raise value
             return value
-
-
-def first_batch(batches: Iterator[dict[str, torch.Tensor]], **wait) -> dict[str, torch.Tensor]:
-    """The stream's first batch, waited for at once (:meth:`FirstBatch.wait`)."""
-    return FirstBatch(batches).wait(**wait)
 
 
 def reader_wait(reader: dict[str, float], *, rank: int) -> str:

@@ -36,9 +36,8 @@ checkpoints are bf16: built as stored, a full fine-tune under bf16-mixed kept bf
 bf16 AdamW moments). Frozen weights (a LoRA base) are bf16 under bf16-mixed, as they are
 computed with: half the memory of fp32, and FSDP casts them to bf16 for compute anyway.
 
-``auto`` is bf16-mixed on CUDA devices with bf16 support, fp32 elsewhere: on CPUs without native
-bf16 (AVX2 only) bf16 autocast made a 7.4M-parameter Llama step 33x slower than fp32 (83 vs
-2,739 tokens/s, measured on this project's 2-core machines).
+``auto`` is bf16-mixed on CUDA devices with bf16 support, fp32 elsewhere (docs/training.md: on
+CPUs without native bf16, bf16 autocast ran 33x slower than fp32).
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from raylm.contracts import EXPORT_INFO
 from raylm.model.build import decoder_layers
 from raylm.model.lora import block_projections
-from raylm.names import EXPORT_INFO
 
 METHODS = ("magnitude", "wanda")
 PRUNED_KIND = "model-pruned"
@@ -191,13 +191,6 @@ def calibration_runner(model: nn.Module, batches: list[dict[str, torch.Tensor]],
                 continue
 
     return run
-
-
-def layer_sparsity(model: nn.Module) -> list[dict]:
-    """The share of exact zeros in each :func:`prunable` layer's weight."""
-    return [{"layer": n, "shape": list(rows_by_inputs(m).shape),
-             "sparsity": round((m.weight == 0).float().mean().item(), 6)}
-            for n, m in prunable(model)]
 
 
 def is_pruned(model_dir: str | Path | None) -> bool:

@@ -50,7 +50,7 @@ from typing import Any, Protocol
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
-from raylm.names import Event
+from raylm.contracts import BENCHMARKS, Event
 
 EXTRA = "pip install 'raylm[eval]'"
 PREFIX = "eval/"
@@ -192,25 +192,20 @@ def score_checkpoint(run_dir: str, checkpoint: str, ev: EvalConfig) -> Scored:
     with tempfile.TemporaryDirectory(prefix="raylm-eval-") as tmp, quiet_model_io():
         write_export(run_dir, Path(tmp), cfg, merge=True, checkpoint_path=checkpoint)
         scored = score_model(Path(tmp), ev)
-    if storage.parent(checkpoint) == storage.join(run_dir, HELD):
+    if storage.parent(checkpoint) == storage.join(run_dir, BENCHMARKS):
         shutil.rmtree(checkpoint, ignore_errors=True)
     return Scored(scored.scores, scored.higher, round(time.time() - start, 2))
 
 
-# Where a checkpoint waiting for its evaluation is held (RUN_DIR/.benchmarks/step_N): hard links
-# of its files, so that Ray Train removing the checkpoint (checkpoint.keep) while the evaluation
-# waits for a CPU or starts its process does not take the files from under it. No data is
-# copied.
-HELD = ".benchmarks"
-
-
 def hold(run_dir: str, checkpoint: str, step: int) -> str:
-    """``checkpoint``'s files held for its evaluation (see :data:`HELD`); the checkpoint itself
-    where links cannot be made (object storage, another file system), said in the record of a
-    failure if Ray Train removes it first."""
+    """``checkpoint``'s files held for its evaluation in ``RUN_DIR/.benchmarks/step_N``: hard
+    links (no data is copied), so that Ray Train removing the checkpoint (checkpoint.keep) while
+    the evaluation waits for a CPU or starts its process does not take the files from under it;
+    the checkpoint itself where links cannot be made (object storage, another file system),
+    said in the record of a failure if Ray Train removes it first."""
     if storage.is_uri(run_dir):
         return checkpoint
-    held = Path(run_dir) / HELD / f"step_{step}"
+    held = Path(run_dir) / BENCHMARKS / f"step_{step}"
     try:
         shutil.rmtree(held, ignore_errors=True)
         shutil.copytree(checkpoint, held, copy_function=os.link)
@@ -321,7 +316,7 @@ class Benchmarks:
             if storage.name(path) in bad:
                 continue
             try:
-                step = rundir.verify(path)["state"]["step"]
+                step = rundir.verify(path).step
             except (rundir.CheckpointError, OSError):
                 continue  # incomplete: the run never counted it
             if self.start(step, path):
@@ -368,7 +363,7 @@ class Benchmarks:
     def release(self) -> None:
         """Every evaluation has ended: what failed ones held goes too."""
         if not storage.is_uri(self.run_dir):
-            shutil.rmtree(Path(self.run_dir) / HELD, ignore_errors=True)
+            shutil.rmtree(Path(self.run_dir) / BENCHMARKS, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------

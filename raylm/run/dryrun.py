@@ -14,10 +14,10 @@ import os
 
 from raylm import rundir, storage
 from raylm.config import Config, batch_plan, model_parallel_group, run_dir
+from raylm.contracts import PREPARED_MANIFEST
 from raylm.data.corpus import is_prepared_dir, resolve_sources
 from raylm.data.preparation import cached_prepared_dir
 from raylm.data.streams import READER_CPUS
-from raylm.names import PREPARED_MANIFEST
 from raylm.run import cluster
 from raylm.run.preflight import preflight
 
@@ -105,11 +105,11 @@ def _run(cfg: Config, *, sweep: bool) -> str:
     if found is None:
         return f"run: a new run in {where} (run.name={cfg.run.name})"
     path, marker = found
-    step = marker["state"]["step"]
+    step = marker.step
     # The base model is the one part of a run's identity known before the data is prepared;
     # the rest is compared when the run starts.
-    if marker.get("identity"):
-        rundir.check_same_run(marker, {**marker["identity"],
+    if marker.identity:
+        rundir.check_same_run(marker, {**marker.identity,
                                        "base_model": base_model_identity(cfg)},
                               str(path), accept=cfg.checkpoint.accept_changes)
     if finished(cfg, found) is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
-from raylm.names import RUN_INFO, SUMMARY, Event
+from raylm.contracts import RUN_INFO, SUMMARY, Event
 from raylm.run import tracking
 from raylm.run.benchmarks import (
     check_settings,
@@ -67,7 +67,7 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
         except (rundir.CheckpointError, OSError):
             continue
         if storage.name(path) not in bad:
-            found[marker["state"]["step"]] = path
+            found[marker.step] = path
     if step is not None and step not in found:
         raise ValueError(f"{src} has no usable checkpoint at step {step}; it has "
                          f"{', '.join(map(str, sorted(found))) or 'none'}")

@@ -33,13 +33,13 @@ import torch
 from raylm import rundir, storage
 from raylm.config import config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
+from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.data.chat import answer_segments, encode, generation_prompt, template_for
 from raylm.data.corpus import normalize, parse_answer, parse_prompt
 from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
 from raylm.model import lora, sparsity
 from raylm.model.assemble import Built, build_for_checkpoint, evaluate
 from raylm.model.build import build_config, max_positions
-from raylm.names import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.outputs import check_output, discard, publish, staging
 from raylm.workers import checkpoint
 

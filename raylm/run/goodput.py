@@ -15,33 +15,8 @@ it survives restarts, resizes and new invocations without state of its own. What
   wall time, not in it: ``raylm eval``'s records, written after the fact, are not counted.
 
 The wall time of each invocation (from the driver building the run to its end) is split into
-
-==================  =========================================================================
-``productive``      computing the steps the final model holds
-``recomputed``      steps trained and then lost: reported steps a later group resumed before,
-                    and the time from a lost group's last report to its loss
-``data_wait``       waiting for batches, on the steps that count
-``checkpoint``      the loop blocked on saving (staging, or the whole write when synchronous)
-``evaluation``      validation
-``preemption``      from a preempted group's checkpoint to its end (the drain)
-``benchmarks``      the end of the run waiting for benchmark evaluations still running
-``resources``       placement groups waiting for CPUs/GPUs (Ray's own measure)
-``startup``         the first group of an invocation: starting processes, building, restoring
-``restart``         later groups: from a loss (or a resize) to the new group training again
-``reporting``       the loop's time between reports that none of the above holds: making the
-                    reports, the step vote, logging
-``finish``          a finished run's end: from its last report to the controller's end (Ray
-                    Train seeing the workers done), less benchmark waits
-``other``           the rest (what the records cannot place)
-==================  =========================================================================
-
-Startup and restarts are also split into their parts (``startup_phases``, summed over every
-group): ``controller`` (the invocation's start, or a failure, to Ray Train placing a group),
-``resources``, ``workers`` (Ray starting the worker processes), ``imports`` (a worker process's
-start to raylm's loop imported), ``ray_train`` (from there to the training function: Ray
-Train's set-up, the process group), then the worker's own set-up, rank 0's: ``stream``,
-``build``, ``restore``, ``validation``, ``first_batch`` (the data stream's first batch once the
-model is ready) and ``setup_other``.
+causes (``productive``, ``recomputed``, ``data_wait``, ...), and starts and restarts into their
+phases (``startup_phases``), as docs/fault-tolerance.md ("Where the time went") describes each.
 
 ``goodput`` is ``productive / total``. Steps trained again are not found by arithmetic on step
 numbers alone: a window of reported steps is "recomputed" in the share that a later group's
@@ -59,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raylm.names import Event
+from raylm.contracts import Event
 
 CAUSES = ("productive", "recomputed", "data_wait", "checkpoint", "evaluation", "preemption",
           "benchmarks", "resources", "startup", "restart", "reporting", "finish", "other")

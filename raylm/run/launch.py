@@ -34,12 +34,12 @@ from raylm.console import (
     quiet_model_io,
     train_log_level,
 )
+from raylm.contracts import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, Event, Marker
 from raylm.data.preparation import prepared_dir
 from raylm.data.streams import READER_CPUS
 from raylm.data.tokenizer import load_backend
 from raylm.model import lora
 from raylm.model.build import build_config
-from raylm.names import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, Event
 from raylm.run import goodput, tracking
 from raylm.run.benchmarks import Benchmarks
 from raylm.run.exporter import export, write_run_info
@@ -230,7 +230,9 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
         torch_config=TorchConfig(timeout_s=int(cfg.train.collective_timeout_s)),
         train_loop_config={HANDOFF: Handoff(
             cfg=cfg, run_dir=run_dir(cfg), prepared=prepared, vocab_size=vocab_size,
-            eos_id=eos_id, tracker=record.tracker, reader_resources=resources.reader,
+            eos_id=eos_id, reader_resources=resources.reader,
+            tracking=((record.tracker.uri, record.tracker.run_id)
+                      if record.tracker and not record.tracker.lost else None),
             identity=identity or {}, reference=reference, lease=lease)},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
                                      resources_per_worker=resources.worker,
@@ -258,9 +260,9 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     lease is held throughout (:mod:`raylm.run.lease`): a second live driver of the same run
     directory is refused, an earlier attempt of the same ``lease_owner`` waited out."""
     checked = checked or preflight(cfg, tracked=tracking_parent is None)
-    with hold(run_dir(checked.cfg), owner=lease_owner, log=log) as h:
+    with hold(run_dir(checked.cfg), owner=lease_owner, log=log) as held:
         return _train(checked.cfg, log=log, callbacks=callbacks,
-                      tracking_parent=tracking_parent, bar=bar, held=h.held)
+                      tracking_parent=tracking_parent, bar=bar, held=held)
 
 
 def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: tracking.Tracker | None,
@@ -451,7 +453,7 @@ def say_how_it_ended(cfg: Config, summary: dict[str, Any], *, error: Exception |
 
 
 
-def finished(cfg: Config, found: tuple[str, dict] | None) -> dict[str, Any] | None:
+def finished(cfg: Config, found: tuple[str, Marker] | None) -> dict[str, Any] | None:
     """The summary of a run that finished at or beyond ``train.steps`` (``found``: its latest
     verified checkpoint), or None. Running such a run again (a notebook cell run twice)
     returns it instead of starting a worker group that would train nothing and overwrite the
@@ -460,8 +462,8 @@ def finished(cfg: Config, found: tuple[str, dict] | None) -> dict[str, Any] | No
     if found is None or not storage.is_file(path):
         return None
     summary = json.loads(storage.read_text(path))
-    if (summary.get("status") != "finished" or found[1]["state"]["step"] < cfg.train.steps
-            or summary.get("final_step") != found[1]["state"]["step"]):
+    if (summary.get("status") != "finished" or found[1].step < cfg.train.steps
+            or summary.get("final_step") != found[1].step):
         return None
     return summary
 
@@ -524,7 +526,7 @@ def base_model_identity(cfg: Config) -> str:
     return f"{BASE_IDENTITY_FORMAT}:{h.hexdigest()}"
 
 
-def check_same_run(cfg: Config, found: tuple[str, dict] | None, identity: dict[str, str], *,
+def check_same_run(cfg: Config, found: tuple[str, Marker] | None, identity: dict[str, str], *,
                    log) -> list[str]:
     """A resume continues the same run: refused in one line when the checkpoint was trained
     with other data, tokenizer or base model, unless ``checkpoint.accept_changes`` allows it
@@ -540,7 +542,7 @@ def check_same_run(cfg: Config, found: tuple[str, dict] | None, identity: dict[s
     return changed
 
 
-def check_resumable(cfg: Config, found: tuple[str, dict] | None, *, vocab_size: int,
+def check_resumable(cfg: Config, found: tuple[str, Marker] | None, *, vocab_size: int,
                     eos_id: int, log) -> dict[str, Any] | None:
     """A checkpoint the workers would resume from must be for this model: refused here, in one
     line, rather than on every worker. (The workers' restored train state, not this look,
@@ -552,7 +554,7 @@ def check_resumable(cfg: Config, found: tuple[str, dict] | None, *, vocab_size: 
     model_cfg = build_config(preset=cfg.model.preset, path=cfg.model.path,
                              vocab_size=vocab_size, eos_id=eos_id, attn_implementation="sdpa")
     rundir.check_compatible(found[1], model_cfg, str(found[0]), lora.settings(cfg.lora))
-    state = found[1]["state"]
+    state = found[1].state
     log(f"raylm: run {cfg.run.name!r} exists; resuming from step {state['step']} "
         f"of {cfg.train.steps} ({found[0]})")
     o = cfg.optim

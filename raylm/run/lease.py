@@ -1,39 +1,21 @@
 """One live run per name: the process that drives a run (``raylm train``, ``raylm tune``, a
-sweep's trial) holds a lease in its run directory, taken before Ray starts and given back when
-it ends. A second driver of the same run directory is refused, naming the holder (host, pid,
-start time), instead of pruning the first one's checkpoints, rewriting its summary and
-resuming from its checkpoints.
-
-The lease is ``lease.json``, renewed by a heartbeat thread every :data:`BEAT_S` seconds. Every
-change to it is conditional on what its writer read last, so of two processes racing for it
-exactly one wins, and a taker replaces (or a holder gives back) only the lease it read:
-
-- on a local or network file system, under an exclusive ``flock`` of ``lease.json.lock``;
-- in S3, with S3's conditional writes (``If-None-Match: *`` to create, ``If-Match`` on the
-  ETag read to renew, take over or give back), through boto3 (pyarrow, which raylm's
-  storage uses, offers no conditional write);
-- in other object stores (or S3 without boto3) a check, a write and a read-back: two drivers
-  started within the same moment could both win there, which the taker says.
-
-A lease not renewed for :data:`EXPIRES_S` seconds (its holder died without giving it back: a
-killed driver, a lost node), or held by a process of this host that no longer exists, is
-taken over. A holder that finds its lease taken over (it stalled, or lost its storage, for
-longer than that) has lost the run: the heartbeat says so and stops, and the run's workers and
-record check the lease (:func:`raylm.faults.check_lease`) before each checkpoint and
-each summary, so the run ends before writing over the new holder's. Ray Train's own restarts
-happen inside the holder and need nothing from here.
-
-A Tune trial is restarted by Tune in a new process, often on another node when its node was
-lost: its lease names its owner (the trial), and a taker with the same owner finds its own
-earlier attempt there, on a host whose processes it cannot see. It waits for that lease to
-expire (at most :data:`EXPIRES_S` seconds, said in a line) instead of being refused; a lease
-still renewed after that is a live process, and refused.
+sweep's trial) holds ``lease.json`` in its run directory (:class:`raylm.contracts.LeaseRecord`),
+taken before Ray starts, renewed every :data:`BEAT_S` seconds and given back when it ends;
+docs/fault-tolerance.md ("One live run per name") says what a second driver, a dead holder, a
+taken-over one and a restarted Tune trial meet. Every change is conditional on what its writer
+read last, so of two processes racing for it exactly one wins: under an exclusive ``flock`` of
+``lease.json.lock`` on a file system; with S3's conditional writes (``If-None-Match: *``,
+``If-Match`` on the ETag read) through boto3, since pyarrow, which raylm's storage uses, offers
+no conditional write; elsewhere a check, a write and a read-back, which the taker says. Ray
+Train's own restarts happen inside the holder and need nothing from here; the run's workers
+and record check the lease (:func:`raylm.faults.check_lease`) before each checkpoint and each
+summary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
-import json
 import os
 import socket
 import tempfile
@@ -46,31 +28,28 @@ from typing import Any
 from urllib.parse import urlparse
 
 from raylm import storage
-from raylm.names import LEASE
+from raylm.contracts import LEASE, LeaseRecord, Malformed
 
 BEAT_S = 10.0
 EXPIRES_S = 60.0
 # Leases this process holds, by run directory: an entry path takes the lease before Ray
 # starts, and the training code it calls finds it held here rather than taking it again.
 _HELD: dict[str, Lease] = {}
-# What a given-back lease says in a store that cannot delete conditionally (S3).
-_RELEASED = {"released": True}
+# What an unreadable lease names (content not written by raylm): no live holder, so it expires
+# at once and is replaced conditionally.
+_NOBODY = LeaseRecord(host="?", pid=1, started=0.0, beat=0.0, token="")
 
 
 class LeaseError(ValueError):
     """The run directory is being driven by another live process."""
 
 
-def _parse(data: bytes) -> dict[str, Any] | None:
-    """The holder a lease names; None for a lease given back. Unreadable content (not written
-    by raylm) names no live holder: it expires at once, and is replaced conditionally."""
+def _parse(data: bytes) -> LeaseRecord | None:
+    """The holder a lease names; None for a lease given back."""
     try:
-        holder = json.loads(data)
-    except ValueError:
-        return {"host": "?", "pid": "?", "started": 0.0, "beat": 0.0}
-    if not isinstance(holder, dict):
-        return {"host": "?", "pid": "?", "started": 0.0, "beat": 0.0}
-    return None if holder.get("released") else holder
+        return LeaseRecord.from_json(data)
+    except Malformed:
+        return _NOBODY
 
 
 class PlainStore:
@@ -89,7 +68,7 @@ class PlainStore:
         except FileNotFoundError:
             return None
 
-    def read(self) -> tuple[dict[str, Any] | None, Any]:
+    def read(self) -> tuple[LeaseRecord | None, Any]:
         """The holder (None if there is none) and the version a change is conditional on
         (here the bytes read)."""
         raw = self._raw()
@@ -175,7 +154,7 @@ class S3Store:
         return code in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey",
                         "412", "409", "404")
 
-    def read(self) -> tuple[dict[str, Any] | None, Any]:
+    def read(self) -> tuple[LeaseRecord | None, Any]:
         try:
             got = self.client.get_object(Bucket=self.bucket, Key=self.key)
         except self.client.exceptions.NoSuchKey:
@@ -194,7 +173,7 @@ class S3Store:
         return done["ETag"]
 
     def drop(self, *, expect: Any) -> bool:
-        return self.put(json.dumps(_RELEASED), expect=expect) is not None
+        return self.put(LeaseRecord.RELEASED, expect=expect) is not None
 
 
 def store_for(path: str):
@@ -209,24 +188,20 @@ def store_for(path: str):
     return PlainStore(path)
 
 
-def _alive_here(holder: dict[str, Any]) -> bool:
-    if holder.get("host") != socket.gethostname():
+def _alive_here(holder: LeaseRecord) -> bool:
+    if holder.host != socket.gethostname():
         return True  # cannot tell: the heartbeat decides
     try:
-        os.kill(int(holder["pid"]), 0)
+        os.kill(holder.pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, KeyError, ValueError, OverflowError):
+    except (PermissionError, OverflowError):
         pass
     return True
 
 
-def _expired(holder: dict[str, Any], now: float) -> bool:
-    try:
-        beat = float(holder.get("beat", 0))
-    except (TypeError, ValueError):
-        beat = 0.0
-    return now - beat > EXPIRES_S or not _alive_here(holder)
+def _expired(holder: LeaseRecord, now: float) -> bool:
+    return now - holder.beat > EXPIRES_S or not _alive_here(holder)
 
 
 class Lease:
@@ -239,8 +214,8 @@ class Lease:
         self.store = store or store_for(self.path)
         self.log = log
         now = time.time()
-        self.holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
-                       "beat": now, "token": uuid.uuid4().hex, "owner": owner}
+        self.holder = LeaseRecord(host=socket.gethostname(), pid=os.getpid(), started=now,
+                                  beat=now, token=uuid.uuid4().hex, owner=owner)
         self.version: Any = None  # of the lease as this process last wrote it
         self.lost = threading.Event()
         self._stop = threading.Event()
@@ -248,16 +223,16 @@ class Lease:
 
     @property
     def token(self) -> str:
-        return self.holder["token"]
+        return self.holder.token
 
     def _write(self, expect: Any) -> bool:
         """Write this holder over the lease at version ``expect``: True if it is ours now."""
-        version = self.store.put(json.dumps(self.holder), expect=expect)
+        version = self.store.put(self.holder.to_json(), expect=expect)
         if version is None:
             return False
         if not self.store.exclusive:
             held, version = self.store.read()
-            if held is None or held.get("token") != self.token:
+            if held is None or held.token != self.token:
                 return False
         self.version = version
         return True
@@ -270,14 +245,14 @@ class Lease:
                      f"moment could both run (S3 with boto3 installed, and local or network "
                      f"file systems, exclude them)")
         for _ in range(5):
-            self.holder["beat"] = time.time()
+            self.holder = dataclasses.replace(self.holder, beat=time.time())
             held, version = self.store.read()
             if held is not None:
                 if not _expired(held, time.time()) and self._earlier_attempt(held):
                     held, version = self._wait_for_expiry(held, version)
                 if held is not None and not _expired(held, time.time()):
                     raise LeaseError(self._refusal(held))
-                self.holder["beat"] = time.time()
+                self.holder = dataclasses.replace(self.holder, beat=time.time())
             # Absent, given back or expired: replace exactly the lease read, if it is still
             # there; another taker who got there first makes this write fail.
             if self._write(version):
@@ -287,33 +262,32 @@ class Lease:
                          f"processes keep taking it; is the same run started several times at "
                          f"once?")
 
-    def _earlier_attempt(self, held: dict[str, Any]) -> bool:
+    def _earlier_attempt(self, held: LeaseRecord) -> bool:
         """Whether ``held`` is an earlier attempt of this lease's owner (a restarted trial)."""
-        owner = self.holder["owner"]
-        return owner is not None and held.get("owner") == owner
+        return self.holder.owner is not None and held.owner == self.holder.owner
 
-    def _wait_for_expiry(self, held: dict[str, Any], version: Any
-                         ) -> tuple[dict[str, Any] | None, Any]:
+    def _wait_for_expiry(self, held: LeaseRecord, version: Any
+                         ) -> tuple[LeaseRecord | None, Any]:
         """The lease as it is once ``held`` expired, was given back, or was renewed past its
         expiry (its holder lives)."""
-        deadline = float(held["beat"]) + EXPIRES_S + 1.0
+        deadline = held.beat + EXPIRES_S + 1.0
         self.log(f"raylm: the lease {storage.redact(self.path)} is held by an earlier attempt "
-                 f"of {self.holder['owner']} (pid {held['pid']} on {held['host']}); waiting up "
+                 f"of {self.holder.owner} (pid {held.pid} on {held.host}); waiting up "
                  f"to {max(0.0, deadline - time.time()):.0f} s for it to expire")
         while time.time() < deadline:
             time.sleep(min(1.0, max(0.05, deadline - time.time())))
             now, version = self.store.read()
             if now is None:
                 return None, version  # given back: take it
-            if float(now["beat"]) > float(held["beat"]):  # renewed: its holder lives
+            if now.beat > held.beat:  # renewed: its holder lives
                 return now, version
         return self.store.read()
 
-    def _refusal(self, held: dict[str, Any]) -> str:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(held["started"])))
-        age = time.time() - float(held["beat"])
-        return (f"run directory {storage.redact(self.run_dir)} is in use by pid {held['pid']} "
-                f"on {held['host']}, running since {started} (its lease was renewed {age:.0f} "
+    def _refusal(self, held: LeaseRecord) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.started))
+        age = time.time() - held.beat
+        return (f"run directory {storage.redact(self.run_dir)} is in use by pid {held.pid} "
+                f"on {held.host}, running since {started} (its lease was renewed {age:.0f} "
                 f"s ago); wait for that run to end, or give this one another run.name. A lease "
                 f"whose holder died expires {EXPIRES_S:.0f} s after its last renewal "
                 f"({storage.redact(self.path)}).")
@@ -325,14 +299,14 @@ class Lease:
         in first makes this conditional write fail."""
         if self.lost.is_set():
             return False
-        beat = {**self.holder, "beat": time.time()}
-        version = self.store.put(json.dumps(beat), expect=self.version)
+        beat = dataclasses.replace(self.holder, beat=time.time())
+        version = self.store.put(beat.to_json(), expect=self.version)
         if version is None:
             self._lose()
             return False
         if not self.store.exclusive:
             held, version = self.store.read()
-            if held is None or held.get("token") != self.token:
+            if held is None or held.token != self.token:
                 self._lose()
                 return False
         self.holder, self.version = beat, version
@@ -341,7 +315,7 @@ class Lease:
     def _lose(self) -> None:
         self.lost.set()
         held, _ = self.store.read()
-        by = f" by pid {held['pid']} on {held['host']}" if held else ""
+        by = f" by pid {held.pid} on {held.host}" if held else ""
         print(f"raylm: error: the lease {storage.redact(self.path)} was taken over{by} (this "
               f"driver did not renew it for over {EXPIRES_S:.0f} s): this run ends before its "
               f"next checkpoint or summary, and leaves the run directory to the new holder",
@@ -374,24 +348,19 @@ class Lease:
 
 
 class hold:
-    """``with hold(run_dir):`` the lease on ``run_dir`` for the block, taken here unless this
-    process holds it already (then the outer holder gives it back). ``owner``: what holds it
-    across processes (a Tune trial's id), whose earlier attempt is waited out."""
+    """``with hold(run_dir) as lease:`` the lease on ``run_dir`` for the block, taken here unless
+    this process holds it already (then the outer holder gives it back). ``owner``: what holds
+    it across processes (a Tune trial's id), whose earlier attempt is waited out."""
 
     def __init__(self, run_dir: str, *, owner: str | None = None, log=print) -> None:
         self.key = storage.normalize(run_dir)
         self.owner, self.log = owner, log
         self.lease: Lease | None = None
 
-    def __enter__(self) -> hold:
+    def __enter__(self) -> Lease:
         if self.key not in _HELD:
             self.lease = _HELD[self.key] = Lease(self.key, owner=self.owner,
                                                  log=self.log).take()
-        return self
-
-    @property
-    def held(self) -> Lease:
-        """The lease this process holds on the run directory (taken here or outside)."""
         return _HELD[self.key]
 
     def __exit__(self, *exc: Any) -> None:

@@ -44,7 +44,6 @@ PERMUTED = {"LLAMA"}
 QUANTIZATIONS = ("f16", "q8_0", "f32")
 
 # The pre-tokenizer regexes of byte-level BPE tokenizers, by the name llama.cpp gives them.
-GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 SPLIT_REGEXES = {
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
     r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",

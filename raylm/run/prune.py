@@ -28,10 +28,10 @@ import torch
 from raylm import storage
 from raylm.config import Config, config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
+from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.data.streams import read_first_blocks, read_val_blocks
 from raylm.model import sparsity
 from raylm.model.assemble import Built, batch_loss
-from raylm.names import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.outputs import check_output, discard, publish, staging
 from raylm.run import tracking
 from raylm.run.exporter import (

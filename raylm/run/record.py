@@ -7,12 +7,10 @@ runs: the progress lines, ``events.jsonl``, the restart and resize records, the 
 but reports and worker exceptions, and what the driver gave it before the run started
 (:meth:`RunRecord.note`: a ``schedule_moved`` record when a resume's settings move the learning
 rate; :class:`Ending`: what finishing the run needs). When the run ends, the controller calls it
-once more (``after_controller_finish``, through :class:`EndOfRun`): it writes the final summary,
-logs the final model and the run's files to MLflow and closes the MLflow run, with the one tracker
-that logged everything before (so a tracker that failed midway stays failed).
-
-What each file in ``RUN_DIR`` is and who writes it is :mod:`raylm.rundir`'s table; this record
-writes ``events.jsonl`` and ``summary.json``.
+once more (``after_controller_finish``, through :class:`EndOfRun`): it writes the final summary
+and logs the run's files to MLflow; the MLflow run is closed then, or by the driver once it has
+logged the final model (:mod:`raylm.run.launch`). Of the run directory's files
+(:mod:`raylm.contracts`) it writes ``events.jsonl`` and ``summary.json``.
 
 How a restart or resize is detected: a worker group announces itself with a report as soon as
 it is set up (``event: group_start``: workers, step resumed from), and every later report
@@ -47,9 +45,7 @@ from ray.train.v2.api.callback import UserCallback
 
 from raylm import rundir, storage
 from raylm.console import quiet_libraries
-from raylm.faults import LeaseLost, Mistake, Preempted, Rewind, cause, check_lease
-from raylm.live import LiveMetrics
-from raylm.names import (
+from raylm.contracts import (
     EARLIER_REPORTS,
     EVENT_SEGMENTS,
     EVENTS,
@@ -57,6 +53,8 @@ from raylm.names import (
     SUMMARY,
     Event,
 )
+from raylm.faults import LeaseLost, Mistake, Preempted, Rewind, cause, check_lease
+from raylm.live import LiveMetrics
 from raylm.run import benchmarks as bench
 from raylm.run.benchmarks import Benchmarks
 from raylm.run.goodput import goodput

@@ -30,7 +30,7 @@ from typing import Any
 import ray
 
 from raylm.config import Config, cache_dir
-from raylm.names import LAYOUT, REFERENCE_INFO, SPLITS
+from raylm.contracts import LAYOUT, REFERENCE_INFO, SPLITS
 from raylm.outputs import discard, publish, staging
 from raylm.workers.scorer import ReferenceScorer
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from raylm import storage
 from raylm.config import Config
-from raylm.names import JOB_CONFIG
+from raylm.contracts import JOB_CONFIG
 
 COMMANDS = ("train", "tune")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")

@@ -38,8 +38,8 @@ from ray.tune.schedulers import ASHAScheduler
 from raylm import rundir, storage
 from raylm.config import Config, EvalConfig, config_from_dict, run_dir
 from raylm.console import quiet_libraries, tune_verbosity
+from raylm.contracts import TUNE_EXPERIMENT
 from raylm.data.preparation import prepared_dir
-from raylm.names import TUNE_EXPERIMENT
 from raylm.run import benchmarks, tracking
 from raylm.run.launch import (
     ResourcePlan,

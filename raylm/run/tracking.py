@@ -1,15 +1,14 @@
-"""MLflow: the only module that touches it. One tracker per raylm run, made once on the driver.
+"""MLflow, on the driver and the controller (the workers' node monitors are
+:mod:`raylm.workers.node_metrics`). One tracker per raylm run, made once on the driver.
 
 :func:`start` gives an :class:`MLflowTracker` (the run created, or found again through
 ``RUN_DIR/mlflow_run.json`` so a resumed or restarted run logs into the same MLflow run, with the
 resolved config as params) or a :class:`Tracker` that does nothing, when tracking is off or
-the store cannot be reached. The same object then travels where the run goes: to the Ray Train
-controller, where the run's record (:mod:`raylm.run.record`) logs every report's metrics,
-checkpoint locations and restart/resize events through it, and to one worker per node, where
-it starts MLflow's own ``SystemMetricsMonitor`` (CPU, memory, and through NVML GPU utilisation
-and memory, as ``system/<node>/...``). A sweep's trials nest their runs under the sweep's tracker.
-When training ends the driver logs the final model through it (a LoggedModel, optionally
-registered).
+the store cannot be reached. The same object then travels to the Ray Train controller, where
+the run's record (:mod:`raylm.run.record`) logs every report's metrics, checkpoint locations
+and restart/resize events through it; the workers get its URI and run id. A sweep's trials
+nest their runs under the sweep's tracker. When training ends the driver logs the final model
+through it (a LoggedModel, optionally registered).
 
 Ray 2.60's ``UserCallback`` has ``after_report`` and ``after_exception`` but no hooks before or
 after the run, so the driver starts the MLflow run and finishes it when ``fit`` returns.
@@ -27,15 +26,15 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from raylm import storage
 from raylm.config import Config, run_dir, storage_root
-from raylm.names import MLFLOW_RUN
+from raylm.contracts import MLFLOW_RUN
 from raylm.run.goodput import table
+from raylm.workers.node_metrics import fail_fast
 
 # Reported values that describe the run rather than measure it: params, not metrics.
 DESCRIPTIVE = ("attention_backend", "precision")
@@ -57,14 +56,6 @@ def resolve_uri(cfg: Config) -> str:
             f"default SQLite store cannot live: set tracking.uri (an MLflow server, e.g. "
             f"http://HEAD:5000) or MLFLOW_TRACKING_URI, or tracking.enabled=false.")
     return f"sqlite:///{os.path.join(storage_root(cfg), 'mlflow.db')}"
-
-
-def _fail_fast() -> None:
-    """In this process: a dead server costs seconds, not MLflow's default minutes of retries
-    for every call. Each process a tracker travels to (the Train controller, the workers)
-    sets it again: Ray's processes do not see the driver's later environment changes."""
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
 def _param_value(v: Any) -> str:
@@ -104,12 +95,6 @@ class Tracker:
     def log_pruning(self, report: dict[str, Any]) -> None:
         pass
 
-    def start_node_monitor(self, node: str) -> None:
-        pass
-
-    def stop_node_monitor(self) -> None:
-        pass
-
     def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
         pass
 
@@ -138,14 +123,12 @@ class MLflowTracker(Tracker):
         self.params_logged = False
         self.checkpoints: list[dict[str, Any]] = []
         self._client = None
-        self._monitor = None
-        self._monitor_thread: threading.Thread | None = None
 
     def __bool__(self) -> bool:
         return True
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_client": None, "_monitor": None, "_monitor_thread": None}
+        return {**self.__dict__, "_client": None}
 
     def _guard(self, what: str, fn, *args) -> Any:
         if self.broken:
@@ -154,7 +137,7 @@ class MLflowTracker(Tracker):
             if self._client is None:
                 from mlflow import MlflowClient
 
-                _fail_fast()
+                fail_fast()
                 self._client = MlflowClient(tracking_uri=self.uri)
             return fn(self._client, *args)
         except Exception as e:  # MLflow raises many types for an unreachable or broken store
@@ -254,36 +237,6 @@ class MLflowTracker(Tracker):
             Metric(f"prune/{tag}/{k}", float(v), now, report["step"] or 0)
             for k, v in figures.items() if v is not None])
         client.log_text(self.run_id, json.dumps(report, indent=1), f"pruning/{tag}.json")
-
-    def start_node_monitor(self, node: str) -> None:
-        """MLflow's system-metrics monitor for this node, logging as ``system/<node>/...``.
-        Started in a thread: importing mlflow took 3.4 s in a worker here, which training
-        need not wait for."""
-        def start(client) -> None:
-            import logging
-
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            # The monitor warns when the store fails, from every node, and stops; the
-            # controller's record says that once for the whole run.
-            logging.getLogger("mlflow.system_metrics").setLevel(logging.CRITICAL)
-            self._monitor = SystemMetricsMonitor(
-                self.run_id, sampling_interval=5, samples_before_logging=1,
-                resume_logging=True, node_id=node, tracking_uri=self.uri)
-            self._monitor.start()
-
-        self._monitor_thread = threading.Thread(
-            target=self._guard, args=(f"start system metrics on {node}", start),
-            name="raylm-system-metrics", daemon=True)
-        self._monitor_thread.start()
-
-    def stop_node_monitor(self) -> None:
-        if self._monitor_thread is not None:
-            self._monitor_thread.join()
-            self._monitor_thread = None
-        if self._monitor is not None:
-            monitor, self._monitor = self._monitor, None
-            self._guard("stop system metrics", lambda client: _last_sample(monitor))
 
     def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
         """The sweep's run: its summary and plot as artifacts, the best validation loss and
@@ -397,19 +350,6 @@ class MLflowTracker(Tracker):
             self.run_id, status="FAILED" if failed else "FINISHED"))
 
 
-def _last_sample(monitor) -> None:
-    """Stop MLflow's system-metrics monitor and publish one last sample. The monitor publishes
-    once per sampling interval (5 s) and drops what it collected since, so a worker group that
-    lives less than that would leave no system metrics at all."""
-    failed = monitor._process is None or not monitor._process.is_alive()
-    monitor.finish()
-    if failed:  # its thread ends at the first failure to publish: the store is gone
-        return
-    monitor.collect_metrics()
-    monitor.publish_metrics(monitor.aggregate_metrics())
-    monitor.mlflow_logger.flush()
-
-
 def _transformers_flavor(directory: Path, output: Path, description: str) -> Path:
     """A Hugging Face model directory saved as MLflow's transformers flavor (a text-generation
     pipeline, also loadable as pyfunc). Saved from a pipeline object: MLflow 3.17's path for a
@@ -486,7 +426,7 @@ def start(cfg: Config, *, log=print, parent: Tracker | None = None) -> Tracker:
     if not cfg.tracking.enabled:
         return Tracker()
     uri = parent.uri if parent else resolve_uri(cfg)
-    _fail_fast()
+    fail_fast()
     try:
         run_id = _find_or_create_run(cfg, uri, parent.run_id if parent else None)
     except Exception as e:  # MLflow raises many types for an unreachable or broken store
@@ -509,7 +449,7 @@ def check_access(cfg: Config) -> None:
         return
     from mlflow import MlflowClient
 
-    _fail_fast()
+    fail_fast()
     try:
         MlflowClient(tracking_uri=uri).get_experiment_by_name(cfg.tracking.experiment)
     except Exception as e:  # unreachable, or refused

@@ -13,7 +13,7 @@ from typing import Any
 
 from ray.train.v2.api.callback import UserCallback
 
-from raylm.names import Event
+from raylm.contracts import Event
 
 METRIC = "val_loss"
 

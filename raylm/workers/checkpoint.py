@@ -24,7 +24,6 @@ function of the step, so it needs no state of its own.
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import pickle
@@ -51,7 +50,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from raylm import storage
-from raylm.names import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, EARLIER_REPORTS
+from raylm.contracts import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, EARLIER_REPORTS, Marker
 from raylm.rundir import CheckpointError, check_compatible, file_hash, model_shape, verify
 from raylm.workers.preemption import report_queue
 
@@ -240,12 +239,11 @@ def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndar
             found.update(f)
         files = {name: size for name, (size, _) in found.items()}
         hashes = {name: digest for name, (_, digest) in found.items()}
-        marker = {"state": state, "model": model_shape(config), "files": files,
-                  "hashes": hashes,
-                  "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                  "adapters": adapters or {}, "identity": identity or {}}
+        marker = Marker(state=state, model=model_shape(config), files=files, hashes=hashes,
+                        world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                        adapters=adapters or {}, identity=identity or {})
         tmp = path / f".{CHECKPOINT_MARKER}.tmp"
-        tmp.write_text(json.dumps(marker, indent=1))
+        tmp.write_text(marker.to_json())
         os.replace(tmp, path / CHECKPOINT_MARKER)
 
 
@@ -283,7 +281,7 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
     else:
         set_state_dict(model, optimizer, model_state_dict=_with_aliases(model, sd["model"]),
                        optim_state_dict=sd["optim"], options=_options(model))
-    return marker["state"]
+    return marker.state
 
 
 # What DCP's metadata (a pickle) holds in a checkpoint raylm wrote: DCP's own records, torch's

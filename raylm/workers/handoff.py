@@ -9,19 +9,8 @@ with py-spy, spent while the workers' own imports wait for the same 2 cores).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 from raylm.config import Config
-
-
-class NodeMonitor(Protocol):
-    """System metrics of this worker's node, logged beside the run's metrics (the run's MLflow
-    tracker, handed to workers by the driver)."""
-
-    def start_node_monitor(self, node: str) -> None: ...
-
-    def stop_node_monitor(self) -> None: ...
-
 
 # The key of TorchTrainer's train_loop_config (a dict to Ray Train) that holds the Handoff.
 HANDOFF = "handoff"
@@ -39,7 +28,8 @@ class Handoff:
     """The prepared data's directory (raylm.data.preparation)."""
     vocab_size: int
     eos_id: int
-    tracker: NodeMonitor
+    tracking: tuple[str, str] | None
+    """The run's MLflow tracking URI and run id, for its node monitors; None: not tracked."""
     reader_resources: dict[str, float]
     """What each worker's Ray Data reader reserves (the run's resource plan)."""
     identity: dict[str, str]

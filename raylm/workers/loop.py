@@ -41,6 +41,7 @@ import torch
 from raylm import rundir, storage
 from raylm.config import Config, batch_plan
 from raylm.console import quiet_libraries
+from raylm.contracts import Event, Marker
 from raylm.data.packing import SampleOrder, Skips, check_positions, step_positions
 from raylm.data.streams import (
     FirstBatch,
@@ -63,12 +64,11 @@ from raylm.model.lora import adapter_args
 from raylm.model.lora import settings as lora_settings
 from raylm.model.parallelize import Layout, ParallelPlan, layout_of, loss_context
 from raylm.model.pipeline import describe_split
-from raylm.names import Event
 from raylm.schedule import lr_at
 from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter, run_figures, window_figures
-from raylm.workers.handoff import HANDOFF, Handoff, NodeMonitor
+from raylm.workers.handoff import HANDOFF, Handoff
 from raylm.workers.health import (
     Fault,
     Health,
@@ -83,6 +83,7 @@ from raylm.workers.metrics import (
     peak_memory_bytes,
     state_memory_bytes,
 )
+from raylm.workers.node_metrics import NodeMonitor
 from raylm.workers.optim import build_optimizer, set_lr
 from raylm.workers.preference import Preference
 from raylm.workers.step import NextToken, TrainState
@@ -103,7 +104,7 @@ class Setup:
     accumulation: int
     batches: Iterator[dict[str, torch.Tensor]]
     val_batches: list[dict[str, torch.Tensor]]
-    tracker: NodeMonitor
+    monitor: NodeMonitor | None  # this node's system metrics, on its local rank 0
     meter: StepMeter
     vote: preemption.Vote
     health: Health
@@ -182,7 +183,8 @@ def train_loop_per_worker(loop_config: dict[str, Handoff]) -> None:
                               "resumed_clock": run.state.clock})
             train(run)
         finally:
-            run.tracker.stop_node_monitor()
+            if run.monitor is not None:
+                run.monitor.stop()
     finally:
         preemption.uninstall_in_ray_worker()
 
@@ -538,7 +540,7 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
         manifest = rundir.read_manifest(handoff.run_dir)
         found = rundir.latest_usable(handoff.run_dir, bad=manifest["bad_checkpoints"])
     skips = Skips(manifest["ranges"] + t.skip_positions)
-    start_step = found[1]["state"]["step"] if found is not None else 0
+    start_step = found[1].step if found is not None else 0
     phases = Phases()
     batches = open_stream(handoff, layout=lay, start_step=start_step,
                           micro_batch=micro_batch, device=device, skips=skips)
@@ -556,9 +558,8 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
     if rank == 0:
         announce(cfg, built, world=world, step=state.step, micro_batch=micro_batch,
                  accumulation=accumulation)
-    tracker = handoff.tracker
-    if ctx.get_local_rank() == 0:
-        tracker.start_node_monitor(f"node{ctx.get_node_rank()}")
+    monitor = (NodeMonitor(handoff.tracking, f"node{ctx.get_node_rank()}")
+               if ctx.get_local_rank() == 0 else None)
     val_batches = validation_batches(handoff, layout=lay)
     phases.done("validation_s")
     # What starting the stream (actor, first blocks) still costs once the model is ready is a
@@ -593,7 +594,7 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
                         global_batch=t.global_batch_size)
     return Setup(cfg=cfg, rank=rank, layout=lay, built=built, optimizer=optimizer, state=state,
                  ledger=ledger, accumulation=accumulation, batches=batches, val_batches=val_batches,
-                 tracker=tracker, meter=meter, vote=preemption.Vote(device), health=health,
+                 monitor=monitor, meter=meter, vote=preemption.Vote(device), health=health,
                  skips=skips, manifest=manifest, order=order, split=split,
                  recent=collections.deque(maxlen=t.log_every),
                  resumed=(storage.name(found[0]), state.step) if found is not None else None,
@@ -733,7 +734,7 @@ def trainable_params(built: Built) -> int:
     return int(total)
 
 
-def restore(found: tuple[str, dict] | None, cfg: Config, *, built: Built,
+def restore(found: tuple[str, Marker] | None, cfg: Config, *, built: Built,
             optimizer: torch.optim.Optimizer, rank: int, layout: Layout, skips: Skips
             ) -> tuple[TrainState, Ledger]:
     """The train state of ``found``, the run's latest verified checkpoint and its marker

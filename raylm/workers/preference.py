@@ -46,11 +46,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from raylm.config import DpoConfig, PreferenceLoss
+from raylm.contracts import REFERENCE_COLUMN
 from raylm.model.assemble import Built, global_count
 from raylm.model.head_loss import head_rows
 from raylm.model.lora import adapters_off
 from raylm.model.parallelize import autocast
-from raylm.names import REFERENCE_COLUMN
 from raylm.workers.metrics import flops_per_token
 from raylm.workers.step import apply_update, clip_grad_norm
 

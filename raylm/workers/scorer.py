@@ -29,9 +29,9 @@ import torch
 
 from raylm.config import config_from_dict
 from raylm.console import quiet_libraries
+from raylm.contracts import REFERENCE_COLUMN
 from raylm.data.packing import position_ids
 from raylm.data.streams import reference_file
-from raylm.names import REFERENCE_COLUMN
 
 
 class ReferenceScorer:

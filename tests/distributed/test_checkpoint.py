@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raylm import rundir
-from raylm.names import CHECKPOINT_MARKER
+from raylm.contracts import CHECKPOINT_MARKER
 from tests.distributed.shared import VOCAB, data, exit_now
 from tests.ranks import free_port, run_ranks
 
@@ -101,8 +101,8 @@ def test_two_rank_checkpoint_resumes_on_one_rank_exactly(saved):
 
     ckpt, uninterrupted = saved
     marker = rundir.verify(ckpt)
-    assert marker["world_size"] == 2 and marker["state"]["step"] == 2
-    assert any(name.startswith("__1_") for name in marker["files"])  # rank 1's shard is listed
+    assert marker.world_size == 2 and marker.step == 2
+    assert any(name.startswith("__1_") for name in marker.files)  # rank 1's shard is listed
     torch.set_num_threads(1)
     resumed = session(1, 0, ckpt, resume=True)
     assert resumed == pytest.approx(uninterrupted[2:], abs=1e-5)
@@ -113,7 +113,7 @@ def test_a_second_save_into_the_same_buffers_holds_its_own_step(saved):
     at step 3 exactly."""
 
     ckpt, uninterrupted = saved
-    assert rundir.verify(f"{ckpt}_step3")["state"]["step"] == 3
+    assert rundir.verify(f"{ckpt}_step3").step == 3
     torch.set_num_threads(1)
     resumed = session(1, 0, f"{ckpt}_step3", resume=True)
     assert resumed == pytest.approx(uninterrupted[3:], abs=1e-5)
@@ -133,7 +133,7 @@ def resume_on_two_ranks(ckpt: str, out: str) -> tuple[list, list[int]]:
 
 def size_of(ckpt) -> int:
 
-    return sum(rundir.verify(ckpt)["files"].values())
+    return sum(rundir.verify(ckpt).files.values())
 
 
 def test_one_rank_checkpoint_resumes_on_two_ranks_from_object_storage_exactly(tmp_path):
@@ -180,7 +180,7 @@ def test_truncated_checkpoint_is_refused_and_skipped(saved, tmp_path):
         rundir.verify(bad)
     warnings = []
     path, found = rundir.latest_verified(tmp_path, warn=warnings.append)
-    assert path == str(good) and found["state"]["step"] == 2
+    assert path == str(good) and found.step == 2
     assert len(warnings) == 1 and "checkpoint_b" in warnings[0]
 
 
@@ -206,7 +206,7 @@ def test_checkpoint_in_object_storage_is_found_verified_and_resumed(saved, tmp_p
     shutil.copytree(ckpt, tmp_path / "run" / "checkpoint_000")
     run_uri = f"file://{tmp_path}/run"
     path, marker = rundir.latest_verified(run_uri)
-    assert path == f"{run_uri}/checkpoint_000" and marker["state"]["step"] == 2
+    assert path == f"{run_uri}/checkpoint_000" and marker.step == 2
     torch.set_num_threads(1)
     fetched: dict = {}
     resumed = session(1, 0, path, resume=True, fetched=fetched)

@@ -221,7 +221,7 @@ def test_a_full_dpo_step_on_stored_reference_figures_starts_at_ln2_in_bf16():
     """The reference pass's figures (scored in bf16 on the GPU, stored on the host) summed
     beside the policy's: the first loss is ln 2 within bf16's batch-to-batch noise, and the
     step trains."""
-    from raylm.names import REFERENCE_COLUMN
+    from raylm.contracts import REFERENCE_COLUMN
     from raylm.workers.preference import (
         preference_evaluate,
         preference_step,

@@ -57,7 +57,7 @@ def test_a_train_run_through_ray_trains_on_the_gpu(tmp_path: Path, tokenizer_dir
     assert 0 < summary["peak_memory_gb"] < torch.cuda.get_device_properties(0).total_memory / 1e9
     assert math.isfinite(summary["train_loss"]) and math.isfinite(summary["val_loss"])
     _, marker = rundir.latest_verified(run_dir(cfg))
-    assert marker["state"]["step"] == 4
+    assert marker.step == 4
 
 
 @pytest.fixture(scope="module")

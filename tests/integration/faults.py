@@ -36,7 +36,7 @@ def run_and_interfere(run: Callable[[], dict], run_dir: Path, *,
         while time.time() < deadline:
             found = rundir.latest_verified(run_dir, warn=lambda m: None)
             groups = [e for e in record.read(str(run_dir)) if e["event"] == "group_start"]
-            if found and found[1]["state"]["step"] >= when_step and len(groups) > k:
+            if found and found[1].step >= when_step and len(groups) > k:
                 act()
                 break
             time.sleep(0.02)
@@ -70,7 +70,7 @@ def kill_a_worker_during_an_async_save(*, before_step: int, timeout: float = 120
     import signal
     import tempfile
 
-    from raylm.names import CHECKPOINT_MARKER as MARKER
+    from raylm.contracts import CHECKPOINT_MARKER as MARKER
 
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -95,7 +95,7 @@ def _save_in_flight(workers, before_step: int) -> int | None:
     """The step of a save every worker is staging and none has marked yet, if any."""
     import tempfile
 
-    from raylm.names import CHECKPOINT_MARKER as MARKER
+    from raylm.contracts import CHECKPOINT_MARKER as MARKER
 
     # raylm-ckpt-<pid>-step<step>-<random>: (step, directory) of each process's saves.
     by_pid: dict[int, list[tuple[int, Path]]] = {}

@@ -120,7 +120,7 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
 
     def checkpoint_step():
         found = rundir.latest_verified(run_dir, warn=lambda m: None)
-        return found[1]["state"]["step"] if found else 0
+        return found[1].step if found else 0
 
     def groups():
         return [e for e in record.read(str(run_dir)) if e["event"] == "group_start"]

@@ -117,7 +117,7 @@ def relaid(base, trained):
            f"--tracking.uri={trained['mlflow_tracking_uri']}"]
     first = train_run(base, *run, "--train.steps=10", "--parallel.tensor=2")
     newest, marker = rundir.latest_verified(f"{bucket(base)}/layouts")
-    assert marker["state"]["step"] == 10 and marker["world_size"] == 4
+    assert marker.step == 10 and marker.world_size == 4
     shard = max((storage.join(newest, f) for f in storage.list_files(newest)
                  if f.endswith(".distcp")), key=storage.size)
     storage.write_bytes(shard, storage.read_bytes(shard)[: storage.size(shard) // 2])

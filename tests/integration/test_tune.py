@@ -181,7 +181,7 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     def newest_step() -> int:
         found = [rundir.latest_verified(d, warn=lambda m: None)
                  for d in trials.glob("*") if d.is_dir()]
-        return max((f[1]["state"]["step"] for f in found if f), default=0)
+        return max((f[1].step for f in found if f), default=0)
 
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)

@@ -79,11 +79,11 @@ def test_the_layout_table_names_every_module():
 
 
 def test_event_kinds_are_named_once():
-    """A run's event kinds are raylm.names.Event's members: no module writes or compares one as
+    """A run's event kinds are raylm.contracts.Event's members: no module writes or compares one as
     a string of its own, so a kind cannot be renamed in one place and missed in another."""
     import re
 
-    from raylm.names import Event
+    from raylm.contracts import Event
 
     kinds = "|".join(e.value for e in Event)
     literal = re.compile(rf'(["\']event["\']\]?\s*(?:==|!=|:|in\s*[(\[{{])\s*|_add\(|note\()'

@@ -11,7 +11,7 @@ import pytest
 
 from raylm.cli import main
 from raylm.config import load_config
-from raylm.names import EXPORT_INFO, PREPARED_MANIFEST, RUN_INFO
+from raylm.contracts import EXPORT_INFO, PREPARED_MANIFEST, RUN_INFO
 from raylm.outputs import OutputError, check_output, publish, staging
 from raylm.run.exporter import export
 from tests.conftest import write_jsonl

@@ -187,7 +187,7 @@ def test_a_run_of_a_family_not_written_is_refused_before_its_output_exists(token
     naming the family, and the output never made; GGUF's types need --format gguf."""
     from raylm.cli import main
     from raylm.config import load_config
-    from raylm.names import RUN_INFO
+    from raylm.contracts import RUN_INFO
 
     base = save_model(tmp_path, "phi3", tokenizer_dir)
     cfg = load_config(None, [f"--model.path={base}", "--lora.rank=4"])

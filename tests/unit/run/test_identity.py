@@ -3,6 +3,7 @@ model is identified by what its files hold, not by their sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -10,6 +11,7 @@ import pytest
 
 from raylm import rundir
 from raylm.config import load_config
+from raylm.contracts import Marker
 from raylm.run.launch import base_model_identity, choose_device
 from tests.conftest import save_tiny_qwen3
 
@@ -43,20 +45,21 @@ def test_a_base_re_exported_into_the_same_folder_is_another_base(tmp_path):
 
 def test_a_lora_resume_on_a_changed_base_is_refused_unless_accepted(tmp_path):
     base = save_tiny_qwen3(tmp_path / "base", vocab_size=VOCAB, seed=0)
-    marker = {"identity": {"data": "d", "format": "chat", "tokenizer": "t",
-                           "base_model": identity_of(base)}}
+    marker = Marker(state={"step": 1}, model={}, files={}, identity={
+        "data": "d", "format": "chat", "tokenizer": "t", "base_model": identity_of(base)})
     save_tiny_qwen3(base, vocab_size=VOCAB, seed=1)
-    now = {**marker["identity"], "base_model": identity_of(base)}
+    now = {**marker.identity, "base_model": identity_of(base)}
     with pytest.raises(rundir.CheckpointError, match=r"other model.path than this run has"):
         rundir.check_same_run(marker, now, "ck", accept=[])
     assert rundir.check_same_run(marker, now, "ck", accept=["base_model"]) == ["base_model"]
     # A checkpoint of a release that identified bases by their sizes cannot be compared.
-    older = {"identity": {**marker["identity"], "base_model": "0a1b2c3d4e5f60718293a4b5"}}
+    older = dataclasses.replace(marker, identity={**marker.identity,
+                                                  "base_model": "0a1b2c3d4e5f60718293a4b5"})
     assert rundir.check_same_run(older, now, "ck", accept=[]) == []
 
 
 def test_a_stored_reference_is_used_only_for_the_inputs_it_records_and_whole(tmp_path):
-    from raylm.names import REFERENCE_INFO
+    from raylm.contracts import REFERENCE_INFO
     from raylm.run import reference
 
     base = save_tiny_qwen3(tmp_path / "base", vocab_size=64)

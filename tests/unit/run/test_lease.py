@@ -3,6 +3,7 @@ naming the first, while a lease whose holder is gone is taken over."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from raylm.cli import main
-from raylm.names import LEASE
+from raylm.contracts import LEASE, LeaseRecord
 from raylm.run import lease
 from raylm.run.lease import Lease, LeaseError, hold
 
@@ -51,7 +52,7 @@ def test_a_lease_of_another_host_expires_when_its_heartbeat_stops(tmp_path):
     path.write_text(json.dumps({**other, "beat": time.time() - lease.EXPIRES_S - 1}))
     taken = Lease(str(tmp_path)).take()
     try:
-        assert json.loads(path.read_text())["token"] == taken.holder["token"]
+        assert json.loads(path.read_text())["token"] == taken.holder.token
     finally:
         taken.release()
 
@@ -59,8 +60,9 @@ def test_a_lease_of_another_host_expires_when_its_heartbeat_stops(tmp_path):
 def test_the_entry_paths_lease_covers_the_training_code_it_calls(tmp_path):
     with hold(str(tmp_path)) as outer:
         with hold(str(tmp_path)) as inner:  # launch.train inside api.train: not taken again
-            assert inner.lease is None and outer.lease is not None
+            assert inner is outer
         assert (tmp_path / LEASE).exists()
+        assert LeaseRecord.from_json((tmp_path / LEASE).read_text()).token == outer.token
     assert not (tmp_path / LEASE).exists()
 
 
@@ -92,7 +94,7 @@ def test_a_restarted_trial_waits_out_its_earlier_attempts_lease_and_no_other(tmp
     try:
         assert 1.0 < time.monotonic() - started < 10
         assert "earlier attempt of trial a1 of sweep (pid 7 on lost-node)" in said[0]
-        assert json.loads(path.read_text())["token"] == taken.holder["token"]
+        assert json.loads(path.read_text())["token"] == taken.holder.token
     finally:
         taken.release()
 
@@ -279,7 +281,7 @@ def test_an_s3_lease_uses_s3s_conditional_writes(monkeypatch):
         # Another driver's write (as a takeover after expiry would make) moves the ETag on.
         store = lease.store_for(f"{uri}/{LEASE}")
         _, etag = store.read()
-        assert store.put(json.dumps({**first.holder, "token": "other"}), expect=etag)
+        assert store.put(dataclasses.replace(first.holder, token="other").to_json(), expect=etag)
         assert store.put("{}", expect=None) is None  # If-None-Match: * on an existing lease
         assert not first.renew() and first.lost.is_set()
         assert store.drop(expect=store.read()[1])

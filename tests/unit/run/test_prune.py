@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from raylm.cli import main
+from raylm.contracts import EXPORT_INFO, LAYOUT, SPLITS
 from raylm.data.preparation import BlockWriter
-from raylm.names import EXPORT_INFO, LAYOUT, SPLITS
 from tests.conftest import make_docs, save_tiny_llama, tokenizer_vocab
+from tests.unit.model.test_sparsity import layer_sparsity
 
 L = 33  # 32-token blocks and their next-token targets
 
@@ -71,7 +72,7 @@ def test_a_model_directory_is_pruned_into_one_that_loads_with_its_report(model_a
     assert report["compressed_bytes"] < report["dense_bytes"] <= report["bytes"] * 1.01
     assert np.isfinite(report["val_loss"]) and np.isfinite(report["val_loss_before"])
     loaded = AutoModelForCausalLM.from_pretrained(str(out))
-    assert [r["sparsity"] for r in sparsity.layer_sparsity(loaded)] == [0.5] * 14
+    assert [r["sparsity"] for r in layer_sparsity(loaded)] == [0.5] * 14
     assert AutoTokenizer.from_pretrained(str(out)).eos_token_id is not None
     assert sparsity.is_pruned(out) and not sparsity.is_pruned(model)
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from raylm import storage
-from raylm.names import EARLIER_REPORTS, Event
+from raylm.contracts import EARLIER_REPORTS, Event
 from raylm.run import record
 from raylm.run.tracking import Tracker
 

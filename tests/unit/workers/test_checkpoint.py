@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -65,7 +67,7 @@ def test_a_resume_on_other_data_or_another_tokenizer_is_refused_unless_accepted(
     from raylm.rundir import CheckpointError, check_same_run
 
     marker = saved(tmp_path)
-    assert marker["identity"] == IDENTITY
+    assert marker.identity == IDENTITY
     assert check_same_run(marker, IDENTITY, "ck", accept=[]) == []
     with pytest.raises(CheckpointError, match=r"other the prepared data .* than this run has"
                                               r".*checkpoint.accept_changes=\[data\]"):
@@ -79,20 +81,20 @@ def test_a_resume_on_other_data_or_another_tokenizer_is_refused_unless_accepted(
     changed = {**IDENTITY, "data": "fp-b", "format": "text"}
     assert check_same_run(marker, changed, "ck", accept=["data"]) == ["data", "format"]
     # A checkpoint from before identities were recorded has nothing to compare.
-    assert check_same_run({**marker, "identity": {}}, changed, "ck", accept=[]) == []
+    assert check_same_run(dataclasses.replace(marker, identity={}), changed, "ck", accept=[]) == []
 
 
 def test_a_marker_that_lists_no_files_does_not_verify(tmp_path):
     import json
 
-    from raylm.names import CHECKPOINT_MARKER
+    from raylm.contracts import CHECKPOINT_MARKER
     from raylm.rundir import CheckpointError, verify
 
     saved(tmp_path)
     marker_path = tmp_path / "ck" / CHECKPOINT_MARKER
     marker = json.loads(marker_path.read_text())
     marker_path.write_text(json.dumps({**marker, "files": {}}))
-    with pytest.raises(CheckpointError, match="lists no files"):
+    with pytest.raises(CheckpointError, match="files is not an object of sizes, not empty"):
         verify(tmp_path / "ck")
 
 
@@ -102,7 +104,7 @@ def test_a_planted_pickle_in_checkpoint_metadata_does_not_run(tmp_path):
     import json
     import pickle
 
-    from raylm.names import CHECKPOINT_MARKER
+    from raylm.contracts import CHECKPOINT_MARKER
     from raylm.workers import checkpoint
 
     saved(tmp_path)
@@ -241,7 +243,7 @@ def test_a_small_file_changed_in_place_does_not_verify(tmp_path):
     from raylm.rundir import CheckpointError, verify
 
     marker = saved(tmp_path)
-    assert set(marker["hashes"]) == set(marker["files"])
+    assert set(marker.hashes) == set(marker.files)
     ledger = tmp_path / "ck" / ".metadata"
     data = bytearray(ledger.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -256,7 +258,7 @@ def test_a_full_disk_during_a_save_leaves_nothing_a_resume_would_take(tmp_path):
     import errno
     import os
 
-    from raylm.names import CHECKPOINT_MARKER
+    from raylm.contracts import CHECKPOINT_MARKER
     from raylm.workers import checkpoint
 
     run = tmp_path / "run"
@@ -280,7 +282,7 @@ def test_a_full_disk_during_a_save_leaves_nothing_a_resume_would_take(tmp_path):
         assert any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain
                    if e is not None) or "No space left" in str(failed.value), failed.value
     path, marker = rundir.latest_verified(run)
-    assert path.endswith("checkpoint_1") and marker["state"] == {"step": 1}
+    assert path.endswith("checkpoint_1") and marker.state == {"step": 1}
     # A checkpoint a rewind marked bad is passed over as a broken one is.
     save("checkpoint_0", 0)
     path, _ = rundir.latest_verified(run, exclude=["checkpoint_1"])
@@ -320,7 +322,7 @@ def test_a_malformed_marker_is_a_broken_checkpoint_passed_over(tmp_path, damage)
     warning, and the one before it used, rather than every restart stopping on a TypeError."""
     import json
 
-    from raylm.names import CHECKPOINT_MARKER
+    from raylm.contracts import CHECKPOINT_MARKER
 
     run = two_checkpoints(tmp_path / "run")
     marker = run / "checkpoint_4" / CHECKPOINT_MARKER

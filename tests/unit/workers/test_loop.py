@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raylm.config import load_config
-from raylm.data.streams import DataStall, first_batch
+from raylm.data.streams import DataStall, FirstBatch
 from raylm.workers.energy import run_figures
 from raylm.workers.loop import Boundary, StepMeter, at_boundary, compile_blocks
 from raylm.workers.step import TrainState
@@ -76,7 +76,7 @@ def test_first_batch_names_what_a_stalled_stream_waits_for():
     release = threading.Event()
     with pytest.raises(DataStall, match=r"^no training batch after 0 s: rank 1's reader lacks "
                                         r"CPU 0.1; raise data.first_batch_timeout_s"):
-        first_batch(_stream(release), timeout_s=0.2, keep_waiting=False,
+        FirstBatch(_stream(release)).wait(timeout_s=0.2, keep_waiting=False,
                     waiting_for=lambda: "rank 1's reader lacks CPU 0.1", log=print)
     release.set()
 
@@ -89,7 +89,7 @@ def test_first_batch_keeps_waiting_on_an_autoscaling_cluster_and_says_so():
         if len(said) == 2:
             release.set()  # the autoscaler added a node
 
-    batch = first_batch(_stream(release), timeout_s=0.1, keep_waiting=True,
+    batch = FirstBatch(_stream(release)).wait(timeout_s=0.1, keep_waiting=True,
                         waiting_for=lambda: "a node", log=log)
     assert batch["input_ids"].shape == (1,)
     assert len(said) == 2 and all(
@@ -101,7 +101,7 @@ def test_first_batch_passes_on_the_streams_own_error():
     release = threading.Event()
     release.set()
     with pytest.raises(OSError, match="row group 3 is unreadable"):
-        first_batch(_stream(release, fail=True), timeout_s=5, keep_waiting=False,
+        FirstBatch(_stream(release, fail=True)).wait(timeout_s=5, keep_waiting=False,
                     waiting_for=lambda: "", log=print)
 
 

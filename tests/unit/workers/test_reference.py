@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from raylm.config import DpoConfig, load_config
+from raylm.contracts import REFERENCE_COLUMN
 from raylm.data.preparation import BlockWriter
 from raylm.data.streams import PackedSplit, _ReadBlocks, reference_file
 from raylm.model.assemble import build_training_model
-from raylm.names import REFERENCE_COLUMN
 from raylm.workers.preference import (
     answer_segments,
     pair_losses,

@@ -238,7 +238,7 @@ def test_lora_checkpoints_hold_only_adapters_and_resume_exactly(pretrained, tmp_
         train_step(first, opt1, [batch(seed=s)], accumulation=1, grad_clip=1.0)
     checkpoint.save(tmp_path / "ckpt", model=first.model, optimizer=opt1,
                     state={"step": 2}, config=first.config, adapters=adapters)
-    assert rundir.verify(tmp_path / "ckpt")["adapters"] == adapters
+    assert rundir.verify(tmp_path / "ckpt").adapters == adapters
     # Adapters and their Adam moments only: the base is read from model.path on every start.
     import torch.distributed.checkpoint as dcp
 

@@ -1,0 +1,175 @@
+"""What more than one process agrees on: the names of a prepared and a run directory's files,
+the kinds of event a run records, and the records read back by a process other than their
+writer's (Ray Data tasks, workers, the controller, the driver, later commands, later releases
+of raylm), each a versioned dataclass with ``to_json`` and ``from_json``: a checkpoint's
+:class:`Marker` and the run's :class:`LeaseRecord`. ``from_json`` reads every version raylm has
+written and refuses anything else with :class:`Malformed`, naming what is wrong, so a damaged
+record is found where it is read, not as a ``KeyError`` somewhere after. No torch: every
+process imports it.
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from enum import StrEnum
+from typing import Any, ClassVar
+
+# A prepared directory (raylm.data.preparation writes it; workers and the driver read it).
+PREPARED_MANIFEST = "manifest.json"   # counts, sources, tokenizer, fingerprint
+LAYOUT = "layout.json"                # the packed blocks of each split
+SPLITS = ("train", "val")             # one folder of block files each
+
+# A reference directory (raylm.run.reference): per split, a file beside each block file with
+# the same row groups, holding the starting model's log-probability of every trained target.
+REFERENCE_INFO = "reference.json"     # what it was computed from, and when
+REFERENCE_COLUMN = "ref_logp"         # its column, and the batches' key in the stream
+
+# A run directory, RUN_DIR = run.storage_path/run.name, and who writes each of its files.
+RUN_INFO = "run.json"                 # the driver at each start: config and tokenizer/ beside it
+SUMMARY = "summary.json"              # the controller's record, while the run goes and at its
+                                      # end; the driver adds the final model's MLflow URI
+EVENTS = "events.jsonl"               # the controller's record of events (raylm.run.record)
+EVENT_SEGMENTS = "events"             # the same in object storage, as <invocation>-<n>.jsonl
+MLFLOW_RUN = "mlflow_run.json"        # the driver: the MLflow run this run logs into
+JOB_CONFIG = "raylm_job.yaml"         # raylm submit: the config a submitted job runs
+LEASE = "lease.json"                  # the driver holding the run (raylm.run.lease), with
+                                      # lease.json.lock beside it on a file system
+SKIPPED = "skipped_samples.json"      # rank 0 at a rewind: positions left out, bad checkpoints
+TUNE_EXPERIMENT = "tune"              # a sweep's Ray Tune experiment, its trials in trials/
+BENCHMARKS = ".benchmarks"            # the controller: step_N/, hard links of a checkpoint's
+                                      # files while its benchmark evaluation waits
+
+# An exported model directory (raylm export): what it is, from which run and step.
+EXPORT_INFO = "raylm_export.json"
+
+# A checkpoint directory, checkpoint_*: Ray Train's upload of every rank's DCP shards and
+# .metadata, with rank 0's ledger and, last, its marker (raylm.rundir.verify reads them).
+CHECKPOINT_MARKER = "raylm_checkpoint.json"   # present once the checkpoint is complete
+CHECKPOINT_SAMPLES = "samples.npy"            # the per-sample ledger at the checkpoint
+
+# The kinds of record in a run's events.jsonl, each its ``event`` (the name in lower case), and
+# of the interruptions its summary lists (RESTART, RESIZE). A new worker group reports
+# GROUP_START first; the controller's record writes the rest.
+Event = StrEnum("Event", " ".join(("INVOCATION DEVICE SCHEDULE_MOVED RESUMED_WITH_CHANGES PLACING",
+                                   "PLACED GROUP_START PROGRESS NUMERICAL_FAULT FAILURE RESTART",
+                                   "RESIZE BENCHMARK BENCHMARK_FAILED WAITED_FOR_BENCHMARKS",
+                                   "TRACKING_LOST END")), module=__name__)
+# The key of a report that carries the reports a worker held back while the one before waited
+# for the controller (raylm.workers.checkpoint.Checkpointer), oldest first.
+EARLIER_REPORTS = "earlier_reports"
+
+
+class Malformed(ValueError):
+    """A record that is not of its contract's shape (damaged, or not written by raylm)."""
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _time(v) -> bool:  # seconds since the epoch; NaN and infinities fail it
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e11
+
+
+def _of(test) -> Callable[[Any], bool]:
+    """A test of a JSON object whose every value passes ``test``."""
+    return lambda v: isinstance(v, dict) and all(isinstance(k, str) and test(x)
+                                                 for k, x in v.items())
+
+
+class _Record:
+    """A JSON record of version :data:`VERSION`, read back from every earlier one: ``CHECKS``
+    says, per field, what its value must be; a field an older version lacks has a default."""
+
+    FILE: ClassVar[str]
+    VERSION: ClassVar[int] = 2  # 1: the records raylm wrote before they carried a version
+    CHECKS: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]]
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "version": self.VERSION}, indent=1)
+
+    @classmethod
+    def _decoded(cls, text: str | bytes) -> dict:
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise Malformed(f"{cls.FILE} is malformed (not a JSON object)")
+        if not _count(data.get("version", 1)) or data.get("version", 1) > cls.VERSION:
+            raise Malformed(f"{cls.FILE} is of version {data.get('version')!r}, newer than "
+                            f"this raylm reads: upgrade raylm")
+        return data
+
+    @classmethod
+    def from_json(cls, text: str | bytes):
+        data, found = cls._decoded(text), {}
+        for f in fields(cls):
+            if f.name not in data:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    raise Malformed(f"{cls.FILE} is malformed ({f.name} is missing)")
+                continue
+            test, should = cls.CHECKS[f.name]
+            if not test(data[f.name]):
+                raise Malformed(f"{cls.FILE} is malformed ({f.name} is not {should})")
+            found[f.name] = data[f.name]
+        return cls(**found)
+
+
+@dataclass(frozen=True)
+class Marker(_Record):
+    """``raylm_checkpoint.json``, which rank 0 writes last into a checkpoint directory, so a
+    checkpoint without one is unfinished. ``state``: the train state to resume from (step,
+    tokens seen, data position, clocks); ``model``: the shape its weights fit; ``files`` and
+    ``hashes``: every rank's files, by size and by digest; ``adapters``: its LoRA settings;
+    ``identity``: what it trained on (data, tokenizer, base model). The oldest markers (of
+    version 1) lack ``hashes``, ``identity`` and ``world_size``."""
+
+    FILE = CHECKPOINT_MARKER
+    CHECKS = {"state": (lambda v: isinstance(v, dict) and _count(v.get("step")),
+                        "an object with a step number"),
+              "model": (_of(lambda x: True), "an object"),
+              "files": (lambda v: bool(v) and _of(_count)(v), "an object of sizes, not empty"),
+              "hashes": (_of(lambda x: isinstance(x, str)), "an object of digests"),
+              "world_size": (lambda v: _count(v) and v > 0, "a number of ranks"),
+              "adapters": (_of(lambda x: True), "an object"),
+              "identity": (_of(lambda x: isinstance(x, str)), "an object of strings")}
+
+    state: dict
+    model: dict
+    files: dict[str, int]
+    hashes: dict[str, str] = field(default_factory=dict)
+    world_size: int = 1
+    adapters: dict = field(default_factory=dict)
+    identity: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def step(self) -> int:
+        return self.state["step"]
+
+
+@dataclass(frozen=True)
+class LeaseRecord(_Record):
+    """``lease.json``: who drives the run now (:mod:`raylm.run.lease`): its host and pid, when
+    it started, when it last renewed the lease (``beat``), the token its run's workers check,
+    and ``owner``, what holds it across processes (a Tune trial)."""
+
+    FILE = LEASE
+    RELEASED = json.dumps({"released": True})  # what a store that cannot delete leaves
+    CHECKS = {"host": (lambda v: isinstance(v, str), "a host name"),
+              "pid": (lambda v: _count(v) and v > 0, "a process id"),
+              "started": (_time, "a time"), "beat": (_time, "a time"),
+              "token": (lambda v: isinstance(v, str), "a string"),
+              "owner": (lambda v: v is None or isinstance(v, str), "a name")}
+
+    host: str
+    pid: int
+    started: float
+    beat: float
+    token: str
+    owner: str | None = None
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "LeaseRecord | None":
+        """The holder; None for a lease given back."""
+        return None if cls._decoded(text).get("released") is True else super().from_json(text)

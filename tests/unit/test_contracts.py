@@ -1,0 +1,110 @@
+"""The records read back by a process other than their writer's (raylm.contracts): each
+round-trips through its JSON, refuses what is not of its shape, and reads what raylm wrote
+before it had versions: tests/fixtures/run-6ef9b7a is a run directory written by raylm at
+commit 6ef9b7a (a 4-step tiny run on one worker, its checkpoint's DCP shards left out), and its
+lease.json one that release's driver held."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from raylm import faults, rundir
+from raylm.contracts import LEASE, LeaseRecord, Malformed, Marker
+
+OLD = Path(__file__).resolve().parents[1] / "fixtures" / "run-6ef9b7a"
+MARKER = Marker(state={"step": 7, "tokens_seen": 896, "clock": {"t": 1.5}},
+                model={"model_type": "llama", "hidden_size": 64}, files={"__0_0.distcp": 10},
+                hashes={"__0_0.distcp": "ab"}, world_size=2, adapters={"r": 8},
+                identity={"data": "d", "tokenizer": "t"})
+HOLDER = LeaseRecord(host="h", pid=42, started=1.0e9, beat=1.0e9 + 5, token="t", owner="trial")
+
+
+@pytest.mark.parametrize("record", [MARKER, HOLDER], ids=["marker", "lease"])
+def test_a_record_round_trips_through_its_json_with_its_version(record):
+    text = record.to_json()
+    assert json.loads(text)["version"] == type(record).VERSION == 2
+    assert type(record).from_json(text) == record
+    assert type(record).from_json(text.encode()) == record
+
+
+@pytest.mark.parametrize("damage, why", [
+    ({"state": {"step": -1}}, "state is not an object with a step number"),
+    ({"files": {}}, "files is not an object of sizes, not empty"),
+    ({"files": {"a": True}}, "files is not an object of sizes"),
+    ({"world_size": 0}, "world_size is not a number of ranks"),
+    ({"identity": {"data": 3}}, "identity is not an object of strings"),
+    ({"model": None}, "model is not an object"),
+    ({"version": 3}, "of version 3, newer than this raylm reads: upgrade raylm"),
+])
+def test_a_marker_not_of_its_shape_is_refused_naming_what(damage, why):
+    data = {**json.loads(MARKER.to_json()), **damage}
+    with pytest.raises(Malformed, match=why):
+        Marker.from_json(json.dumps(data))
+    with pytest.raises(Malformed, match="state is missing"):
+        Marker.from_json(json.dumps({"model": {}, "files": {"a": 1}}))
+    with pytest.raises(Malformed, match="not a JSON object"):
+        Marker.from_json("[1]")
+
+
+@pytest.mark.parametrize("damage", [{"beat": math.nan}, {"beat": math.inf}, {"started": 1e300},
+                                    {"started": None}, {"pid": 0}, {"pid": "7"},
+                                    {"token": None}, {"owner": 5}])
+def test_a_lease_not_of_its_shape_is_refused(damage):
+    data = {**json.loads(HOLDER.to_json()), **damage}
+    text = json.dumps(data, allow_nan=True)
+    with pytest.raises(Malformed, match=f"{LEASE} is malformed"):
+        LeaseRecord.from_json(text)
+
+
+def test_a_lease_given_back_names_no_holder():
+    assert LeaseRecord.from_json(LeaseRecord.RELEASED) is None
+
+
+@pytest.fixture
+def old(tmp_path) -> Path:
+    return Path(shutil.copytree(OLD, tmp_path / "old"))
+
+
+def test_a_run_directory_of_6ef9b7a_reads_back(old):
+    from raylm.api import Run
+    from raylm.run import record
+
+    marker = Marker.from_json((old / "checkpoint_000004" / "raylm_checkpoint.json").read_text())
+    assert marker.step == 4 and marker.world_size == 1 and marker.adapters == {}
+    assert set(marker.identity) == {"data", "format", "tokenizer", "base_model"}
+    assert rundir.check_same_run(marker, marker.identity, "old", accept=[]) == []
+    samples = rundir.load_samples(old / "checkpoint_000004")
+    assert samples.shape == (4, 4)
+    run = Run(old)
+    assert run.summary["status"] == "finished" and run.summary["final_step"] == 4
+    assert run.config.train.steps == 4 and run.config.scaling.num_workers == 1
+    assert list(run.history["step"]) == [2, 4]
+    # Its events, read again by today's account (which names more causes than it had).
+    shares = run.goodput["share"]
+    assert 0 < shares["productive"] < 0.1 and shares.sum() == pytest.approx(1, abs=0.01)
+    assert record.interruptions(record.read(str(old))) == []
+
+
+def test_a_lease_of_6ef9b7a_is_read_as_its_holder(old):
+    from raylm.run.lease import Lease
+
+    held = LeaseRecord.from_json((old / LEASE).read_text())
+    assert held.host == "vm" and held.owner is None and held.beat > held.started > 1.7e9
+    faults.check_lease(str(old), held.token)
+    with pytest.raises(faults.LeaseLost, match=f"held by pid {held.pid} on vm"):
+        faults.check_lease(str(old), "another")
+    # Its holder stopped renewing it long ago: a driver of today takes it over.
+    taken = Lease(str(old)).take()
+    try:
+        now = LeaseRecord.from_json((old / LEASE).read_text())
+        assert now.token == taken.token and now.beat > time.time() - 60
+        assert dataclasses.replace(now, beat=taken.holder.beat) == taken.holder
+    finally:
+        taken.release()
