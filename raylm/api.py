@@ -105,9 +105,8 @@ class Run:
         scores: dict[int, dict[str, float]] = {}
         for r in read(self.run_dir):
             if r["event"] == Event.PROGRESS:
-                rows[r["step"]] = {k: v for k, v in r.items() if k not in ("event",
-                                                                            "invocation",
-                                                                            "clock")}
+                rows[r["step"]] = {k: v for k, v in r.items()
+                                   if k not in ("event", "invocation", "clock")}
             elif r["event"] == Event.BENCHMARK:
                 scores.setdefault(r["step"], {}).update(r["scores"])
         for step, values in scores.items():

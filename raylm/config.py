@@ -399,8 +399,8 @@ class LoraConfig:
         _check(lo.rank >= 0, "lora.rank", lo.rank, "0 (full fine-tuning) or a rank >= 1")
         _check(lo.alpha > 0, "lora.alpha", lo.alpha, "a number > 0")
         _check(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "0 <= x < 1")
-        _check(lo.target_modules == "auto" or (bool(lo.target_modules)
-                                                and all(lo.target_modules)),
+        _check(lo.target_modules == "auto"
+               or (bool(lo.target_modules) and all(lo.target_modules)),
                "lora.target_modules", lo.target_modules,
                "auto, or a non-empty list of linear layer names (q_proj, ...)")
 

@@ -355,8 +355,8 @@ class BlockWriter:
             mask_rows, mask_rest = all_masks[:n], all_masks[n:]
             self._masks = [mask_rest] if len(mask_rest) else []
             m_off = pa.array(np.arange(n + 1, dtype=np.int32) * self.block_length)
-            columns.append(pa.ListArray.from_arrays(m_off, pa.array(mask_rows.reshape(-1),
-                                                                     type=pa.uint8())))
+            columns.append(pa.ListArray.from_arrays(
+                m_off, pa.array(mask_rows.reshape(-1), type=pa.uint8())))
         self._pending -= n
         if self._writer is None or self._groups_in_file >= ROW_GROUPS_PER_FILE:
             self._open()
@@ -518,8 +518,8 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
             assert reasons[i] is None, "a duplicate must be a kept record"
             reasons[i] = "duplicate"
         if is_dup.any():
-            texts = [None if d else t for d, t in zip(is_dup, table.column("text").to_pylist(),
-                                                       strict=True)]
+            texts = [None if d else t for d, t in
+                     zip(is_dup, table.column("text").to_pylist(), strict=True)]
             table = (table.drop_columns(["text", "reason"])
                      .append_column("text", pa.array(texts, pa.string()))
                      .append_column("reason", pa.array(reasons, pa.string())))

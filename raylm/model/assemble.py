@@ -179,7 +179,7 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
     kwargs = {}
     if not cross_document:
         kwargs["position_ids"] = batch["position_ids"][:, :-1].to(built.device,
-                                                                   non_blocking=True)
+                                                                  non_blocking=True)
     masked = "loss_mask" in batch
     if masked:
         trained = batch["loss_mask"][:, 1:].to(built.device, non_blocking=True).bool()
@@ -207,7 +207,7 @@ def logit_spread(built: Built, batch: dict[str, torch.Tensor], *, cross_document
     kwargs = {}
     if not cross_document:
         kwargs["position_ids"] = batch["position_ids"][:, :-1].to(built.device,
-                                                                   non_blocking=True)
+                                                                  non_blocking=True)
     built.model.eval()
     with built.attention.context(), autocast(built.precision, built.device.type):
         logits = plain(built.model(input_ids=tokens, **kwargs).logits)[0]

@@ -84,7 +84,7 @@ def _weights_as_transformers_loads(model: nn.Module, path: str | os.PathLike
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise WeightsError(f"model.path: {path} lacks {len(missing)} weights the model "
-                              f"needs ({', '.join(missing[:3])}): an incomplete download?")
+                           f"needs ({', '.join(missing[:3])}): an incomplete download?")
     wanted = {n.replace(".base_layer.", "."): n for n, _ in model.named_parameters()}
     return {wanted[k]: v for k, v in loaded.state_dict().items() if k in wanted}
 

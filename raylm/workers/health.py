@@ -57,8 +57,8 @@ class Health:
                  spikes: bool = False, factor: float = 2.0, window: int = 50,
                  spikes_from: int = 0) -> None:
         self.device = device
-        self.spikes, self.factor, self.window, self.spikes_from = (spikes, factor, window,
-                                                                  spikes_from)
+        self.spikes, self.factor, self.window = spikes, factor, window
+        self.spikes_from = spikes_from
         self.step = start_step  # steps done
         self.since_start = 0  # steps checked since this worker started (the window's fill)
         self.recent = torch.full((window,), float("nan"), device=device)
