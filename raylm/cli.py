@@ -409,12 +409,13 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
             t.is_alive() and not t.daemon and t is not threading.main_thread()
             for t in threading.enumerate()):
         sys.exit(code)
-    import atexit
     import os
+
+    from raylm.compat import _run_exitfuncs
 
     sys.stdout.flush()
     sys.stderr.flush()
-    atexit._run_exitfuncs()
+    _run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -50,9 +50,9 @@ def quiet_libraries(verbose: bool) -> None:
     # Ray Train 2.60 logs "Reporting training result N: TrainingReport(...)" for every
     # report of every worker through a logger named after its file, outside ``ray.train``,
     # where its LoggingConfig does not reach.
-    from ray.train.v2._internal.execution import context
+    from raylm.compat import get_train_context
 
-    logging.getLogger(context.__file__).setLevel(level)
+    logging.getLogger(sys.modules[get_train_context.__module__].__file__).setLevel(level)
     # mlflow sets its logger's level from this variable when first imported.
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", logging.getLevelName(level))
     logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"])

@@ -359,7 +359,7 @@ def prepare_scale(*, packages: list[str], root: Path) -> dict[str, Any]:
         head.wait(timeout=60)
         # `ray start` recorded this head as the machine's cluster; a later ray.init() with no
         # address would try to join it.
-        from ray._common.utils import reset_ray_address
+        from raylm.compat import reset_ray_address
 
         reset_ray_address()
     a, b = runs["1x"], runs["8x"]

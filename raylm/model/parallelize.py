@@ -202,7 +202,7 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
     """Split, checkpoint, compile and shard ``model`` in place as ``plan`` says (sharding only
     when torch.distributed is initialized with more than one data-parallel rank); returns
     it."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from raylm.compat import checkpoint_wrapper
 
     # An NF4 base arrives in bf16 already, and ``.to(dtype)`` would dequantize it.
     if precision == "bf16-true" and any(p.dtype != torch.bfloat16 for p in model.parameters()):

@@ -88,7 +88,7 @@ class Choice:
 
 def recorded_head() -> str | None:
     """The GCS address the last ``ray start --head`` on this machine recorded, if any."""
-    from ray._private.services import find_bootstrap_address
+    from raylm.compat import find_bootstrap_address
 
     return find_bootstrap_address(None)
 

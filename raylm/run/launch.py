@@ -53,10 +53,6 @@ from raylm.workers.handoff import HANDOFF, Handoff
 from raylm.workers.loop import train_loop_per_worker
 
 
-def cluster_capacity() -> dict[str, float]:
-    return ray.cluster_resources()
-
-
 def choose_device(cfg: Config, capacity: dict[str, float]) -> tuple[Config, str]:
     """``cfg`` with ``scaling.use_gpu`` decided against the cluster's ``capacity`` (auto: GPU
     workers when it has a GPU), and the line that says which and why. A setting that needs
@@ -271,7 +267,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     rd = run_dir(cfg)
     quiet_libraries(cfg.run.verbose)
     one_copy_of_worker_prints()
-    capacity = cluster_capacity()
+    capacity = ray.cluster_resources()
     cfg, device = choose_device(cfg, capacity)
     log(f"raylm: {device}")
     resources = plan_resources(cfg, None if cfg.scaling.wait_for_nodes else capacity)

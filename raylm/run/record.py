@@ -39,11 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 # The controller-side callback base classes (Ray Train V2, which the pin guarantees).
-from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
-from ray.train.v2._internal.execution.failure_handling import FailureDecision
 from ray.train.v2.api.callback import UserCallback
 
 from raylm import rundir, storage
+from raylm.compat import ControllerCallback, FailureDecision, WorkerGroupCallback
 from raylm.console import quiet_libraries
 from raylm.contracts import (
     EARLIER_REPORTS,

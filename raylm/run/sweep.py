@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import ray
 import yaml
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
@@ -44,7 +45,6 @@ from raylm.run import benchmarks, tracking
 from raylm.run.launch import (
     ResourcePlan,
     choose_device,
-    cluster_capacity,
     plan_resources,
     reference_before_trials,
     train,
@@ -163,7 +163,7 @@ def sweep(cfg: Config, *, log=print, checked: Checked | None = None) -> dict[str
 def _sweep(checked: Checked, *, log) -> dict[str, Any]:
     """:func:`sweep`, once checked and its lease held."""
     quiet_libraries(checked.cfg.run.verbose)
-    capacity = cluster_capacity()
+    capacity = ray.cluster_resources()
     cfg, device = choose_device(checked.cfg, capacity)
     checked = checked.for_trial(cfg)
     log(f"raylm: {device}")

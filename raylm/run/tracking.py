@@ -77,39 +77,19 @@ class Tracker:
     def __bool__(self) -> bool:
         return False
 
-    def lose(self, reason: str) -> None:
-        """Stop tracking without a word: another process's copy of this tracker said it."""
-
-    def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
-        pass
-
-    def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None:
-        pass
-
-    def log_goodput(self, account: dict[str, Any], step: int) -> None:
-        pass
-
-    def log_scores(self, scores: dict[str, float], step: int) -> None:
-        pass
-
-    def log_pruning(self, report: dict[str, Any]) -> None:
-        pass
-
-    def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
-        pass
-
-    def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None:
-        pass
-
+    # What a tracker does (MLflowTracker says how); here, nothing.
+    def lose(self, reason: str) -> None: ...  # stop without a word: another copy said it
+    def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None: ...
+    def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None: ...
+    def log_goodput(self, account: dict[str, Any], step: int) -> None: ...
+    def log_scores(self, scores: dict[str, float], step: int) -> None: ...
+    def log_pruning(self, report: dict[str, Any]) -> None: ...
+    def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None: ...
+    def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None: ...
     def log_model(self, directory: Path, *, adapter: bool, step: int, name: str,
-                  description: str, register_as: str | None) -> dict[str, Any] | None:
-        return None
-
-    def log_run_files(self, run_dir: str, names: tuple[str, ...]) -> None:
-        pass
-
-    def finish(self, *, failed: bool) -> None:
-        pass
+                  description: str, register_as: str | None) -> dict[str, Any] | None: ...
+    def log_run_files(self, run_dir: str, names: tuple[str, ...]) -> None: ...
+    def finish(self, *, failed: bool) -> None: ...
 
 
 class MLflowTracker(Tracker):

@@ -43,13 +43,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pyarrow import fs as pafs
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from raylm import storage
+from raylm.compat import set_element
 from raylm.contracts import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, EARLIER_REPORTS, Marker
 from raylm.rundir import CheckpointError, check_compatible, file_hash, model_shape, verify
 from raylm.workers.preemption import report_queue

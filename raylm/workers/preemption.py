@@ -94,7 +94,7 @@ def drain_notice() -> str | None:
     """This worker's node-drain notice from Ray Train, in words, or None (none yet, or not in
     a Ray Train worker of a Ray that gives one)."""
     try:
-        from ray.train.v2._internal.execution.context import get_train_context
+        from raylm.compat import get_train_context
 
         info = get_train_context().preemption_context.preemption_info
     except (ImportError, AttributeError, RuntimeError):
@@ -112,7 +112,7 @@ def report_queue() -> queue.Queue | None:
     """This Ray Train worker's queue of reports the controller has not taken yet (it holds
     one), or None outside a Ray Train worker."""
     try:
-        from ray.train.v2._internal.execution.context import get_train_context
+        from raylm.compat import get_train_context
 
         return get_train_context().get_result_queue()
     except (ImportError, AttributeError, RuntimeError):

@@ -29,6 +29,8 @@ PRIVATE = [
      "lines are quieted", "raylm/workers/preemption.py, raylm/console.py"),
     ("ray._private.services", "find_bootstrap_address",
      "the head `ray start` recorded on this machine", "raylm/run/cluster.py"),
+    ("ray._common.utils", "reset_ray_address",
+     "a benchmark's own head forgotten once it stops", "raylm/bench/scale.py"),
     ("torch.distributed.checkpoint._traverse", "set_element",
      "a checkpoint's non-tensor items, read as data only, go where DCP's own planner puts "
      "them", "raylm/workers/checkpoint.py"),
@@ -44,6 +46,34 @@ PRIVATE = [
      "the command's exit handlers, run before it ends without the interpreter's teardown",
      "raylm/cli.py"),
 ]
+
+
+def test_raylm_imports_private_names_only_through_raylm_compat():
+    """raylm.compat is their one home: every name it gives is one of the list above, where the
+    list says, and no other module of raylm imports a private module (one with a part that
+    starts with ``_``) itself."""
+    import ast
+    from pathlib import Path
+
+    from raylm import compat
+
+    listed = {(m, n) for m, n, _, _ in PRIVATE}
+    assert {(m, n) for n, m in compat._HOME.items()} <= listed
+    for name in compat._HOME:
+        assert getattr(compat, name) is not None
+    with pytest.raises(AttributeError):
+        compat.not_a_private_name  # noqa: B018
+    root = Path(compat.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            found += [f"{path.relative_to(root)}: {n}" for n in names
+                      if any(part.startswith("_") and part != "__future__"
+                             for part in n.split("."))]
+    assert found == [], "import them through raylm.compat"
 
 
 @pytest.mark.parametrize(("module", "name", "use", "where"), PRIVATE,
