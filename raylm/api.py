@@ -265,7 +265,7 @@ def export(run: Run | str | os.PathLike, output: str | os.PathLike, *, merge: bo
     ``output`` must be new, empty, or an earlier export of the same kind (of any kind with
     ``overwrite``); it never holds the run or its base model."""
     from raylm.console import quiet_model_io
-    from raylm.run.exporter import export as run_export
+    from raylm.export.exporter import export as run_export
 
     with quiet_model_io():
         return run_export(_source(run), output, merge=merge, quantize=quantize, format=format,
@@ -280,8 +280,8 @@ def prune(source: Run | str | os.PathLike, output: str | os.PathLike, *, sparsit
     fraction of each layer's weights, or ``"2:4"``; ``method`` ``"wanda"`` or
     ``"magnitude"``. Returns its report (each layer's sparsity, the validation loss before
     and after, the sizes), which ``output/raylm_export.json`` holds too."""
+    from raylm.after.prune import prune_source
     from raylm.console import quiet_model_io
-    from raylm.run.prune import prune_source
 
     with quiet_model_io():
         return prune_source(_source(source), output, sparsity_text=str(sparsity), method=method,
@@ -297,7 +297,7 @@ def generate(source: Run | str | os.PathLike, prompt: str = "", *, chat: str | N
     message, after the ``system`` message if given) from a run or an exported model
     directory."""
     from raylm.console import quiet_model_io
-    from raylm.run.exporter import generate as run_generate
+    from raylm.export.exporter import generate as run_generate
 
     with quiet_model_io():
         return run_generate(_source(source), prompt, chat=chat, system=system,
@@ -313,7 +313,7 @@ def evaluate(source: Run | str | os.PathLike, *, overrides: Overrides = None,
     scores are also added to its record (its history, summary and MLflow run)."""
     import pandas as pd
 
-    from raylm.run.evaluate import evaluate_source
+    from raylm.after.evaluate import evaluate_source
 
     other = [k for k in overrides or {} if not k.startswith("eval.")]
     if other:

@@ -254,7 +254,7 @@ def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     """``raylm eval``: the scores in lines as they come, and as JSON at the end."""
-    from raylm.run.evaluate import evaluate_source
+    from raylm.after.evaluate import evaluate_source
 
     other = [o for o in overrides if not o.startswith("--eval.")]
     if other:

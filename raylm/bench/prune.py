@@ -28,10 +28,10 @@ from typing import Any
 import ray
 import torch
 
+from raylm.after.prune import prune_source
 from raylm.config import load_config
-from raylm.run.exporter import export, model_losses, validation_batches
+from raylm.export.exporter import export, model_losses, validation_batches
 from raylm.run.launch import train
-from raylm.run.prune import prune_source
 
 
 def run(*, preset: str, steps: int, vocab_size: int, sparsities: list[str],

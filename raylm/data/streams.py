@@ -332,7 +332,7 @@ def read_val_blocks(prepared: str | os.PathLike, *, rank: int, world_size: int,
 def read_first_blocks(prepared: str | os.PathLike, split: str, *, count: int
                       ) -> dict[str, np.ndarray]:
     """The first ``count`` blocks of ``split`` in storage order, read in this process (the
-    calibration batches of pruning: :mod:`raylm.run.prune`)."""
+    calibration batches of pruning: :mod:`raylm.after.prune`)."""
     blocks = PackedSplit.load(prepared, split)
     reader = _ReadBlocks(blocks, mode="eval", seed=0, window=1, rank=0, world_size=1)
     return reader({"id": np.arange(min(count, blocks.num_blocks), dtype=np.int64)})

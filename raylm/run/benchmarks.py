@@ -7,7 +7,7 @@ around a training run. Three places use it:
 
 - the driver: :func:`check_settings` before Ray starts (the eval extra installed, every task
   known: a misspelt task is refused then, not after an hour of training), and ``raylm eval``
-  (:mod:`raylm.run.evaluate`), which scores a run's checkpoints or an exported model after
+  (:mod:`raylm.after.evaluate`), which scores a run's checkpoints or an exported model after
   the fact with the same code;
 - the Ray Train controller: :class:`Benchmarks`, which the run's record owns. At each due
   checkpoint it starts one evaluation as a Ray task on ``eval.resources`` and returns at once;
@@ -185,7 +185,7 @@ def score_checkpoint(run_dir: str, checkpoint: str, ev: EvalConfig) -> Scored:
     writes it, into a temporary directory, and scored there. A held copy of the checkpoint
     (:func:`hold`) is removed once scored (a retry after a failure reads it again)."""
     quiet_torchao()
-    from raylm.run.exporter import read_run_info, write_export
+    from raylm.export.exporter import read_run_info, write_export
 
     start = time.time()
     cfg = config_from_dict(read_run_info(run_dir)["config"])

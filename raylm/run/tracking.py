@@ -202,7 +202,7 @@ class MLflowTracker(Tracker):
                                                for k, v in scores.items()])
 
     def log_pruning(self, report: dict[str, Any]) -> None:
-        """A pruned copy's figures (:mod:`raylm.run.prune`) as metrics at the step of the
+        """A pruned copy's figures (:mod:`raylm.after.prune`) as metrics at the step of the
         checkpoint pruned, ``prune/<method>_<target>/...``, and its report as an artifact."""
         self._guard("log the pruning report", self._log_pruning, report)
 

@@ -12,8 +12,8 @@ import pytest
 from raylm.cli import main
 from raylm.config import load_config
 from raylm.contracts import EXPORT_INFO, PREPARED_MANIFEST, RUN_INFO
+from raylm.export.exporter import export
 from raylm.outputs import OutputError, check_output, publish, staging
-from raylm.run.exporter import export
 from tests.conftest import write_jsonl
 
 PREPARED = dict(what="--output", marker=PREPARED_MANIFEST, key="fingerprint")

@@ -30,11 +30,7 @@ from raylm.config import Config, config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
 from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.data.streams import read_first_blocks, read_val_blocks
-from raylm.model import sparsity
-from raylm.model.assemble import Built, batch_loss
-from raylm.outputs import check_output, discard, publish, staging
-from raylm.run import tracking
-from raylm.run.exporter import (
+from raylm.export.exporter import (
     batched,
     load_run_model,
     model_losses,
@@ -42,6 +38,10 @@ from raylm.run.exporter import (
     stored_bytes,
     validation_batches,
 )
+from raylm.model import sparsity
+from raylm.model.assemble import Built, batch_loss
+from raylm.outputs import check_output, discard, publish, staging
+from raylm.run import tracking
 
 DEFAULT_CALIBRATION_BLOCKS = 32
 

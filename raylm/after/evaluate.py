@@ -17,6 +17,7 @@ from typing import Any
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
 from raylm.contracts import RUN_INFO, SUMMARY, Event
+from raylm.export.exporter import read_run_info
 from raylm.run import tracking
 from raylm.run.benchmarks import (
     check_settings,
@@ -26,7 +27,6 @@ from raylm.run.benchmarks import (
     score_model,
     summarize,
 )
-from raylm.run.exporter import read_run_info
 from raylm.run.lease import hold
 from raylm.run.record import EventLog, read
 
