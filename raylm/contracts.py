@@ -94,11 +94,11 @@ class _Record:
             data = json.loads(text)
         except ValueError:
             data = None
-        if not isinstance(data, dict):
-            raise Malformed(f"{cls.FILE} is malformed (not a JSON object)")
-        if not _count(data.get("version", 1)) or data.get("version", 1) > cls.VERSION:
-            raise Malformed(f"{cls.FILE} is of version {data.get('version')!r}, newer than "
-                            f"this raylm reads: upgrade raylm")
+        if not isinstance(data, dict) or not _count(data.get("version", 1)):
+            raise Malformed(f"{cls.FILE} is malformed (not a JSON object of a version)")
+        if data.get("version", 1) > cls.VERSION:
+            raise Malformed(f"{cls.FILE} is of version {data['version']}, newer than this "
+                            f"raylm reads: upgrade raylm")
         return data
 
     @classmethod

@@ -51,6 +51,8 @@ def test_a_marker_not_of_its_shape_is_refused_naming_what(damage, why):
         Marker.from_json(json.dumps({"model": {}, "files": {"a": 1}}))
     with pytest.raises(Malformed, match="not a JSON object"):
         Marker.from_json("[1]")
+    with pytest.raises(Malformed, match="not a JSON object of a version"):
+        Marker.from_json(json.dumps({**json.loads(MARKER.to_json()), "version": "2"}))
 
 
 @pytest.mark.parametrize("damage", [{"beat": math.nan}, {"beat": math.inf}, {"started": 1e300},
