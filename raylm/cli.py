@@ -1,19 +1,5 @@
-"""The ``raylm`` command.
-
-    raylm config show [--config PATH] [--section.key=value ...]
-    raylm prepare [--config PATH] [--section.key=value ...] --output DIR
-    raylm train [--config PATH] [--section.key=value ...]
-    raylm tune [--config PATH] [--section.key=value ...]
-    raylm submit [--config PATH] [--section.key=value ...] --address http://HEAD:8265
-                 [--command train|tune] [--env KEY=VALUE ...] [--pip PKG ...] [--image URI]
-                 [--no-code] [--no-wait]
-    raylm jobs list|status ID|logs ID [--follow]|stop ID [--address http://HEAD:8265]
-    raylm export RUN_DIR --output DIR [--merge | --quantize int8 | --format gguf
-                 [--quantize f16|q8_0|f32]]
-    raylm prune RUN_DIR|MODEL_DIR --output DIR --sparsity 0.5|2:4 [--method wanda|magnitude]
-                [--data PREPARED_DIR] [--calibration-blocks N]
-    raylm generate RUN_DIR|MODEL_DIR [--prompt TEXT | --chat MESSAGE [--system TEXT]]
-                   [--max-new-tokens N] [--temperature T]
+"""The ``raylm`` command. Its commands and options are the parser below (``raylm --help``;
+docs/cli-reference.md is written from it).
 
 Every command that runs something takes ``--config PATH`` and any ``--section.key=value``
 override of :mod:`raylm.config`; the other flags say where and how (cluster address, job
