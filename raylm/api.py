@@ -265,7 +265,7 @@ def export(run: Run | str | os.PathLike, output: str | os.PathLike, *, merge: bo
     ``output`` must be new, empty, or an earlier export of the same kind (of any kind with
     ``overwrite``); it never holds the run or its base model."""
     from raylm.console import quiet_model_io
-    from raylm.export.exporter import export as run_export
+    from raylm.formats.exporter import export as run_export
 
     with quiet_model_io():
         return run_export(_source(run), output, merge=merge, quantize=quantize, format=format,
@@ -297,7 +297,7 @@ def generate(source: Run | str | os.PathLike, prompt: str = "", *, chat: str | N
     message, after the ``system`` message if given) from a run or an exported model
     directory."""
     from raylm.console import quiet_model_io
-    from raylm.export.exporter import generate as run_generate
+    from raylm.formats.exporter import generate as run_generate
 
     with quiet_model_io():
         return run_generate(_source(source), prompt, chat=chat, system=system,

@@ -17,7 +17,7 @@ from typing import Any
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
 from raylm.contracts import RUN_INFO, SUMMARY, Event
-from raylm.export.exporter import read_run_info
+from raylm.formats.exporter import read_run_info
 from raylm.run import tracking
 from raylm.run.benchmarks import (
     check_settings,

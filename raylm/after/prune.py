@@ -30,7 +30,7 @@ from raylm.config import Config, config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
 from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.data.streams import read_first_blocks, read_val_blocks
-from raylm.export.exporter import (
+from raylm.formats.exporter import (
     batched,
     load_run_model,
     model_losses,

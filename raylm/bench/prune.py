@@ -30,7 +30,7 @@ import torch
 
 from raylm.after.prune import prune_source
 from raylm.config import load_config
-from raylm.export.exporter import export, model_losses, validation_batches
+from raylm.formats.exporter import export, model_losses, validation_batches
 from raylm.run.launch import train
 
 

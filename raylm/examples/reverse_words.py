@@ -181,7 +181,7 @@ def score(source: str | Path, data: str | Path, *, limit: int | None = None,
     """Greedy exact-match accuracy of ``source`` (a run directory or a model directory) on the
     conversations of ``data``: the answer generated for each user turn (rendered as training
     rendered it) against the reference, both whitespace-normalized."""
-    from raylm.export.exporter import Generator
+    from raylm.formats.exporter import Generator
 
     rows = [json.loads(line)["messages"] for line in Path(data).read_text().splitlines()]
     rows = rows[:limit] if limit else rows
@@ -200,7 +200,7 @@ def preference(source: str | Path, data: str | Path, *, limit: int | None = None
     """Preference accuracy of ``source`` on the pairs of ``data``: the share of pairs whose
     chosen answer the model gives the higher log-probability (summed over the answer's tokens
     as training scores them), the answers' mean log-probabilities and the mean margin."""
-    from raylm.export.exporter import Generator
+    from raylm.formats.exporter import Generator
 
     rows = [json.loads(line) for line in Path(data).read_text().splitlines()]
     rows = rows[:limit] if limit else rows

@@ -185,7 +185,7 @@ def score_checkpoint(run_dir: str, checkpoint: str, ev: EvalConfig) -> Scored:
     writes it, into a temporary directory, and scored there. A held copy of the checkpoint
     (:func:`hold`) is removed once scored (a retry after a failure reads it again)."""
     quiet_torchao()
-    from raylm.export.exporter import read_run_info, write_export
+    from raylm.formats.exporter import read_run_info, write_export
 
     start = time.time()
     cfg = config_from_dict(read_run_info(run_dir)["config"])

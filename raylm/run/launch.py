@@ -38,7 +38,7 @@ from raylm.contracts import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, Eve
 from raylm.data.preparation import prepared_dir
 from raylm.data.streams import READER_CPUS
 from raylm.data.tokenizer import load_backend
-from raylm.export.exporter import export, write_run_info
+from raylm.formats.exporter import export, write_run_info
 from raylm.model import lora
 from raylm.model.build import build_config
 from raylm.run import goodput, tracking

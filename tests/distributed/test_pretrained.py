@@ -331,7 +331,7 @@ def test_each_family_trains_exports_and_generates_in_a_transformers_pipeline(tmp
 
     from raylm.config import load_config
     from raylm.data.tokenizer import save_hf_tokenizer, train_bpe
-    from raylm.export.exporter import export, write_run_info
+    from raylm.formats.exporter import export, write_run_info
     from raylm.workers import checkpoint
     from raylm.workers.optim import build_optimizer
     from raylm.workers.step import train_step

@@ -142,7 +142,7 @@ def test_a_run_in_two_invocations_keeps_one_summary(base, relaid):
     """What a run stopped and started again on another layout keeps in object storage: one
     summary, written by its record, whose samples are exactly those of 30 steps."""
     from raylm import storage
-    from raylm.export.exporter import load_run_model
+    from raylm.formats.exporter import load_run_model
 
     first, resumed, _ = relaid
     uri = bucket(base)
@@ -244,7 +244,7 @@ def test_the_final_model_is_logged_in_the_transformers_flavor(base, relaid):
     import torch
     from mlflow import MlflowClient
 
-    from raylm.export.exporter import load_run_model
+    from raylm.formats.exporter import load_run_model
 
     _, resumed, _ = relaid
     client = MlflowClient(resumed["mlflow_tracking_uri"])
@@ -296,7 +296,7 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from raylm.cli import main
-    from raylm.export.exporter import generate, load_run_model
+    from raylm.formats.exporter import generate, load_run_model
 
     run_dir = base_dir(base) / "full"
     assert main(["export", str(run_dir), "--output", str(tmp_path / "hf")]) == 0
@@ -336,7 +336,7 @@ def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from raylm.cli import main
-    from raylm.export.exporter import model_losses, validation_batches
+    from raylm.formats.exporter import model_losses, validation_batches
 
     run_dir = base_dir(base) / "full"
     hf = tmp_path / "hf"

@@ -92,3 +92,13 @@ def test_event_kinds_are_named_once():
              for p in sorted((ROOT / "raylm").rglob("*.py")) if "bench" not in p.parts
              for m in literal.finditer(p.read_text())]
     assert found == [], found
+
+
+def test_no_module_of_raylm_is_named_as_its_api():
+    """Importing ``raylm.X.y`` sets the attribute ``raylm.X`` to the module ``X``, which would
+    hide the API's ``raylm.X`` (``raylm.export``, a function) for the rest of the process."""
+    import raylm
+
+    root = Path(raylm.__file__).parent
+    modules = {p.stem for p in root.glob("*.py")} | {p.name for p in root.iterdir() if p.is_dir()}
+    assert not modules & set(raylm.__all__)

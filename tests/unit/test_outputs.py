@@ -12,7 +12,7 @@ import pytest
 from raylm.cli import main
 from raylm.config import load_config
 from raylm.contracts import EXPORT_INFO, PREPARED_MANIFEST, RUN_INFO
-from raylm.export.exporter import export
+from raylm.formats.exporter import export
 from raylm.outputs import OutputError, check_output, publish, staging
 from tests.conftest import write_jsonl
 

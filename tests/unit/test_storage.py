@@ -85,7 +85,7 @@ def test_no_credentials_in_the_run_directory_and_a_partial_tokenizer_copy_is_red
     """run.json's config and the summary's checkpoint path keep the address, not the keys."""
     import json
 
-    from raylm.export.exporter import write_run_info
+    from raylm.formats.exporter import write_run_info
     from raylm.run.record import RunRecord
     from raylm.run.tracking import Tracker
 

@@ -47,7 +47,7 @@ def test_a_run_keeps_only_the_tokenizers_files_of_a_model_directory(tokenizer_di
     import json
     import shutil
 
-    from raylm.export.exporter import TOKENIZER_DIR, write_run_info
+    from raylm.formats.exporter import TOKENIZER_DIR, write_run_info
 
     model = tmp_path / "model"
     shutil.copytree(tokenizer_dir, model)

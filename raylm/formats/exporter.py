@@ -144,7 +144,7 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
     tokenizer (with its chat template, if any) goes with either. ``quantize="int8"`` writes the
     (merged) model with int8 weights instead, and logs what that changed (see the module
     docstring). ``format="gguf"``: the (merged) model as one GGUF file that llama.cpp runs,
-    in ``quantize`` f16 (the default), q8_0 or f32 (:mod:`raylm.export.llamacpp`).
+    in ``quantize`` f16 (the default), q8_0 or f32 (:mod:`raylm.formats.llamacpp`).
 
     The directory is built beside ``output`` and renamed into place (:mod:`raylm.outputs`):
     an ``output`` that is or holds the run directory or the LoRA base model is refused, and
@@ -187,7 +187,7 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
     """The GGUF export's tensor type, once the run's model family, rotary embedding and
     tokenizer are known to be ones raylm writes for llama.cpp (refused here, before anything
     is written or loaded)."""
-    from raylm.export import llamacpp
+    from raylm.formats import llamacpp
 
     try:
         import gguf  # noqa: F401
@@ -211,7 +211,7 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
 def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, *, log) -> None:
     """The GGUF export of :func:`export`, into the empty directory ``out``: the merged model
     written as a Hugging Face directory first, then converted."""
-    from raylm.export.llamacpp import write_gguf
+    from raylm.formats.llamacpp import write_gguf
 
     with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
         plain = Path(tmp) / storage.name(storage.normalize(run_dir))

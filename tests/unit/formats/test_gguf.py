@@ -1,4 +1,4 @@
-"""GGUF files (raylm.export.llamacpp) run in llama.cpp itself (llama-cpp-python): its logits are
+"""GGUF files (raylm.formats.llamacpp) run in llama.cpp itself (llama-cpp-python): its logits are
 transformers' for each family written, it splits text into transformers' tokens for each
 pre-tokenizer it names, and what it would compute otherwise is refused. The export of a
 trained run (greedy tokens, Q8_0's perplexity) is tested in tests/integration/test_train.py."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from raylm.export import llamacpp
+from raylm.formats import llamacpp
 from tests.conftest import make_docs
 from tests.distributed.test_pretrained import family_config, save_family
 
