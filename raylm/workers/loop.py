@@ -30,7 +30,7 @@ import itertools
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -91,22 +91,9 @@ from raylm.workers.watchdog import bounded
 
 
 @dataclass
-class Setup:
-    """What one worker trains with, once set up."""
+class FaultTrace:
+    """What traces a faulty step to its samples and documents, and leaves them out."""
 
-    cfg: Config
-    rank: int
-    layout: Layout
-    built: Built
-    optimizer: torch.optim.Optimizer
-    state: TrainState
-    ledger: Ledger
-    accumulation: int
-    batches: Iterator[dict[str, torch.Tensor]]
-    val_batches: list[dict[str, torch.Tensor]]
-    monitor: NodeMonitor | None  # this node's system metrics, on its local rank 0
-    meter: StepMeter
-    vote: preemption.Vote
     health: Health
     skips: Skips
     """The position ranges the run leaves out of its order (its rewinds', train.skip_positions)."""
@@ -121,24 +108,51 @@ class Setup:
     recent: collections.deque
     """(step, micro-batches) of the steps since the last report: a rewind finds the samples
     of a faulty step that are at fault on their own in them. On the host, a few MB."""
-    constant_metrics: dict[str, Any]
+
+
+@dataclass
+class Reporting:
+    """What a worker measures and tells: figures, gauges, system metrics, the stop vote."""
+
+    meter: StepMeter
+    vote: preemption.Vote
+    constant: dict[str, Any]
     """Reported with every step: the layout, the kernels that ran, where the group resumed."""
+    phases: dict[str, float]
+    """Seconds the set-up spent on each of its parts (``build_s``, ``restore_s``, ...)."""
+    live: LiveMetrics | None = None
+    """This rank's gauges in Ray's metrics (:mod:`raylm.live`)."""
+    monitor: NodeMonitor | None = None  # this node's system metrics, on its local rank 0
+    state_memory: dict[str, float] | None = None
+    """Parameter and optimizer-state memory of the rank holding most, once measured."""
+
+
+@dataclass
+class Setup:
+    """What one worker trains with, once set up."""
+
+    cfg: Config
+    rank: int
+    layout: Layout
+    built: Built
+    optimizer: torch.optim.Optimizer
+    objective: NextToken | Preference
+    state: TrainState
+    ledger: Ledger
+    accumulation: int
+    batches: Iterator[dict[str, torch.Tensor]]
+    val_batches: list[dict[str, torch.Tensor]]
     checkpointer: ckpt.Checkpointer
     identity: dict[str, str]
     """What the run trains with, written into every checkpoint (data, tokenizer, base)."""
-    objective: NextToken | Preference
-    run_dir: str = ""
-    lease: str | None = None
+    run_dir: str
+    lease: str | None
     """The token of the run directory's lease its driver holds (raylm.run.lease)."""
-    state_memory: dict[str, float] | None = None
-    """Parameter and optimizer-state memory of the rank holding most, once measured."""
-    zeros: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    zeros: list[tuple[torch.Tensor, torch.Tensor]]
     """(weight, mask) of a pruned model.path's layers, zeroed again after every step (full
     fine-tuning: :mod:`raylm.model.sparsity`); empty otherwise."""
-    live: LiveMetrics | None = None
-    """This rank's gauges in Ray's metrics (:mod:`raylm.live`)."""
-    phases: dict[str, float] = field(default_factory=dict)
-    """Seconds the set-up spent on each of its parts (``build_s``, ``restore_s``, ...)."""
+    trace: FaultTrace
+    reporting: Reporting
 
 
 # When this module finished importing: a worker imports it (torch, Ray Train, transformers'
@@ -172,19 +186,19 @@ def train_loop_per_worker(loop_config: dict[str, Handoff]) -> None:
             raise Mistake(f"worker setup: {type(e).__name__}: {e}") from e
         try:
             started = process_started()
-            ray.train.report({**run.constant_metrics, "step": run.state.step,
+            ray.train.report({**run.reporting.constant, "step": run.state.step,
                               "event": Event.GROUP_START,
                               "setup_s": time.time() - group_started,
                               "phases": {
                                   "process_s": None if started is None
                                   else max(0.0, IMPORTED - started),
                                   "ray_train_s": group_started - IMPORTED,
-                                  **run.phases},
+                                  **run.reporting.phases},
                               "resumed_clock": run.state.clock})
             train(run)
         finally:
-            if run.monitor is not None:
-                run.monitor.stop()
+            if run.reporting.monitor is not None:
+                run.reporting.monitor.stop()
     finally:
         preemption.uninstall_in_ray_worker()
 
@@ -193,14 +207,14 @@ def train(run: Setup) -> None:
     t, o = run.cfg.train, run.cfg.optim
     state = run.state
     tokens_per_step = t.global_batch_size * run.cfg.data.seq_len
-    meter = run.meter
+    meter = run.reporting.meter
     while state.step < t.steps:
         meter.step_begins()
         micro = meter.fetch(run.batches, run.accumulation)
         check_positions(torch.cat([b["sample_position"] for b in micro]).numpy(),
                         step=state.step, global_batch=t.global_batch_size,
                         rank=run.layout.dp_rank, world_size=run.layout.dp_size,
-                        skips=run.skips)
+                        skips=run.trace.skips)
         lr = lr_at(state.step, o, total=t.steps)
         set_lr(run.optimizer, lr)
         if (state.step == 0 and run.cfg.model.path and run.built.pipeline is None
@@ -212,14 +226,14 @@ def train(run: Setup) -> None:
                 model_path=run.cfg.model.path)
         loss, grad_norm, figures = run.objective.step(
             run.built, run.optimizer, micro, accumulation=run.accumulation,
-            grad_clip=o.grad_clip, health=run.health)
+            grad_clip=o.grad_clip, health=run.trace.health)
         sparsity.reapply(run.zeros)
         state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
-        run.recent.append((state.step, micro))
+        run.trace.recent.append((state.step, micro))
         meter.step_ends(tokens_per_step)
         # Every rank takes part in the vote, every step.
-        verdict = run.vote(busy=run.checkpointer.busy())
+        verdict = run.reporting.vote(busy=run.checkpointer.busy())
         cause = verdict.cause
         todo = at_boundary(state.step, cfg=run.cfg, preempt_requested=cause is not None)
         if not todo.report:
@@ -234,12 +248,12 @@ def train(run: Setup) -> None:
                    **{k: float(v) for k, v in figures.items()},
                    **run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
                                  gpu_hour_price=run.cfg.tracking.gpu_hour_price),
-                   **run.constant_metrics}
-        if run.state_memory is None:  # after a step: the optimizer's state exists
-            run.state_memory = state_memory(run)
-        metrics.update(run.state_memory)
+                   **run.reporting.constant}
+        if run.reporting.state_memory is None:  # after a step: the optimizer's state exists
+            run.reporting.state_memory = state_memory(run)
+        metrics.update(run.reporting.state_memory)
         metrics["clock"] = meter.clock(window_energy_j=window_energy)
-        faults = run.health.read()
+        faults = run.trace.health.read()
         if faults:
             on_faults(run, faults, metrics)
         if todo.evaluate:
@@ -247,8 +261,8 @@ def train(run: Setup) -> None:
             metrics.update(run.objective.evaluate(run.built, run.val_batches))
             meter.eval_s += time.perf_counter() - t0
             metrics["clock"] = meter.clock(window_energy_j=window_energy)
-        if run.live is not None:
-            run.live.record(metrics)
+        if run.reporting.live is not None:
+            run.reporting.live.record(metrics)
         # The last checkpoint and a preemption's are written before the loop goes on (to its
         # end, or to stopping the group); the others in the background.
         save_and_report(run, metrics, save=todo.save,
@@ -427,7 +441,7 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
     if not save:
         run.checkpointer.report(metrics, hold=hold)
         if not hold:
-            run.vote.reported()
+            run.reporting.vote.reported()
         return
     t0 = time.perf_counter()
     c = run.cfg.checkpoint
@@ -439,7 +453,7 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
     metrics["clock"]["checkpoint_s"] += time.perf_counter() - t0
     metrics["clock"]["t"] = time.time()
     run.state.clock = {**metrics["clock"], "group": metrics["group_started"]}
-    run.state.skipped = run.skips.ranges
+    run.state.skipped = run.trace.skips.ranges
     if run.rank == 0:  # a driver that lost its run to another writes no checkpoint into it
         check_lease(run.run_dir, run.lease)
     with bounded(f"the checkpoint of step {run.state.step} to be {'written' if wait else 'staged'}",
@@ -449,8 +463,8 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
                               state=copy.deepcopy(run.state.state_dict()),
                               config=run.built.config, samples=samples,
                               adapters=lora_settings(run.cfg.lora), identity=run.identity)
-    run.vote.reported()
-    run.meter.checkpoint_s += time.perf_counter() - t0
+    run.reporting.vote.reported()
+    run.reporting.meter.checkpoint_s += time.perf_counter() - t0
 
 
 def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
@@ -460,16 +474,16 @@ def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
     a stop names the faults; both report, wait until the controller has the report and the
     checkpoint in flight is written, and raise."""
     t = run.cfg.train
-    batches = dict(run.recent)
+    batches = dict(run.trace.recent)
     decision = decide(
         faults, policy={"nonfinite": t.on_nonfinite, "spike": t.on_spike},
         positions_of=lambda step: step_positions(step, global_batch=t.global_batch_size,
-                                                 skips=run.skips),
-        rows_of=run.order.rows, manifest=run.manifest, max_rewinds=t.max_rewinds,
-        resumed=run.resumed,
+                                                 skips=run.trace.skips),
+        rows_of=run.trace.order.rows, manifest=run.trace.manifest, max_rewinds=t.max_rewinds,
+        resumed=run.trace.resumed,
         culprits_of=lambda step: culprits(run.built, batches[step],
                                           cross_document=run.cfg.data.across_documents),
-        documents_of=run.split.documents)
+        documents_of=run.trace.split.documents)
     metrics["numerical_faults"] = decision.records
     if decision.action == "skip":
         for r in decision.records:
@@ -586,26 +600,26 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
     meter = StepMeter(flops_per_token=objective.flops(built.config, cfg.data.seq_len),
                       peak_flops=listed_peak(built, rank=rank), world_size=world,
                       device=device, energy=energy, energy_since=energy_since)
-    health = Health(device=device, start_step=state.step, report_every=t.log_every,
-                    spikes=t.on_spike != "off", factor=t.spike_factor, window=t.spike_window,
-                    spikes_from=cfg.optim.warmup_steps)
     split = PackedSplit.load(handoff.prepared, "train")
-    order = SampleOrder(split.row_group_sizes, seed=t.seed, window=cfg.data.shuffle_window,
-                        global_batch=t.global_batch_size)
-    return Setup(cfg=cfg, rank=rank, layout=lay, built=built, optimizer=optimizer, state=state,
-                 ledger=ledger, accumulation=accumulation, batches=batches, val_batches=val_batches,
-                 monitor=monitor, meter=meter, vote=preemption.Vote(device), health=health,
-                 skips=skips, manifest=manifest, order=order, split=split,
-                 recent=collections.deque(maxlen=t.log_every),
-                 resumed=(storage.name(found[0]), state.step) if found is not None else None,
-                 run_dir=handoff.run_dir, lease=handoff.lease,
-                 objective=objective, constant_metrics=constant,
+    trace = FaultTrace(
+        health=Health(device=device, start_step=state.step, report_every=t.log_every,
+                      spikes=t.on_spike != "off", factor=t.spike_factor, window=t.spike_window,
+                      spikes_from=cfg.optim.warmup_steps),
+        skips=skips, manifest=manifest, split=split, recent=collections.deque(maxlen=t.log_every),
+        order=SampleOrder(split.row_group_sizes, seed=t.seed, window=cfg.data.shuffle_window,
+                          global_batch=t.global_batch_size),
+        resumed=(storage.name(found[0]), state.step) if found is not None else None)
+    reporting = Reporting(meter=meter, vote=preemption.Vote(device), constant=constant,
+                          phases=phases.seconds, monitor=monitor,
+                          live=LiveMetrics(storage.name(handoff.run_dir), rank=rank))
+    return Setup(cfg=cfg, rank=rank, layout=lay, built=built, optimizer=optimizer,
+                 objective=objective, state=state, ledger=ledger, accumulation=accumulation,
+                 batches=batches, val_batches=val_batches,
                  checkpointer=ckpt.Checkpointer(cfg.checkpoint.asynchronous,
                                                 cfg.checkpoint.writer, device=built.device,
                                                 model=built.model),
-                 identity=handoff.identity, zeros=zeros,
-                 live=LiveMetrics(storage.name(handoff.run_dir), rank=rank),
-                 phases=phases.seconds)
+                 identity=handoff.identity, run_dir=handoff.run_dir, lease=handoff.lease,
+                 zeros=zeros, trace=trace, reporting=reporting)
 
 
 class Phases:
