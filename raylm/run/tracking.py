@@ -24,6 +24,7 @@ mlflow itself is imported only when a tracker first talks to the store (it takes
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -92,6 +93,18 @@ class Tracker:
     def finish(self, *, failed: bool) -> None: ...
 
 
+def _guarded(what: str):
+    """A tracker method that never stops training: called with the tracker's MLflow client
+    (made on first use), it turns the tracker off at its first failure, saying ``what`` it
+    could not do, and returns None (:meth:`MLflowTracker._guard`)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            return self._guard(what, lambda client: method(self, client, *args, **kwargs))
+        return guarded
+    return wrap
+
+
 class MLflowTracker(Tracker):
     """One MLflow run. Picklable (its id and URI); the client is made where it is used."""
 
@@ -110,7 +123,7 @@ class MLflowTracker(Tracker):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_client": None}
 
-    def _guard(self, what: str, fn, *args) -> Any:
+    def _guard(self, what: str, fn) -> Any:
         if self.broken:
             return None
         try:
@@ -119,7 +132,7 @@ class MLflowTracker(Tracker):
 
                 fail_fast()
                 self._client = MlflowClient(tracking_uri=self.uri)
-            return fn(self._client, *args)
+            return fn(self._client)
         except Exception as e:  # MLflow raises many types for an unreachable or broken store
             self.lose(f"could not {what}: {_first_line(e)}")
             print(f"warning: MLflow could not {what}; the run continues untracked: "
@@ -129,12 +142,10 @@ class MLflowTracker(Tracker):
     def lose(self, reason: str) -> None:
         self.broken, self.lost = True, reason
 
-    def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None:
+    @_guarded("log metrics")
+    def log_report(self, client, m: dict[str, Any], checkpoint_path: str | None) -> None:
         """A report's numeric values as metrics at its step; the descriptive ones as params
         (once); a checkpoint's location as a tag and in ``checkpoints.json``."""
-        self._guard("log metrics", self._log_report, metrics, checkpoint_path)
-
-    def _log_report(self, client, m: dict[str, Any], checkpoint_path: str | None) -> None:
         from mlflow.entities import Metric, Param
 
         now = int(time.time() * 1000)
@@ -156,12 +167,10 @@ class MLflowTracker(Tracker):
             client.set_tag(self.run_id, "raylm.checkpoint_latest", checkpoint_path)
             client.log_dict(self.run_id, {"checkpoints": self.checkpoints}, "checkpoints.json")
 
-    def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None:
+    @_guarded("record a run event")
+    def log_events(self, client, events, counts, step) -> None:
         """Restarts, resizes and failures: ``events`` as the ``events.json`` artifact, and
         ``counts`` as metrics at the step of the report that saw them."""
-        self._guard("record a run event", self._log_events, events, counts, step)
-
-    def _log_events(self, client, events, counts, step) -> None:
         from mlflow.entities import Metric
 
         client.log_dict(self.run_id, events, "events.json")
@@ -169,12 +178,10 @@ class MLflowTracker(Tracker):
         client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
                                                for k, v in counts.items()])
 
-    def log_goodput(self, account: dict[str, Any], step: int) -> None:
+    @_guarded("log the goodput account")
+    def log_goodput(self, client, account, step) -> None:
         """The goodput account (:mod:`raylm.run.goodput`): ``goodput`` and ``goodput_<cause>_s``
         as metrics at the run's last step, and the table by cause as ``goodput.json``."""
-        self._guard("log the goodput account", self._log_goodput, account, step)
-
-    def _log_goodput(self, client, account, step) -> None:
         from mlflow.entities import Metric
 
         if not account.get("total_s"):
@@ -189,24 +196,20 @@ class MLflowTracker(Tracker):
                                                for k, v in values.items()])
         client.log_table(self.run_id, data=table(account), artifact_file="goodput.json")
 
-    def log_scores(self, scores: dict[str, float], step: int) -> None:
+    @_guarded("log benchmark scores")
+    def log_scores(self, client, scores: dict[str, float], step: int) -> None:
         """Benchmark scores (:mod:`raylm.run.benchmarks`) as metrics at the step of the
         checkpoint they score."""
-        self._guard("log benchmark scores", self._log_scores, scores, step)
-
-    def _log_scores(self, client, scores: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
                                                for k, v in scores.items()])
 
-    def log_pruning(self, report: dict[str, Any]) -> None:
+    @_guarded("log the pruning report")
+    def log_pruning(self, client, report: dict[str, Any]) -> None:
         """A pruned copy's figures (:mod:`raylm.after.prune`) as metrics at the step of the
         checkpoint pruned, ``prune/<method>_<target>/...``, and its report as an artifact."""
-        self._guard("log the pruning report", self._log_pruning, report)
-
-    def _log_pruning(self, client, report: dict[str, Any]) -> None:
         from mlflow.entities import Metric
 
         tag = f"{report['method']}_{report['sparsity'].replace(':', 'of').replace('%', 'pct')}"
@@ -218,13 +221,11 @@ class MLflowTracker(Tracker):
             for k, v in figures.items() if v is not None])
         client.log_text(self.run_id, json.dumps(report, indent=1), f"pruning/{tag}.json")
 
-    def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None:
+    @_guarded("record the sweep summary")
+    def log_sweep(self, client, summary: dict[str, Any], plot_path: Path) -> None:
         """The sweep's run: its summary and plot as artifacts, the best validation loss and
         config, the tag ``raylm.best`` on the best trial's (child) run, and ASHA-stopped
         trials' runs closed as killed."""
-        self._guard("record the sweep summary", self._log_sweep, summary, plot_path)
-
-    def _log_sweep(self, client, summary: dict[str, Any], plot_path: Path) -> None:
         from mlflow.entities import Metric, RunTag
 
         client.log_dict(self.run_id, summary, "tune_summary.json")
@@ -253,8 +254,9 @@ class MLflowTracker(Tracker):
             client.set_tag(child, "raylm.best", "true")
             client.set_tag(self.run_id, "raylm.best_run_id", child)
 
-    def log_model(self, directory: Path, *, adapter: bool, step: int, name: str,
-                  description: str, register_as: str | None) -> dict[str, Any] | None:
+    @_guarded("record the final model")
+    def log_model(self, client, directory: Path, adapter: bool, step: int, name: str,
+                   description: str, register_as: str | None) -> dict[str, Any]:
         """The final model as an MLflow LoggedModel, an output of the run at ``step`` (the
         Models tab of MLflow's UI lists it), and with ``register_as`` a new version of that
         registered model. ``directory`` is raylm's export: a Hugging Face model directory,
@@ -263,11 +265,6 @@ class MLflowTracker(Tracker):
         is (``PeftModel.from_pretrained(base, mlflow.artifacts.download_artifacts(uri))``):
         the flavor would store the whole base model beside every adapter. Returns
         ``mlflow_model_uri`` and, when registered, ``registered_model`` and its ``version``."""
-        return self._guard("record the final model", self._log_model, directory, adapter,
-                           step, name, description, register_as)
-
-    def _log_model(self, client, directory: Path, adapter: bool, step: int, name: str,
-                   description: str, register_as: str | None) -> dict[str, Any]:
         import tempfile
 
         from mlflow.entities import LoggedModelOutput, LoggedModelStatus
@@ -302,32 +299,28 @@ class MLflowTracker(Tracker):
             logged.update(registered_model=register_as, registered_version=int(version.version))
         return logged
 
-    def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None:
+    @_guarded("record the dataset")
+    def log_dataset(self, client, manifest: dict[str, Any], prepared: str) -> None:
         """The prepared data as the run's MLflow dataset input (context ``training``): where
         it lies as the source, the manifest's fingerprint as the digest, the manifest's counts
         as the profile, so runs can be searched and compared by the data they trained on."""
-        self._guard("record the dataset", self._log_dataset, manifest, prepared)
-
-    def _log_dataset(self, client, manifest: dict[str, Any], prepared: str) -> None:
         from mlflow.entities import DatasetInput, InputTag
 
         dataset = prepared_dataset(manifest, prepared)
         client.log_inputs(self.run_id, datasets=[DatasetInput(
             dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])])
 
-    def log_run_files(self, run_dir: str, names: tuple[str, ...]) -> None:
+    @_guarded("record the run's files")
+    def log_run_files(self, client, run_dir: str, names: tuple[str, ...]) -> None:
         """Files of the run directory (summary.json, run.json) as artifacts of the run."""
-        def log(client) -> None:
-            for name in names:
-                path = storage.join(run_dir, name)
-                if storage.is_file(path):
-                    client.log_text(self.run_id, storage.read_text(path), name)
+        for name in names:
+            path = storage.join(run_dir, name)
+            if storage.is_file(path):
+                client.log_text(self.run_id, storage.read_text(path), name)
 
-        self._guard("record the run's files", log)
-
-    def finish(self, *, failed: bool) -> None:
-        self._guard("close the run", lambda client: client.set_terminated(
-            self.run_id, status="FAILED" if failed else "FINISHED"))
+    @_guarded("close the run")
+    def finish(self, client, *, failed: bool) -> None:
+        client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 def _transformers_flavor(directory: Path, output: Path, description: str) -> Path:
