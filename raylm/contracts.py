@@ -103,7 +103,11 @@ class _Record:
 
     @classmethod
     def from_json(cls, text: str | bytes):
-        data, found = cls._decoded(text), {}
+        return cls._checked(cls._decoded(text))
+
+    @classmethod
+    def _checked(cls, data: dict):
+        found = {}
         for f in fields(cls):
             if f.name not in data:
                 if f.default is MISSING and f.default_factory is MISSING:
@@ -172,4 +176,5 @@ class LeaseRecord(_Record):
     @classmethod
     def from_json(cls, text: str | bytes) -> "LeaseRecord | None":
         """The holder; None for a lease given back."""
-        return None if cls._decoded(text).get("released") is True else super().from_json(text)
+        data = cls._decoded(text)
+        return None if data.get("released") is True else cls._checked(data)

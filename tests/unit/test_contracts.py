@@ -47,6 +47,9 @@ def test_a_marker_not_of_its_shape_is_refused_naming_what(damage, why):
     data = {**json.loads(MARKER.to_json()), **damage}
     with pytest.raises(Malformed, match=why):
         Marker.from_json(json.dumps(data))
+
+
+def test_a_record_missing_a_field_or_not_an_object_of_a_version_is_refused():
     with pytest.raises(Malformed, match="state is missing"):
         Marker.from_json(json.dumps({"model": {}, "files": {"a": 1}}))
     with pytest.raises(Malformed, match="not a JSON object"):
