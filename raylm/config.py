@@ -296,19 +296,13 @@ class DataConfig:
         sources = [d.source] if isinstance(d.source, str) else d.source
         _check(bool(sources) and all(sources), "data.source", d.source,
                "a non-empty source or list")
-        _check(d.seq_len >= 8, "data.seq_len", d.seq_len, "an integer >= 8")
-        _check(d.min_chars >= 0, "data.min_chars", d.min_chars, "an integer >= 0")
+        _at_least("data", d, seq_len=8, min_chars=0, max_bad_records_listed=0,
+                  tokenize_batch_size=1, rows_per_row_group=1)
         _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "0 <= x < 1")
-        _check(d.max_bad_records_listed >= 0, "data.max_bad_records_listed",
-               d.max_bad_records_listed, "an integer >= 0")
-        _check(d.tokenize_batch_size >= 1, "data.tokenize_batch_size", d.tokenize_batch_size,
-               ">= 1")
         _check(d.tokenize_concurrency >= 0, "data.tokenize_concurrency",
                d.tokenize_concurrency, "0 (auto) or a positive integer")
         _check(d.piece_mb is None or d.piece_mb > 0, "data.piece_mb", d.piece_mb,
                "unset (automatic) or a number of megabytes > 0")
-        _check(d.rows_per_row_group >= 1, "data.rows_per_row_group", d.rows_per_row_group,
-               ">= 1")
         _check(1 <= d.shuffle_window <= MAX_SHUFFLE_WINDOW, "data.shuffle_window",
                d.shuffle_window, f"1 to {MAX_SHUFFLE_WINDOW:,} (a reader caches that many row "
                f"groups)")
@@ -341,8 +335,7 @@ class TokenizerConfig:
     def __post_init__(self) -> None:
         _check(300 <= self.vocab_size <= MAX_VOCAB, "tokenizer.vocab_size", self.vocab_size,
                f"300 (256 byte symbols plus merges and special tokens) to {MAX_VOCAB:,}")
-        _check(self.min_frequency >= 1, "tokenizer.min_frequency", self.min_frequency, ">= 1")
-        _check(self.train_chars >= 1000, "tokenizer.train_chars", self.train_chars, ">= 1000")
+        _at_least("tokenizer", self, min_frequency=1, train_chars=1000)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -473,24 +466,17 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         tr = self
-        _check(tr.steps >= 1, "train.steps", tr.steps, "an integer >= 1")
-        _check(tr.global_batch_size >= 1, "train.global_batch_size", tr.global_batch_size,
-               ">= 1")
-        _check(tr.micro_batch_size >= 1, "train.micro_batch_size", tr.micro_batch_size, ">= 1")
+        _at_least("train", tr, steps=1, global_batch_size=1, micro_batch_size=1, eval_every=1,
+                  eval_batches=1, collective_timeout_s=1, max_rewinds=1)
         _check(tr.max_failures >= -1, "train.max_failures", tr.max_failures,
                "-1 (unlimited) or an integer >= 0")
         _check(tr.max_failures_at_one_step >= 0, "train.max_failures_at_one_step",
                tr.max_failures_at_one_step, "0 (no limit) or an integer >= 1")
         _check(1 <= tr.log_every <= MAX_LOG_EVERY, "train.log_every", tr.log_every,
                f"1 to {MAX_LOG_EVERY:,}")
-        _check(tr.eval_every >= 1, "train.eval_every", tr.eval_every, ">= 1")
-        _check(tr.eval_batches >= 1, "train.eval_batches", tr.eval_batches, ">= 1")
         _check(tr.spike_factor > 1, "train.spike_factor", tr.spike_factor, "a number > 1")
-        _check(tr.collective_timeout_s >= 1, "train.collective_timeout_s",
-               tr.collective_timeout_s, ">= 1")
         _check(3 <= tr.spike_window <= MAX_SPIKE_WINDOW, "train.spike_window",
                tr.spike_window, f"an integer 3 to {MAX_SPIKE_WINDOW:,}")
-        _check(tr.max_rewinds >= 1, "train.max_rewinds", tr.max_rewinds, "an integer >= 1")
         _check(all(isinstance(r, (list, tuple)) and len(r) == 2
                    and all(isinstance(v, int) for v in r) and 0 <= r[0] < r[1]
                    for r in tr.skip_positions), "train.skip_positions", tr.skip_positions,
@@ -556,13 +542,11 @@ class OptimConfig:
     def __post_init__(self) -> None:
         op = self
         _check(op.lr > 0, "optim.lr", op.lr, "a number > 0")
-        _check(op.warmup_steps >= 0, "optim.warmup_steps", op.warmup_steps, ">= 0")
+        _at_least("optim", op, warmup_steps=0, cycle_steps=2, weight_decay=0)
         _check(0.0 <= op.min_lr_ratio <= 1.0, "optim.min_lr_ratio", op.min_lr_ratio,
                "0 <= x <= 1")
         _check(0.0 < op.decay_fraction <= 1.0, "optim.decay_fraction", op.decay_fraction,
                "0 < x <= 1")
-        _check(op.cycle_steps >= 2, "optim.cycle_steps", op.cycle_steps, "an integer >= 2")
-        _check(op.weight_decay >= 0, "optim.weight_decay", op.weight_decay, ">= 0")
         _check(0 <= op.beta1 < 1, "optim.beta1", op.beta1, "0 <= x < 1")
         _check(0 <= op.beta2 < 1, "optim.beta2", op.beta2, "0 <= x < 1")
         _check(op.grad_clip >= 0, "optim.grad_clip", op.grad_clip, ">= 0 (0 disables)")
@@ -598,8 +582,7 @@ class CheckpointConfig:
     and ends, and the group restarts (train.max_failures applies). 0: no bound."""
 
     def __post_init__(self) -> None:
-        _check(self.every >= 1, "checkpoint.every", self.every, ">= 1")
-        _check(self.keep >= 1, "checkpoint.keep", self.keep, ">= 1")
+        _at_least("checkpoint", self, every=1, keep=1)
         _check(self.timeout_s >= 0, "checkpoint.timeout_s", self.timeout_s, ">= 0 (0: none)")
 
 
@@ -764,8 +747,7 @@ class TuneConfig:
         tu = self
         _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],
                "0 < lr_min < lr_max")
-        _check(tu.num_samples >= 1, "tune.num_samples", tu.num_samples, ">= 1")
-        _check(tu.lr_points >= 1, "tune.lr_points", tu.lr_points, ">= 1")
+        _at_least("tune", tu, num_samples=1, lr_points=1)
         _check(tu.max_concurrent >= 0, "tune.max_concurrent", tu.max_concurrent,
                "0 (as many as fit) or a positive integer")
         _check(all(w >= 0 for w in tu.warmup_steps), "tune.warmup_steps", tu.warmup_steps,
@@ -815,12 +797,11 @@ class EvalConfig:
     def __post_init__(self) -> None:
         _check(all(isinstance(t, str) and t.strip() for t in self.tasks), "eval.tasks",
                self.tasks, "lm-eval task or group names")
-        _check(self.every >= 1, "eval.every", self.every, ">= 1")
+        _at_least("eval", self, every=1, batch_size=1)
         _check(self.limit is None or self.limit >= 1, "eval.limit", self.limit,
                "unset or >= 1")
         _check(self.num_fewshot is None or self.num_fewshot >= 0, "eval.num_fewshot",
                self.num_fewshot, "unset or >= 0")
-        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, ">= 1")
         _check(bool(self.resources) and all(v > 0 for v in self.resources.values()),
                "eval.resources", self.resources,
                "resource names (CPU, GPU or custom) with amounts > 0")
@@ -1004,6 +985,11 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"Invalid value for '{key}': {_short(value)}. Allowed: {allowed}.")
 
 
+def _at_least(section: str, obj: Any, **floors: int) -> None:
+    for key, floor in floors.items():
+        _check(getattr(obj, key) >= floor, f"{section}.{key}", getattr(obj, key), f">= {floor}")
+
+
 def model_parallel_group(cfg: Config) -> tuple[int, str]:
     """Workers that share one data-parallel rank (a tensor-parallel group times the pipeline
     stages), and how a message names them."""
@@ -1019,8 +1005,7 @@ def _check_layout(cfg: Config) -> None:
     with groups of more than one worker only a fixed count (or [n, n]) guarantees that. A
     pipeline must have at least one micro-batch per stage."""
     p, sc = cfg.parallel, cfg.scaling
-    _check(p.tensor >= 1, "parallel.tensor", p.tensor, "an integer >= 1")
-    _check(p.pipeline >= 1, "parallel.pipeline", p.pipeline, "an integer >= 1")
+    _at_least("parallel", p, tensor=1, pipeline=1)
     _check(p.pipeline_microbatches >= 0, "parallel.pipeline_microbatches",
            p.pipeline_microbatches, "an integer >= 0 (0: one per train.micro_batch_size)")
     _check(p.prefetch >= 0, "parallel.prefetch", p.prefetch,

@@ -84,6 +84,9 @@ class Choice:
     """Where the address came from, as the user would name it."""
     note: str = ""
     """Anything passed over on the way (a recorded head that did not answer)."""
+    recorded: bool = False
+    """The head ``ray start`` recorded here: joined as ``auto``, which alone makes Ray send the
+    token of a head with token authentication on (``ray start``'s default) unasked."""
 
 
 def recorded_head() -> str | None:
@@ -132,45 +135,58 @@ def choose(address: str | None, *, env: dict[str, str] | None = None,
                              f"nothing accepted a connection in {timeout_s:g} s; start it, "
                              f"fix {origin.split('=')[0]}, or unset it to start a local "
                              f"cluster.")
-        return Choice(address, origin)
+        return Choice(address, origin, recorded="=auto" in origin)
     recorded = recorded_head()
     if recorded is None:
         return Choice(None, "no cluster given")
     # A head on this machine that is up answers at once; a record is often stale.
     if answers(recorded, timeout_s=min(timeout_s, RECORDED_TIMEOUT_S)):
-        return Choice(recorded, "the head `ray start` runs on this machine")
+        return Choice(recorded, "the head `ray start` runs on this machine", recorded=True)
     return Choice(None, "no cluster given",
                   note=f"not joined: the head `ray start` recorded at {recorded} does not "
                        f"answer, stopped without `ray stop`?")
 
 
+def join(choice: Choice, **init) -> None:
+    """``ray.init`` on the choice; a cluster that answers but refuses us is a mistake here."""
+    import logging
+
+    import ray
+
+    try:
+        # Warnings and up from Ray itself; raylm prints its own progress.
+        ray.init(address="auto" if choice.recorded else choice.address or "local",
+                 logging_level=logging.WARNING, log_to_driver=True, **init)
+    except ConnectionError as e:
+        raise ValueError(
+            f"could not join the Ray cluster at {choice.address} ({choice.origin}), which "
+            f"answers: {e}; if its head has token authentication on (`ray start`'s default), "
+            f"export RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, or ~/.ray/auth_token "
+            f"as on the machine that made it)") from None
+
+
 def connect(address: str | None, *, log: Callable[[str], None],
             timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     """``ray.init`` on the chosen cluster, unless this process already joined one."""
-    import logging
-
     import ray
 
     tidy_driver_console()
     if ray.is_initialized():
         return
     choice = choose(address, timeout_s=timeout_s)
-    # Warnings and up from Ray itself; raylm prints its own progress.
+    join(choice)
     if choice.address is None:
-        ray.init(address="local", logging_level=logging.WARNING, log_to_driver=True)
         cpus = ray.cluster_resources().get("CPU", 0)
         note = f"; {choice.note}" if choice.note else ""
         log(f"raylm: started a local Ray cluster with {cpus:g} CPUs, which stops when this "
             f"command ends{note}")
         return
-    ray.init(address=choice.address, logging_level=logging.WARNING, log_to_driver=True)
     wanted = forwarded_env(os.environ)
     missing = missing_on_nodes(wanted, _node_env(tuple(wanted))) if wanted else {}
     if missing:
         # A job's environment is fixed when it joins: join again with them.
         ray.shutdown()
-        ray.init(address=choice.address, logging_level=logging.WARNING, log_to_driver=True,
-                 runtime_env={"env_vars": missing})
+        join(choice, runtime_env={"env_vars": missing})
         log(f"raylm: warning: the cluster's nodes lack {', '.join(sorted(missing))} as set "
             f"here, so they go with this job, where Ray's job record (ray list jobs --detail) "
             f"and each node's runtime-env log show them; set them in the nodes' environment "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import pytest
 
 from raylm.hub import HUB_ID
 from tests.commands import page_commands
-from tests.integration.heads import stop_own_head
+from tests.integration.heads import stop_own_head, wait_for_job_server
 from tests.ranks import free_port
 
 pytestmark = pytest.mark.integration
@@ -39,20 +38,28 @@ LOCAL_MODEL = "runs/reverse-init"
 @pytest.fixture(scope="module")
 def reader(tmp_path_factory):
     """A reader's checkout (this repository's jobs/) with a home of its own, and a Ray head
-    with 2 CPUs that every command joins (RAY_ADDRESS, as a cluster's jobs have it)."""
+    with 2 CPUs started there with `ray start --head` and Ray's defaults, after `make demo`:
+    the home holds Ray's token (the demo's local `ray.init` wrote one), so Ray turns token
+    authentication on, and every command joins the head `ray start` recorded, with nothing
+    set (no RAY_ADDRESS, no RAY_AUTH_MODE)."""
     root = tmp_path_factory.mktemp("tour")
     (root / "jobs").symlink_to(ROOT / "jobs")
     (root / "home").mkdir()
-    gcs = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "PATH": f"{BIN}:{os.environ['PATH']}", "HOME": str(root / "home")}
+    gcs, dashboard = free_port(), free_port()
+    # Ray's temp directory of the reader's own (short: socket paths must fit 107 characters),
+    # so the head recorded there is this one.
     temp = tempfile.mkdtemp(prefix="raytour-")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    env.update(PATH=f"{BIN}:{os.environ['PATH']}", HOME=str(root / "home"), RAY_TMPDIR=temp)
+    subprocess.run([BIN / "ray", "get-auth-token", "--generate"], env=env, check=True,
+                   capture_output=True)
     started = subprocess.Popen(
         [BIN / "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={gcs}", "--num-cpus=2", "--dashboard-host=127.0.0.1",
-         f"--dashboard-port={free_port()}", f"--temp-dir={temp}", "--disable-usage-stats"],
+         f"--dashboard-port={dashboard}", f"--temp-dir={temp}/ray", "--disable-usage-stats"],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env["RAY_ADDRESS"] = f"127.0.0.1:{gcs}"
+    wait_for_job_server(f"http://127.0.0.1:{dashboard}", started)
     yield {"root": root, "env": env}
     stop_own_head(started, temp)
 
@@ -108,6 +115,8 @@ def test_the_readme_tour_runs_as_written(reader):
     text = "\n".join(outputs.values())
     # The second pretraining command resumed the first; every run had a directory of its own.
     assert "raylm: run 'cpu-tiny' exists; resuming from step 4 of 8" in text
+    # Every run joined the reader's head, which `ray start` recorded, with its token.
+    assert text.count("(the head `ray start` runs on this machine)") == 5, text
     # The device, said first: auto found no GPU on this cluster.
     assert "raylm: workers on CPUs: scaling.use_gpu=auto and the cluster has no GPU" in text
     assert json.loads((root / "runs" / "cpu-tiny" / "summary.json").read_text())[

@@ -42,7 +42,7 @@ def test_override_values_are_typed():
         ("--train.stpes=3", "Unknown config key 'train.stpes'. Did you mean 'train.steps'?"),
         ("--trian.steps=3", "Unknown config section 'trian' (command line). Did you mean 'train'?"),
         ("--train.steps=1.5", "Invalid value for 'train.steps': 1.5. Expected an integer."),
-        ("--train.steps=0", "Invalid value for 'train.steps': 0. Allowed: an integer >= 1."),
+        ("--train.steps=0", "Invalid value for 'train.steps': 0. Allowed: >= 1."),
         ("--data.on_bad_record=maybe", "Expected one of 'skip', 'error'"),
         ("--data.dedup=7", "Invalid value for 'data.dedup': 7. Expected true/false."),
         ("--data.val_fraction=1.5", "'data.val_fraction': 1.5. Allowed: 0 <= x < 1"),

@@ -46,6 +46,8 @@ def test_a_live_recorded_head_is_joined(ray_tmp, listening):
     record(ray_tmp, listening)
     c = choose(None, timeout_s=1)
     assert (c.address, c.origin) == (listening, "the head `ray start` runs on this machine")
+    # Joined as Ray joins a head it finds itself: with the head's token, where it has one.
+    assert c.recorded
 
 
 def test_a_dead_recorded_head_is_named_and_passed_over(ray_tmp):
@@ -61,6 +63,7 @@ def test_a_dead_recorded_head_is_named_and_passed_over(ray_tmp):
 def test_given_addresses_must_answer(ray_tmp, listening, monkeypatch):
     dead = f"127.0.0.1:{free_port()}"
     assert choose(listening, timeout_s=1).origin == "run.ray_address"
+    assert not choose(listening, timeout_s=1).recorded
     with pytest.raises(ValueError, match=rf"^the Ray cluster at {dead} \(run.ray_address\) does "
                                          rf"not answer: nothing accepted a connection in 1 s"):
         choose(dead, timeout_s=1)
@@ -74,6 +77,7 @@ def test_given_addresses_must_answer(ray_tmp, listening, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS")
     c = choose("auto", timeout_s=1)
     assert c.address == listening and c.origin.startswith("run.ray_address=auto")
+    assert c.recorded
     (ray_tmp / "ray_current_cluster").unlink()
     with pytest.raises(ValueError, match="no `ray start` head is recorded"):
         choose("auto")
