@@ -32,7 +32,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q --durations=10 tests/unit tests/distributed
+	$(VENV)/bin/python -m pytest -q --durations=10 tests/unit tests/distributed tests/security
 
 test-latest:
 	bash scripts/test_latest.sh .venv-latest

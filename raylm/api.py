@@ -309,8 +309,8 @@ def evaluate(source: Run | str | os.PathLike, *, overrides: Overrides = None,
     """Benchmark scores (``raylm eval``) of a run's latest usable checkpoint, the one at
     ``step``, or ``every`` one, or of an exported model directory: one row per scored
     checkpoint (``step``, and ``eval/<task>/<metric>`` columns). ``overrides`` are ``eval.*``
-    keys (``{"eval.tasks": ["arc_easy"]}``); without them a run is scored on its own. A run's
-    scores are also added to its record (its history, summary and MLflow run)."""
+    keys (``{"eval.tasks": ["arc_easy"]}``); without eval.tasks a run is scored on its own
+    (its task folder given as eval.include_path). A run's scores join its record."""
     import pandas as pd
 
     from raylm.after.evaluate import evaluate_source

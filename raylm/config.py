@@ -633,8 +633,7 @@ class ScalingConfig:
             _check(all(v > 0 and k not in ("CPU", "GPU") for k, v in res.items()),
                    f"scaling.{key}", res, "custom resource names (not CPU/GPU: use "
                    "scaling.cpus_per_worker and scaling.use_gpu) with amounts > 0")
-        _check(sc.resize_interval_s >= 0, "scaling.resize_interval_s", sc.resize_interval_s,
-               ">= 0")
+        _at_least("scaling", sc, resize_interval_s=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,8 @@ import re
 import shutil
 import socket
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -85,14 +86,15 @@ def staging(out: Path) -> Path:
         found = re.fullmatch(rf"\.{re.escape(out.name)}\.raylm-(.+)-([0-9]{{1,9}})-[0-9a-f]{{12}}"
                              rf"\.tmp", old.name)
         if (found and found.group(1) == host and old.is_dir() and not old.is_symlink()
-                and not _alive(int(found.group(2)))):
+                and not alive(int(found.group(2)))):
             shutil.rmtree(old, ignore_errors=True)
     tmp = out.parent / f".{out.name}.raylm-{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp"
     tmp.mkdir()
     return tmp
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -131,6 +133,13 @@ def publish(tmp: Path, out: Path, *, same: bool = False,
     return True
 
 
-def discard(tmp: Path) -> None:
-    """Remove an unfinished ``tmp`` (the output failed; the target is untouched)."""
-    shutil.rmtree(tmp, ignore_errors=True)
+@contextmanager
+def building(out: Path) -> Iterator[Path]:
+    """A :func:`staging` directory for ``out``, removed if the block fails (the target is
+    untouched); :func:`publish` it after."""
+    tmp = staging(out)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

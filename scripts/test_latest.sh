@@ -31,4 +31,4 @@ bash scripts/llama_cpp.sh "$VENV"
 from importlib.metadata import version
 names = 'torch ray transformers peft torchao mlflow datasets tokenizers pyarrow numpy'.split()
 print('latest: ' + ', '.join(f'{n} {version(n)}' for n in names))"
-RAYLM_LATEST=1 "$VENV/bin/python" -m pytest -q --durations=10 tests/unit tests/distributed "$@"
+RAYLM_LATEST=1 "$VENV/bin/python" -m pytest -q --durations=10 tests/unit tests/distributed tests/security "$@"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,13 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
         return [{"event": Event.BENCHMARK, "step": None, "scores": scored.scores,
                  "higher": scored.higher, "seconds": scored.seconds}]
     cfg = config_from_dict(read_run_info(src)["config"])
-    ev = ev if ev is not None and ev.tasks else cfg.eval
+    if ev is None or not ev.tasks:  # the run's tasks; task code only from a folder named here
+        named = ev.include_path if ev is not None else None
+        if cfg.eval.include_path and not named:
+            raise ConfigError(f"run {cfg.run.name!r} scored tasks of eval.include_path="
+                              f"{cfg.eval.include_path}, whose code raylm imports only from "
+                              f"a folder you name: add --eval.include_path=FOLDER")
+        ev = replace(cfg.eval, include_path=named)
     if not ev.tasks:
         raise ConfigError(f"run {cfg.run.name!r} named no benchmarks (eval.tasks): name them "
                           f"with --eval.tasks")
@@ -79,10 +86,7 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
         summary_path = storage.join(src, SUMMARY)
         summary = (json.loads(storage.read_text(summary_path))
                    if storage.is_file(summary_path) else None)
-        tracker = tracking.Tracker()
-        if summary is not None and summary.get("mlflow_run_id") and cfg.tracking.enabled:
-            tracker = tracking.MLflowTracker(summary["mlflow_run_id"],
-                                             tracking.resolve_uri(cfg))
+        tracker = tracking.run_tracker(src, summary or {}, log=log)
         log_ = EventLog(src, f"{time.time():.6f}")
         for s in steps:
             log(f"raylm: scoring the checkpoint at step {s} ({found[s]}) on "

@@ -40,7 +40,7 @@ from raylm.formats.exporter import (
 )
 from raylm.model import sparsity
 from raylm.model.assemble import Built, batch_loss
-from raylm.outputs import check_output, discard, publish, staging
+from raylm.outputs import building, check_output, publish
 from raylm.run import tracking
 
 DEFAULT_CALIBRATION_BLOCKS = 32
@@ -83,17 +83,13 @@ def prune_source(source: str | Path, output: str | Path, *, sparsity_text: str,
         inputs.append(("the base model (model.path)", cfg.model.path))
     out = check_output(output, what="--output", marker=EXPORT_INFO, key="kind",
                        inputs=inputs, kind=sparsity.PRUNED_KIND, overwrite=overwrite)
-    tmp = staging(out)
-    try:
+    with building(out) as tmp:
         report = _write_pruned(src, tmp, cfg=cfg, is_run=is_run, own_data=data is None,
                                prepared=prepared, target=target, method=method,
                                calibration_blocks=calibration_blocks, log=log)
-    except BaseException:
-        discard(tmp)
-        raise
     publish(tmp, out, mine=(EXPORT_INFO, "kind"))
     if is_run:
-        _track(src, cfg, report, out)
+        _track(src, report, out, log)
     return report
 
 
@@ -199,14 +195,10 @@ def _compressed_bytes(model, layers: list[dict], target: sparsity.Target) -> int
     return dense
 
 
-def _track(run_dir: str, cfg: Config, report: dict[str, Any], out: Path) -> None:
+def _track(run_dir: str, report: dict[str, Any], out: Path, log) -> None:
     """The report in the run's MLflow run: the losses and sparsity as metrics at the step
     pruned, named by method and target, and the whole report as an artifact."""
     summary_path = storage.join(run_dir, SUMMARY)
-    if not (cfg.tracking.enabled and storage.is_file(summary_path)):
-        return
-    run_id = json.loads(storage.read_text(summary_path)).get("mlflow_run_id")
-    if not run_id:
-        return
-    tracking.MLflowTracker(run_id, tracking.resolve_uri(cfg)).log_pruning(
-        {**report, "output": str(out)})
+    if storage.is_file(summary_path):
+        tracking.run_tracker(run_dir, json.loads(storage.read_text(summary_path)),
+                             log=log).log_pruning({**report, "output": str(out)})

@@ -87,7 +87,7 @@ from raylm.data.corpus import (
 )
 from raylm.data.packing import ExamplePacker, Packer, source_key
 from raylm.data.tokenizer import build_tokenizer, chat_template, load_backend, tokenizer_fingerprint
-from raylm.outputs import check_output, discard, publish, staging
+from raylm.outputs import building, check_output, publish
 
 # 64 row groups per file: with 256-block row groups, 16,384 blocks (~17 MB at seq_len 256).
 ROW_GROUPS_PER_FILE = 64
@@ -685,12 +685,8 @@ def prepare(cfg: Config, output: str | os.PathLike, *, log: Callable[[str], None
                        inputs=[("the source file", f.path) for f in files])
     if d.examples:
         check_example_files(files, d.format)
-    tmp = staging(out)
-    try:
+    with building(out) as tmp:
         manifest = _prepare_into(tmp, cfg, files, log=log)
-    except BaseException:
-        discard(tmp)
-        raise
     if not publish(tmp, out, same=shared, mine=(PREPARED_MANIFEST, "fingerprint")):
         log(f"data: {out} was prepared meanwhile by another run; using it")
         return json.loads((out / PREPARED_MANIFEST).read_text())

@@ -40,7 +40,7 @@ from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_bloc
 from raylm.model import lora, sparsity
 from raylm.model.assemble import Built, build_for_checkpoint, evaluate
 from raylm.model.build import build_config, max_positions
-from raylm.outputs import check_output, discard, publish, staging
+from raylm.outputs import building, check_output, publish
 from raylm.workers import checkpoint
 
 TOKENIZER_DIR = "tokenizer"
@@ -168,17 +168,13 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
         inputs.append(("the base model (model.path)", cfg.model.path))
     out = check_output(output, what="--output", marker=EXPORT_INFO, key="kind", inputs=inputs,
                        kind=kind, overwrite=overwrite)
-    tmp = staging(out)
-    try:
+    with building(out) as tmp:
         if format == "gguf":
             _write_gguf(run_dir, tmp, cfg, quantize, log=log)
         elif quantize is not None:
             _write_quantized(run_dir, tmp, quantize, log=log)
         else:
             write_export(run_dir, tmp, cfg, merge=merge)
-    except BaseException:
-        discard(tmp)
-        raise
     publish(tmp, out, mine=(EXPORT_INFO, "kind"))
     return out
 

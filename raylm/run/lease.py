@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 
 from raylm import storage
 from raylm.contracts import LEASE, LeaseRecord, Malformed
+from raylm.outputs import alive
 
 BEAT_S = 10.0
 EXPIRES_S = 60.0
@@ -191,13 +192,7 @@ def store_for(path: str):
 def _alive_here(holder: LeaseRecord) -> bool:
     if holder.host != socket.gethostname():
         return True  # cannot tell: the heartbeat decides
-    try:
-        os.kill(holder.pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        pass
-    return True
+    return alive(holder.pid)
 
 
 def _expired(holder: LeaseRecord, now: float) -> bool:

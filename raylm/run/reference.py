@@ -31,7 +31,7 @@ import ray
 
 from raylm.config import Config, cache_dir
 from raylm.contracts import LAYOUT, REFERENCE_INFO, SPLITS
-from raylm.outputs import discard, publish, staging
+from raylm.outputs import building, publish
 from raylm.workers.scorer import ReferenceScorer
 
 
@@ -106,9 +106,8 @@ def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, s
     log(f"raylm: scoring the prepared pairs with the starting weights of {cfg.model.path} "
         f"(the DPO reference, once; {len(groups)} row groups, {actors} actor"
         f"{'s' if actors > 1 else ''})")
-    tmp = staging(out)
     t0 = time.perf_counter()
-    try:
+    with building(out) as tmp:
         ds = ray.data.from_items(groups)
         ds.context.enable_progress_bars = False
         done = ds.map_batches(
@@ -132,9 +131,6 @@ def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, s
             raise RuntimeError(f"the reference pass scored {len(done)} of {len(groups)} row "
                                f"groups")
         (tmp / REFERENCE_INFO).write_text(json.dumps(info, indent=2))
-    except BaseException:
-        discard(tmp)
-        raise
     # Another driver's copy published meanwhile is kept if it is usable, replaced if not.
     publish(tmp, out, same=out.exists() and _usable(out, what) is None)
     log(f"raylm: reference log-probabilities of {info['targets']:,} answer tokens in "

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from raylm import storage
 from raylm.compat import set_element
 from raylm.contracts import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, EARLIER_REPORTS, Marker
+from raylm.outputs import alive
 from raylm.rundir import CheckpointError, check_compatible, file_hash, model_shape, verify
 from raylm.workers.preemption import report_queue
 
@@ -590,9 +591,5 @@ def remove_stale_staging() -> None:
         # number too large for os.kill).
         if not re.fullmatch(r"[0-9]{1,9}", pid) or not path.is_dir() or path.is_symlink():
             continue  # not a staging directory raylm made: not raylm's to remove
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if not alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass

@@ -305,9 +305,10 @@ def check_benchmarks(full: dict, run_dir, merged, store: str, tasks, capsys) -> 
     assert full["goodput"]["seconds"]["benchmarks"] < 60
 
     # `raylm eval` scores the step-10 checkpoint again with the same code: the same number,
-    # added to the run's record.
+    # added to the run's record. The run's tasks; their folder named by the user, as a run
+    # directory's word is not enough to import code (tests/security).
     capsys.readouterr()
-    assert main(["eval", str(run_dir), "--step=10"]) == 0
+    assert main(["eval", str(run_dir), "--step=10", f"--eval.include_path={tasks}"]) == 0
     assert '"eval/reverse_mc/acc"' in capsys.readouterr().out
     events = [r for r in record.read(str(run_dir)) if r["event"] == "benchmark"]
     assert [r["step"] for r in events] == [10, 20, 10]

@@ -1,0 +1,108 @@
+"""What raylm reads back from a run directory is data: a run directory planted by someone who
+can write it (the threat docs/fault-tolerance.md names) must not choose where raylm connects
+or what code it imports. Each test plants a field into a real run directory (the one raylm
+wrote at 6ef9b7a, tests/fixtures) and shows it is refused or harmless."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from raylm.cli import main
+from raylm.run import tracking
+
+RUN = Path(__file__).resolve().parents[1] / "fixtures" / "run-6ef9b7a"
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    """A copy of a run directory raylm wrote, in a runs/ folder of its own."""
+    return Path(shutil.copytree(RUN, tmp_path / "runs" / RUN.name))
+
+
+def plant(path: Path, **fields) -> None:
+    """Set ``fields`` (``section__key`` for run.json's config) in a JSON file of the run."""
+    data = json.loads(path.read_text())
+    for name, value in fields.items():
+        if "__" in name:
+            section, key = name.split("__")
+            data["config"][section][key] = value
+        else:
+            data[name] = value
+    path.write_text(json.dumps(data))
+
+
+def test_eval_imports_no_task_code_a_run_directory_names(run, tmp_path, capsys):
+    """run.json's eval settings name a task folder whose YAML calls a function of a module
+    beside it (lm-eval imports it while loading the task): `raylm eval RUN` without its own
+    --eval.include_path refuses in one line, before it looks for a checkpoint to score, and
+    the module never runs. (At 6ef9b7a the run's settings were taken whole: scoring a
+    checkpoint imported p.py.)"""
+    tasks = tmp_path / "planted"
+    tasks.mkdir()
+    ran = tmp_path / "ran"
+    (tasks / "p.py").write_text(f"open({str(ran)!r}, 'w').close()\ndef f(doc):\n    return ''\n")
+    (tasks / "planted.yaml").write_text(
+        "task: planted\ndataset_path: json\noutput_type: generate_until\n"
+        "doc_to_text: !function p.f\ndoc_to_target: ''\n")
+    plant(run / "run.json", eval__tasks=["planted"], eval__include_path=str(tasks))
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"eval.include_path={tasks}" in line and "--eval.include_path=FOLDER" in line, line
+    assert not ran.exists()
+
+
+def test_a_finished_runs_mlflow_store_is_the_users_never_the_run_directorys(
+        run, tmp_path, monkeypatch):
+    """summary.json and run.json name an MLflow server (a listener on loopback here) while the
+    user's shell holds MLflow credentials: `raylm eval` and `raylm prune` get a tracker that
+    logs nothing, say why in one line, and nothing connects to the listener. The store the
+    user names (MLFLOW_TRACKING_URI) or the default one beside the run is used when the run's
+    record names that one."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    planted = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    connected: list[bytes] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            connected.append(conn.recv(65536))
+            conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "user")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "secret")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    plant(run / "run.json", tracking__enabled=True, tracking__uri=planted)
+    plant(run / "summary.json", mlflow_run_id="0" * 32, mlflow_tracking_uri=planted)
+    said: list[str] = []
+    summary = json.loads((run / "summary.json").read_text())
+    tracker = tracking.run_tracker(str(run), summary, log=said.append)
+    tracker.log_pruning({"step": 4, "val_loss": 1.0, "method": "magnitude"})
+    tracker.log_scores({"eval/x/acc": 1.0}, 4)
+    stop.set()
+    thread.join()
+    listener.close()
+    assert not isinstance(tracker, tracking.MLflowTracker) and connected == []
+    (line,) = said
+    assert planted in line and "MLFLOW_TRACKING_URI" in line and "secret" not in line
+    # Where the record names the store the user would log to, that store is used.
+    beside = f"sqlite:///{run.parent}/mlflow.db"
+    summary["mlflow_tracking_uri"] = beside
+    assert tracking.run_tracker(str(run), summary, log=said.append).uri == beside
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", planted)
+    summary["mlflow_tracking_uri"] = planted
+    assert tracking.run_tracker(str(run), summary, log=said.append).uri == planted
+    assert len(said) == 1
