@@ -397,10 +397,12 @@ def _jsonl_objects(f: SourceFile) -> Iterator[tuple]:
                 continue  # blank lines separate nothing and hold no record
             try:
                 obj = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
+                if b"\\u" in raw:  # an escaped lone surrogate is valid JSON but not text
+                    json.dumps(obj, ensure_ascii=False).encode()
+            except UnicodeError:
                 yield None, "undecodable", lineno
                 continue
-            except ValueError:
+            except (ValueError, RecursionError):  # a line nested past Python's stack: malformed
                 yield None, "malformed", lineno
                 continue
             if not isinstance(obj, dict):

@@ -37,13 +37,17 @@ def test_jsonl_bad_records_are_counted_with_line(tmp_path):
         b'{"text": 5}\n'
         b'{"text": null}\n'
         b'{"text": "good two"}\n'
+        b'{"text": "lone \\ud83d surrogate"}\n'  # valid JSON, no text: common in scraped data
+        + b"[" * 100_000 + b"\n"  # nested past Python's stack
+        + b'{"text": "a pair \\ud83d\\ude00 is one character"}\n'
     )
     got = reasons(p, "jsonl")
     assert got == [(None, 1), ("malformed", 2), ("missing_field", 3), ("undecodable", 5),
                    ("empty", 6), ("malformed", 7), ("malformed", 8), ("missing_field", 9),
-                   (None, 10)]
+                   (None, 10), ("undecodable", 11), ("malformed", 12), (None, 13)]
     kept = [r.text for r in read_records(SourceFile(str(p), "jsonl"))]
-    assert [t for t in kept if t] == ["good one", "good two"]
+    assert [t for t in kept if t] == ["good one", "good two",
+                                      "a pair \U0001f600 is one character"]
 
 
 def test_text_units(tmp_path):
