@@ -221,20 +221,13 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
+    """``raylm train`` and ``raylm tune``: the run's summary (the sweep's best) at the end."""
     from raylm import api
 
+    sweep = args.command == "tune"
     if args.dry_run:
-        return dry_run(cfg, sweep=False)
-    print(json.dumps(api.train(cfg).summary, indent=2))
-    return 0
-
-
-def cmd_tune(cfg: Config, args: argparse.Namespace) -> int:
-    from raylm import api
-
-    if args.dry_run:
-        return dry_run(cfg, sweep=True)
-    print(json.dumps(api.tune(cfg).best, indent=2))
+        return dry_run(cfg, sweep=sweep)
+    print(json.dumps(api.tune(cfg).best if sweep else api.train(cfg).summary, indent=2))
     return 0
 
 
@@ -365,10 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "prepare":
             return cmd_prepare(cfg, args)
-        if args.command == "train":
+        if args.command in ("train", "tune"):
             return cmd_train(cfg, args)
-        if args.command == "tune":
-            return cmd_tune(cfg, args)
         if args.command == "submit":
             return cmd_submit(cfg, args)
     except (ValueError, FileNotFoundError) as e:

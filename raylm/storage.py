@@ -41,9 +41,11 @@ def is_uri(path: str | os.PathLike) -> bool:
 
 
 def normalize(path: str | os.PathLike) -> str:
-    """A URI as given (without a trailing slash), a local path absolute."""
+    """A URI as given (without a trailing slash), a local path absolute with its folders'
+    links resolved but not its own: a write replaces a link found there, never its target."""
     s = str(path)
-    return s.rstrip("/") if is_uri(s) else str(Path(s).expanduser().resolve())
+    p = Path(os.path.abspath(os.path.expanduser(s)))
+    return s.rstrip("/") if is_uri(s) else str(p.parent.resolve() / p.name if p.name else p)
 
 
 def join(base: str | os.PathLike, *parts: str) -> str:
@@ -154,7 +156,8 @@ def append_text(path: str | os.PathLike, text: str) -> None:
     assert not is_uri(path), path
     target = Path(normalize(path))
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target, "a") as f:
+    with open(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644),
+              "a") as f:  # a link there is refused (ELOOP), never appended through
         f.write(text)
 
 

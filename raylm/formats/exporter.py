@@ -74,6 +74,8 @@ def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
     from transformers import AutoTokenizer
 
     target = storage.join(run_dir, TOKENIZER_DIR)
+    if Path(target).is_symlink():  # emptied below: never another folder through a link
+        raise ValueError(f"{target} is a link; remove it (raylm writes a run's tokenizer there)")
     with tempfile.TemporaryDirectory(prefix="raylm-tokenizer-") as tmp:
         AutoTokenizer.from_pretrained(str(tokenizer_path), trust_remote_code=False
                                       ).save_pretrained(tmp)

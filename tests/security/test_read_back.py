@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from raylm.cli import main
+from raylm.contracts import EVENTS, LEASE, MLFLOW_RUN, RUN_INFO, SKIPPED, SUMMARY
 from raylm.run import tracking
 
 RUN = Path(__file__).resolve().parents[1] / "fixtures" / "run-6ef9b7a"
@@ -106,3 +107,46 @@ def test_a_finished_runs_mlflow_store_is_the_users_never_the_run_directorys(
     summary["mlflow_tracking_uri"] = planted
     assert tracking.run_tracker(str(run), summary, log=said.append).uri == planted
     assert len(said) == 1
+
+
+@pytest.mark.parametrize("name", [RUN_INFO, SUMMARY, MLFLOW_RUN, SKIPPED, EVENTS, LEASE])
+def test_no_write_in_a_run_directory_follows_a_link(run, tmp_path, name):
+    """Each file of the run directory that raylm writes, planted as a link to a file outside
+    it: the write replaces the link (or, for the appended event log, is refused), and the
+    file outside is unchanged."""
+    from raylm import storage
+    from raylm.run.lease import Lease
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("the user's own file")
+    link = run / name
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside)
+    if name == EVENTS:
+        with pytest.raises(OSError):
+            storage.append_text(str(link), '{"event": "end"}\n')
+        assert link.is_symlink()
+    elif name == LEASE:
+        lease = Lease(str(run), log=lambda m: None).take()
+        assert not link.is_symlink()
+        lease.release()
+    else:
+        storage.write_text(str(link), "{}")
+        assert not link.is_symlink() and link.read_text() == "{}"
+    assert outside.read_text() == "the user's own file"
+
+
+def test_a_linked_tokenizer_folder_is_refused_before_anything_in_it_is_removed(run, tmp_path):
+    """RUN/tokenizer, which raylm empties when the run's tokenizer changed, planted as a link
+    to another folder: refused in one line, that folder untouched."""
+    from raylm.formats.exporter import write_run_info
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("kept")
+    shutil.rmtree(run / "tokenizer", ignore_errors=True)
+    (run / "tokenizer").symlink_to(other)
+    with pytest.raises(ValueError, match="tokenizer is a link; remove it"):
+        write_run_info(str(run), config={}, vocab_size=1, eos_id=0,
+                       tokenizer_path=str(tmp_path), prepared="")
+    assert [p.name for p in other.iterdir()] == ["keep.txt"]
