@@ -164,7 +164,8 @@ class LeaseRecord(_Record):
               "pid": (lambda v: _count(v) and v > 0, "a process id"),
               "started": (_time, "a time"), "beat": (_time, "a time"),
               "token": (lambda v: isinstance(v, str), "a string"),
-              "owner": (lambda v: v is None or isinstance(v, str), "a name")}
+              "owner": (lambda v: v is None or isinstance(v, str), "a name"),
+              "machine": (lambda v: v is None or isinstance(v, str), "a boot and PID namespace")}
 
     host: str
     pid: int
@@ -172,6 +173,8 @@ class LeaseRecord(_Record):
     beat: float
     token: str
     owner: str | None = None
+    machine: str | None = None
+    """Its boot and PID namespace (:func:`raylm.run.lease.this_machine`; None before 0.3)."""
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "LeaseRecord | None":

@@ -254,7 +254,7 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     (:mod:`raylm.run.progress`) instead of the controller's lines. ``checked``: the
     preflight of ``cfg``, when the caller ran it (:mod:`raylm.run.preflight`). The run's
     lease is held throughout (:mod:`raylm.run.lease`): a second live driver of the same run
-    directory is refused, an earlier attempt of the same ``lease_owner`` waited out."""
+    directory is refused, one held elsewhere watched for a renewal first."""
     checked = checked or preflight(cfg, tracked=tracking_parent is None)
     with hold(run_dir(checked.cfg), owner=lease_owner, log=log) as held:
         return _train(checked.cfg, log=log, callbacks=callbacks,

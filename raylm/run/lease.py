@@ -104,7 +104,7 @@ class LocalStore(PlainStore):
     @contextmanager
     def _locked(self):
         self.file.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -189,14 +189,19 @@ def store_for(path: str):
     return PlainStore(path)
 
 
-def _alive_here(holder: LeaseRecord) -> bool:
-    if holder.host != socket.gethostname():
-        return True  # cannot tell: the heartbeat decides
-    return alive(holder.pid)
+def this_machine() -> str | None:
+    """This boot of this host and this process's PID namespace: a pid names the same process
+    only where both match (a container of the same host name has another namespace)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
 
 
-def _expired(holder: LeaseRecord, now: float) -> bool:
-    return now - holder.beat > EXPIRES_S or not _alive_here(holder)
+def _here(holder: LeaseRecord) -> bool:
+    """Whether the holder's pid can be checked here (a lease of before 0.3 by its host)."""
+    return holder.host == socket.gethostname() and holder.machine in (None, this_machine())
 
 
 class Lease:
@@ -210,7 +215,8 @@ class Lease:
         self.log = log
         now = time.time()
         self.holder = LeaseRecord(host=socket.gethostname(), pid=os.getpid(), started=now,
-                                  beat=now, token=uuid.uuid4().hex, owner=owner)
+                                  beat=now, token=uuid.uuid4().hex, owner=owner,
+                                  machine=this_machine())
         self.version: Any = None  # of the lease as this process last wrote it
         self.lost = threading.Event()
         self._stop = threading.Event()
@@ -242,12 +248,15 @@ class Lease:
         for _ in range(5):
             self.holder = dataclasses.replace(self.holder, beat=time.time())
             held, version = self.store.read()
-            if held is not None:
-                if not _expired(held, time.time()) and self._earlier_attempt(held):
-                    held, version = self._wait_for_expiry(held, version)
-                if held is not None and not _expired(held, time.time()):
+            if held is _NOBODY:
+                self.log(f"raylm: warning: {storage.redact(self.path)} is not a lease raylm "
+                         f"wrote (malformed): taken over as one whose holder is gone")
+            elif held is not None and not (_here(held) and not alive(held.pid)):
+                if not _here(held):  # alive or not, only its renewals can tell
+                    held, version = self._watch(held, version)
+                if held is not None:
                     raise LeaseError(self._refusal(held))
-                self.holder = dataclasses.replace(self.holder, beat=time.time())
+            self.holder = dataclasses.replace(self.holder, beat=time.time())
             # Absent, given back or expired: replace exactly the lease read, if it is still
             # there; another taker who got there first makes this write fail.
             if self._write(version):
@@ -257,26 +266,19 @@ class Lease:
                          f"processes keep taking it; is the same run started several times at "
                          f"once?")
 
-    def _earlier_attempt(self, held: LeaseRecord) -> bool:
-        """Whether ``held`` is an earlier attempt of this lease's owner (a restarted trial)."""
-        return self.holder.owner is not None and held.owner == self.holder.owner
-
-    def _wait_for_expiry(self, held: LeaseRecord, version: Any
-                         ) -> tuple[LeaseRecord | None, Any]:
-        """The lease as it is once ``held`` expired, was given back, or was renewed past its
-        expiry (its holder lives)."""
-        deadline = held.beat + EXPIRES_S + 1.0
-        self.log(f"raylm: the lease {storage.redact(self.path)} is held by an earlier attempt "
-                 f"of {self.holder.owner} (pid {held.pid} on {held.host}); waiting up "
-                 f"to {max(0.0, deadline - time.time()):.0f} s for it to expire")
-        while time.time() < deadline:
-            time.sleep(min(1.0, max(0.05, deadline - time.time())))
-            now, version = self.store.read()
-            if now is None:
-                return None, version  # given back: take it
-            if now.beat > held.beat:  # renewed: its holder lives
-                return now, version
-        return self.store.read()
+    def _watch(self, held: LeaseRecord, version: Any) -> tuple[LeaseRecord | None, Any]:
+        """A holder elsewhere, watched by this process's clock (its own may differ): (None,
+        the version) once unchanged for EXPIRES_S or given back; the holder once renewed."""
+        of = f" (owner {held.owner})" if held.owner else ""
+        self.log(f"raylm: the lease {storage.redact(self.path)} is held by pid {held.pid} on "
+                 f"{held.host}{of}; watching up to {EXPIRES_S:.0f} s for a renewal")
+        deadline = time.monotonic() + EXPIRES_S
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, max(0.01, deadline - time.monotonic())))
+            now, seen = self.store.read()
+            if now is None or seen != version:
+                return now, seen  # given back: take it; renewed: its holder lives
+        return None, version
 
     def _refusal(self, held: LeaseRecord) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.started))
@@ -345,7 +347,7 @@ class Lease:
 class hold:
     """``with hold(run_dir) as lease:`` the lease on ``run_dir`` for the block, taken here unless
     this process holds it already (then the outer holder gives it back). ``owner``: what holds
-    it across processes (a Tune trial's id), whose earlier attempt is waited out."""
+    it across processes (a Tune trial's id), named when another attempt's lease is watched."""
 
     def __init__(self, run_dir: str, *, owner: str | None = None, log=print) -> None:
         self.key = storage.normalize(run_dir)

@@ -120,7 +120,7 @@ def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: 
                        prepared=prepared)
     to_tune = ToTune()
     try:
-        # A trial Tune restarts (its node lost) waits out its own earlier attempt's lease.
+        # A trial Tune restarts (its node lost) is named when it watches its earlier lease.
         train(cfg, callbacks=[TrialReporter(to_tune.queue,
                                             by_benchmark=cfg.tune.metric is not None)],
               tracking_parent=parent, checked=checked.for_trial(cfg),
