@@ -148,10 +148,8 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
     docstring). ``format="gguf"``: the (merged) model as one GGUF file that llama.cpp runs,
     in ``quantize`` f16 (the default), q8_0 or f32 (:mod:`raylm.formats.llamacpp`).
 
-    The directory is built beside ``output`` and renamed into place (:mod:`raylm.outputs`):
-    an ``output`` that is or holds the run directory or the LoRA base model is refused, and
-    so is a non-empty one unless it is an earlier export of the same kind (of any kind with
-    ``overwrite``)."""
+    Built beside ``output`` and renamed into place; :func:`raylm.outputs.check_output` says
+    which ``output`` is refused (``overwrite``: an earlier export of another kind is not)."""
     if format not in FORMATS:
         raise ValueError(f"--format {format}: not one of {', '.join(FORMATS)}")
     cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])

@@ -226,16 +226,15 @@ class Lease:
     def token(self) -> str:
         return self.holder.token
 
-    def _write(self, expect: Any) -> bool:
-        """Write this holder over the lease at version ``expect``: True if it is ours now."""
-        version = self.store.put(self.holder.to_json(), expect=expect)
+    def _write(self, holder: LeaseRecord, expect: Any) -> bool:
+        """Write ``holder`` over the lease at version ``expect``: True if it is ours now."""
+        version = self.store.put(holder.to_json(), expect=expect)
+        if version is not None and not self.store.exclusive:  # read back: is it ours?
+            held, version = self.store.read()
+            version = version if held is not None and held.token == self.token else None
         if version is None:
             return False
-        if not self.store.exclusive:
-            held, version = self.store.read()
-            if held is None or held.token != self.token:
-                return False
-        self.version = version
+        self.holder, self.version = holder, version
         return True
 
     def take(self) -> Lease:
@@ -259,7 +258,7 @@ class Lease:
             self.holder = dataclasses.replace(self.holder, beat=time.time())
             # Absent, given back or expired: replace exactly the lease read, if it is still
             # there; another taker who got there first makes this write fail.
-            if self._write(version):
+            if self._write(self.holder, version):
                 self._start_heartbeat()
                 return self
         raise LeaseError(f"could not take the lease {storage.redact(self.path)}: other "
@@ -296,17 +295,9 @@ class Lease:
         in first makes this conditional write fail."""
         if self.lost.is_set():
             return False
-        beat = dataclasses.replace(self.holder, beat=time.time())
-        version = self.store.put(beat.to_json(), expect=self.version)
-        if version is None:
+        if not self._write(dataclasses.replace(self.holder, beat=time.time()), self.version):
             self._lose()
             return False
-        if not self.store.exclusive:
-            held, version = self.store.read()
-            if held is None or held.token != self.token:
-                self._lose()
-                return False
-        self.holder, self.version = beat, version
         return True
 
     def _lose(self) -> None:

@@ -32,6 +32,7 @@ import shutil
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -260,17 +261,25 @@ def load(directory: str | os.PathLike, *, model: nn.Module,
     marker = verify(directory)
     check_compatible(marker, config, str(directory), adapters)
     sd = _state_dicts(model, optimizer)
-    # The metadata first, on its own: DCP would bury a refused one in its collective's error.
-    (RangeReader if storage.is_uri(directory) else SafeReader)(str(directory)).read_metadata()
+    # The metadata first, on its own (DCP would bury a refused one in its collective's error):
+    # it may point at the files the marker lists (and verified), at nothing else.
+    metadata = (RangeReader if storage.is_uri(directory) else SafeReader)(str(directory))
+    named = {s.relative_path for s in metadata.read_metadata().storage_data.values()}
+    unlisted = sorted(named - set(marker.files))
+    if unlisted:
+        raise CheckpointError(f"{directory}: its metadata points at {unlisted[0]}, which its "
+                              f"marker does not list: refused unread.")
     reader = (RangeReader if storage.is_uri(directory) else SafeReader)(str(directory))
     try:
         dcp.load(sd, storage_reader=reader, planner=DataOnlyPlanner(str(directory)))
     except CheckpointException as e:
-        # A refused item is this module's own error, not a fault of DCP's collective.
-        refused = [exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)]
-        if refused:
-            raise refused[0] from None
-        raise
+        # A refused item is this module's own error; any other failure a fault, in one line
+        # (DCP's own message holds every rank's traceback).
+        failures = [exc for exc, _ in e.failures.values()]
+        refused = [exc for exc in failures if isinstance(exc, CheckpointError)]
+        raise refused[0] if refused else RuntimeError(
+            f"{directory}: DCP could not read it: {type(failures[0]).__name__}: "
+            f"{str(failures[0]).partition(chr(10))[0][:300]}") from None
     if isinstance(reader, RangeReader):
         if fetched is not None:
             fetched["bytes"] = reader.fetched
@@ -308,10 +317,18 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"and see who can write under run.storage_path.")
 
 
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:  # plain data names no global
+        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+
+
+_PLAIN = types.SimpleNamespace(__name__="plain", Unpickler=_NoGlobals,  # torch's legacy format
+                               load=lambda f, **kw: _NoGlobals(f, **kw).load())  # uses load
+
+
 def _plain(value: Any) -> bool:
-    """Whether ``value`` is data a checkpoint's non-tensor items hold (the optimizer's
-    hyperparameters and parameter names): numbers, strings, None, and lists, tuples and
-    string-keyed dicts of them."""
+    """Whether ``value`` is what a checkpoint's non-tensor items hold: numbers, strings, None,
+    and lists, tuples and string-keyed dicts of them."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
     if isinstance(value, (list, tuple)):
@@ -326,10 +343,10 @@ class DataOnlyPlanner(DefaultLoadPlanner):
     every value that is not a tensor (AdamW's learning rate, betas and parameter names) as a
     pickle and its default planner unpickles it with ``torch.load(weights_only=False)``, which
     runs whatever the pickle names: whoever can write the checkpoint's storage could run code
-    on every worker at a resume. Here such an item is read with ``weights_only=True`` (torch's
-    restricted unpickler) and must then be plain data; and an item the checkpoint stores as an
-    object where the state being loaded has a tensor (a model weight, which raylm never stores
-    that way) is refused unread."""
+    on every worker at a resume. Here such an item is unpickled with no global at all (torch's
+    restricted one calls classes registered as safe: DeviceMesh's opened connections) and
+    must be plain data; an item stored as an object where the state being loaded has a tensor
+    (a model weight, which raylm never stores that way) is refused unread."""
 
     def __init__(self, where: str) -> None:
         super().__init__()
@@ -343,7 +360,7 @@ class DataOnlyPlanner(DefaultLoadPlanner):
                 f"tensor, which no checkpoint raylm writes holds: refused unread. Remove the "
                 f"checkpoint, and see who can write under run.storage_path.")
         try:
-            obj = torch.load(value, weights_only=True)
+            obj = torch.load(value, pickle_module=_PLAIN, weights_only=False)
         except pickle.UnpicklingError as e:
             named = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
             raise CheckpointError(
@@ -462,19 +479,13 @@ class Checkpointer:
     (one per worker, reports in order) waits for the write, writes the marker and copies the
     directory to storage. One checkpoint is in flight at most: the next waits for the one
     before, so the group's collectives never interleave. Reports made meanwhile go through the
-    same thread, so the loop does not wait for the upload either. (Ray is imported where it
-    is used: the rest of this module runs without it.)
+    same thread, so the loop does not wait for the upload either. (Ray is imported in place.)
 
-    Reports wait for nothing either. Ray Train's controller takes one report per worker per
-    poll (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``: Ray's 2 s, raylm's 0.5) and a worker
-    holds one untaken report, so a loop that reports more often than that blocked in
-    ``ray.train.report`` until the next poll: at Ray's 2 s, a 2-worker tiny run reporting every
-    step trained 12 s of 272. A
-    report without a checkpoint made while any rank's last one is not taken (the ranks agree
-    through :class:`raylm.workers.preemption.Vote`) is held back and sent, oldest first, under
-    ``EARLIER_REPORTS`` of the next report that goes out: the record sees every report, in
-    order, and the loop waits for the controller only at checkpoints, the end and a
-    preemption, where it must."""
+    Reports wait for nothing either (docs/training.md, "Reports and Ray Train's poll", says
+    why): one without a checkpoint made while any rank's last one is not taken (the ranks
+    agree through :class:`raylm.workers.preemption.Vote`) is held back and sent, oldest first,
+    under ``EARLIER_REPORTS`` of the next that goes out; the loop waits for the controller
+    only at checkpoints, the end and a preemption."""
 
     def __init__(self, asynchronous: bool, writer: str, *, device: torch.device,
                  model: nn.Module) -> None:

@@ -174,9 +174,78 @@ def test_a_planted_pickle_in_the_optimizer_state_does_not_run(tmp_path):
 
     ck, m, opt = _planted(tmp_path, plant)
     with pytest.raises(rundir.CheckpointError,
-                       match=r"param_groups\.0\.lr holds a pickle that names exec.*refused unread"):
+                       match=r"param_groups\.0\.lr holds a pickle that names \S*exec.*refused"):
         checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(), adapters=None)
     assert not proof.exists()
+
+
+class _Mesh:
+    """Unpickles as a DeviceMesh, a class torch's restricted unpickler allows and calls."""
+
+    def __reduce__(self):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return (DeviceMesh, ("cpu", [0, 1]))
+
+
+def test_a_class_torch_registers_as_safe_is_not_called_either(tmp_path, monkeypatch):
+    """A DeviceMesh planted in the optimizer's state: torch's restricted unpickler calls it,
+    and with a rendezvous in the environment (as on a worker) it connects and waits for the
+    store; raylm unpickles those items with no global at all, so it is refused unread."""
+    from raylm.workers import checkpoint
+    from tests.ranks import free_port
+
+    def plant(state):
+        state["optim"]["param_groups"][0]["lr"] = _Mesh()
+
+    ck, m, opt = _planted(tmp_path, plant)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(k, v)
+    with pytest.raises(rundir.CheckpointError, match=r"names \S*DeviceMesh.*refused unread"):
+        checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(), adapters=None)
+
+
+def _remarked(ck) -> None:
+    """The marker's sizes and hashes recomputed, as a writer of the storage could."""
+    import json
+
+    from raylm.contracts import CHECKPOINT_MARKER
+
+    marker = json.loads((ck / CHECKPOINT_MARKER).read_text())
+    for name in marker["files"]:
+        marker["files"][name] = (ck / name).stat().st_size
+        marker["hashes"][name] = rundir.file_hash([(ck / name).read_bytes()])
+    (ck / CHECKPOINT_MARKER).write_text(json.dumps(marker))
+
+
+def test_metadata_reads_only_the_files_the_marker_lists_and_dcp_fails_in_one_line(tmp_path):
+    """DCP's metadata names the file each item is read from: pointed at a file the marker
+    does not list (outside the checkpoint), it is refused unread. A listed shard cut short
+    fails DCP's read: one line naming the checkpoint, a fault (retried), not DCP's traceback."""
+    import pickle
+
+    from raylm.workers import checkpoint
+
+    ck, m, opt = _planted(tmp_path, lambda state: None)
+    (tmp_path / "outside").write_bytes(b"x" * 4096)
+    meta = pickle.loads((ck / ".metadata").read_bytes())
+    shard = next(iter(meta.storage_data.values())).relative_path
+    kept = (ck / ".metadata").read_bytes()
+    for info in meta.storage_data.values():
+        info.relative_path = "../outside"
+    (ck / ".metadata").write_bytes(pickle.dumps(meta))
+    _remarked(ck)
+    with pytest.raises(rundir.CheckpointError, match=r"points at \.\./outside, which its "
+                                                     r"marker does not list: refused unread"):
+        checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(), adapters=None)
+    (ck / ".metadata").write_bytes(kept)
+    (ck / shard).write_bytes((ck / shard).read_bytes()[:100])
+    _remarked(ck)
+    with pytest.raises(RuntimeError) as failed:
+        checkpoint.load(ck, model=m, optimizer=opt, config=saved_config(), adapters=None)
+    assert "DCP could not read it" in str(failed.value) and "\n" not in str(failed.value)
 
 
 def test_a_model_weight_stored_as_a_pickle_is_refused_unread(tmp_path):
