@@ -1,7 +1,7 @@
 # make demo   set up .venv with what raylm needs if missing, then run the default job locally
 #             (prepare + train)
 # make test   set up .venv if missing, then run the whole test suite (what CI runs)
-# make test-fast   the unit and distributed tests only, no Ray cluster (the developer's loop)
+# make test-fast   the unit, security and distributed tests, no Ray cluster (the developer's loop)
 # make test-latest the unit and distributed tests on the newest releases pyproject.toml admits,
 #                  in .venv-latest (scripts/test_latest.sh)
 # make docs   serve the documentation site on http://127.0.0.1:8000
