@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,13 @@ def reader(tmp_path_factory):
          f"--dashboard-port={dashboard}", f"--temp-dir={temp}/ray", "--disable-usage-stats"],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_job_server(f"http://127.0.0.1:{dashboard}", started)
+    # `ray start` records its head last, after the job server answers (as it returns).
+    recorded = Path(temp) / "ray" / "ray_current_cluster"
+    for _ in range(300):
+        if recorded.exists() and recorded.read_text().strip():
+            break
+        time.sleep(0.1)
+    assert recorded.read_text().strip(), f"`ray start` recorded no head in {recorded} in 30 s"
     yield {"root": root, "env": env}
     stop_own_head(started, temp)
 
