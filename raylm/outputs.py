@@ -29,10 +29,6 @@ class OutputError(ValueError):
     """An output directory raylm must not write into; the message says why and what to do."""
 
 
-def _contains(directory: Path, path: Path) -> bool:
-    return path == directory or directory in path.parents
-
-
 def written_by_raylm(directory: Path, marker: str, key: str) -> dict | None:
     """The marker file's contents when ``directory`` holds one naming ``key`` (raylm wrote the
     directory), else None."""
@@ -57,7 +53,7 @@ def check_output(out: str | os.PathLike, *, what: str, marker: str, key: str,
     out = Path(out).expanduser().resolve()
     for name, path in inputs:
         p = Path(path).expanduser().resolve()
-        if p.exists() and _contains(out, p):
+        if p.exists() and (p == out or out in p.parents):
             raise OutputError(f"{what} {out} holds {name} {p}: writing the output there would "
                               f"replace what it is made from; choose another directory.")
     if out.exists() and not out.is_dir():

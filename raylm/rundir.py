@@ -117,11 +117,11 @@ IDENTITY = {"data": "the prepared data (corpus and preparation settings)",
 
 def _comparable(recorded: str, now: str | None) -> bool:
     """Whether two identity values are of one format: a base model identified by a release
-    of raylm that identified it otherwise (by its files' sizes, before the ``v2:`` prefix)
-    cannot be compared with today's, and is not."""
+    of raylm that identified it otherwise (by its files' sizes before the ``v2:`` prefix, by
+    spans of each file before ``v3:``) cannot be compared with today's, and is not."""
     if now is None or now.startswith("preset:") or recorded.startswith("preset:"):
         return True
-    return (":" in recorded) == (":" in now)
+    return recorded.rpartition(":")[0] == now.rpartition(":")[0]
 
 
 def check_same_run(marker: Marker, identity: dict[str, str], where: str, *,

@@ -124,7 +124,7 @@ def _resolve_one(s: str, *, builtin_packages: list[str], hf_split: str) -> list[
     if path.is_dir() and (path / PREPARED_MANIFEST).is_file():
         raise SourceError(f"data.source: {path} is a prepared directory; it cannot be mixed "
                           f"with other sources.")
-    if path.is_dir() and _is_saved_hf_dataset(path):
+    if path.is_dir() and any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
         return _saved_dataset_files(path, hf_split)
     return _files_under(path, s)
 
@@ -150,10 +150,6 @@ def _files_under(path: Path, origin: str) -> list[SourceFile]:
 
 def is_prepared_dir(source: str | list[str]) -> bool:
     return isinstance(source, str) and (Path(source).expanduser() / PREPARED_MANIFEST).is_file()
-
-
-def _is_saved_hf_dataset(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
 
 def _saved_dataset_files(path: Path, split: str) -> list[SourceFile]:

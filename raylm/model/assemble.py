@@ -176,10 +176,7 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
     it and its backward must run in ``loss_context(built.plan)``."""
     tokens = batch["input_ids"].to(built.device, non_blocking=True)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    kwargs = {}
-    if not cross_document:
-        kwargs["position_ids"] = batch["position_ids"][:, :-1].to(built.device,
-                                                                  non_blocking=True)
+    kwargs = _positions(built, batch, cross_document)
     masked = "loss_mask" in batch
     if masked:
         trained = batch["loss_mask"][:, 1:].to(built.device, non_blocking=True).bool()
@@ -194,6 +191,12 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
     return token_loss(logits, targets, summed=masked)
 
 
+def _positions(built: Built, batch: dict[str, torch.Tensor], cross_document: bool) -> dict:
+    """The inputs' positions, restarting at each document unless attention crosses them."""
+    return {} if cross_document else {
+        "position_ids": batch["position_ids"][:, :-1].to(built.device, non_blocking=True)}
+
+
 @torch.no_grad()
 def logit_spread(built: Built, batch: dict[str, torch.Tensor], *, cross_document: bool
                  ) -> float:
@@ -204,10 +207,7 @@ def logit_spread(built: Built, batch: dict[str, torch.Tensor], *, cross_document
     tiny random-weight Qwen3). One forward of the micro-batch as :func:`evaluate` runs it
     (the same shapes and mode, so compiled blocks compile nothing new for it)."""
     tokens = batch["input_ids"][:, :-1].to(built.device, non_blocking=True)
-    kwargs = {}
-    if not cross_document:
-        kwargs["position_ids"] = batch["position_ids"][:, :-1].to(built.device,
-                                                                  non_blocking=True)
+    kwargs = _positions(built, batch, cross_document)
     built.model.eval()
     with built.attention.context(), autocast(built.precision, built.device.type):
         logits = plain(built.model(input_ids=tokens, **kwargs).logits)[0]
