@@ -42,6 +42,7 @@ PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 # low enough that a typo (an extra zero or three) is refused instead of exhausting a machine.
 MAX_WORKERS = 100_000
 MAX_VOCAB = 1 << 20
+MAX_RANK_SAMPLES = 1 << 30
 MAX_SHUFFLE_WINDOW = 4096
 # Both size buffers each worker keeps: the losses a spike is measured against (on the
 # device), and the batches of the steps since the last report (on the host).
@@ -401,7 +402,7 @@ class LoraConfig:
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int = 200
-    """Optimizer steps to train to (a resumed run continues to this step)."""
+    """Optimizer steps to train to (a resume continues to it): 2**30 samples per worker at most."""
     global_batch_size: int = 16
     """Sequences per optimizer step, summed over workers and accumulation steps."""
     micro_batch_size: int = 8
@@ -1151,6 +1152,11 @@ def validate(cfg: Config) -> Config:
     _check_batch_shares(cfg.train.global_batch_size, sc.num_workers, sc.worker_range,
                         group=model_parallel_group(cfg)[0])
     _check_pipeline_batches(cfg)
+    dp = max(1, sc.worker_range[0] // model_parallel_group(cfg)[0])
+    most = MAX_RANK_SAMPLES * dp // cfg.train.global_batch_size
+    _check(cfg.train.steps <= most, "train.steps", cfg.train.steps, f"at most {most:,} with "
+           f"train.global_batch_size={cfg.train.global_batch_size} over {dp} data-parallel "
+           f"worker(s) at the fewest: {MAX_RANK_SAMPLES:,} samples per worker")
     return cfg
 
 

@@ -169,6 +169,12 @@ def test_two_ranks_read_disjoint_shards_covering_the_packed_set(corpus, tokenize
         return {"rows": rows, "positions": positions, "blocks": blocks, "val_rows": val_rows}
 
     r0, r1 = read(0, 2), read(1, 2)
+    # A longer stream (its ids in blocks of 256, then of 4,096): every position, in order,
+    # the first epoch's as above.
+    long = build_train_stream(out, rank=0, world_size=2, start_step=0, num_steps=2100, seed=0,
+                              window=2, global_batch=B, resources={"CPU": 0.1})
+    got = [p for b in long.iter_batches(batch_size=500) for p in b["sample_position"].tolist()]
+    assert got == [s * B + j for s in range(2100) for j in range(2)]
     # Disjoint, and together the whole packed set (less the < B blocks of a partial batch).
     assert not set(r0["rows"]) & set(r1["rows"])
     assert len(r0["rows"]) == len(r1["rows"]) == steps * B // 2

@@ -43,6 +43,10 @@ def test_override_values_are_typed():
         ("--trian.steps=3", "Unknown config section 'trian' (command line). Did you mean 'train'?"),
         ("--train.steps=1.5", "Invalid value for 'train.steps': 1.5. Expected an integer."),
         ("--train.steps=0", "Invalid value for 'train.steps': 0. Allowed: >= 1."),
+        # Each worker's stream lists its samples: 2**30 at most.
+        ("--train.steps=1e30", "Expected an integer"),
+        ("--train.steps=67108865", "Allowed: at most 67,108,864 with train.global_batch_size"
+                                   "=16 over 1 data-parallel worker(s) at the fewest"),
         ("--data.on_bad_record=maybe", "Expected one of 'skip', 'error'"),
         ("--data.dedup=7", "Invalid value for 'data.dedup': 7. Expected true/false."),
         ("--data.val_fraction=1.5", "'data.val_fraction': 1.5. Allowed: 0 <= x < 1"),
