@@ -181,8 +181,7 @@ class RunConfig:
         _check(self.name is None or RUN_NAME.fullmatch(self.name) is not None, "run.name",
                self.name,
                "1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit")
-        _check(self.connect_timeout_s > 0, "run.connect_timeout_s", self.connect_timeout_s,
-               "a number of seconds > 0")
+        _at_least("run", self, above=True, connect_timeout_s=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,10 +297,8 @@ class DataConfig:
         _check(bool(sources) and all(sources), "data.source", d.source,
                "a non-empty source or list")
         _at_least("data", d, seq_len=8, min_chars=0, max_bad_records_listed=0,
-                  tokenize_batch_size=1, rows_per_row_group=1)
+                  tokenize_batch_size=1, rows_per_row_group=1, tokenize_concurrency=0)
         _check(0.0 <= d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "0 <= x < 1")
-        _check(d.tokenize_concurrency >= 0, "data.tokenize_concurrency",
-               d.tokenize_concurrency, "0 (auto) or a positive integer")
         _check(d.piece_mb is None or d.piece_mb > 0, "data.piece_mb", d.piece_mb,
                "unset (automatic) or a number of megabytes > 0")
         _check(1 <= d.shuffle_window <= MAX_SHUFFLE_WINDOW, "data.shuffle_window",
@@ -311,8 +308,7 @@ class DataConfig:
                "0 to 1,024")
         _check(d.reader_cpus is None or d.reader_cpus >= 0, "data.reader_cpus", d.reader_cpus,
                "unset (automatic) or a number >= 0")
-        _check(d.first_batch_timeout_s > 0, "data.first_batch_timeout_s",
-               d.first_batch_timeout_s, "a number of seconds > 0")
+        _at_least("data", d, above=True, first_batch_timeout_s=0)
         for key in ("text_field", "messages_field", "prompt_field", "completion_field",
                     "chosen_field", "rejected_field"):
             _check(bool(getattr(d, key)), f"data.{key}", getattr(d, key),
@@ -468,11 +464,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         tr = self
         _at_least("train", tr, steps=1, global_batch_size=1, micro_batch_size=1, eval_every=1,
-                  eval_batches=1, collective_timeout_s=1, max_rewinds=1)
+                  eval_batches=1, collective_timeout_s=1, max_rewinds=1,
+                  max_failures_at_one_step=0)
         _check(tr.max_failures >= -1, "train.max_failures", tr.max_failures,
                "-1 (unlimited) or an integer >= 0")
-        _check(tr.max_failures_at_one_step >= 0, "train.max_failures_at_one_step",
-               tr.max_failures_at_one_step, "0 (no limit) or an integer >= 1")
         _check(1 <= tr.log_every <= MAX_LOG_EVERY, "train.log_every", tr.log_every,
                f"1 to {MAX_LOG_EVERY:,}")
         _check(tr.spike_factor > 1, "train.spike_factor", tr.spike_factor, "a number > 1")
@@ -747,21 +742,13 @@ class TuneConfig:
         tu = self
         _check(0 < tu.lr_min < tu.lr_max, "tune.lr_min/tune.lr_max", [tu.lr_min, tu.lr_max],
                "0 < lr_min < lr_max")
-        _at_least("tune", tu, num_samples=1, lr_points=1)
-        _check(tu.max_concurrent >= 0, "tune.max_concurrent", tu.max_concurrent,
-               "0 (as many as fit) or a positive integer")
-        _check(all(w >= 0 for w in tu.warmup_steps), "tune.warmup_steps", tu.warmup_steps,
-               "integers >= 0")
+        _at_least("tune", tu, num_samples=1, lr_points=1, max_concurrent=0, warmup_steps=0,
+                  weight_decays=0)
         _check(all(0 <= r <= 1 for r in tu.min_lr_ratios), "tune.min_lr_ratios",
                tu.min_lr_ratios, "numbers 0 <= x <= 1")
-        _check(all(w >= 0 for w in tu.weight_decays), "tune.weight_decays", tu.weight_decays,
-               "numbers >= 0")
         _check(all(r >= 1 for r in tu.lora_ranks), "tune.lora_ranks", tu.lora_ranks,
                "ranks >= 1, with model.path naming the pretrained model they adapt")
-        _check(all(a > 0 for a in tu.lora_alphas), "tune.lora_alphas", tu.lora_alphas,
-               "numbers > 0")
-        _check(all(b > 0 for b in tu.dpo_betas), "tune.dpo_betas", tu.dpo_betas,
-               "numbers > 0")
+        _at_least("tune", tu, above=True, lora_alphas=0, dpo_betas=0)
         bad = [s for s in tu.schedules if s not in SCHEDULES]
         _check(bool(tu.schedules) and not bad, "tune.schedules", tu.schedules,
                f"a non-empty list drawn from {', '.join(SCHEDULES)}")
@@ -985,9 +972,12 @@ def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"Invalid value for '{key}': {_short(value)}. Allowed: {allowed}.")
 
 
-def _at_least(section: str, obj: Any, **floors: int) -> None:
+def _at_least(section: str, obj: Any, *, above: bool = False, **floors: float) -> None:
+    """Each key at least its floor, or ``above`` it (each item, for a list)."""
     for key, floor in floors.items():
-        _check(getattr(obj, key) >= floor, f"{section}.{key}", getattr(obj, key), f">= {floor}")
+        v = getattr(obj, key)
+        _check(all(x > floor if above else x >= floor for x in (v if isinstance(v, list) else [v])),
+               f"{section}.{key}", v, f"{'>' if above else '>='} {floor}")
 
 
 def model_parallel_group(cfg: Config) -> tuple[int, str]:
@@ -1005,11 +995,7 @@ def _check_layout(cfg: Config) -> None:
     with groups of more than one worker only a fixed count (or [n, n]) guarantees that. A
     pipeline must have at least one micro-batch per stage."""
     p, sc = cfg.parallel, cfg.scaling
-    _at_least("parallel", p, tensor=1, pipeline=1)
-    _check(p.pipeline_microbatches >= 0, "parallel.pipeline_microbatches",
-           p.pipeline_microbatches, "an integer >= 0 (0: one per train.micro_batch_size)")
-    _check(p.prefetch >= 0, "parallel.prefetch", p.prefetch,
-           "an integer >= 0 (0: FSDP2's own prefetching)")
+    _at_least("parallel", p, tensor=1, pipeline=1, pipeline_microbatches=0, prefetch=0)
     group, named = model_parallel_group(cfg)
     lo, hi = sc.worker_range
     odd = [n for n in range(lo, hi + 1) if n % group]

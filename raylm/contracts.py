@@ -38,6 +38,7 @@ SKIPPED = "skipped_samples.json"      # rank 0 at a rewind: positions left out, 
 TUNE_EXPERIMENT = "tune"              # a sweep's Ray Tune experiment, its trials in trials/
 BENCHMARKS = ".benchmarks"            # the controller: step_N/, hard links of a checkpoint's
                                       # files while its benchmark evaluation waits
+RAY_TRAIN_STATE = "checkpoint_manager_snapshot.json"  # Ray Train: the checkpoints it keeps
 
 # An exported model directory (raylm export): what it is, from which run and step.
 EXPORT_INFO = "raylm_export.json"

@@ -30,6 +30,7 @@ from raylm import storage
 from raylm.contracts import (
     CHECKPOINT_MARKER,
     CHECKPOINT_SAMPLES,
+    RAY_TRAIN_STATE,
     SKIPPED,
     TUNE_EXPERIMENT,
     Malformed,
@@ -152,7 +153,7 @@ def load_samples(directory: str | os.PathLike) -> np.ndarray | None:
     return np.load(io.BytesIO(storage.read_bytes(path))) if storage.is_file(path) else None
 
 
-_RAY_CKPT = re.compile(r"^checkpoint_")
+_RAY_CKPT = re.compile(r"checkpoint_[\w.-]+", re.ASCII)
 
 
 def account_samples(rows: np.ndarray, *, group_sizes: list[int], seed: int, window: int,
@@ -213,12 +214,33 @@ def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning,
     return None
 
 
+def check_ray_state(run_dir: str) -> None:
+    """Ray Train reads back its record of the checkpoints it keeps and deletes the oldest it
+    names beyond checkpoint.keep, wherever a name points (pyarrow deletes ``RUN/../x``)."""
+    path, names = storage.join(run_dir, RAY_TRAIN_STATE), []
+    try:  # every value of a key naming checkpoint folders, at any depth
+        json.loads(storage.read_text(path) if storage.is_file(path) else "{}",
+                   object_pairs_hook=lambda kv: names.extend(
+                       v for k, v in kv if "checkpoint_dir_name" in k) or dict(kv))
+    except ValueError:
+        names.append("(not JSON)")
+    bad = [n for v in names for n in (v if isinstance(v, list) else [v])
+           if not (isinstance(n, str) and _RAY_CKPT.fullmatch(n))]
+    if bad:
+        raise CheckpointError(
+            f"{storage.redact(path)}, Ray Train's record of this run's checkpoints, names "
+            f"{bad[0]!r}, which is not a checkpoint folder's name: Ray Train would delete it "
+            f"once newer checkpoints pass checkpoint.keep. Remove that file if you did not put "
+            f"it there (raylm finds its checkpoints by their markers, not through it).")
+
+
 def latest_usable(run_dir: str | os.PathLike, *, bad: Collection[str], warn=log.warning
                   ) -> tuple[str, Marker] | None:
     """:func:`latest_verified` without the checkpoints a rewind marked ``bad``
     (``skipped_samples.json``); :class:`CheckpointError` when the run has verified checkpoints
     and every one is marked bad: starting from step 0 would silently drop the run's progress
     (and its new checkpoints would replace the kept ones)."""
+    check_ray_state(str(run_dir))
     found = latest_verified(run_dir, warn=warn, exclude=bad)
     if found is None and bad and latest_verified(run_dir, warn=lambda _: None) is not None:
         raise CheckpointError(

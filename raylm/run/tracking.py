@@ -160,13 +160,11 @@ class MLflowTracker(Tracker):
     def log_report(self, client, m: dict[str, Any], checkpoint_path: str | None) -> None:
         """A report's numeric values as metrics at its step; the descriptive ones as params
         (once); a checkpoint's location as a tag and in ``checkpoints.json``."""
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Param
 
-        now = int(time.time() * 1000)
         step = int(m["step"])
-        values = [Metric(k, float(v), now, step) for k, v in m.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool)
-                  and k not in NOT_LOGGED]
+        values = _metrics({k: v for k, v in m.items() if isinstance(v, (int, float))
+                           and not isinstance(v, bool) and k not in NOT_LOGGED}, step)
         params = []
         if not self.params_logged:
             params = [Param(k, str(m[k])) for k in DESCRIPTIVE if k in m]
@@ -185,54 +183,37 @@ class MLflowTracker(Tracker):
     def log_events(self, client, events, counts, step) -> None:
         """Restarts, resizes and failures: ``events`` as the ``events.json`` artifact, and
         ``counts`` as metrics at the step of the report that saw them."""
-        from mlflow.entities import Metric
-
         client.log_dict(self.run_id, events, "events.json")
-        now = int(time.time() * 1000)
-        client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
-                                               for k, v in counts.items()])
+        client.log_batch(self.run_id, metrics=_metrics(counts, step))
 
     @_guarded("log the goodput account")
     def log_goodput(self, client, account, step) -> None:
         """The goodput account (:mod:`raylm.run.goodput`): ``goodput`` and ``goodput_<cause>_s``
         as metrics at the run's last step, and the table by cause as ``goodput.json``."""
-        from mlflow.entities import Metric
-
         if not account.get("total_s"):
             return
-        now = int(time.time() * 1000)
         values = {"goodput": account["goodput"], "goodput_total_s": account["total_s"],
                   "goodput_recomputed_steps": account["recomputed_steps"],
                   **{f"goodput_{k}_s": v for k, v in account["seconds"].items()}}
         if account["energy_wasted_j"] is not None:
             values["energy_wasted_j"] = account["energy_wasted_j"]
-        client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, max(step, 0))
-                                               for k, v in values.items()])
+        client.log_batch(self.run_id, metrics=_metrics(values, max(step, 0)))
         client.log_table(self.run_id, data=table(account), artifact_file="goodput.json")
 
     @_guarded("log benchmark scores")
     def log_scores(self, client, scores: dict[str, float], step: int) -> None:
         """Benchmark scores (:mod:`raylm.run.benchmarks`) as metrics at the step of the
         checkpoint they score."""
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
-                                               for k, v in scores.items()])
+        client.log_batch(self.run_id, metrics=_metrics(scores, step))
 
     @_guarded("log the pruning report")
     def log_pruning(self, client, report: dict[str, Any]) -> None:
         """A pruned copy's figures (:mod:`raylm.after.prune`) as metrics at the step of the
         checkpoint pruned, ``prune/<method>_<target>/...``, and its report as an artifact."""
-        from mlflow.entities import Metric
-
         tag = f"{report['method']}_{report['sparsity'].replace(':', 'of').replace('%', 'pct')}"
-        figures = {"layer_sparsity": report["layer_sparsity"], "val_loss": report["val_loss"],
-                   "val_loss_before": report["val_loss_before"]}
-        now = int(time.time() * 1000)
-        client.log_batch(self.run_id, metrics=[
-            Metric(f"prune/{tag}/{k}", float(v), now, report["step"] or 0)
-            for k, v in figures.items() if v is not None])
+        figures = {f"prune/{tag}/{k}": report[k] for k in (
+            "layer_sparsity", "val_loss", "val_loss_before") if report[k] is not None}
+        client.log_batch(self.run_id, metrics=_metrics(figures, report["step"] or 0))
         client.log_text(self.run_id, json.dumps(report, indent=1), f"pruning/{tag}.json")
 
     @_guarded("record the sweep summary")
@@ -240,7 +221,7 @@ class MLflowTracker(Tracker):
         """The sweep's run: its summary and plot as artifacts, the best validation loss and
         config, the tag ``raylm.best`` on the best trial's (child) run, and ASHA-stopped
         trials' runs closed as killed."""
-        from mlflow.entities import Metric, RunTag
+        from mlflow.entities import RunTag
 
         client.log_dict(self.run_id, summary, "tune_summary.json")
         if plot_path.is_file():
@@ -256,10 +237,9 @@ class MLflowTracker(Tracker):
             return
         # Tags, not params: a resumed sweep may find a better trial, and MLflow params never
         # change once logged.
-        ranked = {k: best[k] for k in ("val_loss", summary.get("metric", "val_loss"))
+        ranked = {f"best_{k}": best[k] for k in ("val_loss", summary.get("metric", "val_loss"))
                   if best.get(k) is not None}
-        client.log_batch(self.run_id, metrics=[Metric(f"best_{k}", v, int(time.time() * 1000), 0)
-                                               for k, v in ranked.items()],
+        client.log_batch(self.run_id, metrics=_metrics(ranked, 0),
                          tags=[RunTag(f"raylm.best.{k}", _param_value(v))
                                for k, v in best["config"].items()])
         child = (saved_run_id(storage.parent(best["checkpoint_path"]))
@@ -397,6 +377,14 @@ def run_tags(cfg: Config) -> dict[str, str]:
         "raylm.precision": cfg.train.precision,
         "raylm.data_format": cfg.data.format,
     }
+
+
+def _metrics(values: dict[str, Any], step: int) -> list:
+    """MLflow metrics of ``values`` at ``step``, timed now."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    return [Metric(k, float(v), now, step) for k, v in values.items()]
 
 
 def saved_run_id(directory: str) -> str | None:
