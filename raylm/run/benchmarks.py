@@ -202,8 +202,8 @@ def hold(run_dir: str, checkpoint: str, step: int) -> str:
     links (no data is copied), so that Ray Train removing the checkpoint (checkpoint.keep) while
     the evaluation waits for a CPU or starts its process does not take the files from under it;
     the checkpoint itself where links cannot be made (object storage, another file system),
-    said in the record of a failure if Ray Train removes it first."""
-    if storage.is_uri(run_dir):
+    said in the record of a failure if Ray Train removes it first (or a link planted there)."""
+    if storage.is_uri(run_dir) or (Path(run_dir) / BENCHMARKS).is_symlink():
         return checkpoint
     held = Path(run_dir) / BENCHMARKS / f"step_{step}"
     try:

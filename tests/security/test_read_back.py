@@ -182,3 +182,19 @@ def test_ray_trains_record_of_checkpoints_names_nothing_outside_the_run(run, tmp
     with pytest.raises(CheckpointError, match="'\\(not JSON\\)'"):
         latest_usable(str(run), bad=[], warn=lambda m: None)
     assert (victim / "keep.txt").read_text() == "kept"
+
+
+def test_a_linked_benchmarks_folder_holds_nothing_outside_the_run(run, tmp_path):
+    """RUN/.benchmarks, where a checkpoint's files are hard-linked while its benchmark waits
+    (and which raylm empties after), planted as a link to another folder: nothing is linked
+    or removed there; the evaluation reads the checkpoint itself."""
+    from raylm.contracts import BENCHMARKS
+    from raylm.run.benchmarks import hold
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("kept")
+    (run / BENCHMARKS).symlink_to(other)
+    checkpoint = str(run / "checkpoint_000004")
+    assert hold(str(run), checkpoint, 4) == checkpoint
+    assert [p.name for p in other.iterdir()] == ["keep.txt"]
