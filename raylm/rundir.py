@@ -216,7 +216,8 @@ def latest_verified(run_dir: str | os.PathLike, *, warn=log.warning,
 
 def check_ray_state(run_dir: str) -> None:
     """Ray Train reads back its record of the checkpoints it keeps and deletes the oldest it
-    names beyond checkpoint.keep, wherever a name points (pyarrow deletes ``RUN/../x``)."""
+    names beyond checkpoint.keep, wherever a name points (pyarrow deletes ``RUN/../x``): read
+    by the driver before Ray Train starts (while it runs, Ray rewrites the file)."""
     path, names = storage.join(run_dir, RAY_TRAIN_STATE), []
     try:  # every value of a key naming checkpoint folders, at any depth
         json.loads(storage.read_text(path) if storage.is_file(path) else "{}",
@@ -240,7 +241,6 @@ def latest_usable(run_dir: str | os.PathLike, *, bad: Collection[str], warn=log.
     (``skipped_samples.json``); :class:`CheckpointError` when the run has verified checkpoints
     and every one is marked bad: starting from step 0 would silently drop the run's progress
     (and its new checkpoints would replace the kept ones)."""
-    check_ray_state(str(run_dir))
     found = latest_verified(run_dir, warn=warn, exclude=bad)
     if found is None and bad and latest_verified(run_dir, warn=lambda _: None) is not None:
         raise CheckpointError(

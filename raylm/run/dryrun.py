@@ -100,6 +100,7 @@ def _run(cfg: Config, *, sweep: bool) -> str:
         return f"run: a new sweep in {where}"
     from raylm.run.launch import base_model_identity, finished
 
+    rundir.check_ray_state(rd)
     found = rundir.latest_usable(rd, bad=rundir.read_manifest(rd)["bad_checkpoints"],
                                  warn=lambda m: None)
     if found is None:

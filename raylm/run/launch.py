@@ -284,6 +284,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     skipped = rundir.read_manifest(rd)
     if rundir.describe_manifest(skipped):
         log(f"raylm: {rundir.describe_manifest(skipped)}")
+    rundir.check_ray_state(rd)
     found = rundir.latest_usable(rd, bad=skipped["bad_checkpoints"],
                                  warn=lambda m: log(f"warning: {m}"))
     done = finished(cfg, found)

@@ -152,14 +152,14 @@ def test_a_linked_tokenizer_folder_is_refused_before_anything_in_it_is_removed(r
     assert [p.name for p in other.iterdir()] == ["keep.txt"]
 
 
-def test_ray_trains_record_of_checkpoints_names_nothing_outside_the_run(run, tmp_path):
+def test_ray_trains_record_of_checkpoints_names_nothing_outside_the_run(run, tmp_path, capsys):
     """Ray Train's record of the checkpoints it keeps (RUN/checkpoint_manager_snapshot.json,
     read back when a run starts; the oldest names beyond checkpoint.keep are deleted wherever
     they point, and pyarrow deletes `RUN/../x`) planted with a folder outside the run: the
     resume is refused in one line naming it, and the folder is untouched. A record in Ray's
     own shape, naming the run's checkpoint, passes."""
     from raylm.contracts import RAY_TRAIN_STATE
-    from raylm.rundir import CheckpointError, latest_usable
+    from raylm.rundir import CheckpointError, check_ray_state
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -170,17 +170,24 @@ def test_ray_trains_record_of_checkpoints_names_nothing_outside_the_run(run, tmp
               "pending_training_results": [], "pending_validation_specs": [],
               "current_report_index": 2, "validated_checkpoint_dir_names": []}
     (run / RAY_TRAIN_STATE).write_text(json.dumps(record))
-    latest_usable(str(run), bad=[], warn=lambda m: None)  # (its shards are not kept here)
+    check_ray_state(str(run))
     for name in ("../../victim", str(victim), "checkpoint_000004/../../../victim"):
         planted = {**record, "checkpoint_results": [{**kept, "checkpoint_dir_name": name}, kept],
                    "validated_checkpoint_dir_names": [name]}
         (run / RAY_TRAIN_STATE).write_text(json.dumps(planted))
         with pytest.raises(CheckpointError, match="which is not a checkpoint folder's name") as e:
-            latest_usable(str(run), bad=[], warn=lambda m: None)
+            check_ray_state(str(run))
         assert repr(name) in str(e.value) and "\n" not in str(e.value)
+    # Through the command: refused in one line before Ray starts.
+    config = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "cpu_tiny.yaml"
+    capsys.readouterr()
+    assert main(["train", "--config", str(config), f"--run.storage_path={run.parent}",
+                 f"--run.name={run.name}", "--dry-run"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "checkpoint_manager_snapshot.json" in line and "victim" in line, line
     (run / RAY_TRAIN_STATE).write_text("{not json")
     with pytest.raises(CheckpointError, match="'\\(not JSON\\)'"):
-        latest_usable(str(run), bad=[], warn=lambda m: None)
+        check_ray_state(str(run))
     assert (victim / "keep.txt").read_text() == "kept"
 
 
