@@ -44,7 +44,7 @@ def test_override_values_are_typed():
         ("--train.steps=1.5", "Invalid value for 'train.steps': 1.5. Expected an integer."),
         ("--train.steps=0", "Invalid value for 'train.steps': 0. Allowed: >= 1."),
         # Each worker's stream lists its samples: 2**30 at most.
-        ("--train.steps=1e30", "Expected an integer"),
+        ("--train.steps=" + "1" + "0" * 30, "Allowed: at most 67,108,864"),
         ("--train.steps=67108865", "Allowed: at most 67,108,864 with train.global_batch_size"
                                    "=16 over 1 data-parallel worker(s) at the fewest"),
         ("--data.on_bad_record=maybe", "Expected one of 'skip', 'error'"),
