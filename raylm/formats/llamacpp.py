@@ -1,30 +1,26 @@
 """GGUF files that llama.cpp runs (``raylm export RUN_DIR --format gguf``).
 
-The file is written by the ``gguf`` package, llama.cpp's own Python writer, with its tables of
-tensor names per architecture and its reader of a tokenizer's merges, special tokens and chat
-template. What is decided here is what llama.cpp's own converter (``convert_hf_to_gguf.py``,
-a script of llama.cpp's source tree, not of any package) decides for the families raylm
-trains, so that llama.cpp computes what transformers computes:
+Written by the ``gguf`` package, llama.cpp's own Python writer (its tensor names per
+architecture, its reader of merges, special tokens and chat templates). Decided here is what
+llama.cpp's converter script (``convert_hf_to_gguf.py``, in no package) decides, so that
+llama.cpp computes what transformers computes:
 
-- Llama and Mistral are llama.cpp's ``llama`` architecture, which applies rotary embeddings to
-  interleaved pairs of each head's dimensions where transformers rotates its two halves: the
-  query and key projections' rows are reordered to match (the other families use llama.cpp's
-  half-rotation, as transformers does). Qwen2 (biases on q/k/v) and Qwen3 (per-head query and
-  key norms) are architectures of their own.
-- Gemma 3: its norms multiply by 1 + weight, llama.cpp's by the weight, so 1 is added to every
-  norm's weight; which layers attend through the sliding window, and the window's own rotary
-  base, are written per layer. llama.cpp scales queries by 1/sqrt(head_dim) (the 27B's
-  shape aside), so a ``query_pre_attn_scalar`` other than that is refused.
-- One-dimensional tensors (norms, biases) stay fp32; the matrices are fp32, fp16, or Q8_0
-  (blocks of 32 values with one fp16 scale each; a matrix whose rows are not whole blocks
-  stays fp16). A tied output head is not written: llama.cpp reads the embedding table then.
-- The tokenizer: byte-level BPE (raylm's own, GPT-2's, Llama 3's, Qwen's), whose
-  pre-tokenizer regex llama.cpp must know by name; one it does not name is refused. A
-  SentencePiece-style vocabulary (Llama 2, Mistral v0.1, Gemma) is not written yet.
+- Llama and Mistral are the ``llama`` architecture, which rotates interleaved pairs of a head's
+  dimensions where transformers rotates its two halves: query and key rows are reordered.
+  Rotary scaling that only rescales each frequency ('linear', Llama 3.1's 'llama3') goes in as
+  llama.cpp's per-frequency factors (``rope_freqs``: transformers' unscaled over its scaled
+  frequencies). Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) have architectures of
+  their own, with half-rotation as transformers has it.
+- Gemma 3: its norms multiply by 1 + weight, llama.cpp's by the weight (1 is added); sliding
+  layers and the window's own rotary base are written per layer; llama.cpp scales queries by
+  1/sqrt(head_dim) (the 27B aside), so another ``query_pre_attn_scalar`` is refused.
+- 1-D tensors (norms, biases) stay fp32; matrices are fp32, fp16 or Q8_0 (blocks of 32 values
+  with an fp16 scale; rows not of whole blocks stay fp16). A tied head is not written.
+- The tokenizer: byte-level BPE (raylm's, GPT-2's, Llama 3's, Qwen's) whose pre-tokenizer
+  regex llama.cpp knows by name. SentencePiece-style vocabularies are not written yet.
 
-Families and settings llama.cpp would compute differently (another rotary scaling than the
-default, Qwen2's sliding window) are refused before anything is written, naming the family or
-the setting.
+What llama.cpp would compute differently (other rotary scalings, Qwen2's sliding window,
+other families) is refused before anything is written, naming the family or the setting.
 """
 
 from __future__ import annotations
@@ -41,6 +37,7 @@ FAMILIES = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA",
             "Gemma3ForCausalLM": "GEMMA3"}
 """transformers' class -> gguf's MODEL_ARCH member."""
 PERMUTED = {"LLAMA"}
+FREQ_SCALINGS = ("linear", "llama3")  # rotary scalings written as rope_freqs, LLAMA only
 QUANTIZATIONS = ("f16", "q8_0", "f32")
 
 # The pre-tokenizer regexes of byte-level BPE tokenizers, by the name llama.cpp gives them.
@@ -68,10 +65,10 @@ def check_model(config: dict[str, Any]) -> str:
     for part in rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) \
             else [rope]:
         kind = part.get("rope_type", part.get("type", "default"))
-        if kind != "default":
+        if kind != "default" and (kind not in FREQ_SCALINGS or FAMILIES[family] not in PERMUTED):
             raise ValueError(f"--format gguf: {family} with rotary scaling {kind!r} is not "
-                             f"written yet (llama.cpp needs its frequency factors); only the "
-                             f"default rotary embedding is.")
+                             f"written yet; the default rotary embedding is, and "
+                             f"{' and '.join(FREQ_SCALINGS)} for Llama and Mistral.")
     if config.get("use_sliding_window") and config.get("sliding_window"):
         raise ValueError(f"--format gguf: {family} with a sliding window is not written yet.")
     if family == "Gemma3ForCausalLM":
@@ -149,7 +146,13 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str) -> dict[str, Any]:
         if c.final_logit_softcapping:
             writer.add_final_logit_softcapping(c.final_logit_softcapping)
     else:
-        writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+        writer.add_rope_freq_base(float(theta := c.rope_parameters["rope_theta"]))
+        if (kind := c.rope_parameters.get("rope_type", "default")) != "default":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            plain = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                              (plain / ROPE_INIT_FUNCTIONS[kind](c, "cpu")[0]).numpy())
     writer.add_vocab_size(c.vocab_size)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32,
                           "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -213,18 +216,10 @@ def _add_vocabulary(writer, tok, model_dir: Path, *, pre: str, size: int) -> Non
 
     by_id = {i: t for t, i in tok.get_vocab().items()}
     added = tok.added_tokens_decoder
-    tokens, kinds = [], []
-    for i in range(size):
-        if i not in by_id:
-            tokens.append(f"[PAD{i}]")
-            kinds.append(gguf.TokenType.UNUSED)
-        elif i in added:
-            tokens.append(by_id[i])
-            kinds.append(gguf.TokenType.CONTROL if added[i].special
-                         else gguf.TokenType.USER_DEFINED)
-        else:
-            tokens.append(by_id[i])
-            kinds.append(gguf.TokenType.NORMAL)
+    kind = gguf.TokenType
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
+    kinds = [kind.UNUSED if i not in by_id else kind.NORMAL if i not in added
+             else kind.CONTROL if added[i].special else kind.USER_DEFINED for i in range(size)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)

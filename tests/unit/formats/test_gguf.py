@@ -86,6 +86,41 @@ def test_llama_cpp_computes_transformers_logits_and_tokens_for_each_family(
     np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])
+def test_rotary_scaling_reaches_llama_cpp_as_its_frequency_factors(rope, tokenizer_dir,
+                                                                    tmp_path):
+    """Llama 3.1's rotary scaling (and linear): llama.cpp's logits are transformers' over the
+    text's 20-odd positions. A pretraining length of 16 puts the head's frequencies on every
+    side of the scaling's two wavelengths (scaled, smoothed, kept), and the same model without
+    the scaling gives other logits, so the factors are what makes them agree."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = None
+    logits = {}
+    for name, parameters in (("scaled", rope), ("plain", {"rope_type": "default"})):
+        model_dir = save_model(tmp_path / name, "llama", tokenizer_dir,
+                               rope_parameters={"rope_theta": 10000.0, **parameters})
+        llamacpp.write_gguf(model_dir, tmp_path / f"{name}.gguf", quantize="f32")
+        ids = ids or AutoTokenizer.from_pretrained(str(model_dir))(
+            TEXTS[0], add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits[name] = AutoModelForCausalLM.from_pretrained(str(model_dir))(
+                torch.tensor([ids])).logits[0].numpy()
+        got = run_llama_cpp(tmp_path / f"{name}.gguf", ids)
+        np.testing.assert_allclose(got, logits[name], atol=1e-3, rtol=0)
+    import gguf
+
+    factors = [t for t in gguf.GGUFReader(tmp_path / "scaled.gguf").tensors
+               if t.name == "rope_freqs.weight"]
+    assert [len(t.data) for t in factors] == [8] and factors[0].data.max() > 1  # head_dim / 2
+    assert not [t for t in gguf.GGUFReader(tmp_path / "plain.gguf").tensors
+                if t.name == "rope_freqs.weight"]
+    assert np.abs(logits["scaled"] - logits["plain"]).max() > 1e-2
+
+
 def test_q8_0_and_f16_hold_their_types_and_stay_close(tokenizer_dir, tmp_path):
     """Q8_0 quantizes every matrix (rows of 64: whole blocks of 32), F16 halves them; norms
     stay fp32; both stay near the fp32 logits."""
@@ -164,10 +199,13 @@ def test_what_llama_cpp_would_compute_otherwise_is_refused(tokenizer_dir, tmp_pa
         with pytest.raises(ValueError, match=says):
             llamacpp.check_model(family_config(family).to_dict())
     scaled = family_config("llama")
-    scaled.rope_parameters = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0,
-                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192}
-    with pytest.raises(ValueError, match="rotary scaling 'llama3' is not written yet"):
+    scaled.rope_parameters = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                              "original_max_position_embeddings": 32}
+    with pytest.raises(ValueError, match="rotary scaling 'yarn' is not written yet"):
+        llamacpp.check_model(scaled.to_dict())
+    scaled = family_config("qwen2")  # llama.cpp's qwen2 reads no frequency factors
+    scaled.rope_parameters = {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}
+    with pytest.raises(ValueError, match="'linear' is not written yet.*for Llama and Mistral"):
         llamacpp.check_model(scaled.to_dict())
     window = family_config("qwen2")
     window.use_sliding_window, window.sliding_window = True, 64
