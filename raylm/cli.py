@@ -115,7 +115,8 @@ def _add_exports(sub: argparse._SubParsersAction) -> None:
              "peft adapter directory, or with --merge the merged model), or a GGUF file")
     ex = sub.add_parser("export", help=about, description=about, formatter_class=_Help)
     ex.add_argument("run_dir", help="the run directory (run.storage_path/run.name)")
-    ex.add_argument("--output", required=True, help="directory for the exported model")
+    ex.add_argument("--output", required=True, help="directory for the exported model (with "
+                    "--format gguf, a name ending in .gguf is the file itself)")
     ex.add_argument("--merge", action="store_true",
                     help="LoRA runs: write the base with the adapters merged in, instead of a "
                          "PEFT adapter directory")

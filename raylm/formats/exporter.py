@@ -1,22 +1,14 @@
 """From a run directory to a Hugging Face model directory, and sampling text from either.
 
-A run directory is self-describing: ``raylm train`` writes ``RUN_DIR/run.json`` (the resolved
-config, vocabulary and EOS id) and a copy of the tokenizer in ``RUN_DIR/tokenizer``. Export loads
-the newest verified checkpoint on one process (DCP gathers the shards of any world size into
-full tensors) and writes ``config.json``, ``model.safetensors`` and the tokenizer files, which
-``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load.
-
-``--quantize int8`` is post-training, weight-only quantization for deployment, done by torchao
-through transformers' ``TorchAoConfig`` (nothing of it is written here): the linear layers,
-output head included, hold int8 weights with one scale per output row; the embedding table
-stays in the training precision (a lookup reads one row per token, so it costs memory, not
-compute). The figures that decide whether to ship it, the size against the unquantized export
-and the validation-loss change on the run's own validation blocks, are measured by the export.
-
-The model is assembled by :mod:`raylm.model.assemble` and the checkpoint read into it by
-``raylm.workers.checkpoint``, as a worker reads it; the validation loss is the assembly's
-``evaluate``: an export does on one process what a worker does, and the same code reading and
-scoring the checkpoint is what makes the export's figures the run's.
+A run directory describes itself: ``RUN_DIR/run.json`` (the resolved config, vocabulary and
+EOS id) and the tokenizer's copy in ``RUN_DIR/tokenizer``. Export loads the newest verified
+checkpoint on one process, as a worker loads it (:mod:`raylm.model.assemble` builds the
+model, ``raylm.workers.checkpoint`` gathers the shards of any world size), and writes what
+``from_pretrained`` loads. ``--quantize int8`` is torchao's weight-only int8 through
+transformers' ``TorchAoConfig`` (linear layers and the head, one scale per output row; the
+embedding table stays: a lookup costs memory, not compute), and the export measures what
+decides whether to ship it: the size, and the validation-loss change on the run's own
+validation blocks, scored by the assembly's ``evaluate`` as the run scored them.
 """
 
 from __future__ import annotations
@@ -40,7 +32,7 @@ from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_bloc
 from raylm.model import lora, sparsity
 from raylm.model.assemble import Built, build_for_checkpoint, evaluate
 from raylm.model.build import build_config, max_positions
-from raylm.outputs import building, check_output, publish
+from raylm.outputs import OutputError, building, check_output, publish
 from raylm.workers import checkpoint
 
 TOKENIZER_DIR = "tokenizer"
@@ -135,23 +127,18 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True,
 def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
            quantize: str | None = None, format: str = "hf", overwrite: bool = False,
            log=print) -> Path:
-    """Write the run's newest checkpoint as a directory plain clients use as it is.
-
-    A full model: a Hugging Face model directory (``from_pretrained``, ``generate``,
-    ``pipeline``), with the KV cache on (training turns it off; without it every new token
-    re-runs the whole sequence), EOS and padding named, and the tokenizer's length limit set to
-    the model's positions. A LoRA run: a PEFT adapter directory (``adapter_config.json``,
-    ``adapter_model.safetensors``, written by peft itself) that ``PeftModel.from_pretrained``
-    loads onto the base model, or, with ``merge``, the merged model as a full directory. The
-    tokenizer (with its chat template, if any) goes with either. ``quantize="int8"`` writes the
-    (merged) model with int8 weights instead, and logs what that changed (see the module
-    docstring). ``format="gguf"``: the (merged) model as one GGUF file that llama.cpp runs,
-    in ``quantize`` f16 (the default), q8_0 or f32 (:mod:`raylm.formats.llamacpp`).
-
-    Built beside ``output`` and renamed into place; :func:`raylm.outputs.check_output` says
-    which ``output`` is refused (``overwrite``: an earlier export of another kind is not)."""
+    """Write the run's newest checkpoint where plain clients use it as it is: a full model as
+    a Hugging Face directory (KV cache on, EOS and padding named, the tokenizer's length limit
+    the model's positions); a LoRA run as peft's adapter directory, or with ``merge`` the
+    merged model; the tokenizer and its chat template with either. ``quantize="int8"``: int8
+    weights, with what that changed logged. ``format="gguf"``: one GGUF file for llama.cpp in
+    ``quantize`` f16 (default), q8_0 or f32 (:mod:`raylm.formats.llamacpp`), in a directory,
+    or as ``output`` itself when its name ends in ``.gguf``. Built beside ``output`` and
+    renamed into place; :func:`raylm.outputs.check_output` says which ``output`` is refused
+    (``overwrite``: an earlier export of another kind is not)."""
     if format not in FORMATS:
         raise ValueError(f"--format {format}: not one of {', '.join(FORMATS)}")
+    quiet_torchao()  # before the model's imports bring torchao in
     cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
     if format == "gguf":
         quantize = gguf_settings(run_dir, cfg, quantize)
@@ -163,6 +150,8 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
         adapters = bool(lora.adapter_args(cfg.lora))
         kind = (f"model-{quantize}" if quantize else
                 "lora-adapter" if adapters and not merge else "model")
+    if format == "gguf" and str(output).endswith(".gguf"):
+        return _gguf_file(run_dir, Path(output), cfg, quantize, log=log)
     inputs = [] if storage.is_uri(run_dir) else [("the run directory", run_dir)]
     if cfg.model.path:
         inputs.append(("the base model (model.path)", cfg.model.path))
@@ -204,23 +193,47 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
     return quantize
 
 
-def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, *, log) -> None:
-    """The GGUF export of :func:`export`, into the empty directory ``out``: the merged model
-    written as a Hugging Face directory first, then converted."""
+def _gguf_file(run_dir: str | Path, output: Path, cfg, quantize: str, *, log) -> Path:
+    """``--output NAME.gguf``: that file, where none stands or the one there is an earlier
+    raylm export (its metadata holds :data:`raylm.formats.llamacpp.RECORD`); built beside it
+    and renamed into place."""
+    from gguf import GGUFReader
+
+    from raylm.formats.llamacpp import RECORD
+
+    out = output.expanduser().resolve()
+    try:
+        ours = "://" not in str(output) and (not out.exists() or RECORD in GGUFReader(out).fields)
+    except (OSError, ValueError):  # a folder, or not a GGUF file
+        ours = False
+    if not ours:
+        raise OutputError(f"--output {output}: raylm writes a GGUF file where none stands or "
+                          f"where its own earlier export does (not a URI, a folder or another "
+                          f"file); choose a new local file name.")
+    with building(out) as tmp:
+        _write_gguf(run_dir, tmp, cfg, quantize, log=log, name=out.name)
+        (tmp / out.name).replace(out)
+    shutil.rmtree(tmp)
+    return out
+
+
+def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, *, log,
+                name: str | None = None) -> None:
+    """The GGUF export of :func:`export`, into the empty directory ``out`` (the file's
+    ``name`` and its record beside it): the merged model written as a Hugging Face directory
+    first, then converted."""
     from raylm.formats.llamacpp import write_gguf
 
+    name = name or f"model-{quantize}.gguf"
     with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
         plain = Path(tmp) / storage.name(storage.normalize(run_dir))
         plain.mkdir()
         write_export(run_dir, plain, cfg, merge=True)
-        step = json.loads((plain / EXPORT_INFO).read_text())["step"]
-        name = f"model-{quantize}.gguf"
-        report = write_gguf(plain, out / name, quantize=quantize)
-    (out / EXPORT_INFO).write_text(json.dumps(
-        {"run_dir": storage.normalize(run_dir), "step": step, "kind": f"gguf-{quantize}",
-         "file": name, **report}, indent=1))
-    log(f"GGUF ({report['architecture']}, {quantize}): {name}, "
-        f"{report['bytes'] / 2**20:.1f} MiB")
+        record = {"run_dir": storage.normalize(run_dir), "kind": f"gguf-{quantize}",
+                  "step": json.loads((plain / EXPORT_INFO).read_text())["step"]}
+        report = write_gguf(plain, out / name, quantize=quantize, record=record)
+    (out / EXPORT_INFO).write_text(json.dumps({**record, "file": name, **report}, indent=1))
+    log(f"GGUF ({report['architecture']}, {quantize}): {name}, {report['bytes'] / 2**20:.1f} MiB")
 
 
 def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,
@@ -253,7 +266,6 @@ def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,
 
 def _write_quantized(run_dir: str | Path, out: Path, method: str, *, log) -> None:
     """The int8 export of :func:`export`, into the empty directory ``out``."""
-    quiet_torchao()
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import AutoModelForCausalLM, TorchAoConfig
 
@@ -309,9 +321,8 @@ def validation_batches(run_dir: str | Path, *, log
     info = read_run_info(storage.normalize(run_dir))
     prepared = info.get("prepared")
     if not prepared or not Path(prepared, LAYOUT).is_file():
-        where = prepared or "its path is not in run.json"
-        log(f"validation loss not compared: the run's prepared data ({where}) is not on this "
-            f"machine")
+        log(f"validation loss not compared: the run's prepared data "
+            f"({prepared or 'its path is not in run.json'}) is not on this machine")
         return None
     cfg = config_from_dict(info["config"])
     # Each of the run's W workers took its share of the first blocks in storage order, so one
@@ -393,7 +404,6 @@ class Generator:
 
     def answer(self, messages: list[dict[str, str]], **sampling) -> str:
         """The assistant's answer to ``messages`` (which end with a user turn)."""
-
         messages = [{"role": m["role"], "content": normalize(m["content"])} for m in messages]
         ids = generation_prompt(messages, self.tok.backend_tokenizer, self.template,
                                 eos_id=self.tok.eos_token_id)
@@ -405,7 +415,6 @@ class Generator:
         """The summed log-probability of ``answer``'s trained tokens after ``prompt``, rendered
         as preference training renders a pair's half (:func:`raylm.data.chat.answer_segments`);
         strings stand for one user turn and one assistant turn."""
-
         (turns, bad), (reply, wrong) = parse_prompt(prompt), parse_answer(answer)
         if bad or wrong:
             raise ValueError(f"answer_logp: the {'prompt' if bad else 'answer'} is "

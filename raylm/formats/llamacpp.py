@@ -39,6 +39,7 @@ FAMILIES = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA",
 PERMUTED = {"LLAMA"}
 FREQ_SCALINGS = ("linear", "llama3")  # rotary scalings written as rope_freqs, LLAMA only
 QUANTIZATIONS = ("f16", "q8_0", "f32")
+RECORD = "raylm.export"  # the export's record (run, step, kind) in the file's metadata
 
 # The pre-tokenizer regexes of byte-level BPE tokenizers, by the name llama.cpp gives them.
 SPLIT_REGEXES = {
@@ -105,9 +106,11 @@ def pre_tokenizer(tokenizer_json: dict[str, Any]) -> str:
                      f"BPE); llama.cpp would split text into other tokens.")
 
 
-def write_gguf(model_dir: Path, out: Path, *, quantize: str) -> dict[str, Any]:
+def write_gguf(model_dir: Path, out: Path, *, quantize: str,
+               record: dict | None = None) -> dict[str, Any]:
     """``model_dir`` (a Hugging Face directory: config, safetensors, tokenizer) as the GGUF
-    file ``out``; returns what it wrote (architecture, tensor types, bytes)."""
+    file ``out``, ``record`` in its metadata as JSON under :data:`RECORD`; returns what it
+    wrote (architecture, tensor types, bytes)."""
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,6 +129,8 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str) -> dict[str, Any]:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(model_dir.name)
+    if record is not None:
+        writer.add_string(RECORD, json.dumps(record))
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)

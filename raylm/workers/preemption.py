@@ -1,33 +1,24 @@
 """Preemption: a worker told to stop saves a checkpoint at the next step boundary before it
-goes. It is told in one of two ways: SIGTERM (an evicted pod, a process manager), or a node
-drain, which is how Ray hears that a cloud reclaims a spot node or the autoscaler removes one.
+goes. It is told by SIGTERM (an evicted pod, a process manager) or by a node drain, which is
+how Ray hears that a cloud reclaims a spot node or the autoscaler removes one.
 
-Node drains: Ray Train watches the drains of the nodes its workers run on (every 5 s,
-``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S``) and hands each worker a notice with the deadline.
-raylm reads this worker's notice at every step and folds it into the same vote as SIGTERM: when
-any rank's node is draining, every rank saves and reports a checkpoint at that step and the
-group stops, and Ray Train starts a new group, which a draining node no longer takes, from that
-checkpoint. Ray's guide suggests saving and training on until the node goes; raylm stops
-instead, because every step trained after the save is trained again once the node goes (with a
-2-minute spot notice, that is up to 2 minutes of work), while stopping at once loses no step
-and costs one group restart, which the run pays anyway when the node goes. The notice is read
-from the worker's Train context rather than through ``ray.train.get_preemption_info()``, which
-broadcasts from rank 0 through Ray on every call: raylm's per-step vote over the process group
-already makes the ranks agree.
+Drains: Ray Train watches its workers' nodes (every 5 s, ``RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S``)
+and hands each worker a notice with the deadline, which raylm reads from the worker's Train
+context at every step (not through ``ray.train.get_preemption_info()``, which broadcasts from
+rank 0 on every call) and folds into the SIGTERM vote. Ray's guide suggests saving and
+training on until the node goes; raylm stops at once instead: every step trained after the
+save would be trained again (up to 2 minutes of work on a spot notice), and the group
+restart it costs is paid anyway when the node goes.
 
-Ray's worker processes answer SIGTERM by exiting at once, and Python lets only the main thread
-install a signal handler, while Ray Train runs the training function in a thread of its
-worker actor. So the handler is installed by a task sent to the worker's own actor, which
-Ray runs on that main thread; it only records the request. The training loop asks at every
-step boundary whether any rank got one (one all-reduce of three integers, :class:`Vote`), and if
-so every rank saves and reports a checkpoint, waits until the controller has taken that report
-(:func:`hand_over`), and then raises :class:`Preempted`: Ray Train
-counts a worker-group failure and, within ``train.max_failures``, restarts from that
-checkpoint on the workers that are left, which loses no step. A second SIGTERM while the
-first is pending exits at once, as Ray would have.
-
-The SIGTERM handler is written by hand because Ray Train's own preemption support reacts to
-node drains, not to a signal sent to a process.
+SIGTERM: Ray's workers exit on it at once, and only the main thread may install a handler,
+while Ray Train runs the training function in a thread: the handler is installed by a task
+sent to the worker's own actor, which Ray runs on that main thread, and only records the
+request (by hand: Ray Train's preemption support reacts to drains, not signals). At every step
+boundary the ranks ask whether any got one (one all-reduce of three integers, :class:`Vote`);
+if so every rank saves and reports a checkpoint, waits until the controller has taken it
+(:func:`hand_over`) and raises :class:`Preempted`: Ray Train counts a group failure and,
+within ``train.max_failures``, restarts from that checkpoint on the workers left, losing no
+step. A second SIGTERM while the first is pending exits at once, as Ray would have.
 """
 
 from __future__ import annotations

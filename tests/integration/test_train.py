@@ -327,9 +327,11 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
 
 def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
         base, trained, tmp_path):
-    """The run as GGUF (f16, and Q8_0), run by llama.cpp: greedy decoding of a prompt gives
-    the merged Hugging Face export's first 16 tokens, and the validation loss on the run's own
-    blocks stays within 0.01 nats (f16) and 0.02 (Q8_0) of the export's."""
+    """The run as GGUF (f16 in a folder, and Q8_0 as the file ``--output`` names), run by
+    llama.cpp: greedy decoding of a prompt gives the merged Hugging Face export's first 16
+    tokens, and the validation loss on the run's own blocks stays within 0.01 nats (f16) and
+    0.02 (Q8_0) of the export's. The file's record is in its metadata, and a second export
+    replaces the file (one raylm did not write is not: tests/unit/formats/test_gguf.py)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     import numpy as np
     import torch
@@ -341,15 +343,23 @@ def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
     run_dir = base_dir(base) / "full"
     hf = tmp_path / "hf"
     assert main(["export", str(run_dir), "--output", str(hf)]) == 0
-    files = {}
-    for quantize in ("f16", "q8_0"):
-        out = tmp_path / quantize
-        assert main(["export", str(run_dir), "--output", str(out), "--format", "gguf",
-                     "--quantize", quantize]) == 0
-        info = json.loads((out / "raylm_export.json").read_text())
-        assert info["kind"] == f"gguf-{quantize}" and info["step"] == 30
-        assert info["architecture"] == "llama" and info["tokenizer_pre"] == "gpt-2"
-        files[quantize] = out / info["file"]
+    out = tmp_path / "f16"
+    assert main(["export", str(run_dir), "--output", str(out), "--format", "gguf"]) == 0
+    info = json.loads((out / "raylm_export.json").read_text())
+    assert info["kind"] == "gguf-f16" and info["step"] == 30
+    assert info["architecture"] == "llama" and info["tokenizer_pre"] == "gpt-2"
+    files = {"f16": out / info["file"], "q8_0": tmp_path / "tiny.gguf"}
+    import gguf
+
+    from raylm.formats.llamacpp import RECORD
+
+    for _ in range(2):  # the second replaces the first
+        assert main(["export", str(run_dir), "--output", str(files["q8_0"]), "--format",
+                     "gguf", "--quantize", "q8_0"]) == 0
+    field = gguf.GGUFReader(files["q8_0"]).fields[RECORD]
+    assert json.loads(field.contents()) == {"run_dir": str(run_dir), "kind": "gguf-q8_0",
+                                            "step": 30}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f16", "hf", "tiny.gguf"]
     model = AutoModelForCausalLM.from_pretrained(str(hf)).eval()
     tok = AutoTokenizer.from_pretrained(str(hf))
     prompt = tok("The river carried", add_special_tokens=False)["input_ids"]

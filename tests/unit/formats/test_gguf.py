@@ -219,21 +219,28 @@ def test_what_llama_cpp_would_compute_otherwise_is_refused(tokenizer_dir, tmp_pa
         llamacpp.pre_tokenizer(other)
 
 
+def fake_run(root: Path, model_dir: Path, tokenizer_dir: Path) -> Path:
+    """A LoRA run's record of ``model_dir`` without checkpoints: what an export reads before
+    it loads one."""
+    from raylm.config import load_config
+    from raylm.contracts import RUN_INFO
+
+    cfg = load_config(None, [f"--model.path={model_dir}", "--lora.rank=4"])
+    run = root / "runs" / "sft"
+    (run / "tokenizer").mkdir(parents=True)
+    shutil.copy(tokenizer_dir / "tokenizer.json", run / "tokenizer" / "tokenizer.json")
+    (run / RUN_INFO).write_text(json.dumps({"config": cfg.to_dict(), "vocab_size": 400,
+                                            "eos_id": 0}))
+    return run
+
+
 def test_a_run_of_a_family_not_written_is_refused_before_its_output_exists(tokenizer_dir,
                                                                           tmp_path, capsys):
     """``raylm export --format gguf`` of a Phi-3 run: refused from the run's record alone,
     naming the family, and the output never made; GGUF's types need --format gguf."""
     from raylm.cli import main
-    from raylm.config import load_config
-    from raylm.contracts import RUN_INFO
 
-    base = save_model(tmp_path, "phi3", tokenizer_dir)
-    cfg = load_config(None, [f"--model.path={base}", "--lora.rank=4"])
-    run = tmp_path / "runs" / "sft"
-    (run / "tokenizer").mkdir(parents=True)
-    shutil.copy(tokenizer_dir / "tokenizer.json", run / "tokenizer" / "tokenizer.json")
-    (run / RUN_INFO).write_text(json.dumps({"config": cfg.to_dict(), "vocab_size": 400,
-                                            "eos_id": 0}))
+    run = fake_run(tmp_path, save_model(tmp_path, "phi3", tokenizer_dir), tokenizer_dir)
     out = tmp_path / "gguf"
     assert main(["export", str(run), "--output", str(out), "--format", "gguf"]) == 2
     assert "this model is Phi3ForCausalLM" in capsys.readouterr().err
@@ -241,3 +248,25 @@ def test_a_run_of_a_family_not_written_is_refused_before_its_output_exists(token
     assert main(["export", str(run), "--output", str(out), "--quantize", "q8_0"]) == 2
     assert "add --format gguf" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_gguf_file_raylm_did_not_write_is_left_alone(tokenizer_dir, tmp_path, capsys):
+    """``--output NAME.gguf`` is the file itself: where one stands without an export's record
+    in its metadata (another tool's GGUF, any other file) or a folder has the name, the export
+    is refused before it loads anything, and what is there stays as it was."""
+    from raylm.cli import main
+
+    model_dir = save_model(tmp_path, "llama", tokenizer_dir)
+    run = fake_run(tmp_path, model_dir, tokenizer_dir)
+    theirs, notes, folder = tmp_path / "theirs.gguf", tmp_path / "notes.gguf", tmp_path / "d.gguf"
+    llamacpp.write_gguf(model_dir, theirs, quantize="f32")  # no record: not an export
+    notes.write_text("my notes")
+    (folder / "inside").mkdir(parents=True)
+    before = theirs.read_bytes()
+    for target in (theirs, notes, folder):
+        assert main(["export", str(run), "--output", str(target), "--format", "gguf"]) == 2
+        assert "where none stands or where its own earlier export does" in \
+            capsys.readouterr().err
+    assert theirs.read_bytes() == before and notes.read_text() == "my notes"
+    assert [p.name for p in folder.iterdir()] == ["inside"]
+    assert not list(tmp_path.glob(".*.tmp"))
