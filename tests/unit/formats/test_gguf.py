@@ -93,9 +93,9 @@ def test_llama_cpp_computes_transformers_logits_and_tokens_for_each_family(
 def test_rotary_scaling_reaches_llama_cpp_as_its_frequency_factors(rope, tokenizer_dir,
                                                                     tmp_path):
     """Llama 3.1's rotary scaling (and linear): llama.cpp's logits are transformers' over the
-    text's 20-odd positions. A pretraining length of 16 puts the head's frequencies on every
-    side of the scaling's two wavelengths (scaled, smoothed, kept), and the same model without
-    the scaling gives other logits, so the factors are what makes them agree."""
+    text's positions (more than 16). A pretraining length of 16 puts the head's frequencies on
+    every side of the scaling's two wavelengths (scaled, smoothed, kept), and the same model
+    without the scaling gives other logits, so the factors are what makes them agree."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = None
