@@ -151,7 +151,7 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
         kind = (f"model-{quantize}" if quantize else
                 "lora-adapter" if adapters and not merge else "model")
     if format == "gguf" and str(output).endswith(".gguf"):
-        return _gguf_file(run_dir, Path(output), cfg, quantize, log=log)
+        return _gguf_file(run_dir, output, cfg, quantize, log=log)
     inputs = [] if storage.is_uri(run_dir) else [("the run directory", run_dir)]
     if cfg.model.path:
         inputs.append(("the base model (model.path)", cfg.model.path))
@@ -193,7 +193,7 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
     return quantize
 
 
-def _gguf_file(run_dir: str | Path, output: Path, cfg, quantize: str, *, log) -> Path:
+def _gguf_file(run_dir: str | Path, output: str | Path, cfg, quantize: str, *, log) -> Path:
     """``--output NAME.gguf``: that file, where none stands or the one there is an earlier
     raylm export (its metadata holds :data:`raylm.formats.llamacpp.RECORD`); built beside it
     and renamed into place."""
@@ -201,7 +201,7 @@ def _gguf_file(run_dir: str | Path, output: Path, cfg, quantize: str, *, log) ->
 
     from raylm.formats.llamacpp import RECORD
 
-    out = output.expanduser().resolve()
+    out = Path(output).expanduser().resolve()
     try:
         ours = "://" not in str(output) and (not out.exists() or RECORD in GGUFReader(out).fields)
     except (OSError, ValueError):  # a folder, or not a GGUF file

@@ -253,7 +253,8 @@ def test_a_run_of_a_family_not_written_is_refused_before_its_output_exists(token
 def test_a_gguf_file_raylm_did_not_write_is_left_alone(tokenizer_dir, tmp_path, capsys):
     """``--output NAME.gguf`` is the file itself: where one stands without an export's record
     in its metadata (another tool's GGUF, any other file) or a folder has the name, the export
-    is refused before it loads anything, and what is there stays as it was."""
+    is refused before it loads anything, and what is there stays as it was; a URI is refused
+    (the file is renamed into place, which object storage cannot do)."""
     from raylm.cli import main
 
     model_dir = save_model(tmp_path, "llama", tokenizer_dir)
@@ -263,10 +264,10 @@ def test_a_gguf_file_raylm_did_not_write_is_left_alone(tokenizer_dir, tmp_path, 
     notes.write_text("my notes")
     (folder / "inside").mkdir(parents=True)
     before = theirs.read_bytes()
-    for target in (theirs, notes, folder):
+    for target in (theirs, notes, folder, "s3://bucket/model.gguf"):
         assert main(["export", str(run), "--output", str(target), "--format", "gguf"]) == 2
         assert "where none stands or where its own earlier export does" in \
             capsys.readouterr().err
     assert theirs.read_bytes() == before and notes.read_text() == "my notes"
     assert [p.name for p in folder.iterdir()] == ["inside"]
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert not list(tmp_path.glob(".*.tmp")) and not Path("s3:").exists()
