@@ -84,27 +84,21 @@ def is_dir(path: str | os.PathLike) -> bool:
     return fs.get_file_info(p).type == pafs.FileType.Directory
 
 
-def list_dirs(path: str | os.PathLike) -> list[str]:
-    """Names of the directories directly under ``path`` (none if it does not exist)."""
+def list_dirs(path: str | os.PathLike, kind=pafs.FileType.Directory) -> list[str]:
+    """Names of the directories (or files of another ``kind``) directly under ``path``,
+    sorted (none if it does not exist)."""
     fs, p = _resolve(path)
     infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True))
-    return sorted(i.base_name for i in infos if i.type == pafs.FileType.Directory)
+    return sorted(i.base_name for i in infos if i.type == kind)
 
 
 def list_files(path: str | os.PathLike) -> list[str]:
-    """Names of the files directly under ``path``, sorted (none if it does not exist)."""
-    fs, p = _resolve(path)
-    infos = fs.get_file_info(pafs.FileSelector(p, allow_not_found=True))
-    return sorted(i.base_name for i in infos if i.type == pafs.FileType.File)
+    return list_dirs(path, pafs.FileType.File)
 
 
 def read_bytes(path: str | os.PathLike) -> bytes:
     """The file's bytes; FileNotFoundError if it does not exist."""
-    fs, p = _resolve(path)
-    if fs.get_file_info(p).type != pafs.FileType.File:
-        raise FileNotFoundError(str(path))
-    with fs.open_input_file(p) as f:
-        return f.read()
+    return b"".join(read_chunks(path))
 
 
 def read_chunks(path: str | os.PathLike, size: int = 8 << 20) -> Iterator[bytes]:

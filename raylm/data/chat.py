@@ -61,9 +61,7 @@ class TemplateError(ValueError):
     """A chat template that cannot be rendered into trained and untrained pieces."""
 
 
-# --------------------------------------------------------------------------------------------
-# Rendering
-# --------------------------------------------------------------------------------------------
+# ---- Rendering -----------------------------------------------------------------------------
 
 
 class DefaultTemplate:
@@ -229,9 +227,7 @@ def prompt_completion_segments(messages: Sequence[dict[str, str]]) -> list[Segme
     return [Segment(user["content"], False), Segment(assistant["content"], True, eos=True)]
 
 
-# --------------------------------------------------------------------------------------------
-# Encoding
-# --------------------------------------------------------------------------------------------
+# ---- Encoding ------------------------------------------------------------------------------
 
 
 def encode(segments: Sequence[Segment], tokenizer, *, eos_id: int, loss_on: LossOn

@@ -88,9 +88,7 @@ def is_bad(reason: str | None, line: int) -> bool:
     return reason in BAD_REASONS or (reason == "empty" and line == 0)
 
 
-# --------------------------------------------------------------------------------------------
-# Resolving sources
-# --------------------------------------------------------------------------------------------
+# ---- Resolving sources ---------------------------------------------------------------------
 
 
 def resolve_sources(
@@ -207,9 +205,7 @@ def fingerprint_files(files: list[SourceFile]) -> str:
     return h.hexdigest()
 
 
-# --------------------------------------------------------------------------------------------
-# Reading records
-# --------------------------------------------------------------------------------------------
+# ---- Reading records -----------------------------------------------------------------------
 
 
 def normalize(text: str) -> str:
@@ -492,9 +488,7 @@ def _pydoc_records(f: SourceFile, **_) -> Iterator[tuple]:
                 yield doc, None, getattr(node, "lineno", 1)
 
 
-# --------------------------------------------------------------------------------------------
-# Checking fine-tuning examples (what raylm.data.chat renders)
-# --------------------------------------------------------------------------------------------
+# ---- Checking fine-tuning examples (what raylm.data.chat renders) --------------------------
 
 
 def parse_messages(value: Any, *, needs_assistant: bool = True

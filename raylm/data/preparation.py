@@ -100,9 +100,7 @@ class BadRecordError(ValueError):
     """A bad record under ``data.on_bad_record: error``."""
 
 
-# --------------------------------------------------------------------------------------------
-# Reading and tokenizing (inside the tasks)
-# --------------------------------------------------------------------------------------------
+# ---- Reading and tokenizing (inside the tasks) ---------------------------------------------
 
 _RECORD_SCHEMA = pa.schema([
     ("text", pa.string()), ("reason", pa.string()), ("file_id", pa.int32()),
@@ -290,9 +288,7 @@ def _list_array(pieces: list[np.ndarray], value_type) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, type=value_type))
 
 
-# --------------------------------------------------------------------------------------------
-# Writing blocks
-# --------------------------------------------------------------------------------------------
+# ---- Writing blocks ------------------------------------------------------------------------
 
 
 class BlockWriter:
@@ -392,9 +388,7 @@ class BlockWriter:
         self._finish_file()
 
 
-# --------------------------------------------------------------------------------------------
-# The three stages
-# --------------------------------------------------------------------------------------------
+# ---- The three stages ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -581,9 +575,7 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
     return res
 
 
-# --------------------------------------------------------------------------------------------
-# The driver
-# --------------------------------------------------------------------------------------------
+# ---- The driver ----------------------------------------------------------------------------
 
 
 def given_tokenizer(cfg: Config) -> Path | None:

@@ -50,9 +50,7 @@ if TYPE_CHECKING:
 METADATA_CACHE_FILES = 1024
 
 
-# --------------------------------------------------------------------------------------------
-# Training side: one ordered stream per worker
-# --------------------------------------------------------------------------------------------
+# ---- Training side: one ordered stream per worker ------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -338,9 +336,7 @@ def read_first_blocks(prepared: str | os.PathLike, split: str, *, count: int
     return reader({"id": np.arange(min(count, blocks.num_blocks), dtype=np.int64)})
 
 
-# --------------------------------------------------------------------------------------------
-# The first batch: a worker's wait for its stream, named when it lasts
-# --------------------------------------------------------------------------------------------
+# ---- The first batch: a worker's wait for its stream, named when it lasts ------------------
 
 
 class DataStall(RuntimeError):

@@ -58,9 +58,7 @@ PREFIX = "eval/"
 WAIT_NOTE_S = 300.0
 
 
-# --------------------------------------------------------------------------------------------
-# The tasks: checked on the driver, read where the evaluation runs
-# --------------------------------------------------------------------------------------------
+# ---- The tasks: checked on the driver, read where the evaluation runs ----------------------
 
 
 def task_manager(ev: EvalConfig):
@@ -117,9 +115,7 @@ def higher_is_better(ev: EvalConfig, name: str) -> bool:
     return bool(known)
 
 
-# --------------------------------------------------------------------------------------------
-# Scoring a model (the evaluation task, and `raylm eval`)
-# --------------------------------------------------------------------------------------------
+# ---- Scoring a model (the evaluation task, and `raylm eval`) -------------------------------
 
 
 @dataclass(frozen=True)
@@ -215,9 +211,7 @@ def hold(run_dir: str, checkpoint: str, step: int) -> str:
     return str(held)
 
 
-# --------------------------------------------------------------------------------------------
-# On the controller: which checkpoints, started and collected without waiting
-# --------------------------------------------------------------------------------------------
+# ---- On the controller: which checkpoints, started and collected without waiting -----------
 
 
 class Runner(Protocol):
@@ -366,9 +360,7 @@ class Benchmarks:
             shutil.rmtree(Path(self.run_dir) / BENCHMARKS, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------------------------
-# Reading scores back
-# --------------------------------------------------------------------------------------------
+# ---- Reading scores back -------------------------------------------------------------------
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

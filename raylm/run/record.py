@@ -68,9 +68,7 @@ HISTORY = ("loss", "val_loss", "val_perplexity", "lr", "grad_norm", "tokens_per_
 HISTORY_PREFIXES = ("dpo_", "val_")
 
 
-# --------------------------------------------------------------------------------------------
-# events.jsonl: writing and reading
-# --------------------------------------------------------------------------------------------
+# ---- events.jsonl: writing and reading -----------------------------------------------------
 
 
 class EventLog:
@@ -111,9 +109,7 @@ def read(run_dir: str, invocation: str | None = None) -> list[dict[str, Any]]:
     return [r for r in records if invocation is None or r["invocation"] == invocation]
 
 
-# --------------------------------------------------------------------------------------------
-# Restarts and resizes, derived from the records
-# --------------------------------------------------------------------------------------------
+# ---- Restarts and resizes, derived from the records ----------------------------------------
 
 
 def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -189,9 +185,7 @@ def counts(parts: list[dict[str, Any]]) -> dict[str, int]:
     return {k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")}
 
 
-# --------------------------------------------------------------------------------------------
-# The controller callback
-# --------------------------------------------------------------------------------------------
+# ---- The controller callback ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)

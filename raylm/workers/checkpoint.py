@@ -466,9 +466,7 @@ class RangeReader(SafeReader):
         return self.fs.streamed + self.ranged
 
 
-# --------------------------------------------------------------------------------------------
-# A worker's checkpoints through Ray Train: staged, written (in the background) and reported
-# --------------------------------------------------------------------------------------------
+# ---- A worker's checkpoints through Ray Train: staged, written (in the background) and reported
 
 
 class Checkpointer:

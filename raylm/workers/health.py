@@ -103,9 +103,7 @@ class Health:
         return out
 
 
-# --------------------------------------------------------------------------------------------
-# What a fault does, decided at a report by every rank alike
-# --------------------------------------------------------------------------------------------
+# ---- What a fault does, decided at a report by every rank alike ----------------------------
 
 SEVERITY = ("skip", "rewind", "stop")
 
