@@ -123,10 +123,12 @@ def _add_exports(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("--format", default="hf", choices=["hf", "gguf"],
                     help="hf: a Hugging Face directory; gguf: one GGUF file that llama.cpp runs "
                          "(LoRA runs are merged first)")
-    ex.add_argument("--quantize", choices=["int8", "f16", "q8_0", "f32"],
+    ex.add_argument("--quantize", choices=["int8", "f16", "q8_0", "f32", "q6_k", "q5_k_m",
+                                           "q4_k_m", "q4_0"],
                     help="hf: int8 weight-only linear layers (torchao; LoRA runs are merged "
                          "first), printing the size and validation-loss change; gguf: the "
-                         "tensor type, f16 (default), q8_0 or f32")
+                         "tensor type, f16 (default), q8_0 or f32, or llama.cpp's quantizer's "
+                         "q6_k, q5_k_m, q4_k_m or q4_0 (the llamacpp extra)")
     ex.add_argument("--overwrite", action="store_true",
                     help="replace an earlier raylm export of another kind in --output (a "
                          "directory raylm did not write is never replaced)")

@@ -14,6 +14,7 @@ validation blocks, scored by the assembly's ``evaluate`` as the run scored them.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -144,8 +145,8 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
         quantize = gguf_settings(run_dir, cfg, quantize)
         kind = f"gguf-{quantize}"
     elif quantize is not None and quantize not in QUANTIZATIONS:
-        raise ValueError(f"--quantize {quantize}: not one of {', '.join(QUANTIZATIONS)} (f16, "
-                         f"q8_0 and f32 are GGUF's: add --format gguf)")
+        raise ValueError(f"--quantize {quantize}: not one of {', '.join(QUANTIZATIONS)} (the "
+                         f"others are GGUF's: add --format gguf)")
     else:
         adapters = bool(lora.adapter_args(cfg.lora))
         kind = (f"model-{quantize}" if quantize else
@@ -180,9 +181,12 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
         raise ValueError("--format gguf needs the gguf package: pip install 'raylm[gguf]'"
                          ) from None
     quantize = quantize or "f16"
-    if quantize not in llamacpp.QUANTIZATIONS:
+    if quantize not in (*llamacpp.QUANTIZATIONS, *llamacpp.BY_LLAMA_CPP):
         raise ValueError(f"--quantize {quantize}: GGUF exports are one of "
-                         f"{', '.join(llamacpp.QUANTIZATIONS)}")
+                         f"{', '.join((*llamacpp.QUANTIZATIONS, *llamacpp.BY_LLAMA_CPP))}")
+    if quantize in llamacpp.BY_LLAMA_CPP and not importlib.util.find_spec("llama_cpp"):
+        raise ValueError(f"--quantize {quantize} is llama.cpp's own quantizer: pip install "
+                         f"'raylm[llamacpp]' (or export q8_0, which needs only gguf)")
     info = read_run_info(storage.normalize(run_dir))
     config = build_config(preset=cfg.model.preset, path=cfg.model.path,
                           vocab_size=info["vocab_size"], eos_id=info["eos_id"],
@@ -233,7 +237,9 @@ def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, *, log,
                   "step": json.loads((plain / EXPORT_INFO).read_text())["step"]}
         report = write_gguf(plain, out / name, quantize=quantize, record=record)
     (out / EXPORT_INFO).write_text(json.dumps({**record, "file": name, **report}, indent=1))
-    log(f"GGUF ({report['architecture']}, {quantize}): {name}, {report['bytes'] / 2**20:.1f} MiB")
+    types = ", ".join(f"{n} {t}" for t, n in report["tensor_types"].items())
+    log(f"GGUF ({report['architecture']}, {quantize}): {name}, {report['bytes'] / 2**20:.1f} MiB "
+        f"(tensors: {types})")
 
 
 def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,

@@ -16,6 +16,8 @@ llama.cpp computes what transformers computes:
   1/sqrt(head_dim) (the 27B aside), so another ``query_pre_attn_scalar`` is refused.
 - 1-D tensors (norms, biases) stay fp32; matrices are fp32, fp16 or Q8_0 (blocks of 32 values
   with an fp16 scale; rows not of whole blocks stay fp16). A tied head is not written.
+- 4- to 6-bit files are llama.cpp's own quantizer's (libllama's ``llama_model_quantize``) from
+  an fp32 file written here: its k-quant mixes pick a type per tensor by rules of its own.
 - The tokenizer: byte-level BPE (raylm's, GPT-2's, Llama 3's, Qwen's) whose pre-tokenizer
   regex llama.cpp knows by name. SentencePiece-style vocabularies are not written yet.
 
@@ -26,6 +28,7 @@ other families) is refused before anything is written, naming the family or the 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ FAMILIES = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA",
 PERMUTED = {"LLAMA"}
 FREQ_SCALINGS = ("linear", "llama3")  # rotary scalings written as rope_freqs, LLAMA only
 QUANTIZATIONS = ("f16", "q8_0", "f32")
+BY_LLAMA_CPP = {"q4_0": 2, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}  # their llama_ftype
 RECORD = "raylm.export"  # the export's record (run, step, kind) in the file's metadata
 
 # The pre-tokenizer regexes of byte-level BPE tokenizers, by the name llama.cpp gives them.
@@ -114,9 +118,11 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if quantize in BY_LLAMA_CPP:
+        return _quantized_by_llama_cpp(model_dir, out, quantize, record)
     if quantize not in QUANTIZATIONS:
         raise ValueError(f"--quantize {quantize}: GGUF exports are one of "
-                         f"{', '.join(QUANTIZATIONS)}")
+                         f"{', '.join((*QUANTIZATIONS, *BY_LLAMA_CPP))}")
     config = json.loads((model_dir / "config.json").read_text())
     arch = gguf.MODEL_ARCH[check_model(config)]
     tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
@@ -164,7 +170,7 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quantize])
     _add_vocabulary(writer, tok, model_dir, pre=pre, size=c.vocab_size)
     names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
-    types: dict[str, int] = {}
+    types: Counter[str] = Counter()
     tied = bool(c.tie_word_embeddings)
     for name, tensor in model.state_dict().items():
         if tied and name == "lm_head.weight":
@@ -178,14 +184,39 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
             data = _interleaved_rotary(data, kv_heads if "k_proj" in name else heads)
         if gemma and name.endswith("norm.weight"):
             data = data + 1.0
-        qtype = _add_tensor(writer, target, data.numpy(), quantize)
-        types[qtype] = types.get(qtype, 0) + 1
+        types[_add_tensor(writer, target, data.numpy(), quantize)] += 1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return {"architecture": gguf.MODEL_ARCH_NAMES[arch], "tokenizer_pre": pre,
-            "tensor_types": types, "bytes": out.stat().st_size}
+            "tensor_types": dict(types), "bytes": out.stat().st_size}
+
+
+def _quantized_by_llama_cpp(model_dir: Path, out: Path, quantize: str,
+                            record: dict | None) -> dict[str, Any]:
+    import contextlib
+    import io
+
+    import gguf
+    import llama_cpp
+
+    full = out.with_name(f"{out.name}.f32")
+    report = write_gguf(model_dir, full, quantize="f32", record=record)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = BY_LLAMA_CPP[quantize]
+    # The binding prints llama.cpp's log to sys.stderr: a line per tensor, kept for a failure.
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            failed = llama_cpp.llama_model_quantize(str(full).encode(), str(out).encode(), params)
+    finally:
+        full.unlink()
+    if failed:
+        raise RuntimeError(f"llama.cpp's quantizer failed to write {quantize}: "
+                           f"{said.getvalue()[-2000:]}")
+    types = Counter(t.tensor_type.name.lower() for t in gguf.GGUFReader(out).tensors)
+    return {**report, "tensor_types": dict(types), "bytes": out.stat().st_size}
 
 
 def _interleaved_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -327,11 +327,12 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
 
 def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
         base, trained, tmp_path):
-    """The run as GGUF (f16 in a folder, and Q8_0 as the file ``--output`` names), run by
-    llama.cpp: greedy decoding of a prompt gives the merged Hugging Face export's first 16
-    tokens, and the validation loss on the run's own blocks stays within 0.01 nats (f16) and
-    0.02 (Q8_0) of the export's. The file's record is in its metadata, and a second export
-    replaces the file (one raylm did not write is not: tests/unit/formats/test_gguf.py)."""
+    """The run as GGUF (f16 in a folder; Q8_0 and llama.cpp's Q4_K_M as the files ``--output``
+    names), run by llama.cpp: greedy decoding of a prompt gives the merged Hugging Face
+    export's first 16 tokens, and the validation loss on the run's own blocks stays within
+    0.01 nats (f16), 0.02 (Q8_0) and 0.05 (Q4_K_M) of the export's. The file's record is in its
+    metadata, and a second export replaces the file (one raylm did not write is not:
+    tests/unit/formats/test_gguf.py)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     import numpy as np
     import torch
@@ -348,7 +349,8 @@ def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
     info = json.loads((out / "raylm_export.json").read_text())
     assert info["kind"] == "gguf-f16" and info["step"] == 30
     assert info["architecture"] == "llama" and info["tokenizer_pre"] == "gpt-2"
-    files = {"f16": out / info["file"], "q8_0": tmp_path / "tiny.gguf"}
+    files = {"f16": out / info["file"], "q8_0": tmp_path / "tiny.gguf",
+             "q4_k_m": tmp_path / "tiny-q4_k_m.gguf"}
     import gguf
 
     from raylm.formats.llamacpp import RECORD
@@ -359,7 +361,10 @@ def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
     field = gguf.GGUFReader(files["q8_0"]).fields[RECORD]
     assert json.loads(field.contents()) == {"run_dir": str(run_dir), "kind": "gguf-q8_0",
                                             "step": 30}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["f16", "hf", "tiny.gguf"]
+    assert main(["export", str(run_dir), "--output", str(files["q4_k_m"]), "--format", "gguf",
+                 "--quantize", "q4_k_m"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f16", "hf", "tiny-q4_k_m.gguf",
+                                                          "tiny.gguf"]
     model = AutoModelForCausalLM.from_pretrained(str(hf)).eval()
     tok = AutoTokenizer.from_pretrained(str(hf))
     prompt = tok("The river carried", add_special_tokens=False)["input_ids"]
@@ -369,7 +374,7 @@ def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
     batches, cross = validation_batches(str(run_dir), log=print)
     blocks = [row.tolist() for b in batches for row in b["input_ids"]]
     reference = model_losses([model], batches, cross)[0]
-    for quantize, bound in (("f16", 0.01), ("q8_0", 0.02)):
+    for quantize, bound in (("f16", 0.01), ("q8_0", 0.02), ("q4_k_m", 0.05)):
         llm = llama_cpp.Llama(str(files[quantize]), n_ctx=64, logits_all=True, verbose=False,
                               n_threads=2)
         try:

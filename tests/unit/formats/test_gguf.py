@@ -1,7 +1,7 @@
 """GGUF files (raylm.formats.llamacpp) run in llama.cpp itself (llama-cpp-python): its logits are
 transformers' for each family written, it splits text into transformers' tokens for each
 pre-tokenizer it names, and what it would compute otherwise is refused. The export of a
-trained run (greedy tokens, Q8_0's perplexity) is tested in tests/integration/test_train.py."""
+trained run (greedy tokens, each type's loss) is tested in tests/integration/test_train.py."""
 
 from __future__ import annotations
 
@@ -121,26 +121,38 @@ def test_rotary_scaling_reaches_llama_cpp_as_its_frequency_factors(rope, tokeniz
     assert np.abs(logits["scaled"] - logits["plain"]).max() > 1e-2
 
 
-def test_q8_0_and_f16_hold_their_types_and_stay_close(tokenizer_dir, tmp_path):
-    """Q8_0 quantizes every matrix (rows of 64: whole blocks of 32), F16 halves them; norms
-    stay fp32; both stay near the fp32 logits."""
+def test_each_type_holds_its_tensor_types_and_strays_further_as_its_bits_fall(
+        tokenizer_dir, tmp_path):
+    """f16 and Q8_0 written by raylm (every matrix, the 1-D norms fp32); Q6_K, Q5_K_M, Q4_K_M
+    and Q4_0 by llama.cpp's own quantizer from raylm's fp32 file, in its mixes (the _m mixes
+    keep three matrices at Q6_K), with the export's record kept. Rows of 256 values, so every
+    k-quant block is whole. Each runs in llama.cpp near transformers' logits, each file
+    smaller than the type before it and further from them."""
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = save_model(tmp_path, "qwen3", tokenizer_dir)
+    model_dir = save_model(tmp_path, "qwen3", tokenizer_dir, hidden_size=256,
+                           intermediate_size=512, head_dim=64)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     ids = tok(TEXTS[0], add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         want = AutoModelForCausalLM.from_pretrained(str(model_dir))(
             torch.tensor([ids])).logits[0].numpy()
-    sizes = {}
-    for quantize, matrices, tol in [("f16", "f16", 5e-3), ("q8_0", "q8_0", 3e-2)]:
+    # 2 layers x (7 projections) + embeddings + untied head; 9 norms.
+    cases = {"f16": {"f16": 16}, "q8_0": {"q8_0": 16}, "q6_k": {"q6_k": 16},
+             "q5_k_m": {"q5_k": 13, "q6_k": 3}, "q4_k_m": {"q4_k": 13, "q6_k": 3},
+             "q4_0": {"q4_0": 15, "q6_k": 1}}
+    sizes, errors = [], []
+    for quantize, matrices in cases.items():
         path = tmp_path / f"{quantize}.gguf"
-        info = llamacpp.write_gguf(model_dir, path, quantize=quantize)
-        # 2 layers x (7 projections) + embeddings + untied head; the 1-D norms fp32.
-        assert info["tensor_types"] == {matrices: 16, "f32": 9}
-        sizes[quantize] = info["bytes"]
-        np.testing.assert_allclose(run_llama_cpp(path, ids), want, atol=tol, rtol=0)
-    assert sizes["q8_0"] < 0.65 * sizes["f16"]
+        info = llamacpp.write_gguf(model_dir, path, quantize=quantize, record={"q": quantize})
+        assert info["tensor_types"] == {**matrices, "f32": 9}
+        assert json.loads(GGUFReader(path).fields[llamacpp.RECORD].contents()) == {"q": quantize}
+        sizes.append(info["bytes"])
+        errors.append(float(np.abs(run_llama_cpp(path, ids) - want).mean()))
+    assert sorted(p.name for p in tmp_path.glob("*.gguf")) == sorted(f"{q}.gguf" for q in cases)
+    assert sizes == sorted(sizes, reverse=True) and errors == sorted(errors), (sizes, errors)
+    assert errors[0] < 1e-3 and errors[-1] < 0.2, errors  # logits spread 0.45 here
 
 
 def bpe_tokenizer(out: Path, regex: str) -> Path:
