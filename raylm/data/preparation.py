@@ -591,12 +591,16 @@ def given_tokenizer(cfg: Config) -> Path | None:
 
 def _tokenizer_id(cfg: Config) -> str:
     """What determines the tokenizer: its directory, or the settings a BPE is trained with
-    (the corpus is in the fingerprint separately)."""
-    t = cfg.tokenizer
-    given = given_tokenizer(cfg)
-    if given is not None:
-        return str(given)
-    return f"bpe:{t.vocab_size}:{t.min_frequency}:{t.train_chars}"
+    (the corpus is in the fingerprint separately); and the family of a model beside which
+    transformers builds it otherwise (:func:`raylm.data.tokenizer.load_tokenizer`)."""
+    t, given, model = cfg.tokenizer, given_tokenizer(cfg), cfg.model.path
+    base = str(given) if given else f"bpe:{t.vocab_size}:{t.min_frequency}:{t.train_chars}"
+    config = Path(model or "", "config.json")
+    if not model or not config.is_file() or (given and Path(given, "config.json").is_file()):
+        return base
+    if given and load_backend(given, model)[0].to_str() == load_backend(given)[0].to_str():
+        return base
+    return f"{base}:beside:{json.loads(config.read_text()).get('model_type')}"
 
 
 def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
@@ -623,7 +627,7 @@ def resolve_tokenizer(cfg: Config, files: list[SourceFile], corpus_fp: str, log)
     t = cfg.tokenizer
     given = given_tokenizer(cfg)
     if given is not None:
-        load_backend(given)  # fail now, on the driver, with the tokenizer's own message
+        load_backend(given, cfg.model.path)  # fail now, with the tokenizer's own message
         return given
     return build_tokenizer(
         files, corpus_fingerprint=corpus_fp, cache_dir=cache_dir(cfg),
@@ -693,7 +697,7 @@ def _prepare_into(out: Path, cfg: Config, files: list[SourceFile], *,
     d = cfg.data
     corpus_fp = fingerprint_files(files)
     tok_path = resolve_tokenizer(cfg, files, corpus_fp, log)
-    backend, eos = load_backend(tok_path)
+    backend, eos = load_backend(tok_path, cfg.model.path)
     fp = prepared_fingerprint(corpus_fp, cfg)
     L = d.seq_len + 1
     sizes = [os.path.getsize(f.path) for f in files]

@@ -63,13 +63,9 @@ def train_bpe(texts: Iterator[str], *, vocab_size: int, min_frequency: int = 2):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=min_frequency,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=[EOS_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
@@ -135,16 +131,27 @@ def build_tokenizer(
     return target
 
 
-def load_backend(path: str | Path):
-    """(fast ``tokenizers.Tokenizer``, eos id) for a Hugging Face tokenizer directory."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: str | Path, model: str | None = None):
+    """transformers' tokenizer of the directory ``path`` as it loads beside the config of the
+    model directory ``model``: for some families (Qwen2) it builds the family's own pipeline
+    from the vocabulary whatever tokenizer.json says, and so does every client of the model's
+    exports (AutoTokenizer, vLLM, llama.cpp through the GGUF export), so training does too."""
+    from transformers import AutoConfig, AutoTokenizer
 
+    config = None
+    if model and Path(model, "config.json").is_file() and not Path(path, "config.json").is_file():
+        config = AutoConfig.from_pretrained(str(model), trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, config=config)
+
+
+def load_backend(path: str | Path, model: str | None = None):
+    """(fast ``tokenizers.Tokenizer``, eos id) of :func:`load_tokenizer`."""
     p = Path(path).expanduser()
     if not p.is_dir():
         raise ValueError(f"tokenizer.path: {p} is not a directory; point it at a Hugging Face "
                          f"tokenizer directory or leave it unset to train one.")
     try:
-        hf = AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
+        hf = load_tokenizer(p, model)
     except Exception as e:  # transformers raises OSError/ValueError/KeyError for bad dirs
         raise ValueError(f"tokenizer.path: cannot load a tokenizer from {p}: {e}") from None
     if not getattr(hf, "is_fast", False):

@@ -30,6 +30,7 @@ from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
 from raylm.data.chat import answer_segments, encode, generation_prompt, template_for
 from raylm.data.corpus import normalize, parse_answer, parse_prompt
 from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
+from raylm.data.tokenizer import load_tokenizer
 from raylm.model import lora, sparsity
 from raylm.model.assemble import Built, build_for_checkpoint, evaluate
 from raylm.model.build import build_config, max_positions
@@ -64,14 +65,11 @@ def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
     # whose weights must not travel with every run, nor land in its exports. Written at every
     # start whose tokenizer differs from the one there (a resume with accept_changes: [tokenizer],
     # a copy cut short by a killed driver), its digest last: a copy without it is partial.
-    from transformers import AutoTokenizer
-
     target = storage.join(run_dir, TOKENIZER_DIR)
     if Path(target).is_symlink():  # emptied below: never another folder through a link
         raise ValueError(f"{target} is a link; remove it (raylm writes a run's tokenizer there)")
     with tempfile.TemporaryDirectory(prefix="raylm-tokenizer-") as tmp:
-        AutoTokenizer.from_pretrained(str(tokenizer_path), trust_remote_code=False
-                                      ).save_pretrained(tmp)
+        load_tokenizer(tokenizer_path, config["model"]["path"]).save_pretrained(tmp)
         files = sorted(f for f in Path(tmp).iterdir() if f.is_file())
         digest = hashlib.blake2b(b"".join(f.name.encode() + b"\0" + f.read_bytes()
                                           for f in files), digest_size=16).hexdigest()
@@ -162,7 +160,7 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
         if format == "gguf":
             _write_gguf(run_dir, tmp, cfg, quantize, log=log)
         elif quantize is not None:
-            _write_quantized(run_dir, tmp, quantize, log=log)
+            _write_quantized(run_dir, tmp, cfg, quantize, log=log)
         else:
             write_export(run_dir, tmp, cfg, merge=merge)
     publish(tmp, out, mine=(EXPORT_INFO, "kind"))
@@ -175,11 +173,8 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
     is written or loaded)."""
     from raylm.formats import llamacpp
 
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise ValueError("--format gguf needs the gguf package: pip install 'raylm[gguf]'"
-                         ) from None
+    if not importlib.util.find_spec("gguf"):
+        raise ValueError("--format gguf needs the gguf package: pip install 'raylm[gguf]'")
     quantize = quantize or "f16"
     if quantize not in (*llamacpp.QUANTIZATIONS, *llamacpp.BY_LLAMA_CPP):
         raise ValueError(f"--quantize {quantize}: GGUF exports are one of "
@@ -270,12 +265,11 @@ def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,
          "kind": "lora-adapter" if adapters and not merge else "model"}, indent=1))
 
 
-def _write_quantized(run_dir: str | Path, out: Path, method: str, *, log) -> None:
+def _write_quantized(run_dir: str | Path, out: Path, cfg, method: str, *, log) -> None:
     """The int8 export of :func:`export`, into the empty directory ``out``."""
     from torchao.quantization import Int8WeightOnlyConfig
     from transformers import AutoModelForCausalLM, TorchAoConfig
 
-    cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
     with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
         plain = Path(tmp)
         write_export(run_dir, plain, cfg, merge=True)

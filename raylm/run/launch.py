@@ -279,7 +279,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     prepared = prepared_dir(cfg, log=log)
     manifest = json.loads((prepared / PREPARED_MANIFEST).read_text())
     layout = json.loads((prepared / LAYOUT).read_text())
-    backend, eos = load_backend(manifest["tokenizer_path"])
+    backend, eos = load_backend(manifest["tokenizer_path"], cfg.model.path)
     vocab = backend.get_vocab_size()
     skipped = rundir.read_manifest(rd)
     if rundir.describe_manifest(skipped):
@@ -413,7 +413,7 @@ def reference_before_trials(cfg: Config, prepared: str, *, log=print) -> None:
     if not needs_stored_reference(cfg):
         return
     manifest = json.loads((Path(prepared) / PREPARED_MANIFEST).read_text())
-    backend, eos = load_backend(manifest["tokenizer_path"])
+    backend, eos = load_backend(manifest["tokenizer_path"], cfg.model.path)
     stored_reference(cfg, prepared, identity=run_identity(cfg, manifest, backend),
                      resources=plan_resources(cfg, None).worker,
                      vocab_size=backend.get_vocab_size(), eos_id=eos, log=log)

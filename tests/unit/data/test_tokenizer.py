@@ -53,10 +53,50 @@ def test_a_run_keeps_only_the_tokenizers_files_of_a_model_directory(tokenizer_di
     shutil.copytree(tokenizer_dir, model)
     (model / "model.safetensors").write_bytes(b"\0" * 1024)
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    write_run_info(str(tmp_path / "run"), config={}, vocab_size=400, eos_id=0,
+    write_run_info(str(tmp_path / "run"), config={"model": {"path": str(model)}}, vocab_size=400,
+                   eos_id=0,
                    tokenizer_path=str(model), prepared=str(tmp_path / "prepared"))
     kept = {f.name for f in (tmp_path / "run" / TOKENIZER_DIR).iterdir()}
     assert "tokenizer.json" in kept and not kept & {"model.safetensors", "config.json"}
     ours = AutoTokenizer.from_pretrained(str(tmp_path / "run" / TOKENIZER_DIR))
     text = "The river carried the boats past the old mill."
     assert ours(text)["input_ids"] == AutoTokenizer.from_pretrained(str(model))(text)["input_ids"]
+
+
+def test_each_familys_export_tokenizes_as_training_did(tokenizer_dir, tmp_path):
+    """raylm's own tokenizer beside a model of each family raylm trains: what preparation
+    tokenizes with (load_backend) is what AutoTokenizer builds from an export (the run's copy
+    of the tokenizer beside the model's config.json), on text with digits, runs of spaces,
+    accents and emoji. transformers builds some families' own class whatever tokenizer.json
+    says (Qwen2's splits digits one by one), so training takes the tokenizer as it loads
+    beside the model; the prepared data's fingerprint tells the two apart."""
+    import shutil
+
+    from raylm.config import load_config
+    from raylm.data.preparation import prepared_fingerprint
+    from raylm.formats.exporter import TOKENIZER_DIR, write_run_info
+    from tests.distributed.test_pretrained import family_config
+
+    text = "Numbers 1234567 and 3.14;   café naïve Ελλάδα 東京 🙂🚀\n\n\tdone"
+    alone = load_backend(tokenizer_dir)[0].encode(text).ids
+    rebuilt = []
+    for family in ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3",
+                   "granite", "olmo2", "phi3", "gpt2"]:
+        model = tmp_path / family
+        family_config(family).save_pretrained(str(model))
+        trained = load_backend(tokenizer_dir, str(model))[0].encode(text).ids
+        run = tmp_path / "runs" / family
+        write_run_info(str(run), config={"model": {"path": str(model)}}, vocab_size=400,
+                       eos_id=0, tokenizer_path=str(tokenizer_dir), prepared="")
+        export = tmp_path / "exports" / family  # as raylm.formats.exporter.write_export
+        AutoTokenizer.from_pretrained(str(run / TOKENIZER_DIR)).save_pretrained(str(export))
+        shutil.copy(model / "config.json", export / "config.json")
+        got = AutoTokenizer.from_pretrained(str(export))(text, add_special_tokens=False)
+        assert got["input_ids"] == trained, family
+        if trained != alone:
+            rebuilt.append(family)
+    assert "qwen2" in rebuilt, rebuilt  # what makes this test tell the two ways apart
+    fingerprints = {f: prepared_fingerprint("corpus", load_config(None, [
+        f"--tokenizer.path={tokenizer_dir}", *([f"--model.path={tmp_path / f}"] if f else [])]))
+        for f in ("", "llama", "qwen2")}
+    assert fingerprints[""] == fingerprints["llama"] != fingerprints["qwen2"]
