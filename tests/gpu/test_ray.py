@@ -1,5 +1,6 @@
 """`raylm train` through Ray Train and Ray Data on a real GPU: the worker gets the device, trains
-in bf16-mixed, checkpoints, and the run's summary says what ran where.
+in bf16-mixed, checkpoints, and the run's summary says what ran where; and vLLM serves a
+fine-tune's merged export as transformers runs it (where vLLM is installed).
 
 Needs a CUDA device and Ray: ``python -m pytest -m gpu tests/gpu``; skipped without either
 (on a GPU machine without network, Ray comes from the wheel set: scripts/gpu_run.sh).
@@ -109,3 +110,41 @@ def test_dpo_through_ray_trains_on_the_gpu(tmp_path: Path, task, gpu_cluster):
                         "--data.format=preference", "--train.objective=dpo",
                         "--dpo.beta=0.5", "--optim.lr=3e-3")
     assert math.isfinite(summary["train_loss"]) and 0 <= summary["val_accuracy"] <= 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+def test_vllm_serves_the_merged_export_as_transformers_runs_it(tmp_path: Path, task,
+                                                                gpu_cluster):
+    """A LoRA fine-tune's merged export (`raylm export --merge`) served by vLLM's ``LLM``:
+    its greedy tokens are transformers' own on the export, both in fp32 on the GPU, up to the
+    first step where transformers' top two logits are within 1e-4 (a tie either may break)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from raylm.cli import main
+
+    fine_tune(tmp_path, task, f"--data.source={task[0]['train']}", "--data.format=chat",
+              "--optim.lr=3e-3")
+    out = tmp_path / "merged"
+    assert main(["export", str(tmp_path / "runs" / "tuned"), "--output", str(out),
+                 "--merge"]) == 0
+    tok = AutoTokenizer.from_pretrained(str(out))
+    prompt = tok("User: Reverse the words: river mill bread\n\nAssistant:",
+                 add_special_tokens=False)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        ran = model.generate(torch.tensor([prompt]).cuda(), do_sample=False, max_new_tokens=16,
+                             min_new_tokens=16, output_scores=True,
+                             return_dict_in_generate=True)
+    want = ran.sequences[0, len(prompt):].tolist()
+    margins = [float(a - b) for a, b in (s[0].topk(2).values for s in ran.scores)]
+    sure = next((i for i, m in enumerate(margins) if m < 1e-4), len(want))
+    del model
+    torch.cuda.empty_cache()
+    llm = LLM(model=str(out), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3,
+              seed=0)
+    served = llm.generate({"prompt_token_ids": prompt},
+                          SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    got = list(served[0].outputs[0].token_ids)
+    assert sure > 0 and got[:sure] == want[:sure], (got, want, margins)
