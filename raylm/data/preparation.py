@@ -592,7 +592,8 @@ def given_tokenizer(cfg: Config) -> Path | None:
 def _tokenizer_id(cfg: Config) -> str:
     """What determines the tokenizer: its directory, or the settings a BPE is trained with
     (the corpus is in the fingerprint separately); and the family of a model beside which
-    transformers builds it otherwise (:func:`raylm.data.tokenizer.load_tokenizer`)."""
+    transformers builds it otherwise (:func:`raylm.data.tokenizer.load_tokenizer`: a BPE not
+    yet trained cannot be tried, so any model directory's)."""
     t, given, model = cfg.tokenizer, given_tokenizer(cfg), cfg.model.path
     base = str(given) if given else f"bpe:{t.vocab_size}:{t.min_frequency}:{t.train_chars}"
     config = Path(model or "", "config.json")
