@@ -158,7 +158,7 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
                        kind=kind, overwrite=overwrite)
     with building(out) as tmp:
         if format == "gguf":
-            _write_gguf(run_dir, tmp, cfg, quantize, log=log)
+            _write_gguf(run_dir, tmp, cfg, quantize, f"model-{quantize}.gguf", log=log)
         elif quantize is not None:
             _write_quantized(run_dir, tmp, cfg, quantize, log=log)
         else:
@@ -210,20 +210,18 @@ def _gguf_file(run_dir: str | Path, output: str | Path, cfg, quantize: str, *, l
                           f"where its own earlier export does (not a URI, a folder or another "
                           f"file); choose a new local file name.")
     with building(out) as tmp:
-        _write_gguf(run_dir, tmp, cfg, quantize, log=log, name=out.name)
+        _write_gguf(run_dir, tmp, cfg, quantize, out.name, log=log)
         (tmp / out.name).replace(out)
     shutil.rmtree(tmp)
     return out
 
 
-def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, *, log,
-                name: str | None = None) -> None:
+def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, name: str, *, log) -> None:
     """The GGUF export of :func:`export`, into the empty directory ``out`` (the file's
     ``name`` and its record beside it): the merged model written as a Hugging Face directory
     first, then converted."""
     from raylm.formats.llamacpp import write_gguf
 
-    name = name or f"model-{quantize}.gguf"
     with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
         plain = Path(tmp) / storage.name(storage.normalize(run_dir))
         plain.mkdir()

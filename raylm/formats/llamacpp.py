@@ -5,19 +5,19 @@ architecture, its reader of merges, special tokens and chat templates). Decided 
 llama.cpp's converter script (``convert_hf_to_gguf.py``, in no package) decides, so that
 llama.cpp computes what transformers computes:
 
-- Llama and Mistral are the ``llama`` architecture, which rotates interleaved pairs of a head's
-  dimensions where transformers rotates its two halves: query and key rows are reordered.
-  Rotary scaling that only rescales each frequency ('linear', Llama 3.1's 'llama3') goes in as
-  llama.cpp's per-frequency factors (``rope_freqs``: transformers' unscaled over its scaled
-  frequencies). Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms) have architectures of
-  their own, with half-rotation as transformers has it.
+- Llama and Mistral are the ``llama`` architecture, and Granite (four more scalars) its kin,
+  which rotate interleaved pairs of a head's dimensions where transformers rotates its two
+  halves: query and key rows are reordered. Rotary scaling that only rescales each frequency
+  ('linear', Llama 3.1's 'llama3') goes in as llama.cpp's per-frequency factors
+  (``rope_freqs``: transformers' unscaled over its scaled frequencies). Qwen2 (q/k/v biases),
+  Qwen3 (per-head q/k norms) and OLMo 2 (norms after each block) rotate halves as transformers.
 - Gemma 3: its norms multiply by 1 + weight, llama.cpp's by the weight (1 is added); sliding
   layers and the window's own rotary base are written per layer; llama.cpp scales queries by
   1/sqrt(head_dim) (the 27B aside), so another ``query_pre_attn_scalar`` is refused.
-- 1-D tensors (norms, biases) stay fp32; matrices are fp32, fp16 or Q8_0 (blocks of 32 values
-  with an fp16 scale; rows not of whole blocks stay fp16). A tied head is not written.
-- 4- to 6-bit files are llama.cpp's own quantizer's (libllama's ``llama_model_quantize``) from
-  an fp32 file written here: its k-quant mixes pick a type per tensor by rules of its own.
+- 1-D tensors stay fp32; matrices are fp32, fp16 or Q8_0 (blocks of 32 values with an fp16
+  scale; rows not of whole blocks stay fp16); a tied head is not written. 4- to 6-bit files
+  are llama.cpp's own quantizer's (libllama's ``llama_model_quantize``) from an fp32 file
+  written here: its k-quant mixes pick a type per tensor by rules of its own.
 - The tokenizer: byte-level BPE (raylm's, GPT-2's, Llama 3's, Qwen's) whose pre-tokenizer
   regex llama.cpp knows by name. SentencePiece-style vocabularies are not written yet.
 
@@ -37,9 +37,10 @@ import torch
 
 FAMILIES = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA",
             "Qwen2ForCausalLM": "QWEN2", "Qwen3ForCausalLM": "QWEN3",
-            "Gemma3ForCausalLM": "GEMMA3"}
+            "Gemma3ForCausalLM": "GEMMA3", "Olmo2ForCausalLM": "OLMO2",
+            "GraniteForCausalLM": "GRANITE"}
 """transformers' class -> gguf's MODEL_ARCH member."""
-PERMUTED = {"LLAMA"}
+PERMUTED = {"LLAMA", "GRANITE"}
 FREQ_SCALINGS = ("linear", "llama3")  # rotary scalings written as rope_freqs, LLAMA only
 QUANTIZATIONS = ("f16", "q8_0", "f32")
 BY_LLAMA_CPP = {"q4_0": 2, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}  # their llama_ftype
@@ -70,7 +71,7 @@ def check_model(config: dict[str, Any]) -> str:
     for part in rope.values() if rope and all(isinstance(v, dict) for v in rope.values()) \
             else [rope]:
         kind = part.get("rope_type", part.get("type", "default"))
-        if kind != "default" and (kind not in FREQ_SCALINGS or FAMILIES[family] not in PERMUTED):
+        if kind != "default" and (kind not in FREQ_SCALINGS or FAMILIES[family] != "LLAMA"):
             raise ValueError(f"--format gguf: {family} with rotary scaling {kind!r} is not "
                              f"written yet; the default rotary embedding is, and "
                              f"{' and '.join(FREQ_SCALINGS)} for Llama and Mistral.")
@@ -118,11 +119,8 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
     import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if quantize in BY_LLAMA_CPP:
+    if quantize in BY_LLAMA_CPP:  # else one of QUANTIZATIONS (the export checked it)
         return _quantized_by_llama_cpp(model_dir, out, quantize, record)
-    if quantize not in QUANTIZATIONS:
-        raise ValueError(f"--quantize {quantize}: GGUF exports are one of "
-                         f"{', '.join((*QUANTIZATIONS, *BY_LLAMA_CPP))}")
     config = json.loads((model_dir / "config.json").read_text())
     arch = gguf.MODEL_ARCH[check_model(config)]
     tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
@@ -164,6 +162,11 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
             plain = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
             writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                               (plain / ROPE_INIT_FUNCTIONS[kind](c, "cpu")[0]).numpy())
+    if arch.name == "GRANITE":  # its four scalars, where Llama has none
+        writer.add_embedding_scale(c.embedding_multiplier)
+        writer.add_residual_scale(c.residual_multiplier)
+        writer.add_attention_scale(c.attention_multiplier)
+        writer.add_logit_scale(c.logits_scaling)
     writer.add_vocab_size(c.vocab_size)
     writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32,
                           "f16": gguf.LlamaFileType.MOSTLY_F16,

@@ -58,13 +58,16 @@ FAMILY_SETTINGS = {
                "layer_types": ["sliding_attention", "full_attention"]}}
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2",
+                                    "granite"])
 def test_llama_cpp_computes_transformers_logits_and_tokens_for_each_family(
         family, tokenizer_dir, tmp_path):
     """fp32 GGUF: llama.cpp's logits of a text are transformers' (to 1e-3, its matmuls sum in
     another order), through Llama's reordered query/key rows, Qwen2's biases, Qwen3's
-    per-head norms and Gemma 3's shifted norms, scaled embeddings and sliding window (8
-    tokens, the text longer); raylm's byte-level BPE splits every text alike in both.
+    per-head norms, Gemma 3's shifted norms, scaled embeddings and sliding window (8 tokens,
+    the text longer), OLMo 2's norms after each block and Granite's four scalars (without
+    them, or with OLMo 2's rows reordered, the logits are 0.5 away: checked); raylm's
+    byte-level BPE splits every text alike in both.
     (Beside a Qwen2 model transformers 5 loads it with Qwen2's own pre-tokenizer, and the
     file says so.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
