@@ -31,6 +31,7 @@ from raylm.data.chat import answer_segments, encode, generation_prompt, template
 from raylm.data.corpus import normalize, parse_answer, parse_prompt
 from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
 from raylm.data.tokenizer import load_tokenizer
+from raylm.formats import llamacpp
 from raylm.model import lora, sparsity
 from raylm.model.assemble import Built, build_for_checkpoint, evaluate
 from raylm.model.build import build_config, max_positions
@@ -171,8 +172,6 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
     """The GGUF export's tensor type, once the run's model family, rotary embedding and
     tokenizer are known to be ones raylm writes for llama.cpp (refused here, before anything
     is written or loaded)."""
-    from raylm.formats import llamacpp
-
     if not importlib.util.find_spec("gguf"):
         raise ValueError("--format gguf needs the gguf package: pip install 'raylm[gguf]'")
     quantize = quantize or "f16"
@@ -198,11 +197,10 @@ def _gguf_file(run_dir: str | Path, output: str | Path, cfg, quantize: str, *, l
     and renamed into place."""
     from gguf import GGUFReader
 
-    from raylm.formats.llamacpp import RECORD
-
     out = Path(output).expanduser().resolve()
     try:
-        ours = "://" not in str(output) and (not out.exists() or RECORD in GGUFReader(out).fields)
+        ours = "://" not in str(output) and (not out.exists()
+                                             or llamacpp.RECORD in GGUFReader(out).fields)
     except (OSError, ValueError):  # a folder, or not a GGUF file
         ours = False
     if not ours:
@@ -220,15 +218,13 @@ def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, name: str, *
     """The GGUF export of :func:`export`, into the empty directory ``out`` (the file's
     ``name`` and its record beside it): the merged model written as a Hugging Face directory
     first, then converted."""
-    from raylm.formats.llamacpp import write_gguf
-
     with tempfile.TemporaryDirectory(prefix="raylm-export-") as tmp:
         plain = Path(tmp) / storage.name(storage.normalize(run_dir))
         plain.mkdir()
         write_export(run_dir, plain, cfg, merge=True)
         record = {"run_dir": storage.normalize(run_dir), "kind": f"gguf-{quantize}",
                   "step": json.loads((plain / EXPORT_INFO).read_text())["step"]}
-        report = write_gguf(plain, out / name, quantize=quantize, record=record)
+        report = llamacpp.write_gguf(plain, out / name, quantize=quantize, record=record)
     (out / EXPORT_INFO).write_text(json.dumps({**record, "file": name, **report}, indent=1))
     types = ", ".join(f"{n} {t}" for t, n in report["tensor_types"].items())
     log(f"GGUF ({report['architecture']}, {quantize}): {name}, {report['bytes'] / 2**20:.1f} MiB "

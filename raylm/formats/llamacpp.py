@@ -11,9 +11,10 @@ llama.cpp computes what transformers computes:
   ('linear', Llama 3.1's 'llama3') goes in as llama.cpp's per-frequency factors
   (``rope_freqs``: transformers' unscaled over its scaled frequencies). Qwen2 (q/k/v biases),
   Qwen3 (per-head q/k norms) and OLMo 2 (norms after each block) rotate halves as transformers.
-- Gemma 3: its norms multiply by 1 + weight, llama.cpp's by the weight (1 is added); sliding
-  layers and the window's own rotary base are written per layer; llama.cpp scales queries by
-  1/sqrt(head_dim) (the 27B aside), so another ``query_pre_attn_scalar`` is refused.
+- Gemma 2 and 3: their norms multiply by 1 + weight, llama.cpp's by the weight (1 is added);
+  Gemma 3's sliding layers and the window's own rotary base are written per layer, Gemma 2's
+  two soft caps; llama.cpp scales queries by 1/sqrt(head_dim) (the 27Bs aside), so another
+  ``query_pre_attn_scalar`` is refused.
 - 1-D tensors stay fp32; matrices are fp32, fp16 or Q8_0 (blocks of 32 values with an fp16
   scale; rows not of whole blocks stay fp16); a tied head is not written. 4- to 6-bit files
   are llama.cpp's own quantizer's (libllama's ``llama_model_quantize``) from an fp32 file
@@ -27,6 +28,8 @@ other families) is refused before anything is written, naming the family or the 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from collections import Counter
 from pathlib import Path
@@ -38,7 +41,7 @@ import torch
 FAMILIES = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA",
             "Qwen2ForCausalLM": "QWEN2", "Qwen3ForCausalLM": "QWEN3",
             "Gemma3ForCausalLM": "GEMMA3", "Olmo2ForCausalLM": "OLMO2",
-            "GraniteForCausalLM": "GRANITE"}
+            "GraniteForCausalLM": "GRANITE", "Gemma2ForCausalLM": "GEMMA2"}
 """transformers' class -> gguf's MODEL_ARCH member."""
 PERMUTED = {"LLAMA", "GRANITE"}
 FREQ_SCALINGS = ("linear", "llama3")  # rotary scalings written as rope_freqs, LLAMA only
@@ -77,16 +80,16 @@ def check_model(config: dict[str, Any]) -> str:
                              f"{' and '.join(FREQ_SCALINGS)} for Llama and Mistral.")
     if config.get("use_sliding_window") and config.get("sliding_window"):
         raise ValueError(f"--format gguf: {family} with a sliding window is not written yet.")
-    if family == "Gemma3ForCausalLM":
+    if family in (big := {"Gemma2ForCausalLM": 46, "Gemma3ForCausalLM": 62}):  # the 27Bs
         heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
-        scale = config["hidden_size"] // heads if layers == 62 else config["head_dim"]
+        scale = config["hidden_size"] // heads if layers == big[family] else config["head_dim"]
         if config.get("query_pre_attn_scalar") != scale:
-            raise ValueError(f"--format gguf: this Gemma 3 scales its queries by "
+            raise ValueError(f"--format gguf: this {family} scales its queries by "
                              f"query_pre_attn_scalar={config.get('query_pre_attn_scalar')}, "
                              f"llama.cpp by {scale} (its head size).")
-        if config.get("attn_logit_softcapping"):
-            raise ValueError("--format gguf: Gemma 3 with attention logit soft-capping is not "
-                             "something llama.cpp computes.")
+        if (family == "Gemma2ForCausalLM") != bool(cap := config.get("attn_logit_softcapping")):
+            raise ValueError(f"--format gguf: {family} with attn_logit_softcapping={cap}: "
+                             f"llama.cpp soft-caps Gemma 2's attention logits, not Gemma 3's.")
     return FAMILIES[family]
 
 
@@ -145,15 +148,17 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    gemma = arch.name == "GEMMA3"
-    if gemma:
+    if gemma := arch.name in ("GEMMA2", "GEMMA3"):
+        writer.add_sliding_window(c.sliding_window)  # Gemma 2's every other layer, as llama.cpp
+        if c.final_logit_softcapping:
+            writer.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch.name == "GEMMA2":
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    if arch.name == "GEMMA3":
         rope = c.rope_parameters
         writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
         writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
-        writer.add_sliding_window(c.sliding_window)
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
-        if c.final_logit_softcapping:
-            writer.add_final_logit_softcapping(c.final_logit_softcapping)
     else:
         writer.add_rope_freq_base(float(theta := c.rope_parameters["rope_theta"]))
         if (kind := c.rope_parameters.get("rope_type", "default")) != "default":
@@ -198,9 +203,6 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
 
 def _quantized_by_llama_cpp(model_dir: Path, out: Path, quantize: str,
                             record: dict | None) -> dict[str, Any]:
-    import contextlib
-    import io
-
     import gguf
     import llama_cpp
 

@@ -55,19 +55,24 @@ FAMILY_SETTINGS = {
     # Gemma 3 as published: queries scaled by the head size; one layer of two global, so
     # both of its rotary bases and the window's layer pattern are used.
     "gemma3": {"query_pre_attn_scalar": 16, "sliding_window": 8,
-               "layer_types": ["sliding_attention", "full_attention"]}}
+               "layer_types": ["sliding_attention", "full_attention"]},
+    # Gemma 2: soft caps low enough that the logits reach them (at their defaults, 50 and 30,
+    # a tiny model's never do); the window shorter than the text.
+    "gemma2": {"query_pre_attn_scalar": 16, "sliding_window": 8, "attn_logit_softcapping": 0.05,
+               "final_logit_softcapping": 0.5}}
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "olmo2",
-                                    "granite"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
+                                    "olmo2", "granite"])
 def test_llama_cpp_computes_transformers_logits_and_tokens_for_each_family(
         family, tokenizer_dir, tmp_path):
     """fp32 GGUF: llama.cpp's logits of a text are transformers' (to 1e-3, its matmuls sum in
     another order), through Llama's reordered query/key rows, Qwen2's biases, Qwen3's
     per-head norms, Gemma 3's shifted norms, scaled embeddings and sliding window (8 tokens,
-    the text longer), OLMo 2's norms after each block and Granite's four scalars (without
-    them, or with OLMo 2's rows reordered, the logits are 0.5 away: checked); raylm's
-    byte-level BPE splits every text alike in both.
+    the text longer), Gemma 2's two soft caps and window, OLMo 2's norms after each block and
+    Granite's four scalars (without any one of them, or with OLMo 2's rows reordered, the
+    logits are 0.03 to 0.7 away: checked); raylm's byte-level BPE splits every text alike in
+    both.
     (Beside a Qwen2 model transformers 5 loads it with Qwen2's own pre-tokenizer, and the
     file says so.)"""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -206,9 +211,14 @@ def test_llama_3_and_qwen2_pre_tokenizers_are_named_and_split_alike(name, tmp_pa
 
 
 def test_what_llama_cpp_would_compute_otherwise_is_refused(tokenizer_dir, tmp_path):
-    with pytest.raises(ValueError, match="query_pre_attn_scalar=256, llama.cpp by 16"):
-        llamacpp.check_model(family_config("gemma3").to_dict())
-    for family, says in [("gemma2", "this model is Gemma2ForCausalLM"),
+    for gemma, cap in (("gemma2", None), ("gemma3", 50.0)):
+        with pytest.raises(ValueError, match="query_pre_attn_scalar=256, llama.cpp by 16"):
+            llamacpp.check_model(family_config(gemma).to_dict())
+        config = family_config(gemma).to_dict() | {"query_pre_attn_scalar": 16,
+                                                   "attn_logit_softcapping": cap}
+        with pytest.raises(ValueError, match=f"attn_logit_softcapping={cap}: llama.cpp"):
+            llamacpp.check_model(config)
+    for family, says in [("qwen3_moe", "this model is Qwen3MoeForCausalLM"),
                          ("phi3", "this model is Phi3ForCausalLM"),
                          ("gpt2", "this model is GPT2LMHeadModel")]:
         with pytest.raises(ValueError, match=says):
