@@ -22,6 +22,8 @@
               beside it
     prune     a trained run pruned by each method and sparsity: validation loss before and
               after, sizes; then healed by a short full and LoRA fine-tune
+    gguf      a trained run as a GGUF file of each tensor type: size, export time, and the
+              validation loss in llama.cpp against transformers'
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def _add_data_and_training(sub) -> None:
     pr.add_argument("--heal-sparsity", default="0.5")
     pr.add_argument("--heal-steps", type=int, default=60)
     pr.add_argument("--workdir", default=None)
+    gg = sub.add_parser("gguf", help="a trained run's GGUF files by tensor type: size and "
+                                     "validation loss in llama.cpp against transformers'")
+    gg.add_argument("--output", required=True)
+    gg.add_argument("--run", required=True, help="a finished run directory whose prepared "
+                                                 "data is on this machine")
+    gg.add_argument("--types", default="f32,f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0")
     lo = sub.add_parser("lora", help="LoRA vs full fine-tuning: trainable parameters, "
                                      "checkpoint size, peak memory per worker, tokens/s")
     lo.add_argument("--output", required=True)
@@ -247,6 +255,10 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
                      sparsities=args.sparsities.split(","), methods=args.methods.split(","),
                      heal_steps=args.heal_steps, heal_sparsity=args.heal_sparsity,
                      workdir=args.workdir)
+    elif args.name == "gguf":
+        from raylm.bench.gguf import run
+
+        result = run(run_dir=args.run, types=args.types.split(","))
     elif args.name == "lora":
         from raylm.bench.lora import run
 

@@ -334,10 +334,10 @@ def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
     metadata, and a second export replaces the file (one raylm did not write is not:
     tests/unit/formats/test_gguf.py)."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from raylm.bench.gguf import llama_cpp_loss
     from raylm.cli import main
     from raylm.formats.exporter import model_losses, validation_batches
 
@@ -374,27 +374,19 @@ def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
     batches, cross = validation_batches(str(run_dir), log=print)
     blocks = [row.tolist() for b in batches for row in b["input_ids"]]
     reference = model_losses([model], batches, cross)[0]
+    llm = llama_cpp.Llama(str(files["f16"]), n_ctx=64, verbose=False, n_threads=2)
+    try:
+        got = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
+            got.append(token)
+            if len(got) == 16:
+                break
+    finally:
+        llm.close()
+    assert got == want
     for quantize, bound in (("f16", 0.01), ("q8_0", 0.02), ("q4_k_m", 0.05)):
-        llm = llama_cpp.Llama(str(files[quantize]), n_ctx=64, logits_all=True, verbose=False,
-                              n_threads=2)
-        try:
-            got = []
-            for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
-                got.append(token)
-                if len(got) == 16:
-                    break
-            if quantize == "f16":
-                assert got == want
-            losses = []
-            for block in blocks:
-                llm.reset()
-                llm.eval(block[:-1])
-                logits = torch.from_numpy(np.array(llm.scores[:len(block) - 1]))
-                losses.append(torch.nn.functional.cross_entropy(
-                    logits, torch.tensor(block[1:])).item())
-        finally:
-            llm.close()
-        assert abs(float(np.mean(losses)) - reference) < bound, (quantize, losses, reference)
+        loss = llama_cpp_loss(files[quantize], blocks)
+        assert abs(loss - reference) < bound, (quantize, loss, reference)
 
 
 def test_a_pruned_model_fine_tunes_without_cross_document_attention_or_mlflow_keeping_zeros(
