@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,7 @@ def _quantized_by_llama_cpp(model_dir: Path, out: Path, quantize: str,
     import gguf
     import llama_cpp
 
-    full = out.with_name(f"{out.name}.f32")
+    full = Path(tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}-", suffix=".f32")[1])
     report = write_gguf(model_dir, full, quantize="f32", record=record)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = BY_LLAMA_CPP[quantize]
