@@ -185,9 +185,9 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
     config = build_config(preset=cfg.model.preset, path=cfg.model.path,
                           vocab_size=info["vocab_size"], eos_id=info["eos_id"],
                           attn_implementation="sdpa")
-    llamacpp.check_model(config.to_dict())
+    arch = llamacpp.check_model(config.to_dict())
     tokenizer = storage.join(storage.normalize(run_dir), TOKENIZER_DIR, "tokenizer.json")
-    llamacpp.pre_tokenizer(json.loads(storage.read_text(tokenizer)))
+    llamacpp.pre_tokenizer(json.loads(storage.read_text(tokenizer)), arch)
     return quantize
 
 

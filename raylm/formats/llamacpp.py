@@ -10,7 +10,9 @@ llama.cpp computes what transformers computes:
   halves: query and key rows are reordered. Rotary scaling that only rescales each frequency
   ('linear', Llama 3.1's 'llama3') goes in as llama.cpp's per-frequency factors
   (``rope_freqs``: transformers' unscaled over its scaled frequencies). Qwen2 (q/k/v biases),
-  Qwen3 (per-head q/k norms) and OLMo 2 (norms after each block) rotate halves as transformers.
+  Qwen3 (per-head q/k norms), OLMo 2 (norms after each block) and Phi-3 (fused projections,
+  rotary on part of each head) rotate halves as transformers. llama.cpp's Phi-3 keeps no
+  window: the file's context length is the window's.
 - Gemma 2 and 3: their norms multiply by 1 + weight, llama.cpp's by the weight (1 is added);
   Gemma 3's sliding layers and the window's own rotary base are written per layer, Gemma 2's
   two soft caps; llama.cpp scales queries by 1/sqrt(head_dim) (the 27Bs aside), so another
@@ -20,7 +22,9 @@ llama.cpp computes what transformers computes:
   are llama.cpp's own quantizer's (libllama's ``llama_model_quantize``) from an fp32 file
   written here: its k-quant mixes pick a type per tensor by rules of its own.
 - The tokenizer: byte-level BPE (raylm's, GPT-2's, Llama 3's, Qwen's) whose pre-tokenizer
-  regex llama.cpp knows by name. SentencePiece-style vocabularies are not written yet.
+  regex llama.cpp knows by name, or SentencePiece's BPE with byte fallback (Llama 2's,
+  Mistral's, Gemma's, Phi-3's), its merges' order as scores. (A text that starts with a
+  space gets one "▁" in transformers' Metaspace, two in llama.cpp as in SentencePiece.)
 
 What llama.cpp would compute differently (other rotary scalings, Qwen2's sliding window,
 other families) is refused before anything is written, naming the family or the setting.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -42,7 +47,9 @@ import torch
 FAMILIES = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA",
             "Qwen2ForCausalLM": "QWEN2", "Qwen3ForCausalLM": "QWEN3",
             "Gemma3ForCausalLM": "GEMMA3", "Olmo2ForCausalLM": "OLMO2",
-            "GraniteForCausalLM": "GRANITE", "Gemma2ForCausalLM": "GEMMA2"}
+            "GraniteForCausalLM": "GRANITE", "Gemma2ForCausalLM": "GEMMA2",
+            "Phi3ForCausalLM": "PHI3", "Qwen3MoeForCausalLM": "QWEN3MOE",
+            "GPT2LMHeadModel": "GPT2"}
 """transformers' class -> gguf's MODEL_ARCH member."""
 PERMUTED = {"LLAMA", "GRANITE"}
 FREQ_SCALINGS = ("linear", "llama3")  # rotary scalings written as rope_freqs, LLAMA only
@@ -81,6 +88,10 @@ def check_model(config: dict[str, Any]) -> str:
                              f"{' and '.join(FREQ_SCALINGS)} for Llama and Mistral.")
     if config.get("use_sliding_window") and config.get("sliding_window"):
         raise ValueError(f"--format gguf: {family} with a sliding window is not written yet.")
+    if family == "Qwen3MoeForCausalLM" and (not config.get("norm_topk_prob") or config.get(
+            "mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+        raise ValueError("--format gguf: llama.cpp runs a Qwen3-MoE as released: experts in "
+                         "every layer, their top-k weights normalized (norm_topk_prob: true).")
     if family in (big := {"Gemma2ForCausalLM": 46, "Gemma3ForCausalLM": 62}):  # the 27Bs
         heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
         scale = config["hidden_size"] // heads if layers == big[family] else config["head_dim"]
@@ -94,16 +105,35 @@ def check_model(config: dict[str, Any]) -> str:
     return FAMILIES[family]
 
 
-def pre_tokenizer(tokenizer_json: dict[str, Any]) -> str:
-    """llama.cpp's name for the tokenizer's pre-tokenization, or a refusal."""
+def pre_tokenizer(tokenizer_json: dict[str, Any], arch: str) -> str:
+    """llama.cpp's name for the tokenizer's pre-tokenization (``spm``, or ``spm-no-prefix``
+    without a leading "▁", for a SentencePiece-style vocabulary), or a refusal."""
+    from tokenizers import Tokenizer
+
     model = tokenizer_json.get("model", {})
+    if arch == "PHI3" or model.get("byte_fallback"):
+        tok = Tokenizer.from_str(json.dumps(tokenizer_json))
+    if arch == "PHI3" and (lacks := [t for t in ("<unk>", "<s>", "</s>", "<|endoftext|>")
+                                     if tok.token_to_id(t) is None]):
+        raise ValueError(f"--format gguf: llama.cpp expects Phi-3's special tokens in a Phi-3 "
+                         f"file; this vocabulary lacks {', '.join(lacks)}.")
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        # llama.cpp's SentencePiece way: each space a "▁", no split, no other change, a "▁"
+        # put first or not (Llama's Metaspace; Gemma's normalizer, whose split on spaces then
+        # splits nothing). Checked by running the tokenizer's own steps on a text.
+        text = "A ﬁ  b\nc"
+        text = tok.normalizer.normalize_str(text) if tok.normalizer else text
+        pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)] \
+            if tok.pre_tokenizer else [text]
+        if pieces in (["▁A▁ﬁ▁▁b\nc"], ["A▁ﬁ▁▁b\nc"]):
+            return "spm" if pieces[0][0] == "▁" else "spm-no-prefix"
     pre = tokenizer_json.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise ValueError("--format gguf: the tokenizer is not a byte-level BPE (a "
-                         "SentencePiece-style vocabulary, as Llama 2, Mistral v0.1 and Gemma "
-                         "have); raylm does not write it into GGUF yet.")
     parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [p.get("type") for p in parts]
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ValueError(f"--format gguf: the tokenizer is neither a byte-level BPE nor "
+                         f"SentencePiece's as llama.cpp splits text (a {model.get('type')} "
+                         f"model; {kinds}); raylm does not write it into GGUF.")
     if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
         return "gpt-2"
     if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
@@ -130,32 +160,81 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
     tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     # The tokenizer as transformers loads it beside the model, not as its file says: for some
     # families (Qwen2) transformers 5 puts the family's own pre-tokenizer in.
-    pre = pre_tokenizer(json.loads(tok.backend_tokenizer.to_str()))
+    pre = pre_tokenizer(json.loads(tok.backend_tokenizer.to_str()), arch.name)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     c = model.config
-    heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(model_dir.name)
     if record is not None:
         writer.add_string(RECORD, json.dumps(record))
+    _add_shape(writer, arch.name, c)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32,
+                          "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quantize])
+    _add_vocabulary(writer, tok, model_dir, pre=pre, size=c.vocab_size)
+    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
+    types: Counter[str] = Counter()
+    tensors = model.state_dict()
+    # Stacked experts, named without ".weight"; transformers fuses gate and up on load.
+    for key in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        parts = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
+        for part, data in zip(parts, tensors.pop(key).chunk(len(parts), dim=1), strict=True):
+            tensors[f"{key.rsplit('.', 1)[0]}.{part}.weight"] = data
+    for name, tensor in tensors.items():
+        if c.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"--format gguf: no GGUF name for the tensor {name} of "
+                             f"{arch.name.lower()}")
+        data = tensor.detach().float()
+        if arch.name == "GPT2" and data.ndim == 2 and ".h." in name:  # Conv1D: (in, out)
+            data = data.T
+        if arch.name in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _interleaved_rotary(data, c.num_key_value_heads if "k_proj" in name
+                                       else c.num_attention_heads)
+        if arch.name in ("GEMMA2", "GEMMA3") and name.endswith("norm.weight"):
+            data = data + 1.0
+        types[_add_tensor(writer, target, data.numpy(), quantize)] += 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"architecture": gguf.MODEL_ARCH_NAMES[arch], "tokenizer_pre": pre,
+            "tensor_types": dict(types), "bytes": out.stat().st_size}
+
+
+def _add_shape(writer, arch: str, c) -> None:
+    """The model's hyperparameters, as llama.cpp's ``arch`` reads them."""
+    import gguf
+
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
+    # llama.cpp's Phi-3 attends to all it holds, transformers' to a window: the file's length
+    # is as far as they agree.
+    window = (arch == "PHI3" and c.sliding_window) or c.max_position_embeddings
+    writer.add_context_length(min(window, c.max_position_embeddings))
     writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_feed_forward_length(getattr(c, "intermediate_size", None) or c.n_inner
+                                   or 4 * c.hidden_size)  # GPT-2's n_inner
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(getattr(c, "num_key_value_heads", c.num_attention_heads))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    if arch == "GPT2":  # learned positions, LayerNorms
+        writer.add_layer_norm_eps(c.layer_norm_epsilon)
+        return
+    part = c.rope_parameters.get("partial_rotary_factor", 1)  # Phi-3's (Phi-4 mini 0.75)
+    writer.add_rope_dimension_count(int(head_dim * part))
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    if gemma := arch.name in ("GEMMA2", "GEMMA3"):
+    if arch in ("GEMMA2", "GEMMA3"):
         writer.add_sliding_window(c.sliding_window)  # Gemma 2's every other layer, as llama.cpp
         if c.final_logit_softcapping:
             writer.add_final_logit_softcapping(c.final_logit_softcapping)
-    if arch.name == "GEMMA2":
+    if arch == "GEMMA2":
         writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
-    if arch.name == "GEMMA3":
+    if arch == "GEMMA3":
         rope = c.rope_parameters
         writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
         writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
@@ -168,38 +247,15 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
             plain = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
             writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
                               (plain / ROPE_INIT_FUNCTIONS[kind](c, "cpu")[0]).numpy())
-    if arch.name == "GRANITE":  # its four scalars, where Llama has none
+    if arch == "QWEN3MOE":
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "GRANITE":  # its four scalars, where Llama has none
         writer.add_embedding_scale(c.embedding_multiplier)
         writer.add_residual_scale(c.residual_multiplier)
         writer.add_attention_scale(c.attention_multiplier)
         writer.add_logit_scale(c.logits_scaling)
-    writer.add_vocab_size(c.vocab_size)
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32,
-                          "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[quantize])
-    _add_vocabulary(writer, tok, model_dir, pre=pre, size=c.vocab_size)
-    names = gguf.get_tensor_name_map(arch, c.num_hidden_layers)
-    types: Counter[str] = Counter()
-    tied = bool(c.tie_word_embeddings)
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if target is None:
-            raise ValueError(f"--format gguf: no GGUF name for the tensor {name} of "
-                             f"{arch.name.lower()}")
-        data = tensor.detach().float()
-        if arch.name in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
-            data = _interleaved_rotary(data, kv_heads if "k_proj" in name else heads)
-        if gemma and name.endswith("norm.weight"):
-            data = data + 1.0
-        types[_add_tensor(writer, target, data.numpy(), quantize)] += 1
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return {"architecture": gguf.MODEL_ARCH_NAMES[arch], "tokenizer_pre": pre,
-            "tensor_types": dict(types), "bytes": out.stat().st_size}
 
 
 def _quantized_by_llama_cpp(model_dir: Path, out: Path, quantize: str,
@@ -252,19 +308,28 @@ def _add_tensor(writer, name: str, data: np.ndarray, quantize: str) -> str:
 
 def _add_vocabulary(writer, tok, model_dir: Path, *, pre: str, size: int) -> None:
     """Every token id below the model's vocabulary size, in order (ids no token has are
-    unused padding), with its kind; the merges, special tokens and chat template as the
-    ``gguf`` package reads them from the directory."""
+    unused padding), with its kind; a SentencePiece-style vocabulary's byte tokens, and its
+    merges' order as scores (llama.cpp joins the best-scored pair first); the merges, special
+    tokens and chat template as the ``gguf`` package reads them from the directory."""
     import gguf
 
     by_id = {i: t for t, i in tok.get_vocab().items()}
     added = tok.added_tokens_decoder
     kind = gguf.TokenType
+    spm = pre.startswith("spm")
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
-    kinds = [kind.UNUSED if i not in by_id else kind.NORMAL if i not in added
-             else kind.CONTROL if added[i].special else kind.USER_DEFINED for i in range(size)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    kinds = [kind.UNUSED if i not in by_id else kind.BYTE if spm and re.fullmatch(
+        "<0x[0-9A-F]{2}>", by_id[i]) else kind.NORMAL if i not in added else kind.CONTROL
+        if added[i].special else kind.USER_DEFINED for i in range(size)]
+    writer.add_tokenizer_model("llama" if spm else "gpt2")
+    writer.add_tokenizer_pre("default" if spm else pre)
+    if spm:
+        merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+        rank = {"".join(m.split(" ") if isinstance(m, str) else m): -float(i)
+                for i, m in enumerate(merges)}
+        writer.add_token_scores([rank.get(t, 0.0) for t in tokens])
+        writer.add_add_space_prefix(pre == "spm")
     writer.add_token_list(tokens)
     writer.add_token_types(kinds)
-    special = gguf.SpecialVocab(str(model_dir), load_merges=True, n_vocab=size)
+    special = gguf.SpecialVocab(str(model_dir), load_merges=not spm, n_vocab=size)
     special.add_to_gguf(writer, quiet=True)

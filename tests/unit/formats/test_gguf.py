@@ -5,8 +5,10 @@ trained run (greedy tokens, each type's loss) is tested in tests/integration/tes
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -58,40 +60,98 @@ FAMILY_SETTINGS = {
                "layer_types": ["sliding_attention", "full_attention"]},
     # Gemma 2: soft caps low enough that the logits reach them (at their defaults, 50 and 30,
     # a tiny model's never do); the window shorter than the text.
+    # Qwen3-MoE as released (transformers' default leaves the top-k weights unnormalized).
+    "qwen3_moe": {"norm_topk_prob": True},
     "gemma2": {"query_pre_attn_scalar": 16, "sliding_window": 8, "attn_logit_softcapping": 0.05,
                "final_logit_softcapping": 0.5}}
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",
-                                    "olmo2", "granite"])
-def test_llama_cpp_computes_transformers_logits_and_tokens_for_each_family(
-        family, tokenizer_dir, tmp_path):
-    """fp32 GGUF: llama.cpp's logits of a text are transformers' (to 1e-3, its matmuls sum in
-    another order), through Llama's reordered query/key rows, Qwen2's biases, Qwen3's
-    per-head norms, Gemma 3's shifted norms, scaled embeddings and sliding window (8 tokens,
-    the text longer), Gemma 2's two soft caps and window, OLMo 2's norms after each block and
-    Granite's four scalars (without any one of them, or with OLMo 2's rows reordered, the
-    logits are 0.03 to 0.7 away: checked); raylm's byte-level BPE splits every text alike in
-    both.
-    (Beside a Qwen2 model transformers 5 loads it with Qwen2's own pre-tokenizer, and the
-    file says so.)"""
+def assert_runs_as_in_transformers(model_dir: Path, path: Path, texts=tuple(TEXTS)) -> None:
+    """llama.cpp splits every text into transformers' tokens, and its logits of a text are
+    transformers' (to 1e-3: its matmuls sum in another order)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = save_model(tmp_path, family, tokenizer_dir, **FAMILY_SETTINGS.get(family, {}))
-    info = llamacpp.write_gguf(model_dir, tmp_path / "m.gguf", quantize="f32")
-    assert info["architecture"] == {"mistral": "llama"}.get(family, family)
-    assert info["tokenizer_pre"] == ("qwen2" if family == "qwen2" else "gpt-2")
-    assert set(info["tensor_types"]) == {"f32"}
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    for text in TEXTS:
-        assert llama_cpp_tokens(tmp_path / "m.gguf", text) == tok(
-            text, add_special_tokens=False)["input_ids"]
+    for text in texts:
+        assert llama_cpp_tokens(path, text) == tok(text, add_special_tokens=False)["input_ids"]
     ids = tok(TEXTS[0], add_special_tokens=False)["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    got = run_llama_cpp(tmp_path / "m.gguf", ids)
-    np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(run_llama_cpp(path, ids), want, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2",
+                                    "gemma3", "olmo2", "granite", "gpt2"])
+def test_llama_cpp_computes_transformers_logits_and_tokens_for_each_family(
+        family, tokenizer_dir, tmp_path):
+    """fp32 GGUF: llama.cpp computes transformers' logits through Llama's reordered
+    query/key rows, Qwen2's biases, Qwen3's per-head norms, Gemma 3's shifted norms, scaled
+    embeddings and sliding window (8 tokens, the text longer), Gemma 2's two soft caps and
+    window, OLMo 2's norms after each block and Granite's four scalars (without any one of
+    them, or with OLMo 2's rows reordered, the logits are 0.03 to 0.7 away: checked); raylm's
+    byte-level BPE splits every text alike in both.
+    (Beside a Qwen2 model transformers 5 loads it with Qwen2's own pre-tokenizer, and the
+    file says so.)"""
+    model_dir = save_model(tmp_path, family, tokenizer_dir, **FAMILY_SETTINGS.get(family, {}))
+    info = llamacpp.write_gguf(model_dir, tmp_path / "m.gguf", quantize="f32")
+    assert info["architecture"] == {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(family, family)
+    assert info["tokenizer_pre"] == ("qwen2" if family == "qwen2" else "gpt-2")
+    assert set(info["tensor_types"]) == {"f32"}
+    assert_runs_as_in_transformers(model_dir, tmp_path / "m.gguf")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory) -> Path:
+    """A SentencePiece BPE vocabulary with byte fallback (the kind of Llama 2's, Mistral 7B's,
+    Gemma's and Phi-3's), trained by the sentencepiece package on the test corpus."""
+    import sentencepiece
+
+    out, model = tmp_path_factory.mktemp("sentencepiece"), io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(make_docs(200) * 3), model_writer=model, vocab_size=400,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, minloglevel=2)
+    (out / "tokenizer.model").write_bytes(model.getvalue())
+    return out
+
+
+PHI3 = {"sliding_window": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                  "partial_rotary_factor": 0.5}}
+
+
+@pytest.mark.parametrize("family,tokenizer", [("llama", "LlamaTokenizer"),
+                                              ("gemma3", "GemmaTokenizer"),
+                                              ("phi3", "LlamaTokenizer")])
+def test_sentencepiece_vocabularies_split_and_run_as_in_transformers(
+        family, tokenizer, sentencepiece_model, tmp_path):
+    """A SentencePiece vocabulary as transformers builds it from a ``tokenizer.model``
+    (Llama's, Mistral's and Phi-3's a Metaspace putting "▁" first, Gemma's without): llama.cpp
+    splits every text into transformers' tokens (byte tokens for what the vocabulary lacks:
+    accents, CJK, emoji, newlines, tabs; the merges in their order, which the scores carry:
+    with equal scores the documents split otherwise) and computes its logits. Phi-3 (fused
+    projections; its released tokenizer's "<|endoftext|>" added, which llama.cpp requires)
+    rotates half of each head's dimensions, and its window, which llama.cpp's Phi-3 does not
+    keep, is the file's context length. Not alike in the two, and not tested: a text that
+    begins with a space, where transformers' Metaspace puts no second "▁" and llama.cpp
+    does."""
+    import gguf
+    import transformers
+
+    tok = getattr(transformers, tokenizer).from_pretrained(str(sentencepiece_model))
+    if family == "phi3":
+        tok.add_tokens(["<|endoftext|>"], special_tokens=True)
+    tok.save_pretrained(tmp_path / "tok")
+    model_dir = save_model(tmp_path, family, tmp_path / "tok",
+                           **{**FAMILY_SETTINGS, "phi3": PHI3}.get(family, {}))
+    info = llamacpp.write_gguf(model_dir, tmp_path / "m.gguf", quantize="f32")
+    assert info["tokenizer_pre"] == ("spm-no-prefix" if family == "gemma3" else "spm")
+    assert_runs_as_in_transformers(model_dir, tmp_path / "m.gguf", (*TEXTS, *make_docs(3)))
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields[f"{info['architecture']}.context_length"].parts[-1][0] == (
+        64 if family == "phi3" else 128)
+    kinds = Counter(fields["tokenizer.ggml.token_type"].parts[i][0]
+                    for i in fields["tokenizer.ggml.token_type"].data)
+    assert kinds[gguf.TokenType.BYTE] == 256
 
 
 @pytest.mark.parametrize("rope", [
@@ -218,11 +278,10 @@ def test_what_llama_cpp_would_compute_otherwise_is_refused(tokenizer_dir, tmp_pa
                                                    "attn_logit_softcapping": cap}
         with pytest.raises(ValueError, match=f"attn_logit_softcapping={cap}: llama.cpp"):
             llamacpp.check_model(config)
-    for family, says in [("qwen3_moe", "this model is Qwen3MoeForCausalLM"),
-                         ("phi3", "this model is Phi3ForCausalLM"),
-                         ("gpt2", "this model is GPT2LMHeadModel")]:
-        with pytest.raises(ValueError, match=says):
-            llamacpp.check_model(family_config(family).to_dict())
+    with pytest.raises(ValueError, match="Qwen3-MoE as released"):  # norm_topk_prob: false
+        llamacpp.check_model(family_config("qwen3_moe").to_dict())
+    with pytest.raises(ValueError, match="this model is GPTNeoXForCausalLM"):
+        llamacpp.check_model({"model_type": "gpt_neox"})
     scaled = family_config("llama")
     scaled.rope_parameters = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
                               "original_max_position_embeddings": 32}
@@ -236,12 +295,19 @@ def test_what_llama_cpp_would_compute_otherwise_is_refused(tokenizer_dir, tmp_pa
     window.use_sliding_window, window.sliding_window = True, 64
     with pytest.raises(ValueError, match="sliding window"):
         llamacpp.check_model(window.to_dict())
-    spm = {"model": {"type": "BPE", "byte_fallback": True}, "pre_tokenizer": None}
-    with pytest.raises(ValueError, match="SentencePiece-style"):
-        llamacpp.pre_tokenizer(spm)
+    # SentencePiece's vocabulary split at each "▁", which llama.cpp would not split.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    split = Tokenizer(models.BPE(byte_fallback=True))
+    split.pre_tokenizer = pre_tokenizers.Metaspace(split=True)
+    with pytest.raises(ValueError, match="neither a byte-level BPE nor SentencePiece's"):
+        llamacpp.pre_tokenizer(json.loads(split.to_str()), "LLAMA")
     other = {"model": {"type": "BPE"}, "pre_tokenizer": {"type": "Whitespace"}}
     with pytest.raises(ValueError, match=r"\(Whitespace\) is not one llama.cpp names"):
-        llamacpp.pre_tokenizer(other)
+        llamacpp.pre_tokenizer(other, "LLAMA")
+    ours = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    with pytest.raises(ValueError, match="this vocabulary lacks <unk>, <s>, </s>.$"):
+        llamacpp.pre_tokenizer(ours, "PHI3")
 
 
 def fake_run(root: Path, model_dir: Path, tokenizer_dir: Path) -> Path:
@@ -261,15 +327,20 @@ def fake_run(root: Path, model_dir: Path, tokenizer_dir: Path) -> Path:
 
 def test_a_run_of_a_family_not_written_is_refused_before_its_output_exists(tokenizer_dir,
                                                                           tmp_path, capsys):
-    """``raylm export --format gguf`` of a Phi-3 run: refused from the run's record alone,
-    naming the family, and the output never made; GGUF's types need --format gguf."""
+    """``raylm export --format gguf`` of a Qwen3-MoE run whose top-k weights are not
+    normalized, and of a Phi-3 run without Phi-3's special tokens: refused from the run's
+    record alone, naming the setting or the tokens, and the output never made; GGUF's types
+    need --format gguf."""
     from raylm.cli import main
 
-    run = fake_run(tmp_path, save_model(tmp_path, "phi3", tokenizer_dir), tokenizer_dir)
     out = tmp_path / "gguf"
-    assert main(["export", str(run), "--output", str(out), "--format", "gguf"]) == 2
-    assert "this model is Phi3ForCausalLM" in capsys.readouterr().err
-    assert not out.exists()
+    for family, says in (("qwen3_moe", "norm_topk_prob: true"),
+                         ("phi3", "llama.cpp expects Phi-3's special tokens")):
+        run = fake_run(tmp_path / family, save_model(tmp_path, family, tokenizer_dir),
+                       tokenizer_dir)
+        assert main(["export", str(run), "--output", str(out), "--format", "gguf"]) == 2
+        assert says in capsys.readouterr().err
+        assert not out.exists()
     assert main(["export", str(run), "--output", str(out), "--quantize", "q8_0"]) == 2
     assert "add --format gguf" in capsys.readouterr().err
     assert not out.exists()
