@@ -9,9 +9,13 @@ way (:func:`generation_prompt`).
 Two renderers:
 
 - :class:`DefaultTemplate`, for tokenizers without a chat template (raylm's own BPEs). It adds
-  no tokens to the vocabulary: ``System: ...``, ``User: ...`` and ``Assistant: `` are plain
-  text, and each assistant turn's content is followed by the tokenizer's EOS, which is trained
-  (that is how the model learns to stop). Turns are separated by a blank line.
+  no tokens to the vocabulary: ``System: ...``, ``User: ...`` and ``Assistant:`` are plain
+  text, and each assistant turn's content, after a space, is followed by the tokenizer's EOS,
+  which is trained (that is how the model learns to stop). Turns are separated by a blank
+  line. The space opens the answer's segment, so its first word is one token with its space,
+  as in any client that writes ``Assistant: answer`` as one string (lm-eval's multiple choice
+  among them). Version 1, of runs started before version 2 and of their exports, ended the
+  header with it: a token of its own before the answer's.
 - :class:`JinjaTemplate`, for a tokenizer with its own Jinja chat template (Llama 3, Qwen's
   ChatML, Gemma, Phi-3, Mistral ...), rendered by transformers' renderer. A template that
   marks what the assistant generates (``{% generation %}`` blocks) says itself what is trained.
@@ -47,6 +51,7 @@ LossOn = Literal["assistant", "all"]
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # The longest text a template may write only after a conversation's last message.
 CLOSING_CHARS = 64
+DEFAULT_VERSION = 2  # of DefaultTemplate, for new runs
 
 
 @dataclass(frozen=True)
@@ -65,24 +70,28 @@ class TemplateError(ValueError):
 
 
 class DefaultTemplate:
-    """Plain-text turns; no new tokens (see the module docstring)."""
+    """Plain-text turns; no new tokens (see the module docstring for ``version``)."""
 
-    name = "raylm default"
+    def __init__(self, version: int = DEFAULT_VERSION) -> None:
+        self.version, self.name = version, f"raylm default v{version}"
+        # Where the space between the header and the answer goes.
+        self.header, self.answer_prefix = ("Assistant: ", "") if version == 1 else (
+            "Assistant:", " ")
 
     def segments(self, messages: Sequence[dict[str, str]]) -> list[Segment]:
         out = []
         for i, m in enumerate(messages):
             sep = "\n\n" if i else ""
             if m["role"] == "assistant":
-                out.append(Segment(f"{sep}Assistant: ", False))
-                out.append(Segment(m["content"], True, eos=True))
+                out.append(Segment(f"{sep}{self.header}", False))
+                out.append(Segment(self.answer_prefix + m["content"], True, eos=True))
             else:
                 out.append(Segment(f"{sep}{LABELS[m['role']]}: {m['content']}", False))
         return out
 
     def prompt(self, messages: Sequence[dict[str, str]]) -> list[Segment]:
         sep = "\n\n" if messages else ""
-        return [*self.segments(messages), Segment(f"{sep}Assistant: ", False)]
+        return [*self.segments(messages), Segment(f"{sep}{self.header}", False)]
 
 
 class JinjaTemplate:
@@ -193,10 +202,10 @@ def template_args(hf_tokenizer) -> dict[str, Any] | None:
             "markers": sorted(set(added) | {hf_tokenizer.eos_token or ""})}
 
 
-def template_for(hf_tokenizer) -> DefaultTemplate | JinjaTemplate:
+def template_for(hf_tokenizer, version: int = DEFAULT_VERSION) -> DefaultTemplate | JinjaTemplate:
     """The tokenizer's own chat template when it has one, else raylm's default."""
     args = template_args(hf_tokenizer)
-    return JinjaTemplate(**args) if args else DefaultTemplate()
+    return JinjaTemplate(**args) if args else DefaultTemplate(version)
 
 
 def conversation_segments(template: DefaultTemplate | JinjaTemplate,

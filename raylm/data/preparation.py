@@ -56,9 +56,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raylm.config import Config, cache_dir
-from raylm.contracts import LAYOUT, SPLITS
+from raylm import storage
+from raylm.config import Config, cache_dir, run_dir
+from raylm.contracts import LAYOUT, RUN_INFO, SPLITS
 from raylm.data.chat import (
+    DEFAULT_VERSION,
     DefaultTemplate,
     JinjaTemplate,
     answer_segments,
@@ -182,10 +184,12 @@ class ExampleRenderer:
     def __init__(self, *, example_format: str, messages_field: str, prompt_field: str,
                  completion_field: str, chat_template: dict[str, Any] | None, loss_on: str,
                  block_length: int, long_examples: str, tokenizer, eos_id: int,
-                 chosen_field: str | None = None, rejected_field: str | None = None) -> None:
+                 chosen_field: str | None = None, rejected_field: str | None = None,
+                 default_template: int = DEFAULT_VERSION) -> None:
 
         self.format, self.loss_on = example_format, loss_on
-        self.template = JinjaTemplate(**chat_template) if chat_template else DefaultTemplate()
+        self.template = (JinjaTemplate(**chat_template) if chat_template
+                         else DefaultTemplate(default_template))
         self.block_length, self.long_examples = block_length, long_examples
         self.tok, self.eos_id = tokenizer, eos_id
 
@@ -613,6 +617,8 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
         # render=2: a template's assistant turn is trained up to its end-of-turn token.
         examples = dict(**example_fields(d), loss_on=d.trains_on,
                         long_examples=d.long_examples, render=2)
+        if (version := template_version(run_dir(cfg))) != 1:  # 1's fingerprints kept
+            examples["default_template"] = version
     return tokenizer_fingerprint(
         corpus_fp, tokenizer=tokenizer_id, seq_len=d.seq_len, min_chars=d.min_chars,
         dedup=d.dedup, val_fraction=d.val_fraction, text_field=d.text_field,
@@ -622,6 +628,17 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
         # it keeps the format: a run's resume does not see its data as changed.)
         piece_mb=d.piece_mb, format=4, **examples,
     )
+
+
+def template_version(run: str) -> int:
+    """The version of raylm's default chat template (:class:`raylm.data.chat.DefaultTemplate`)
+    the run directory ``run`` renders with: the one its ``run.json`` names (1 where it names
+    none: a run started before version 2), the newest for a run not started yet. A run keeps
+    the template it started with."""
+    info = storage.join(run, RUN_INFO)
+    if not storage.is_file(info):
+        return DEFAULT_VERSION
+    return json.loads(storage.read_text(info)).get("default_template", 1)
 
 
 def resolve_tokenizer(cfg: Config, files: list[SourceFile], corpus_fp: str, log) -> Path:
@@ -727,7 +744,8 @@ def _prepare_into(out: Path, cfg: Config, files: list[SourceFile], *,
     render = None
     if d.examples:
         render = dict(**example_fields(d), chat_template=chat_template(tok_path),
-                      loss_on=d.trains_on, block_length=L, long_examples=d.long_examples)
+                      loss_on=d.trains_on, block_length=L, long_examples=d.long_examples,
+                      default_template=template_version(run_dir(cfg)))
     pack_task = ray.remote(pack_piece).options(**options)
     settings = dict(reading=reading, out=str(out), tokenizer_json=ray.put(backend.to_str()),
                     eos_id=eos, block_length=L, group_rows=d.rows_per_row_group,

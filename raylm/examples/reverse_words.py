@@ -148,31 +148,41 @@ def write(output: str | Path, *, train: int, heldout: int, pretrain: int = 20000
         pairs = out / f"{name}_pairs.jsonl"
         pairs.write_text("".join(json.dumps(pair(w, rng)) + "\n" for w in rows))
         paths[f"{name}_pairs"] = str(pairs)
-    paths["tasks"] = str(write_task(out / "tasks", ho))
+    paths["tasks"] = str(write_task(out / "tasks", ho, seed=seed))
     return paths
 
 
-TASK = "reverse_words"
+TASK, CHOICE_TASK = "reverse_words", "reverse_words_choice"
 
 
-def write_task(output: Path, questions: list[list[str]]) -> Path:
-    """An lm-eval task folder (``eval.include_path``) of the task ``reverse_words``: each
-    question rendered as fine-tuning renders the conversation (raylm's default template, up to
-    and with the space of ``Assistant: ``), the greedy answer to its end of line scored by
-    exact match, as :func:`score` scores it. Generation, not multiple choice: lm-eval joins a
-    prompt's trailing space to a choice's first word, where training saw the space as a token
-    of its own."""
-    rows = [{"words": " ".join(w), "answer": answer(w)} for w in questions]
+def write_task(output: Path, questions: list[list[str]], *, seed: int = 0) -> Path:
+    """An lm-eval task folder (``eval.include_path``) of two tasks on the held-out questions,
+    each rendered as fine-tuning renders the conversation (raylm's default template, up to
+    ``Assistant:``): ``reverse_words``, the greedy answer to its end of line, its leading
+    space removed, scored by exact match as :func:`score` scores it; and
+    ``reverse_words_choice``, the right reversal among up to three near misses as multiple
+    choice (lm-eval writes each choice after the prompt and a space, as the template does)."""
+    rng = random.Random(seed)
+    rows = []
+    for w in questions:
+        wrong = sorted({near_miss(w, rng) for _ in range(12)} - {answer(w)})[:3]
+        choices = [answer(w), *wrong]
+        rng.shuffle(choices)
+        rows.append({"words": " ".join(w), "answer": answer(w), "choices": choices,
+                     "label": choices.index(answer(w))})
     output.mkdir(parents=True, exist_ok=True)
     data = output / f"{TASK}.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data.resolve()}\n"
+              f"test_split: test\ndoc_to_text: \"System: {SYSTEM}\\n\\nUser: Reverse the "
+              f"words: {{{{words}}}}\\n\\nAssistant:\"\n")
     (output / f"{TASK}.yaml").write_text(
-        f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {data.resolve()}\ntest_split: test\noutput_type: generate_until\n"
-        f"doc_to_text: \"System: {SYSTEM}\\n\\nUser: Reverse the words: {{{{words}}}}\\n\\n"
-        "Assistant: \"\ndoc_to_target: \"{{answer}}\"\ngeneration_kwargs:\n"
-        "  until: [\"\\n\"]\n  do_sample: false\n  max_gen_toks: 16\n"
-        "metric_list:\n  - metric: exact_match\n")
+        f"task: {TASK}\n{common}output_type: generate_until\ndoc_to_target: \"{{{{answer}}}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  do_sample: false\n  max_gen_toks: 16\n"
+        "metric_list:\n  - metric: exact_match\n    regexes_to_ignore: [\"^ \"]\n")
+    (output / f"{CHOICE_TASK}.yaml").write_text(
+        f"task: {CHOICE_TASK}\n{common}output_type: multiple_choice\n"
+        "doc_to_choice: \"{{choices}}\"\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n")
     return output
 
 

@@ -27,8 +27,15 @@ from raylm import rundir, storage
 from raylm.config import config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
 from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
-from raylm.data.chat import answer_segments, encode, generation_prompt, template_for
+from raylm.data.chat import (
+    DEFAULT_VERSION,
+    answer_segments,
+    encode,
+    generation_prompt,
+    template_for,
+)
 from raylm.data.corpus import normalize, parse_answer, parse_prompt
+from raylm.data.preparation import template_version
 from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
 from raylm.data.tokenizer import load_tokenizer
 from raylm.formats import llamacpp
@@ -61,7 +68,7 @@ def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
                    tokenizer_path: str, prepared: str) -> None:
     storage.write_text(storage.join(run_dir, RUN_INFO), json.dumps(
         {"config": _redacted(config), "vocab_size": vocab_size, "eos_id": eos_id,
-         "prepared": prepared}, indent=1))
+         "prepared": prepared, "default_template": template_version(run_dir)}, indent=1))
     # The tokenizer's own files only: it is often a whole model directory (model.path's),
     # whose weights must not travel with every run, nor land in its exports. Written at every
     # start whose tokenizer differs from the one there (a resume with accept_changes: [tokenizer],
@@ -256,7 +263,8 @@ def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,
     tok.save_pretrained(str(out))
     (out / EXPORT_INFO).write_text(json.dumps(
         {"run_dir": storage.normalize(run_dir), "step": step,
-         "kind": "lora-adapter" if adapters and not merge else "model"}, indent=1))
+         "kind": "lora-adapter" if adapters and not merge else "model",
+         "default_template": template_version(storage.normalize(run_dir))}, indent=1))
 
 
 def _write_quantized(run_dir: str | Path, out: Path, cfg, method: str, *, log) -> None:
@@ -382,13 +390,18 @@ class Generator:
         if storage.is_file(storage.join(src, RUN_INFO)):
             with quiet_model_io():
                 self.model, tok_dir, _ = load_run_model(src)
+            version = template_version(src)
         elif storage.is_file(storage.join(src, "config.json")) and not storage.is_uri(src):
             self.model, tok_dir = AutoModelForCausalLM.from_pretrained(
                 str(src), trust_remote_code=False).eval(), src
+            # A raylm export says the version it was trained with (none: version 1).
+            record = Path(src) / EXPORT_INFO
+            version = json.loads(record.read_text()).get("default_template", 1) \
+                if record.is_file() else DEFAULT_VERSION
         else:
             raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
         self.tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
-        self.template = template_for(self.tok)
+        self.template = template_for(self.tok, version)
 
     def complete(self, prompt: str, **sampling) -> str:
         # A control token's string in the prompt is ordinary text, as in training text.
@@ -401,7 +414,8 @@ class Generator:
         messages = [{"role": m["role"], "content": normalize(m["content"])} for m in messages]
         ids = generation_prompt(messages, self.tok.backend_tokenizer, self.template,
                                 eos_id=self.tok.eos_token_id)
-        return self._sample(torch.from_numpy(ids.astype("int64"))[None], **sampling)
+        answer = self._sample(torch.from_numpy(ids.astype("int64"))[None], **sampling)
+        return answer.removeprefix(getattr(self.template, "answer_prefix", ""))
 
     @torch.no_grad()
     def answer_logp(self, prompt: list[dict[str, str]] | str,

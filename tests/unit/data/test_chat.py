@@ -93,7 +93,10 @@ def test_default_template_trains_every_assistant_turn_and_its_eos(tok):
         "\n\nUser: And of Italy?\n\nAssistant: Rome.")
     ids, mask = encode(segments, tok, eos_id=eos, loss_on="assistant")
     assert ids.dtype == np.int32 and mask.dtype == np.uint8 and len(ids) == len(mask)
-    assert trained_text(tok, ids, mask, eos) == ["Paris.<eos>", "Rome.<eos>"]
+    # The space after "Assistant:" opens the answer (version 2).
+    assert trained_text(tok, ids, mask, eos) == [" Paris.<eos>", " Rome.<eos>"]
+    v1 = encode(DefaultTemplate(1).segments(messages), tok, eos_id=eos, loss_on="assistant")
+    assert trained_text(tok, *v1, eos) == ["Paris.<eos>", "Rome.<eos>"]
     # The template adds no token: only the tokenizer's own ids, EOS once per assistant turn.
     assert (ids == eos).sum() == 2 and ids.max() < tok.get_vocab_size()
     _, everything = encode(segments, tok, eos_id=eos, loss_on="all")
@@ -102,7 +105,33 @@ def test_default_template_trains_every_assistant_turn_and_its_eos(tok):
     # answer.
     prompt = generation_prompt(messages[:4], tok, DefaultTemplate(), eos_id=eos)
     assert ids[:len(prompt)].tolist() == prompt.tolist()
-    assert trained_text(tok, ids[:len(prompt)], mask[:len(prompt)], eos) == ["Paris.<eos>"]
+    assert trained_text(tok, ids[:len(prompt)], mask[:len(prompt)], eos) == [" Paris.<eos>"]
+
+
+def test_the_default_template_trains_the_tokens_lm_eval_scores_a_choice_by(tok):
+    """lm-eval scores a multiple-choice answer by the tokens that the prompt + " " + choice
+    holds beyond the prompt's (its own ``_encode_pair``: the whole string encoded, then
+    split). Under version 2 those are the tokens training gave the answer; under version 1
+    they were not (the header's space a token of its own, the answer's first word without
+    it), which is how a model that answered every held-out question by generation scored
+    below chance on them as multiple choice."""
+    from types import SimpleNamespace
+
+    from lm_eval.api.model import TemplateLM
+
+    eos = tok.token_to_id("<|endoftext|>")
+    lm = SimpleNamespace(backend="causal",
+                         tok_encode=lambda text, **_: tok.encode(
+                             text, add_special_tokens=False).ids)
+    asked = [{"role": "user", "content": "Reverse the words: river mill bread"}]
+    reply = {"role": "assistant", "content": "bread mill river"}
+    for version, alike in ((2, True), (1, False)):
+        template = DefaultTemplate(version)
+        ids, mask = encode(template.segments([*asked, reply]), tok, eos_id=eos,
+                           loss_on="assistant")
+        context = "".join(s.text for s in template.prompt(asked))
+        _, scored = TemplateLM._encode_pair(lm, context.rstrip(), " " + reply["content"])
+        assert (scored == ids[mask == 1][:-1].tolist()) is alike, version
 
 
 def test_tokenizer_template_splits_headers_from_trained_content(tok, tokenizer_dir):

@@ -58,8 +58,8 @@ def test_only_the_answer_is_trained_not_the_prompts_assistant_turns(tok, tokeniz
     whole, whole_mask = encode(template.segments([*CONTEXT, *answer]), tok, eos_id=eos,
                                loss_on="assistant")
     assert ids.tolist() == whole.tolist()
-    assert trained_text(tok, whole, whole_mask, eos)[0].startswith("b a")
-    assert trained_text(tok, ids, mask, eos) == (["e d c[end]\n"] if jinja else ["e d c<eos>"])
+    assert trained_text(tok, whole, whole_mask, eos)[0].lstrip().startswith("b a")
+    assert trained_text(tok, ids, mask, eos) == (["e d c[end]\n"] if jinja else [" e d c<eos>"])
 
 
 def renderer(tok, block_length: int) -> ExampleRenderer:
@@ -82,9 +82,9 @@ def test_a_pair_renders_as_two_halves_and_is_never_cut(tok):
     mask = np.array(out.column("loss_mask")[0].as_py())
     split = out.column("split")[0].as_py()
     eos = tok.token_to_id("<|endoftext|>")
-    assert trained_text(tok, ids[:split], mask[:split], eos) == ["c b a<eos>"]
+    assert trained_text(tok, ids[:split], mask[:split], eos) == [" c b a<eos>"]
     assert set(mask[:split]) == {0, 1} and set(mask[split:]) == {0, 2}
-    assert trained_text(tok, ids[split:], mask[split:] > 0, eos) == ["c a b<eos>"]
+    assert trained_text(tok, ids[split:], mask[split:] > 0, eos) == [" c a b<eos>"]
     # Both halves start with the same prompt.
     prompt = int(np.argmax(mask[:split] > 0))
     assert ids[:prompt].tolist() == ids[split:split + prompt].tolist()

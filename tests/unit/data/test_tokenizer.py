@@ -100,3 +100,29 @@ def test_each_familys_export_tokenizes_as_training_did(tokenizer_dir, tmp_path):
         f"--tokenizer.path={tokenizer_dir}", *([f"--model.path={tmp_path / f}"] if f else [])]))
         for f in ("", "llama", "qwen2")}
     assert fingerprints[""] == fingerprints["llama"] != fingerprints["qwen2"]
+
+
+def test_a_run_keeps_the_default_chat_template_it_started_with(tokenizer_dir, tmp_path):
+    """A new run renders chats with the default template's version 2 and records it in
+    run.json; a run whose run.json names none (started before) keeps version 1, and with it
+    the prepared data's fingerprint it had (recorded here, computed before version 2)."""
+    import json
+
+    from raylm.config import load_config
+    from raylm.data.preparation import prepared_fingerprint, template_version
+    from raylm.formats.exporter import write_run_info
+
+    cfg = load_config(None, ["--data.format=chat", f"--run.storage_path={tmp_path}",
+                             "--run.name=chat"])
+    run = str(tmp_path / "chat")
+    assert template_version(run) == 2
+    new = prepared_fingerprint("corpus", cfg)
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chat" / "run.json").write_text(json.dumps({"config": {}}))
+    assert template_version(run) == 1
+    assert prepared_fingerprint("corpus", cfg) == "ebd78dea72dbefa9" != new
+    for name, version in (("chat", 1), ("fresh", 2)):  # each start records the version
+        write_run_info(str(tmp_path / name), config={"model": {"path": None}},
+                       vocab_size=400, eos_id=0, tokenizer_path=str(tokenizer_dir), prepared="")
+        recorded = json.loads((tmp_path / name / "run.json").read_text())
+        assert recorded["default_template"] == version == template_version(str(tmp_path / name))

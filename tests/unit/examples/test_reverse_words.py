@@ -75,20 +75,20 @@ def test_the_pretraining_text_lists_words_in_order_and_the_model_loads(tmp_path)
 
 
 def test_the_lm_eval_task_asks_each_held_out_question_as_fine_tuning_renders_it(tmp_path):
-    """The task ``write`` puts in ``tasks/`` loads in lm-eval, and its prompt is the default
-    chat template's rendering of the held-out conversation up to the answer, space included;
-    its target is the answer the conversation holds."""
+    """The tasks ``write`` puts in ``tasks/`` load in lm-eval, and their prompt is the
+    default chat template's rendering of the held-out conversation up to the answer; the
+    target is the answer the conversation holds, among near misses for the choice task."""
     from pathlib import Path
 
     import yaml
 
     from raylm.config import EvalConfig
     from raylm.data.chat import DefaultTemplate
-    from raylm.examples.reverse_words import TASK
+    from raylm.examples.reverse_words import CHOICE_TASK, TASK
     from raylm.run.benchmarks import check_settings
 
     paths = write(tmp_path, train=5, heldout=3, pretrain=10)
-    check_settings(EvalConfig(tasks=[TASK], include_path=paths["tasks"]))
+    check_settings(EvalConfig(tasks=[TASK, CHOICE_TASK], include_path=paths["tasks"]))
     spec = yaml.safe_load((Path(paths["tasks"]) / f"{TASK}.yaml").read_text())
     rows = [json.loads(line) for line in open(Path(paths["tasks"]) / f"{TASK}.jsonl")]
     held = [json.loads(line)["messages"] for line in open(paths["heldout"])]
@@ -97,4 +97,7 @@ def test_the_lm_eval_task_asks_each_held_out_question_as_fine_tuning_renders_it(
         prompt = "".join(s.text for s in DefaultTemplate().prompt(messages[:2]))
         assert spec["doc_to_text"].replace("{{words}}", row["words"]) == prompt
         assert row["answer"] == messages[2]["content"]
+        # The multiple-choice twin: the answer among near misses, none of them right.
+        assert row["choices"][row["label"]] == row["answer"]
+        assert len(row["choices"]) == len(set(row["choices"])) >= 2
     assert spec["output_type"] == "generate_until" and spec["doc_to_target"] == "{{answer}}"
