@@ -638,7 +638,11 @@ def template_version(run: str) -> int:
     info = storage.join(run, RUN_INFO)
     if not storage.is_file(info):
         return DEFAULT_VERSION
-    return json.loads(storage.read_text(info)).get("default_template", 1)
+    version = json.loads(storage.read_text(info)).get("default_template", 1)
+    if version not in (1, DEFAULT_VERSION):
+        raise ValueError(f"{info}: default_template={version!r} is no version raylm renders "
+                         f"(1 or {DEFAULT_VERSION}); it is not a run raylm started.")
+    return version
 
 
 def resolve_tokenizer(cfg: Config, files: list[SourceFile], corpus_fp: str, log) -> Path:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from transformers import AutoTokenizer
 
 from raylm.data.corpus import SourceFile
@@ -126,3 +127,6 @@ def test_a_run_keeps_the_default_chat_template_it_started_with(tokenizer_dir, tm
                        vocab_size=400, eos_id=0, tokenizer_path=str(tokenizer_dir), prepared="")
         recorded = json.loads((tmp_path / name / "run.json").read_text())
         assert recorded["default_template"] == version == template_version(str(tmp_path / name))
+    (tmp_path / "chat" / "run.json").write_text(json.dumps({"default_template": "v9"}))
+    with pytest.raises(ValueError, match="default_template='v9' is no version"):
+        template_version(run)
