@@ -395,8 +395,9 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
     args = [f"--data.source={preference_pairs}", "--data.format=preference",
             "--train.objective=dpo", "--dpo.beta=0.5",
             *lora_run(preference_pairs, tokenizer_dir, pretrained, tmp_path)[2:],
-            "--data.seq_len=255", "--scaling.num_workers=2", "--train.log_every=3",
-            "--train.eval_every=6", "--checkpoint.every=3", "--train.steps=9"]
+            "--optim.lr=3e-3", "--data.seq_len=255", "--scaling.num_workers=2",
+            "--train.log_every=3", "--train.eval_every=6", "--checkpoint.every=3",
+            "--train.steps=9"]
     cfg = load_config(None, [*args, "--run.name=whole"])
     m = prepare(cfg, tmp_path / "prepared", log=lambda s: None)
     assert m["format"] == "preference" and m["documents_read"] == 165
@@ -436,8 +437,10 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
     assert split["val_accuracy"] == pytest.approx(whole["val_accuracy"], abs=1e-6)
     assert split["samples"]["duplicated"] == 0 and split["samples"]["skipped"] == 0
     history = api.Run(str(tmp_path / "runs" / "whole")).history
-    # The first step's policy is its reference (adapters start as the identity): ln 2.
-    assert history["loss"].iloc[-1] < 0.6931
+    # The policy starts as its reference (adapters start as the identity), where every pair's
+    # loss is ln 2; training lowers it on the held-out pairs. (One step's 8 pairs are too few
+    # to show it: their loss swings by 0.05 from step to step.)
+    assert whole["val_loss"] < np.log(2) - 0.01
     assert {"dpo_margin", "dpo_accuracy", "dpo_chosen_logp", "val_accuracy"} <= set(history)
 
 
@@ -475,7 +478,7 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
     assert any("scoring the prepared pairs" in m for m in logged)
     history = api.Run(str(tmp_path / "runs" / "full")).history
     assert history["loss"].iloc[0] == pytest.approx(np.log(2), abs=1e-4)
-    assert history["loss"].iloc[-1] < np.log(2) - 0.01
+    assert summary["val_loss"] < np.log(2) - 0.01
     assert summary["val_accuracy"] >= 0 and "dpo_margin" in history
     again: list[str] = []
     cfg, _ = choose_device(load_config(None, args), {"CPU": 2.0})  # as the run decided it
