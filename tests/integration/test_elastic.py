@@ -71,7 +71,11 @@ def test_preparation_on_three_nodes_equals_one_cpu_byte_for_byte(request, tmp_pa
     request.getfixturevalue("cluster")
     prepare(cfg, tmp_path / "three", log=said["three"].append)
     assert said["one"][-1].endswith("6 pieces packed on 1 node")
-    assert said["three"][-1].endswith("6 pieces packed on 3 nodes")
+    # SPREAD is Ray's best effort: on a loaded machine a node that is busy starting a worker
+    # process can be passed over, so the six pieces may land on two of the three nodes. Either
+    # way the pieces were made on several nodes, which is what the bytes are compared across.
+    assert said["three"][-1].endswith(("6 pieces packed on 3 nodes",
+                                       "6 pieces packed on 2 nodes"))
 
     def files(root: Path) -> dict[str, bytes]:
         return {str(p.relative_to(root)): p.read_bytes()
