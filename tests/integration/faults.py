@@ -48,15 +48,6 @@ def run_and_interfere(run: Callable[[], dict], run_dir: Path, *,
     return out["summary"]
 
 
-def kill_a_worker() -> int:
-    """SIGKILL one training worker, as a lost process; its pid."""
-    import signal
-
-    victim = train_workers()[0]
-    victim.send_signal(signal.SIGKILL)
-    return victim.pid
-
-
 def kill_a_worker_during_an_async_save(*, before_step: int, timeout: float = 120.0
                                        ) -> tuple[int, int]:
     """SIGKILL a training worker while a checkpoint is being written in the background, before

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -385,20 +387,23 @@ def preference_pairs(tmp_path_factory):
 def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenizer_dir,
                                                       pretrained, tmp_path):
     """Preference pairs prepared (every bad row counted and listed, each pair whole in a
-    block), then DPO on the LoRA model, 2 workers: a run that loses a worker (SIGKILL) after
-    its step-6 checkpoint restarts from that checkpoint of the adapters and ends where the
-    uninterrupted run ends, with the preference figures in MLflow, its history and its
-    summary."""
-    from raylm import api
+    block), then DPO on the LoRA model, 2 workers, every step reported: a worker is SIGKILLed
+    once its group has reported steps past its step-12 checkpoint, and the group that replaces
+    it goes back to that checkpoint of the adapters and trains those steps again to the same
+    losses (what an uninterrupted run would have trained: the steps before the kill were
+    trained by one). The preference figures reach MLflow, the history and the summary."""
+    from raylm import api, rundir
+    from raylm.run import record
     from raylm.run.launch import train
 
     args = [f"--data.source={preference_pairs}", "--data.format=preference",
             "--train.objective=dpo", "--dpo.beta=0.5",
             *lora_run(preference_pairs, tokenizer_dir, pretrained, tmp_path)[2:],
             "--optim.lr=3e-3", "--data.seq_len=255", "--scaling.num_workers=2",
-            "--train.log_every=3", "--train.eval_every=6", "--checkpoint.every=3",
-            "--train.steps=9"]
-    cfg = load_config(None, [*args, "--run.name=whole"])
+            "--train.log_every=1", "--train.eval_every=12", "--checkpoint.every=12",
+            "--train.steps=24", "--run.name=split", "--tracking.enabled=true",
+            f"--tracking.uri=sqlite:///{tmp_path}/mlflow.db", "--tracking.log_model=false"]
+    cfg = load_config(None, args)
     m = prepare(cfg, tmp_path / "prepared", log=lambda s: None)
     assert m["format"] == "preference" and m["documents_read"] == 165
     assert sorted((b["line"], b["reason"]) for b in m["bad_records"]) == [
@@ -416,31 +421,58 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
         if marks[-1] == []:
             marks.pop()
         assert marks == [[1], [2]] * (len(marks) // 2) and marks
-    store = f"sqlite:///{tmp_path}/mlflow.db"
-    whole = train(load_config(None, [*args, "--run.name=whole", "--tracking.enabled=true",
-                                     f"--tracking.uri={store}"]), log=print)
+    run_dir = tmp_path / "runs" / "split"
+
+    def kill_past_the_checkpoint() -> None:
+        """Once the controller has step 13 (the record holds it; reports reach it at its
+        polls, so it is a few steps behind training), with every worker stopped so that no
+        save can land meanwhile: one is killed if the newest checkpoint is still step 12's."""
+        deadline = time.time() + 240
+        while not any(r["event"] == "progress" and r["step"] >= 13
+                      for r in record.read(str(run_dir))):
+            assert time.time() < deadline, "the controller never had step 13"
+            time.sleep(0.02)
+        workers = faults.train_workers()
+        for p in workers:
+            p.send_signal(signal.SIGSTOP)
+        newest = rundir.latest_verified(run_dir, warn=lambda m: None)[1].step
+        if newest == 12:
+            workers[0].send_signal(signal.SIGKILL)
+        for p in workers[1:] if newest == 12 else workers:
+            p.send_signal(signal.SIGCONT)
+        assert newest == 12, f"the run reached its step-{newest} checkpoint before the kill"
+
+    split = faults.run_and_interfere(lambda: train(cfg, log=print), run_dir,
+                                     acts=[(12, kill_past_the_checkpoint)])
+    assert split["status"] == "finished" and split["final_step"] == 24
+    assert split["restarts"] == 1
+    (restart,) = [i for i in split["interruptions"] if i["event"] == "restart"]
+    assert restart["resumed_from_step"] == 12 and restart["to_workers"] == 2
+    # Each group's reported losses by step: the steps the first trained past the checkpoint,
+    # trained again by the second from that checkpoint, gave the same losses.
+    by_group: list[dict[int, float]] = []
+    for r in record.read(str(run_dir)):
+        if r["event"] == "group_start":
+            by_group.append({})
+        elif r["event"] == "progress":
+            by_group[-1][r["step"]] = r["loss"]
+    first, second = by_group
+    again = sorted(set(first) & set(second))
+    assert again and again[0] == 13, (first, second)
+    for step in again:
+        assert second[step] == pytest.approx(first[step], abs=1e-5), step
+    assert sorted(second) == list(range(13, 25))
+    assert split["samples"]["duplicated"] == 0 and split["samples"]["skipped"] == 0
     from mlflow import MlflowClient
 
-    client = MlflowClient(store)
+    client = MlflowClient(split["mlflow_tracking_uri"])
     for name in ("dpo_margin", "dpo_accuracy", "dpo_chosen_logp", "val_accuracy"):
-        assert client.get_metric_history(whole["mlflow_run_id"], name), name
-    killed = []
-    split = faults.run_and_interfere(
-        lambda: train(load_config(None, [*args, "--run.name=split"]), log=print),
-        tmp_path / "runs" / "split", acts=[(6, lambda: killed.append(faults.kill_a_worker()))])
-    assert whole["status"] == split["status"] == "finished"
-    assert killed and split["restarts"] == 1
-    (restart,) = [i for i in split["interruptions"] if i["event"] == "restart"]
-    assert 6 <= restart["resumed_from_step"] < 9 and restart["to_workers"] == 2
-    assert split["train_loss"] == pytest.approx(whole["train_loss"], abs=1e-5)
-    assert split["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-5)
-    assert split["val_accuracy"] == pytest.approx(whole["val_accuracy"], abs=1e-6)
-    assert split["samples"]["duplicated"] == 0 and split["samples"]["skipped"] == 0
-    history = api.Run(str(tmp_path / "runs" / "whole")).history
+        assert client.get_metric_history(split["mlflow_run_id"], name), name
+    history = api.Run(str(run_dir)).history
     # The policy starts as its reference (adapters start as the identity), where every pair's
     # loss is ln 2; training lowers it on the held-out pairs. (One step's 8 pairs are too few
     # to show it: their loss swings by 0.05 from step to step.)
-    assert whole["val_loss"] < np.log(2) - 0.01
+    assert split["val_loss"] < np.log(2) - 0.01
     assert {"dpo_margin", "dpo_accuracy", "dpo_chosen_logp", "val_accuracy"} <= set(history)
 
 
