@@ -22,7 +22,7 @@ NOTEBOOKS = sorted(FOLDER.glob("*.ipynb"))
 QUICK = {
     "02_train_and_resume.ipynb": "steps = 20\nmore_steps = 30",
     "03_sweep.ipynb": "steps = 9\nlr_points = 1",
-    "04_lora_fine_tune.ipynb": "base_steps = 10\nlora_steps = 10\nheldout = 5\npretrain = 2000",
+    "04_lora_fine_tune.ipynb": "base_steps = 5\nlora_steps = 5\nheldout = 5\npretrain = 2000",
 }
 
 
