@@ -16,6 +16,12 @@ _HOME = {
     "set_element": "torch.distributed.checkpoint._traverse",
     "checkpoint_wrapper": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
     "_run_exitfuncs": "atexit",
+    "TrainingFramework": "ray.train.v2._internal.util",
+    "get_address_and_port": "ray.train._internal.utils",
+    "TorchConfigContextManager": "ray.train.torch.config",
+    "_set_torch_distributed_env_vars": "ray.train.torch.config",
+    "_setup_torch_process_group": "ray.train.torch.config",
+    "_shutdown_torch": "ray.train.torch.config",
 }
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 from ray.train import CheckpointConfig, FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchTrainer
 
 from raylm import faults, rundir, storage
 from raylm.config import Config, ConfigError, run_dir, storage_root, validate
@@ -43,6 +43,7 @@ from raylm.model import lora
 from raylm.model.build import build_config
 from raylm.run import goodput, tracking
 from raylm.run.benchmarks import Benchmarks
+from raylm.run.group import ProcessGroup
 from raylm.run.lease import Lease, LeaseError, hold
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
@@ -223,7 +224,8 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
     set_poll_interval(sc.worker_range[1])
     return TorchTrainer(
         train_loop_per_worker,
-        torch_config=TorchConfig(timeout_s=int(cfg.train.collective_timeout_s)),
+        torch_config=ProcessGroup(backend="nccl" if sc.use_gpu else "gloo",
+                                  timeout_s=int(cfg.train.collective_timeout_s)),
         train_loop_config={HANDOFF: Handoff(
             cfg=cfg, run_dir=run_dir(cfg), prepared=prepared, vocab_size=vocab_size,
             eos_id=eos_id, reader_resources=resources.reader,

@@ -420,11 +420,17 @@ def test_a_pruned_model_fine_tunes_without_cross_document_attention_or_mlflow_ke
     # starts where the pruned one ended, not from a random model (ln 320 = 5.77).
     # Its MLflow server is down (nothing listens on port 9): said once, training goes on.
     # Without tokenizer.path the model directory's own tokenizer is used.
+    # Told to leave out the sample positions 9 and 10 (train.skip_positions, as after a rewind
+    # of another run): the workers' order goes past them, and the ledger of the samples trained
+    # says so.
     out = train_run(base, "--run.name=finetune", f"--model.path={pruned}",
                     "--tokenizer.path=null", "--train.steps=5", "--optim.lr=1e-3",
                     "--optim.warmup_steps=1", "--train.eval_every=5",
-                    "--data.cross_document_attention=false", "--tracking.uri=http://127.0.0.1:9")
+                    "--data.cross_document_attention=false", "--tracking.uri=http://127.0.0.1:9",
+                    "--train.skip_positions=[[9,11]]")
     assert out["final_step"] == 5 and out["attention_backend"] == "sdpa-flash-cpu"
+    assert out["samples"] == {"steps": 5, "trained": 40, "duplicated": 0, "skipped": 0,
+                              "withheld": 0, "in_order": True, "left_out": 2}
     assert out["val_loss"] < report["val_loss"] < 5.77
     assert out["mlflow_run_id"] is None
     healed = tmp_path / "healed"
@@ -636,8 +642,8 @@ def test_a_planted_bad_record_is_rewound_left_out_exactly_and_never_loops(
     document holds that token: the one training block holding it has a NaN loss (a bad
     record). Under train.on_nonfinite=rewind the step that meets it never updates the
     weights; the run goes back to its latest checkpoint and leaves out exactly that block's
-    position, recorded in skipped_samples.json and the summary, and ends. A second run of the
-    model without the poison, told to leave out that position, ends at the same losses."""
+    position, recorded in skipped_samples.json and the summary, and ends. (A position left out
+    through train.skip_positions: the pruned model's fine-tune above.)"""
     from raylm.rundir import read_manifest
     from tests.conftest import save_tiny_qwen3, tokenizer_vocab
 
@@ -647,7 +653,6 @@ def test_a_planted_bad_record_is_rewound_left_out_exactly_and_never_loops(
                                               batch=batch)
     vocab = tokenizer_vocab(tokenizer_dir)
     poisoned = save_tiny_qwen3(root / "poisoned", vocab_size=vocab, poison=token)
-    clean = save_tiny_qwen3(root / "clean", vocab_size=vocab)
     args = [*data, f"--train.steps={steps}", "--checkpoint.every=2", "--train.log_every=2",
             "--optim.warmup_steps=2", "--tracking.enabled=false"]
     logs: list[str] = []
@@ -671,13 +676,6 @@ def test_a_planted_bad_record_is_rewound_left_out_exactly_and_never_loops(
     # The steps after the checkpoint the rewind went back to were trained twice.
     assert out["goodput"]["recomputed_steps"] == rewind["at_step"] - rewind["resumed_from_step"]
     assert out["goodput"]["seconds"]["recomputed"] > 0
-    # The same model without the poison, told to leave out that position, trains the same.
-    again = train(load_config(None, [*base, *args, "--run.name=told", f"--model.path={clean}",
-                                     f"--train.skip_positions=[[{position},{position + 1}]]"]),
-                  log=lambda m: None)
-    assert again["restarts"] == 0 and again["samples"]["left_out"] == 1
-    assert again["train_loss"] == pytest.approx(out["train_loss"], abs=1e-5)
-    assert again["val_loss"] == pytest.approx(out["val_loss"], abs=1e-5)
 
 
 def test_resume_on_another_layout_past_a_truncated_checkpoint(trained, relaid):

@@ -45,6 +45,20 @@ PRIVATE = [
     ("atexit", "_run_exitfuncs",
      "the command's exit handlers, run before it ends without the interpreter's teardown",
      "raylm/cli.py"),
+    ("ray.train.v2._internal.util", "TrainingFramework",
+     "the workers' process group is a torch one to Ray's run state", "raylm/run/group.py"),
+    ("ray.train._internal.utils", "get_address_and_port",
+     "the process group's rendezvous on rank 0's node", "raylm/run/group.py"),
+    ("ray.train.torch.config", "TorchConfigContextManager",
+     "each worker's CUDA device made current, as under TorchConfig", "raylm/run/group.py"),
+    ("ray.train.torch.config", "_set_torch_distributed_env_vars",
+     "RANK, LOCAL_RANK, WORLD_SIZE and the rest set before the group forms",
+     "raylm/run/group.py"),
+    ("ray.train.torch.config", "_setup_torch_process_group",
+     "the process group formed (gloo or NCCL) with the run's collective timeout",
+     "raylm/run/group.py"),
+    ("ray.train.torch.config", "_shutdown_torch",
+     "the process group left when a worker group ends", "raylm/run/group.py"),
 ]
 
 
@@ -137,6 +151,13 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape(tmp_path, monkeyp
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
     assert callable(WorkerGroup.get_worker_group_state)
+    # raylm.run.group: the keywords Ray's process-group setup and shutdown take.
+    from ray.train.torch import config
+
+    assert list(inspect.signature(config._setup_torch_process_group).parameters) == [
+        "backend", "world_rank", "world_size", "init_method", "timeout_s"]
+    assert list(inspect.signature(config._shutdown_torch).parameters) == [
+        "destroy_process_group"]
     assert "placement_group_handle" in {f.name for f in dataclasses.fields(WorkerGroupState)}
     assert "end_to_end_creation_latency_ms" in inspect.getsource(
         importlib.import_module("ray._private.state").GlobalState._gen_placement_group_info)
