@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from raylm import rundir
 from raylm.config import load_config
 from raylm.data.preparation import prepare
 from raylm.run import record
 from raylm.run.launch import train
 from tests.conftest import PIECE_MB, tiny_run, write_pieces_corpus
+from tests.integration import faults
 
 pytestmark = pytest.mark.integration
 
@@ -123,8 +123,7 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     thread.start()
 
     def checkpoint_step():
-        found = rundir.latest_verified(run_dir, warn=lambda m: None)
-        return found[1].step if found else 0
+        return faults.checkpoint_step(run_dir)
 
     def groups():
         return [e for e in record.read(str(run_dir)) if e["event"] == "group_start"]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from raylm import rundir
 from raylm.config import load_config
 from tests.conftest import save_tiny_llama, tiny_run, tokenizer_vocab
+from tests.integration import faults
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
@@ -179,9 +179,8 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     trials = root / "resumed" / "trials"
 
     def newest_step() -> int:
-        found = [rundir.latest_verified(d, warn=lambda m: None)
-                 for d in trials.glob("*") if d.is_dir()]
-        return max((f[1].step for f in found if f), default=0)
+        return max((faults.checkpoint_step(d) for d in trials.glob("*") if d.is_dir()),
+                   default=0)
 
     first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
