@@ -134,14 +134,21 @@ def test_the_readme_tour_runs_as_written(reader):
         assert summary["status"] == "finished" and summary["final_step"] == step, name
     assert json.loads((root / "runs" / "lr-sweep" / "tune_summary.json").read_text())["best"]
     assert (root / "runs" / "sft-merged" / "config.json").is_file()
-    # A dry run reads the run directory as the run would: finished, or another model's.
-    done = type_in(reader, ["raylm", "train", "--config", "jobs/configs/cpu_tiny.yaml",
-                            "--train.steps=8", "--dry-run"])
+    # A dry run reads the run directory as the run would: finished, or another model's. (The
+    # two side by side: each is a fresh interpreter's imports, on one core.)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        finished = pool.submit(type_in, reader, ["raylm", "train", "--config",
+                                                 "jobs/configs/cpu_tiny.yaml", "--train.steps=8",
+                                                 "--dry-run"])
+        other = pool.submit(subprocess.run, [
+            BIN / "raylm", "train", "--config", "jobs/configs/cpu_tiny.yaml",
+            f"--model.path={LOCAL_MODEL}", "--dry-run"], cwd=root, env=reader["env"], text=True,
+            capture_output=True, timeout=300).result()
+        done = finished.result()
     assert "raylm: dry run: run: runs/cpu-tiny has trained its 8 steps already" in \
         done.replace(str(root) + "/", "")
-    other = subprocess.run([BIN / "raylm", "train", "--config", "jobs/configs/cpu_tiny.yaml",
-                            f"--model.path={LOCAL_MODEL}", "--dry-run"], cwd=root,
-                           env=reader["env"], text=True, capture_output=True, timeout=300)
     assert other.returncode == 2
     assert "was trained with other model.path than this run has" in other.stderr
     # Nothing of raylm's reached the console as an error. (Ray Train's placement-group
