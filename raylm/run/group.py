@@ -1,8 +1,9 @@
 """The workers' process group, formed by Ray Train's controller without importing torch.
 
 Ray Train's ``TorchConfig`` is defined in a module that imports torch, and the controller
-unpickles the trainer's backend configuration, so every run's controller imported torch (2.1
-CPU-s on the 2-core machine) only to have the workers form their process group.
+unpickles the trainer's backend configuration, so every run's controller imported torch (1.2
+to 1.5 CPU-s of its start on the 2-core machine) only to have the workers form their process
+group.
 :class:`ProcessGroup` does what ``TorchConfig`` does, with Ray's own setup functions imported in
 the workers, which have torch loaded anyway.
 """

@@ -151,6 +151,9 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape(tmp_path, monkeyp
     from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
     assert callable(WorkerGroup.get_worker_group_state)
+    assert "placement_group_handle" in {f.name for f in dataclasses.fields(WorkerGroupState)}
+    assert "end_to_end_creation_latency_ms" in inspect.getsource(
+        importlib.import_module("ray._private.state").GlobalState._gen_placement_group_info)
     # raylm.run.group: the keywords Ray's process-group setup and shutdown take.
     from ray.train.torch import config
 
@@ -158,9 +161,6 @@ def test_the_methods_raylm_overrides_or_calls_keep_their_shape(tmp_path, monkeyp
         "backend", "world_rank", "world_size", "init_method", "timeout_s"]
     assert list(inspect.signature(config._shutdown_torch).parameters) == [
         "destroy_process_group"]
-    assert "placement_group_handle" in {f.name for f in dataclasses.fields(WorkerGroupState)}
-    assert "end_to_end_creation_latency_ms" in inspect.getsource(
-        importlib.import_module("ray._private.state").GlobalState._gen_placement_group_info)
     # raylm.run.record.FreshClusterView: the elastic policy's source of cluster resources, by
     # the name and namespace Ray creates it under, and its call that reads the nodes again.
     from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as dac
