@@ -455,7 +455,7 @@ class TrainConfig:
     collective_timeout_s: float = 1800.0
     """Longest any rank waits in a collective (an all-reduce, a barrier) for the others: past
     it the collective fails on the ranks that came, naming it, and the group restarts (the
-    process group's timeout, set through Ray Train's TorchConfig)."""
+    process group's timeout, given to it as the workers form it: raylm/run/group.py)."""
     skip_positions: list[list[int]] = field(default_factory=list)
     """Ranges [start, end) of global sample positions to leave out of the training order
     (a run's rewinds list those they left out in its skipped_samples.json): another run

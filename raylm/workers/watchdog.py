@@ -1,11 +1,11 @@
 """Bounds on the waits of one worker that can hold a whole run.
 
-Collectives are bounded by the process group's timeout (``train.collective_timeout_s``, given
-to Ray Train's ``TorchConfig``): a rank that does not join an all-reduce or a barrier makes it
-fail on the others, naming the operation, and Ray Train restarts the group. What a process
-group cannot bound is the rank that does not arrive because it is stuck in a read: a restore
-from a storage mount that stopped answering, a checkpoint's write that never finishes. The
-others then wait in their next collective until its timeout, and the error they raise names
+Collectives are bounded by the process group's timeout (``train.collective_timeout_s``, set as
+the group forms: :mod:`raylm.run.group`): a rank that does not join an all-reduce or a barrier
+makes it fail on the others, naming the operation, and Ray Train restarts the group. What a
+process group cannot bound is the rank that does not arrive because it is stuck in a read: a
+restore from a storage mount that stopped answering, a checkpoint's write that never finishes.
+The others then wait in their next collective until its timeout, and the error they raise names
 the collective, not the rank or what it was doing.
 
 :func:`bounded` puts a limit on such a wait. When it expires, the worker says which rank waited
