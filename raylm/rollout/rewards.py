@@ -1,0 +1,170 @@
+"""Rewards of completions for reinforcement learning (``train.objective=grpo``): a user's
+Python function named ``module:function``, checked once before Ray starts, then called on
+every completion in the process that generated it. Torch-free: the preflight imports it.
+
+A reward function takes the prompt (as the data row holds it: a string, or a list of chat
+messages), the completion's text and the row's other columns as keyword arguments, and
+returns a number, or a mapping of named numbers (each part recorded, their sum the reward)::
+
+    def reward(prompt, completion, *, answer, **row):
+        return float(completion.strip() == answer)
+
+What a run does with what comes back is fixed here: a function that raises (or returns
+something that is not a number) on one completion scores it 0, counted and reported; one that
+fails on every completion of a batch is a mistake in the run's input, which no retry fixes,
+and ends the run with its first error. Built in: :func:`exact_match` and :func:`final_number`,
+which read the row's ``answer`` column (``raylm.rollout.rewards:exact_match``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from raylm.faults import Mistake
+
+Reward = Callable[..., Any]
+# The built-ins' short names, for rl.reward: exact_match rather than the module path.
+BUILTIN = "raylm.rollout.rewards"
+
+
+def load_reward(spec: str, *, key: str = "rl.reward") -> Reward:
+    """The callable ``spec`` names (``module:function``, or a built-in's name alone); a
+    :class:`ValueError` naming ``key`` and the fix where it cannot be had."""
+    if ":" not in spec:
+        if spec in ("exact_match", "final_number"):
+            spec = f"{BUILTIN}:{spec}"
+        else:
+            raise ValueError(f"{key}={spec!r}: name a function as module:function (a module "
+                             f"importable where the run's workers run), or a built-in: "
+                             f"exact_match, final_number")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{key}={spec!r}: module {module_name!r} does not import ({e}); "
+                         f"install it or put its folder on PYTHONPATH") from e
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ValueError(f"{key}={spec!r}: {module_name} has no {attr!r}")
+    if not callable(fn):
+        raise ValueError(f"{key}={spec!r}: {attr} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def check_reward(fn: Reward, row: Mapping[str, Any], *, prompt_field: str, spec: str,
+                 key: str = "rl.reward") -> dict[str, float]:
+    """Call ``fn`` once on ``row`` (a data row) with its own answer column as the completion
+    where it has one, else an empty completion, as the run will call it; its parts, or a
+    :class:`ValueError` saying what is wrong with the function."""
+    prompt, columns = split_row(row, prompt_field=prompt_field)
+    try:
+        inspect.signature(fn).bind(prompt, "", **columns)
+    except TypeError as e:
+        raise ValueError(f"{key}={spec!r} cannot be called as fn(prompt, completion, "
+                         f"**columns) with this data's columns {sorted(columns)}: {e}") from e
+    completion = str(columns.get("answer", ""))
+    try:
+        value = fn(prompt, completion, **columns)
+    except Exception as e:
+        raise ValueError(f"{key}={spec!r} raised on the data's first row: "
+                         f"{type(e).__name__}: {e}") from e
+    try:
+        return parts_of(value)
+    except TypeError as e:
+        raise ValueError(f"{key}={spec!r} on the data's first row: {e}") from e
+
+
+def split_row(row: Mapping[str, Any], *, prompt_field: str) -> tuple[Any, dict[str, Any]]:
+    """The prompt and the other columns of a data row."""
+    columns = {k: v for k, v in row.items() if k != prompt_field}
+    return row[prompt_field], columns
+
+
+def parts_of(value: Any) -> dict[str, float]:
+    """A reward function's result as named parts (one, ``reward``, for a number); a
+    :class:`TypeError` for anything else or for a part that is not a finite number."""
+    if isinstance(value, Mapping):
+        if not value:
+            raise TypeError("returned an empty mapping; return a number or named numbers")
+        items = list(value.items())
+    else:
+        items = [("reward", value)]
+    parts = {}
+    for name, v in items:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise TypeError(f"returned {v!r} for {name!r}: a reward is a finite number "
+                            f"(or a mapping of names to finite numbers)")
+        parts[str(name)] = float(v)
+    return parts
+
+
+@dataclass
+class Scores:
+    """A batch's rewards, their named parts (absent parts 0), and the completions whose
+    function failed (each scored 0)."""
+
+    rewards: list[float]
+    parts: dict[str, list[float]]
+    failed: int = 0
+    first_error: str | None = None
+
+
+def score(fn: Reward, prompts: Sequence[Any], completions: Sequence[str],
+          columns: Sequence[Mapping[str, Any]], *, spec: str) -> Scores:
+    """The rewards of ``completions`` (each of its prompt and row's columns); a
+    :class:`Mistake` when the function failed on every one."""
+    results: list[dict[str, float] | None] = []
+    failed, first = 0, None
+    for prompt, completion, cols in zip(prompts, completions, columns, strict=True):
+        try:
+            results.append(parts_of(fn(prompt, completion, **cols)))
+        except Exception as e:  # a user's function: any error scores the completion 0
+            failed += 1
+            first = first or f"{type(e).__name__}: {e}"
+            results.append(None)
+    if results and failed == len(results):
+        raise Mistake(f"rl.reward={spec!r} failed on every completion of a batch "
+                      f"({failed}); the first: {first}")
+    names = sorted({name for r in results if r for name in r})
+    parts = {n: [(r or {}).get(n, 0.0) for r in results] for n in names}
+    rewards = [sum((r or {}).values()) for r in results]
+    return Scores(rewards, parts, failed, first)
+
+
+def exact_match(prompt: Any, completion: str, *, answer: Any, **row: Any) -> float:
+    """1 where the completion, stripped of surrounding white space, is the row's ``answer``
+    (stripped too); else 0."""
+    return float(completion.strip() == str(answer).strip())
+
+
+# The last number of a text: sign, thousands separators, decimals ("-1,234.5").
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (GSM8K's ``#### 72`` reads as 72), or None."""
+    found = NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def final_number(prompt: Any, completion: str, *, answer: Any, **row: Any) -> float:
+    """1 where the last number of the completion equals the row's ``answer`` (a number, or a
+    text whose last number is the answer, as GSM8K's solutions end); else 0."""
+    want = float(answer) if isinstance(answer, numbers.Real) else last_number(str(answer))
+    got = last_number(completion)
+    return float(want is not None and got is not None and math.isclose(got, want,
+                                                                        rel_tol=1e-9))

@@ -1,0 +1,118 @@
+"""Reward functions (raylm.rollout.rewards): loading, the preflight's one call, and what a
+run does with failures."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from raylm.faults import Mistake
+from raylm.rollout.rewards import (
+    check_reward,
+    exact_match,
+    final_number,
+    last_number,
+    load_reward,
+    parts_of,
+    score,
+)
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A module of reward functions, importable as a user's would be."""
+    (tmp_path / "my_rewards.py").write_text(textwrap.dedent("""
+        def correct(prompt, completion, *, answer, **row):
+            return float(completion.strip() == answer)
+
+        def graded(prompt, completion, *, answer, **row):
+            return {"correct": float(answer in completion), "short": -0.01 * len(completion)}
+
+        def wrong_signature(completion):
+            return 1.0
+
+        def says_yes(prompt, completion, **row):
+            return "yes"
+
+        def fails_on_b(prompt, completion, **row):
+            if "b" in completion:
+                raise RuntimeError("no b")
+            return 1.0
+
+        NOT_A_FUNCTION = 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_rewards"
+    sys.modules.pop("my_rewards", None)
+
+
+def test_a_named_function_and_the_builtins_load(user_module):
+    assert load_reward(f"{user_module}:correct")("p", " x ", answer="x") == 1.0
+    assert load_reward("exact_match") is exact_match
+    assert load_reward("final_number") is final_number
+    assert load_reward("raylm.rollout.rewards:final_number") is final_number
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("correct", "module:function"),
+    ("no_such_module_xyz:f", "does not import"),
+    ("my_rewards:missing", "has no 'missing'"),
+    ("my_rewards:NOT_A_FUNCTION", "is a int, not a function"),
+])
+def test_what_cannot_be_loaded_is_refused_by_name(user_module, spec, says):
+    with pytest.raises(ValueError, match="rl.reward=") as e:
+        load_reward(spec)
+    assert says in str(e.value)
+
+
+def test_the_preflight_call_refuses_signatures_errors_and_non_numbers(user_module):
+    row = {"prompt": "2+2?", "answer": "4"}
+    check = lambda name: check_reward(  # noqa: E731
+        load_reward(f"my_rewards:{name}"), row, prompt_field="prompt", spec=name)
+    assert check("correct") == {"reward": 1.0}  # the answer column as the completion
+    assert check("graded") == {"correct": 1.0, "short": pytest.approx(-0.01)}
+    with pytest.raises(ValueError, match=r"cannot be called as fn\(prompt, completion"):
+        check("wrong_signature")
+    with pytest.raises(ValueError, match="returned 'yes' for 'reward': a reward is a finite"):
+        check("says_yes")
+    with pytest.raises(ValueError, match="columns \\[\\]: missing a required argument: 'answer'"):
+        check_reward(load_reward("my_rewards:correct"), {"prompt": "q"},
+                     prompt_field="prompt", spec="c")
+
+
+def test_a_failing_completion_scores_zero_and_a_batch_that_all_fails_is_a_mistake(user_module):
+    fn = load_reward("my_rewards:fails_on_b")
+    scores = score(fn, ["p"] * 3, ["a", "b", "ab"], [{}] * 3, spec="f")
+    assert scores.rewards == [1.0, 0.0, 0.0]
+    assert scores.failed == 2 and scores.first_error == "RuntimeError: no b"
+    with pytest.raises(Mistake, match=r"failed on every completion of a batch \(2\); the "
+                                      r"first: RuntimeError: no b"):
+        score(fn, ["p"] * 2, ["b", "bb"], [{}] * 2, spec="f")
+
+
+def test_named_parts_are_summed_and_each_kept(user_module):
+    fn = load_reward("my_rewards:graded")
+    scores = score(fn, ["p", "p"], ["4", "five"], [{"answer": "4"}] * 2, spec="g")
+    assert scores.parts["correct"] == [1.0, 0.0]
+    assert scores.parts["short"] == pytest.approx([-0.01, -0.04])
+    assert scores.rewards == pytest.approx([0.99, -0.04])
+
+
+@pytest.mark.parametrize("value", [True, float("nan"), float("inf"), None, {}, {"a": "1"}])
+def test_only_finite_numbers_are_rewards(value):
+    with pytest.raises(TypeError):
+        parts_of(value)
+
+
+def test_the_builtins_match_answers():
+    assert exact_match("q", "  paris \n", answer="paris") == 1.0
+    assert exact_match("q", "Paris", answer="paris") == 0.0
+    assert last_number("so 3 apples, then 1,234.5 in all") == 1234.5
+    assert last_number("the answer is -7.") == -7.0
+    assert last_number("none") is None
+    assert final_number("q", "3 + 4 = 7", answer="Add them.\n#### 7") == 1.0
+    assert final_number("q", "it is 7.0", answer=7) == 1.0
+    assert final_number("q", "it is 8", answer=7) == 0.0
+    assert final_number("q", "no idea", answer=7) == 0.0

@@ -1,0 +1,85 @@
+"""GRPO's advantages and policy loss (raylm.workers.grpo) against a dense, per-completion
+formulation written out here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylm.workers.grpo import Clip, group_advantages, token_losses, token_weights
+
+
+def test_advantages_are_centered_and_scaled_per_group():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    adv, alike = group_advantages(rewards, group_size=4)
+    first = torch.tensor([0.5, -0.5, -0.5, 0.5]) / (torch.tensor([1.0, 0, 0, 1]).std() + 1e-4)
+    assert torch.allclose(adv[:4], first)
+    assert torch.equal(adv[4:], torch.zeros(4))  # no signal: all alike
+    assert alike.tolist() == [False, True]
+    centered, _ = group_advantages(rewards, group_size=4, normalize=False)
+    assert centered[:4].tolist() == [0.5, -0.5, -0.5, 0.5]
+    with pytest.raises(ValueError, match="do not make groups of 3"):
+        group_advantages(rewards, group_size=3)
+
+
+def dense_loss(logp, old, adv, mask, *, low, high, ref=None, beta=0.0, aggregation, max_len):
+    """The same loss on (completions, tokens) tensors with a mask, aggregated per variant."""
+    ratio = torch.exp(logp - old)
+    a = adv[:, None]
+    per = -torch.min(ratio * a, ratio.clamp(1 - low, 1 + high) * a)
+    if ref is not None:
+        per = per + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    per = per * mask
+    if aggregation == "sequence":
+        return (per.sum(1) / mask.sum(1)).mean()
+    if aggregation == "token":
+        return per.sum() / mask.sum()
+    return per.sum() / (mask.size(0) * max_len)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "constant"])
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_the_flat_loss_and_its_gradient_equal_the_dense_ones(aggregation, beta):
+    torch.manual_seed(0)
+    lengths = torch.tensor([3, 1, 5, 2])
+    mask = (torch.arange(5)[None, :] < lengths[:, None]).float()
+    logp = torch.randn(4, 5).mul(0.5).sub(2).requires_grad_()
+    old = (logp.detach() + torch.randn(4, 5) * 0.3)
+    ref = logp.detach() + torch.randn(4, 5) * 0.2
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2])
+
+    dense = dense_loss(logp, old, adv, mask, low=0.2, high=0.28, ref=ref, beta=beta,
+                       aggregation=aggregation, max_len=8)
+    (g_dense,) = torch.autograd.grad(dense, logp)
+
+    at = torch.nonzero(mask.reshape(-1)).squeeze(1)
+    index = at // 5
+    flat = lambda t: t.reshape(-1).index_select(0, at)  # noqa: E731
+    per, figures = token_losses(flat(logp), flat(old), adv.index_select(0, index),
+                                clip=Clip(0.2, 0.28), ref_logp=flat(ref), kl_coef=beta)
+    weights, denominator = token_weights(index, lengths, aggregation=aggregation, max_tokens=8)
+    loss = (per * weights).sum() / denominator
+    (g_flat,) = torch.autograd.grad(loss, logp)
+    assert torch.allclose(loss, dense, atol=1e-6)
+    assert torch.allclose(g_flat, g_dense, atol=1e-6)
+    assert figures["kl"].sum().item() == 0.0 if beta == 0 else figures["kl"].min() >= 0
+
+
+def test_the_clip_holds_only_where_it_binds():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([0.5, 1.5, 0.5, 1.5])).requires_grad_()
+    adv = torch.tensor([-1.0, 1.0, 1.0, -1.0])
+    per, figures = token_losses(logp, old, adv, clip=Clip(0.2, 0.28))
+    # Ratio 0.5 with A < 0: clipped to 0.8 (no gradient); 1.5 with A > 0: held at 1.28;
+    # the other two are where the objective is pessimistic: the unclipped term counts.
+    assert per.detach().tolist() == pytest.approx([0.8, -1.28, -0.5, 1.5])
+    assert figures["clipped_low"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert figures["clipped_high"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    (grad,) = torch.autograd.grad(per.sum(), logp)
+    assert grad.tolist() == pytest.approx([0.0, 0.0, -0.5, 1.5])
+
+
+def test_an_unknown_aggregation_is_refused():
+    with pytest.raises(ValueError, match="token, sequence or constant"):
+        token_weights(torch.zeros(1, dtype=torch.long), torch.ones(1), aggregation="mean",
+                      max_tokens=4)
