@@ -256,7 +256,8 @@ def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "
         raise SourceError(f"data.format={example_format} reads examples from "
                           f"{', '.join(EXAMPLE_FORMATS)} files; {f.path} is {f.format}.")
     fields = {"chat": [messages_field], "prompt_completion": [prompt_field, completion_field],
-              "preference": [prompt_field, chosen_field, rejected_field]}[example_format]
+              "preference": [prompt_field, chosen_field, rejected_field],
+              "prompt": [prompt_field]}[example_format]
     n = 0
     for row, reason, line in _rows(f, fields):
         n += 1
@@ -268,6 +269,10 @@ def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "
                                     else parse_messages(value))
             elif example_format == "preference":
                 messages, reason = parse_preference(*(row[k] for k in fields))
+            elif example_format == "prompt":
+                value = row[prompt_field]
+                messages, reason = ((None, "missing_field") if value is None
+                                    else parse_prompt(value))
             else:
                 messages, reason = parse_prompt_completion(row[prompt_field],
                                                            row[completion_field])
@@ -275,6 +280,48 @@ def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "
         yield Record(text, reason, line)
     if n == 0:
         yield Record(None, "empty", 0)
+
+
+def read_rows(f: SourceFile) -> dict[int, dict[str, Any]]:
+    """Every row of a JSONL/Parquet/Arrow file with all its columns, by the line (or row)
+    :func:`read_examples` gives it: what a reward function is given beside a prompt."""
+    if f.format == "jsonl":
+        return {line: obj for obj, _, line in _jsonl_objects(f) if obj is not None}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if f.format == "parquet":
+        return dict(enumerate(pq.read_table(f.path).to_pylist(), start=1))
+    with pa.memory_map(f.path) as source:  # `datasets` writes the streaming format
+        try:
+            table = pa.ipc.open_stream(source).read_all()
+        except pa.ArrowInvalid:  # the random-access file format
+            table = pa.ipc.open_file(source).read_all()
+        return dict(enumerate(table.to_pylist(), start=1))
+
+
+def first_row(source: str | list[str], *, hf_split: str = "train") -> dict[str, Any] | None:
+    """The first readable row of a local prompt source, every column (the preflight calls the
+    reward function on it); None for a hub dataset or a prepared directory (not read before
+    Ray starts) or a source without one."""
+    first = source if isinstance(source, str) else source[0]
+    if first.startswith("hf:") or first == "builtin" or is_prepared_dir(first):
+        return None
+    for f in resolve_sources(first, builtin_packages=[], hf_split=hf_split):
+        if f.format == "jsonl":
+            for obj, _, _ in _jsonl_objects(f):
+                if obj is not None:
+                    return obj
+        elif f.format == "parquet":
+            import pyarrow.parquet as pq
+
+            for batch in pq.ParquetFile(f.path).iter_batches(batch_size=1):
+                return batch.to_pylist()[0]
+        elif f.format == "arrow":
+            rows = read_rows(f)
+            if rows:
+                return rows[1]
+    return None
 
 
 def _rows(f: SourceFile, fields: list[str]) -> Iterator[tuple]:

@@ -140,8 +140,9 @@ class ExamplePacker:
     both halves always share a block. Holds at most one block between calls; :meth:`finish`
     pads out the last."""
 
-    def __init__(self, block_length: int, *, pad_id: int) -> None:
-        self.block_length, self.pad_id = block_length, pad_id
+    def __init__(self, block_length: int, *, pad_id: int, one_per_block: bool = False) -> None:
+        # One per block: prompts, each a sample of its own (a step answers a known number).
+        self.block_length, self.pad_id, self.one_per_block = block_length, pad_id, one_per_block
         self._ids: list[np.ndarray] = []
         self._mask: list[np.ndarray] = []
         self._sources: list[int] = []
@@ -163,7 +164,7 @@ class ExamplePacker:
             ids, mask, split = example if len(example) == 3 else (*example, 0)
             n = len(ids)
             assert 0 < n <= self.block_length and len(mask) == n and 0 <= split < n
-            if self._used + n > self.block_length:
+            if self._used + n > self.block_length or (self.one_per_block and self._ids):
                 closed = self._close()
                 for out, part in zip((blocks, starts, masks, block_sources), closed,
                                      strict=True):

@@ -202,6 +202,8 @@ class ExampleRenderer:
 
         if self.format == "preference":
             return self._pairs(table)
+        if self.format == "prompt":
+            return self._prompts(table)
         texts = table.column("text").to_pylist()
         reasons = table.column("reason").to_pylist()
         ids_out, masks_out, truncated = [], [], []
@@ -248,6 +250,29 @@ class ExampleRenderer:
         if splits is not None:
             out = out.append_column("split", pa.array(splits, pa.int32()))
         return out
+
+    def _prompts(self, table: pa.Table) -> pa.Table:
+        """Prompts for reinforcement learning: each rendered as the model is asked to answer
+        it (the template's generation prompt), nothing trained. A prompt is never cut: one
+        longer than a block is dropped (``too_long``)."""
+        reasons = table.column("reason").to_pylist()
+        ids_out = []
+        for i, text in enumerate(table.column("text").to_pylist()):
+            ids = np.zeros(0, np.int32)
+            messages = json.loads(text) if text is not None else None
+            if messages is not None and forged(messages, self.control):
+                reasons[i], messages = "control_text", None
+            if messages is not None and self.max_chars is not None and \
+                    within_chars(messages, self.max_chars)[1]:
+                reasons[i], messages = "too_long", None
+            if messages is not None:
+                ids, _ = encode(self.template.prompt(messages), self.tok, eos_id=self.eos_id,
+                                loss_on="all")
+                if len(ids) > self.block_length:
+                    reasons[i], ids = "too_long", np.zeros(0, np.int32)
+            ids_out.append(ids)
+        masks = [np.zeros(len(ids), np.uint8) for ids in ids_out]
+        return self._table(table, reasons, ids_out, masks, [False] * len(ids_out))
 
     def _pairs(self, table: pa.Table) -> pa.Table:
         """Preference pairs: the chosen half (answer targets marked 1) then the rejected half
@@ -501,7 +526,8 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
     prefix = f"part-{piece:05d}"
     writers = {s: BlockWriter(Path(out) / s, block_length=block_length, group_rows=group_rows,
                               loss_mask=renderer is not None, prefix=prefix) for s in SPLITS}
-    packers = {s: ExamplePacker(block_length, pad_id=eos_id) if renderer else
+    packers = {s: ExamplePacker(block_length, pad_id=eos_id,
+                                one_per_block=renderer.format == "prompt") if renderer else
                Packer(block_length) for s in SPLITS}
     val_cut = int(val_fraction * 2**64)
     res = PieceResult(dropped=dict.fromkeys(

@@ -1,0 +1,63 @@
+"""Prompts for reinforcement learning: read with their rows' other columns, rendered as the
+model is asked to answer them (nothing trained), one a block, never cut."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raylm.data.chat import DefaultTemplate, encode
+from raylm.data.corpus import SourceFile, read_examples, read_rows
+from raylm.data.packing import ExamplePacker
+from raylm.data.preparation import ExampleRenderer
+
+
+def test_prompts_are_read_as_conversations_and_rows_keep_every_column(tmp_path):
+    rows = [{"prompt": "2+2?", "answer": "4"},
+            {"prompt": [{"role": "system", "content": "Be short."},
+                        {"role": "user", "content": "3+3?"}], "answer": "6"},
+            {"prompt": [{"role": "user", "content": "q"},
+                        {"role": "assistant", "content": "a"}], "answer": "x"},
+            {"question": "no prompt"}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = list(read_examples(SourceFile(str(path), "jsonl"), example_format="prompt"))
+    assert [r.reason for r in got] == [None, None, "malformed", "missing_field"]
+    assert json.loads(got[0].text) == [{"role": "user", "content": "2+2?"}]
+    assert json.loads(got[1].text)[0]["role"] == "system"
+    assert read_rows(SourceFile(str(path), "jsonl"))[2]["answer"] == "6"
+    pq.write_table(pa.Table.from_pylist([rows[0], {"prompt": "3+3?", "answer": "6"}]),
+                   tmp_path / "p.parquet")
+    by_row = read_rows(SourceFile(str(tmp_path / "p.parquet"), "parquet"))
+    assert [by_row[n]["answer"] for n in (1, 2)] == ["4", "6"]
+    assert [r.line for r in read_examples(SourceFile(str(tmp_path / "p.parquet"), "parquet"),
+                                          example_format="prompt")] == [1, 2]
+
+
+def test_a_prompt_renders_as_the_generation_prompt_untrained_and_fills_a_block(tok):
+    eos = tok.token_to_id("<|endoftext|>")
+    renderer = ExampleRenderer(
+        example_format="prompt", messages_field="messages", prompt_field="prompt",
+        completion_field="completion", chat_template=None, loss_on="assistant",
+        block_length=32, long_examples="truncate", tokenizer=tok, eos_id=eos)
+    prompts = [[{"role": "user", "content": "Reverse: a b"}],
+               [{"role": "user", "content": "Reverse: " + "word " * 40}]]
+    out = renderer(pa.table({"text": [json.dumps(p) for p in prompts],
+                             "reason": pa.array([None, None], pa.string())}))
+    assert out.column("reason").to_pylist() == [None, "too_long"]  # never cut
+    ids = np.asarray(out.column("ids")[0].as_py())
+    want, _ = encode(DefaultTemplate().prompt(prompts[0]), tok, eos_id=eos, loss_on="all")
+    assert ids.tolist() == want.tolist()
+    assert tok.decode(ids.tolist()).endswith("Assistant:")
+    assert not any(out.column("loss_mask")[0].as_py())
+
+    packer = ExamplePacker(32, pad_id=eos, one_per_block=True)
+    short = (ids[:5], np.zeros(5, np.uint8))
+    blocks, starts, masks, _ = packer.add([(ids, np.zeros(len(ids), np.uint8)), short, short])
+    last, last_starts, _, _ = packer.finish()
+    assert len(blocks) == 2 and len(last) == 1  # three prompts, three blocks
+    assert blocks[0][:len(ids)].tolist() == ids.tolist()
+    assert starts[1].tolist() == [0, 5] and not masks.any()  # the prompt, then padding
