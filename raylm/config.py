@@ -190,19 +190,21 @@ class DataConfig:
     """Corpus: 'builtin', a file, directory or glob of .txt/.md/.jsonl/.parquet/.arrow files, a
     `datasets` save_to_disk directory, 'hf:NAME[:CONFIG]' for a Hugging Face hub dataset, a
     directory written by `raylm prepare`, or a list of these."""
-    format: Literal["text", "chat", "prompt_completion", "preference"] = "text"
+    format: Literal["text", "chat", "prompt_completion", "preference", "prompt"] = "text"
     """What a record is: running text (pretraining), a conversation (a list of {role, content}
     messages in data.messages_field; roles system, user, assistant), a prompt/completion pair,
-    or a preference pair for train.objective=dpo (a prompt, string or conversation, with a
-    chosen and a rejected answer, each a string or a list of assistant turns). All but text
-    read JSONL, Parquet, Arrow or saved datasets."""
+    a preference pair for train.objective=dpo (a prompt, string or conversation, with a
+    chosen and a rejected answer, each a string or a list of assistant turns), or a prompt
+    for train.objective=grpo (a string or a conversation ending with a user turn; the row's
+    other columns go to the reward function). All but text read JSONL, Parquet, Arrow or
+    saved datasets."""
     text_field: str = "text"
     """Field holding the document text in JSONL, Parquet and Hugging Face datasets."""
     messages_field: str = "messages"
     """format chat: the field holding each conversation."""
     prompt_field: str = "prompt"
-    """format prompt_completion: the field holding the prompt; format preference: the field
-    holding the prompt both answers follow (a string, or a list of chat messages)."""
+    """format prompt_completion: the field holding the prompt; formats preference and prompt:
+    the field holding the prompt the answers follow (a string, or a list of chat messages)."""
     completion_field: str = "completion"
     """format prompt_completion: the field holding the completion."""
     chosen_field: str = "chosen"
@@ -407,11 +409,13 @@ class TrainConfig:
     """Seeds the model initialisation and the global sample order."""
     precision: Literal["auto", "fp32", "bf16-mixed", "bf16-true"] = "auto"
     """'auto' is bf16-mixed on CUDA devices with bf16 and fp32 elsewhere."""
-    objective: Literal["sft", "dpo"] = "sft"
+    objective: Literal["sft", "dpo", "grpo"] = "sft"
     """sft: next-token cross-entropy (pretraining and supervised fine-tuning); dpo: preference
     tuning on data.format=preference pairs with the dpo section's loss, averaged over every
     pair in the step's train.global_batch_size blocks (a block holds as many whole pairs as
-    fit in data.seq_len + 1 tokens)."""
+    fit in data.seq_len + 1 tokens); grpo: reinforcement learning from the rl section's reward
+    on data.format=prompt rows, rl.group_size completions of each of the step's
+    train.global_batch_size prompts (one prompt a block)."""
     fused_loss: bool = True
     """Compute the output head and the cross-entropy a chunk of tokens at a time, so that a
     batch's logits never exist whole (at a 150k vocabulary they are the largest item of a
@@ -510,6 +514,53 @@ class DpoConfig:
         """Whether the loss compares the policy with a reference model (sigmoid and ipo do;
         SimPO does not)."""
         return self.loss != "simpo"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RlConfig:
+    reward: str | None = None
+    """train.objective=grpo: the reward function, module:function (called as fn(prompt,
+    completion, **columns), returning a number or a mapping of named numbers, summed), or a
+    built-in: exact_match or final_number, against the row's answer column."""
+    group_size: int = 8
+    """Completions sampled for each prompt; each one's advantage is its reward against its
+    group's."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainers score completions at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens holding this much probability."""
+    max_completion_tokens: int = 128
+    """The longest completion; one cut there counts as truncated (with no EOS)."""
+    clip_low: float = 0.2
+    """The policy ratio is clipped below at 1 - clip_low where the advantage is negative."""
+    clip_high: float = 0.2
+    """... and above at 1 + clip_high where it is positive (DAPO's "clip higher": 0.28)."""
+    normalize_advantages: bool = True
+    """Divide each group's centered rewards by their standard deviation (GRPO); false keeps
+    them centered only (Dr. GRPO: no bias towards prompts all answered alike)."""
+    aggregation: Literal["token", "sequence", "constant"] = "token"
+    """How the step averages its completions' token losses: every token alike (DAPO), each
+    completion's mean then their mean (GRPO as published), or the sum over completions x
+    rl.max_completion_tokens (Dr. GRPO)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty against the starting model (the k3 estimate per token), whose
+    log-probabilities are the base's with the LoRA adapters switched off (so it needs
+    lora.rank > 0); 0: none."""
+    generators: int = 1
+    """Generator actors sampling completions beside the trainers; one that dies is replaced
+    while the trainers continue."""
+    generator_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    """Ray resources each generator actor holds (e.g. {"GPU": 1})."""
+
+    def __post_init__(self) -> None:
+        _at_least("rl", self, group_size=2, max_completion_tokens=1, generators=1,
+                  clip_low=0, clip_high=0, kl_coef=0)
+        _at_least("rl", self, above=True, temperature=0)
+        _check(0 < self.top_p <= 1, "rl.top_p", self.top_p, "0 < x <= 1")
+        _check(self.clip_low < 1, "rl.clip_low", self.clip_low, "0 <= x < 1")
+        _check(all(v >= 0 for v in self.generator_resources.values()),
+               "rl.generator_resources", self.generator_resources,
+               "a mapping of Ray resource names to amounts >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -803,6 +854,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
@@ -1085,6 +1137,7 @@ def _check_preference(cfg: Config) -> None:
     _check(dpo or cfg.data.format != "preference", "data.format", cfg.data.format,
            "chat, prompt_completion or text with train.objective=sft; preference pairs train "
            "with train.objective=dpo")
+    _check_reinforcement(cfg)
     if not dpo:
         return
     d = cfg.data
@@ -1101,6 +1154,31 @@ def _check_preference(cfg: Config) -> None:
     _check(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1, "train.objective", "dpo",
            "sft with tensor or pipeline parallelism (parallel.tensor, parallel.pipeline > 1); "
            "dpo runs on data-parallel FSDP2 workers")
+
+
+def _check_reinforcement(cfg: Config) -> None:
+    """train.objective=grpo, data.format=prompt and a reward go together."""
+    grpo, d = cfg.train.objective == "grpo", cfg.data
+    _check(grpo or d.format != "prompt", "data.format", d.format,
+           "chat, prompt_completion or text with train.objective=sft; prompts train with "
+           "train.objective=grpo")
+    _check(grpo or cfg.rl.reward is None, "rl.reward", cfg.rl.reward,
+           "unset unless train.objective=grpo")
+    if not grpo:
+        return
+    _check(d.format == "prompt", "train.objective", "grpo",
+           f"sft with data.format={d.format}; grpo trains on data.format=prompt")
+    _check(cfg.rl.reward is not None, "rl.reward", None,
+           "a reward function for train.objective=grpo: module:function, exact_match or "
+           "final_number")
+    _check(not d.across_documents, "data.cross_document_attention",
+           d.cross_document_attention, "false (or unset) with train.objective=grpo")
+    _check(not cfg.rl.kl_coef or bool(cfg.lora.rank), "rl.kl_coef", cfg.rl.kl_coef,
+           "0 without LoRA adapters: the KL penalty's reference is the base with the adapters "
+           "switched off (lora.rank > 0)")
+    _check(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1, "train.objective", "grpo",
+           "sft with tensor or pipeline parallelism (parallel.tensor, parallel.pipeline > 1); "
+           "grpo runs on data-parallel FSDP2 workers")
 
 
 def validate(cfg: Config) -> Config:

@@ -115,6 +115,8 @@ def plan_resources(cfg: Config, capacity: dict[str, float] | None) -> ResourcePl
     with the arithmetic and the settings that fit, when the fewest workers do not fit."""
     sc, d = cfg.scaling, cfg.data
     assert sc.use_gpu != "auto", "choose_device decides it first"
+    if cfg.train.objective == "grpo" and capacity is not None:
+        capacity = beside_generators(cfg, capacity)
     fewest, most = sc.worker_range
     worker = {"CPU": sc.cpus_per_worker, **sc.worker_resources}
     if sc.use_gpu:
@@ -135,6 +137,23 @@ def plan_resources(cfg: Config, capacity: dict[str, float] | None) -> ResourcePl
     if capacity is not None:
         _check_fits(cfg, plan, capacity)
     return plan
+
+
+def beside_generators(cfg: Config, capacity: dict[str, float]) -> dict[str, float]:
+    """What the cluster's ``capacity`` leaves for training once the generators of
+    train.objective=grpo (rl.generators x rl.generator_resources) are placed; refused, with
+    the arithmetic, when they do not fit at all."""
+    rl, left = cfg.rl, dict(capacity)
+    for name, amount in rl.generator_resources.items():
+        need = rl.generators * amount
+        if need > capacity.get(name, 0.0) + 1e-9:
+            raise ValueError(
+                f"rl.generators={rl.generators} of rl.generator_resources={rl.generator_resources}"
+                f" need {need:g} {name}, but the cluster has {capacity.get(name, 0):g}; fewer "
+                f"generators or smaller ones would fit, or set scaling.wait_for_nodes=true if "
+                f"the cluster autoscales.")
+        left[name] = capacity.get(name, 0.0) - need
+    return left
 
 
 def _check_fits(cfg: Config, plan: ResourcePlan, capacity: dict[str, float]) -> None:
@@ -438,7 +457,9 @@ def say_how_it_ended(cfg: Config, summary: dict[str, Any], *, error: Exception |
             f"failures; the latest checkpoint is {summary['checkpoint_path']}; run again with "
             f"the same run.name to resume. Summary: {summary_path}")
         raise error
-    log(f"raylm: done: step {summary['final_step']}, val loss {summary['val_loss']}, "
+    val = (f"val reward {summary['val_reward']:.3f}" if "val_reward" in summary
+           else f"val loss {summary['val_loss']}")
+    log(f"raylm: done: step {summary['final_step']}, {val}, "
         f"{summary['restarts']} restarts, {summary['resizes']} resizes, checkpoint "
         f"{summary['checkpoint_path']}, summary {summary_path}")
     if summary.get("tracking_lost"):

@@ -430,3 +430,37 @@ def test_an_unnamed_run_is_named_after_its_job_so_another_job_never_resumes_it()
     assert for_sweep(load_config(None, ["--run.name=mine"])).run.name == "mine"
     # The Python API's config and overrides: the name follows what the overrides make.
     assert load_config(Config(), {"model.preset": "small"}).run.name == "small-builtin"
+
+
+def test_grpo_settings_that_cannot_train_are_refused_before_ray_starts(tmp_path, capsys,
+                                                                        ray_never_starts):
+    grpo = ["--train.objective=grpo", "--data.format=prompt", "--rl.reward=exact_match"]
+    assert load_config(None, grpo).rl.group_size == 8
+    for extra, message in [
+        (["--data.format=chat"], "grpo trains on data.format=prompt"),
+        (["--rl.reward=null"], "a reward function for train.objective=grpo"),
+        (["--data.cross_document_attention=true"], "false \\(or unset\\) with train.objective"),
+        (["--parallel.tensor=2", "--scaling.num_workers=2"], "grpo runs on data-parallel"),
+        (["--rl.kl_coef=0.1"], "the base with the adapters switched off"),
+        (["--rl.group_size=1"], "'rl.group_size': 1"),
+        (["--rl.top_p=0"], "0 < x <= 1"),
+        (["--rl.clip_low=1"], "0 <= x < 1"),
+        (['--rl.generator_resources={"CPU": -1}'], "amounts >= 0"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [*grpo, *extra])
+    with pytest.raises(ConfigError, match="prompts train with train.objective=grpo"):
+        load_config(None, ["--data.format=prompt"])
+    with pytest.raises(ConfigError, match="unset unless train.objective=grpo"):
+        load_config(None, ["--rl.reward=exact_match"])
+    # The reward function is imported and called on the data's first row before Ray starts.
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "2+2?", "solution": "4"}\n')
+    assert main(["train", *grpo, f"--data.source={data}", "--tracking.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raylm: error: rl.reward='exact_match' cannot be called as "
+                          "fn(prompt, completion, **columns) with this data's columns "
+                          "['solution']") and err.count("\n") == 1
+    assert main(["train", *grpo[:2], "--rl.reward=no_such_module:f",
+                 f"--data.source={data}", "--tracking.enabled=false"]) == 2
+    assert "module 'no_such_module' does not import" in capsys.readouterr().err

@@ -193,3 +193,18 @@ def test_resource_plan_counts_workers_and_readers():
     # An autoscaling cluster is not checked: the autoscaler adds what the run asks for.
     waits = load_config(None, [*two, "--scaling.wait_for_nodes=true"])
     assert plan_resources(waits, None).reader_cpus == 0.1
+
+
+def test_generators_are_placed_first_and_the_trainers_plan_around_them():
+    from raylm.run.launch import plan_resources
+
+    grpo = ["--train.objective=grpo", "--data.format=prompt", "--rl.reward=exact_match",
+            "--scaling.use_gpu=false", "--scaling.num_workers=1"]
+    # One 1-CPU generator on 2 CPUs leaves one for the trainer; its reader shares it.
+    plan = plan_resources(load_config(None, grpo), {"CPU": 2.0})
+    assert plan.worker == {"CPU": 1.0} and plan.reader == {"CPU": 0.0}
+    with pytest.raises(ValueError, match=r"needs 1 CPU: .* but the cluster has 0"):
+        plan_resources(load_config(None, [*grpo, "--rl.generators=2"]), {"CPU": 2.0})
+    with pytest.raises(ValueError, match=r"^rl.generators=3 of rl.generator_resources="
+                                         r"\{'CPU': 1.0\} need 3 CPU, but the cluster has 2"):
+        plan_resources(load_config(None, [*grpo, "--rl.generators=3"]), {"CPU": 2.0})
