@@ -131,7 +131,9 @@ def write(output: str | Path, *, train: int, heldout: int, pretrain: int = 20000
           seed: int = 0) -> dict[str, str]:
     """``output/train.jsonl`` and ``output/heldout.jsonl`` in raylm's chat format, the same
     questions as preference pairs (``train_pairs.jsonl``, ``heldout_pairs.jsonl``: the right
-    reversal chosen, a near miss rejected), ``output/pretrain.jsonl``, text for the model
+    reversal chosen, a near miss rejected) and as prompts with their answers
+    (``train_prompts.jsonl``, ``heldout_prompts.jsonl``: ``{"prompt": [...], "answer": ...}``
+    rows, for ``train.objective=grpo``), ``output/pretrain.jsonl``, text for the model
     fine-tuned on them (``{"text": ...}`` rows), and ``output/tasks``, the held-out questions
     as an lm-eval task (:func:`write_task`)."""
     out = Path(output)
@@ -148,6 +150,10 @@ def write(output: str | Path, *, train: int, heldout: int, pretrain: int = 20000
         pairs = out / f"{name}_pairs.jsonl"
         pairs.write_text("".join(json.dumps(pair(w, rng)) + "\n" for w in rows))
         paths[f"{name}_pairs"] = str(pairs)
+        prompts = out / f"{name}_prompts.jsonl"  # reinforcement learning's: exact_match
+        prompts.write_text("".join(json.dumps({"prompt": conversation(w)[:2],
+                                               "answer": answer(w)}) + "\n" for w in rows))
+        paths[f"{name}_prompts"] = str(prompts)
     paths["tasks"] = str(write_task(out / "tasks", ho, seed=seed))
     return paths
 

@@ -54,6 +54,7 @@ class Group:
 
     position: int
     version: int
+    prompt_ids: list[int]
     completions: list[list[int]]
     logps: list[list[float]]
     rewards: list[float]
@@ -61,12 +62,14 @@ class Group:
     truncated: list[bool]
     failed: int = 0
     first_error: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Spent sampling (``generate_s``) and scoring (``reward_s``) this group."""
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How completions are sampled: ``group_size`` per prompt, at ``temperature`` and nucleus
-    ``top_p``, at most ``max_tokens`` each."""
+    """How completions are sampled: ``group_size`` per prompt, at ``temperature`` (0: the
+    most likely token each time) and nucleus ``top_p``, at most ``max_tokens`` each."""
 
     group_size: int
     temperature: float = 1.0
@@ -133,11 +136,10 @@ class Generator:
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in ids]
         scores = rewards.score(self.reward, [prompt.prompt] * len(ids), texts,
                                [prompt.columns] * len(ids), spec=self.spec)
-        scored = time.perf_counter()
-        self.seconds = {"generate_s": generated - t0, "reward_s": scored - generated}
-        return Group(prompt.position, self.version, ids, logps, scores.rewards, scores.parts,
-                     [not c or c[-1] != self.eos_id for c in ids], scores.failed,
-                     scores.first_error)
+        seconds = {"generate_s": generated - t0, "reward_s": time.perf_counter() - generated}
+        return Group(prompt.position, self.version, prompt.ids, ids, logps, scores.rewards,
+                     scores.parts, [not c or c[-1] != self.eos_id for c in ids],
+                     scores.failed, scores.first_error, seconds)
 
     def sample(self, prompt: Prompt, s: Sampling) -> tuple[list[list[int]], list[list[float]]]:
         """``s.group_size`` completions of ``prompt`` and their tokens' log-probabilities."""
@@ -147,17 +149,19 @@ class Generator:
         torch.manual_seed(seed)
         if device.type == "cuda":
             torch.cuda.manual_seed(seed)
+        sampled = (dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
+                   if s.temperature > 0 else dict(do_sample=False))
         with self.built.attention.context():
             out = model.generate(
-                input_ids=tokens, attention_mask=torch.ones_like(tokens), do_sample=True,
-                temperature=s.temperature, top_p=s.top_p, top_k=0, max_new_tokens=s.max_tokens,
-                eos_token_id=self.eos_id, pad_token_id=self.eos_id, use_cache=True)
+                input_ids=tokens, attention_mask=torch.ones_like(tokens), **sampled,
+                max_new_tokens=s.max_tokens, eos_token_id=self.eos_id, pad_token_id=self.eos_id,
+                use_cache=True)
         n = len(prompt.ids)
         completions = []
         for row in out[:, n:].tolist():
             end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
             completions.append(row[:end])
-        return completions, self.logps(out, n, completions, s.temperature)
+        return completions, self.logps(out, n, completions, s.temperature or 1.0)
 
     def logps(self, sequences: torch.Tensor, prompt_len: int, completions: list[list[int]],
               temperature: float) -> list[list[float]]:

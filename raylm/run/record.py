@@ -61,11 +61,12 @@ from raylm.run.tracking import Tracker
 
 # The reported figures each progress record keeps: the run's metric history (raylm.api reads
 # it back as a DataFrame), whether or not MLflow is on. Also every figure named with one of
-# HISTORY_PREFIXES: preference tuning's (dpo_margin, val_accuracy ...).
+# HISTORY_PREFIXES: preference tuning's (dpo_margin, val_accuracy ...), reinforcement
+# learning's (rl_reward, val_reward ...).
 HISTORY = ("loss", "val_loss", "val_perplexity", "lr", "grad_norm", "tokens_per_s", "mfu",
            "data_wait_fraction", "peak_memory_gb", "workers", "joules_per_token",
            "watts_per_gpu", "energy_kwh")
-HISTORY_PREFIXES = ("dpo_", "val_")
+HISTORY_PREFIXES = ("dpo_", "rl_", "val_")
 
 
 # ---- events.jsonl: writing and reading -----------------------------------------------------
@@ -311,9 +312,10 @@ class RunRecord(UserCallback):
             self._numerical_fault(fault)
         self.latest = m
         self.furthest = max(self.furthest, step)
-        if "val_loss" in m:
-            self.val_loss = m["val_loss"]
-            # Preference tuning's evaluation figures besides the loss (val_accuracy ...).
+        if "val_loss" in m or "val_reward" in m:
+            self.val_loss = m.get("val_loss")
+            # Preference tuning's evaluation figures besides the loss (val_accuracy ...),
+            # reinforcement learning's instead of it (val_reward).
             self.val_figures = {k: v for k, v in m.items() if k.startswith("val_")
                                 and k not in ("val_loss", "val_perplexity")}
         path = None
@@ -501,6 +503,8 @@ class RunRecord(UserCallback):
             "train_loss": m.get("loss"),
             "val_loss": self.val_loss,
             **self.val_figures,
+            # Reinforcement learning's figures of the latest step (rl_reward ...).
+            **{k: v for k, v in m.items() if k.startswith("rl_")},
             "tokens_per_s": m.get("tokens_per_s"),
             "mfu": m.get("mfu"),
             "data_wait_fraction": m.get("data_wait_fraction_run"),
@@ -633,6 +637,11 @@ def progress_line(m: dict[str, Any], *, total_steps: int, step_time: float,
             f"ETA {step_time * (total_steps - step):.0f}s")
     if "dpo_accuracy" in m:
         line += f"  margin {m['dpo_margin']:.3f}  acc {m['dpo_accuracy']:.2f}"
+    if "rl_reward" in m:
+        line += (f"  reward {m['rl_reward']:.3f} (sd {m['rl_reward_std']:.3f}, no signal "
+                 f"{100 * m['rl_no_signal']:.0f}%)  len {m['rl_completion_len']:.1f}")
+    if "val_reward" in m:
+        line += f"  val reward {m['val_reward']:.3f}"
     if "val_loss" in m:
         line += f"  val {m['val_loss']:.4f}"
     if "val_accuracy" in m:

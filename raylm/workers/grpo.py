@@ -31,10 +31,29 @@ tests check them against a dense, per-completion formulation.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
+import torch.distributed as dist
+
+from raylm.config import Config
+from raylm.data.corpus import PREPARED_MANIFEST, SUFFIX_FORMATS, SourceFile, read_rows
+from raylm.data.streams import PackedSplit
+from raylm.data.tokenizer import load_backend
+from raylm.model.assemble import Built, global_count
+from raylm.model.lora import adapters_off
+from raylm.rollout.generator import Group, Prompt, Sampling
+from raylm.rollout.pool import GeneratorPool
+from raylm.rollout.rewards import split_row
+from raylm.workers.metrics import flops_per_token
+from raylm.workers.preference import answer_rows, row_logps
+from raylm.workers.step import apply_update, clip_grad_norm
 
 Aggregation = Literal["token", "sequence", "constant"]
 # Added to a group's standard deviation: a group whose rewards differ by a hair does not
@@ -100,3 +119,266 @@ def token_weights(index: torch.Tensor, lengths: torch.Tensor, *, aggregation: Ag
     if aggregation == "constant":
         return torch.ones(index.numel(), device=index.device), float(completions * max_tokens)
     raise ValueError(f"aggregation={aggregation!r}: token, sequence or constant")
+
+
+# ---- The step: prompts in, completions generated beside the trainers, one update ----------
+
+def prompt_tokens(batch: dict[str, torch.Tensor]) -> list[list[int]]:
+    """Each block's prompt (a block holds one prompt, then padding: the second document)."""
+    out = []
+    for tokens, positions in zip(batch["input_ids"], batch["position_ids"], strict=True):
+        starts = torch.nonzero(positions[1:] == 0)
+        n = int(starts[0]) + 1 if len(starts) else len(positions)
+        out.append(tokens[:n].tolist())
+    return out
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """A micro-batch of completions, each after its prompt in a row of its own (padding after
+    it a document of its own): the flat target positions of the completions' tokens
+    (``at``), each one's completion (``index``), their sampling log-probabilities, each
+    completion's advantage and length."""
+
+    batch: dict[str, torch.Tensor]
+    at: torch.Tensor
+    index: torch.Tensor
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    lengths: torch.Tensor
+
+
+def rollout_batch(groups: list[Group], advantages: torch.Tensor, *, pad_id: int) -> Rollouts:
+    """The rows of ``groups``' completions (``advantages``: one per completion, in order)."""
+    seqs, prompt_lens, old, lengths = [], [], [], []
+    for g in groups:
+        for completion, logps in zip(g.completions, g.logps, strict=True):
+            seqs.append(g.prompt_ids + completion)
+            prompt_lens.append(len(g.prompt_ids))
+            old.extend(logps)
+            lengths.append(len(completion))
+    width = max(len(s) for s in seqs) + 1  # a padding token closes every row
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(seqs), width), dtype=torch.long)
+    at, index = [], []
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = torch.tensor(s)
+        positions[i, :len(s)] = torch.arange(len(s))
+        positions[i, len(s):] = torch.arange(width - len(s))
+        # Targets are tokens[1:]: completion token j of row i is target prompt_len - 1 + j.
+        first = i * (width - 1) + prompt_lens[i] - 1
+        at.extend(range(first, first + lengths[i]))
+        index.extend([i] * lengths[i])
+    return Rollouts({"input_ids": tokens, "position_ids": positions}, torch.tensor(at),
+                    torch.tensor(index), torch.tensor(old), advantages,
+                    torch.tensor(lengths))
+
+
+class PromptRows:
+    """The data rows behind prompt blocks (rank 0): each block's source file and line, then
+    the row as the file holds it, every column (a reward function reads them). A file is
+    read whole once, when a prompt of it is first asked for."""
+
+    def __init__(self, prepared: str, split: str, *, prompt_field: str) -> None:
+        self.split = PackedSplit.load(prepared, split)
+        self.prompt_field = prompt_field
+        self.files: dict[str, dict[int, dict]] = {}
+
+    def prompt(self, row: int, position: int, ids: list[int]) -> Prompt:
+        (where,) = self.split.documents(np.array([row]))
+        path = str(where["file"])
+        if path not in self.files:
+            fmt = SUFFIX_FORMATS.get(os.path.splitext(path)[1].lower(), "arrow")
+            self.files[path] = read_rows(SourceFile(path, fmt))
+        prompt, columns = split_row(self.files[path][int(where["line"])],
+                                    prompt_field=self.prompt_field)
+        return Prompt(position, ids, prompt, columns)
+
+
+def to_rank0(items: list) -> list | None:
+    """Every rank's ``items``, concatenated in rank order, on rank 0 (None elsewhere)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(items)
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(items, gathered, dst=0)
+    return [x for part in gathered for x in part] if gathered is not None else None
+
+
+def from_rank0(shares: list[list] | None) -> list:
+    """Rank ``r``'s share of what rank 0 holds (``shares``: one list per rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return shares[0]
+    out = [None]
+    dist.scatter_object_list(out, shares, src=0)
+    return out[0]
+
+
+def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters whole, on the host (every rank calls it: FSDP2's shards are
+    gathered)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = whole.detach().cpu()
+    return out
+
+
+# Per completion figures summed over the step on rank 0, reported as means.
+def group_figures(groups: list[Group], alike: torch.Tensor, max_tokens: int
+                  ) -> dict[str, float]:
+    rewards = torch.tensor([r for g in groups for r in g.rewards])
+    lengths = torch.tensor([len(c) for g in groups for c in g.completions], dtype=torch.float)
+    parts = sorted({name for g in groups for name in g.parts})
+    figures = {
+        "reward": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+        "no_signal": float(alike.float().mean()),
+        "completion_len": float(lengths.mean()), "completion_len_max": float(lengths.max()),
+        "truncated": sum(t for g in groups for t in g.truncated) / len(lengths),
+        "reward_failures": float(sum(g.failed for g in groups)),
+        "reward_s": sum(g.seconds.get("reward_s", 0.0) for g in groups),
+        "weight_version_min": float(min(g.version for g in groups)),
+        "weight_version_max": float(max(g.version for g in groups))}
+    for name in parts if parts != ["reward"] else []:
+        figures[f"reward_{name}"] = float(torch.tensor(
+            [v for g in groups for v in g.parts.get(name, [0.0] * len(g.rewards))]).mean())
+    return figures
+
+
+class Reinforce:
+    """GRPO over completions sampled beside the trainers (``train.objective=grpo``): the loop's
+    objective, as :class:`raylm.workers.preference.Preference` is for DPO."""
+
+    checks_first_prediction = False  # prompts, not text to predict
+
+    def __init__(self, cfg: Config, *, prepared: str, eos_id: int, vocab_size: int,
+                 rank: int) -> None:
+        rl = self.rl = cfg.rl
+        self.sampling = Sampling(rl.group_size, rl.temperature, rl.top_p,
+                                 rl.max_completion_tokens)
+        self.clip, self.eos_id, self.rank = Clip(rl.clip_low, rl.clip_high), eos_id, rank
+        self.init = dict(config=cfg.to_dict(), vocab_size=vocab_size, eos_id=eos_id,
+                         reward=rl.reward, prepared=prepared)
+        self.rows = ({s: PromptRows(prepared, s, prompt_field=cfg.data.prompt_field)
+                      for s in ("train", "val")} if rank == 0 else {})
+        self.pool: GeneratorPool | None = None
+        self.version = 0
+        self.seconds: dict[str, float] = {}
+
+    def begin(self, built: Built, *, step: int) -> None:
+        """At the group's start: the generators, holding the weights the group starts from
+        (every rank calls it)."""
+        weights = trainable_weights(built.model)
+        self.version = step
+        if self.rank == 0:
+            init = dict(self.init)
+            manifest = json.loads((Path(init.pop("prepared")) / PREPARED_MANIFEST).read_text())
+            backend, _ = load_backend(manifest["tokenizer_path"], self.init["config"]["model"]
+                                      ["path"])
+            self.pool = GeneratorPool(
+                count=self.rl.generators, resources=self.rl.generator_resources,
+                init={**init, "tokenizer_json": backend.to_str(),
+                      "threads": int(self.rl.generator_resources.get("CPU", 1) or 1)})
+            self.pool.load(step, weights)
+
+    def groups(self, micro: list[dict[str, torch.Tensor]], sampling: Sampling, split: str
+               ) -> tuple[list[Group], list[Group] | None]:
+        """This rank's prompts' groups, generated by the pool; and on rank 0, every rank's."""
+        mine = [(int(r), int(p), ids) for b in micro
+                for r, p, ids in zip(b["row"], b["sample_position"], prompt_tokens(b),
+                                     strict=True)]
+        every = to_rank0([len(mine), *mine])
+        shares, groups = None, None
+        if every is not None:
+            counts, prompts, k = [], [], 0
+            while k < len(every):
+                n = every[k]
+                counts.append(n)
+                prompts += [self.rows[split].prompt(*item) for item in every[k + 1:k + 1 + n]]
+                k += 1 + n
+            t0 = time.perf_counter()
+            groups = self.pool.generate(prompts, sampling, version=self.version)
+            self.seconds["generate_s"] = time.perf_counter() - t0
+            starts = np.cumsum([0, *counts])
+            shares = [groups[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        return from_rank0(shares), groups
+
+    def step(self, built, optimizer, micro, *, accumulation, grad_clip, health=None):
+        if built.pipeline is not None:
+            raise ValueError("train.objective=grpo does not run under pipeline parallelism")
+        rl, world = self.rl, dist.get_world_size() if dist.is_initialized() else 1
+        mine, every = self.groups(micro, self.sampling, "train")
+        rewards = torch.tensor([r for g in mine for r in g.rewards])
+        advantages, _ = group_advantages(rewards, group_size=rl.group_size,
+                                         normalize=rl.normalize_advantages)
+        per_micro = max(1, len(mine) // accumulation)
+        parts = [mine[i:i + per_micro] for i in range(0, len(mine), per_micro)]
+        batches, k = [], 0
+        for part in parts:
+            n = sum(len(g.completions) for g in part)
+            batches.append(rollout_batch(part, advantages[k:k + n], pad_id=self.eos_id))
+            k += n
+        local = 0.0
+        weights = []
+        for b in batches:
+            w, d = token_weights(b.index, b.lengths, aggregation=rl.aggregation,
+                                 max_tokens=rl.max_completion_tokens)
+            weights.append(w)
+            local += d
+        denominator = global_count(local, built.device).float()  # type: ignore[arg-type]
+        total = torch.zeros(5, device=built.device)
+        for b, w in zip(batches, weights, strict=True):
+            rows, at = answer_rows(built, b.batch, b.at)
+            logp = row_logps(rows / rl.temperature, b.batch["input_ids"][:, 1:], at)
+            ref = None
+            if rl.kl_coef:
+                with torch.no_grad(), adapters_off(built.model):
+                    ref_rows, _ = answer_rows(built, b.batch, b.at)
+                    ref = row_logps(ref_rows / rl.temperature, b.batch["input_ids"][:, 1:], at)
+            dev = logp.device
+            per, fig = token_losses(logp, b.old_logp.to(dev), b.advantages.to(dev)
+                                    .index_select(0, b.index.to(dev)), clip=self.clip,
+                                    ref_logp=ref, kl_coef=rl.kl_coef)
+            loss_sum = (per * w.to(dev)).sum()
+            with built.attention.context():
+                (loss_sum * world / denominator).backward()
+            total += torch.stack([loss_sum.detach(), fig["clipped_low"].sum(),
+                                  fig["clipped_high"].sum(), fig["kl"].sum(),
+                                  torch.tensor(float(len(at)), device=dev)])
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        loss = total[0] / denominator
+        norm = clip_grad_norm(built.model, grad_clip)
+        apply_update(optimizer, health.check(loss, norm) if health is not None else None)
+        self.version += 1
+        t0 = time.perf_counter()
+        weights_now = trainable_weights(built.model)
+        figures = {"clip_low": total[1] / total[4], "clip_high": total[2] / total[4],
+                   "kl": total[3] / total[4]}
+        if every is not None:
+            self.pool.load(self.version, weights_now)
+            alike_all = group_advantages(torch.tensor([r for g in every for r in g.rewards]),
+                                         group_size=rl.group_size)[1]
+            figures |= {k: torch.tensor(v) for k, v in group_figures(
+                every, alike_all, rl.max_completion_tokens).items()}
+            figures["transfer_s"] = torch.tensor(time.perf_counter() - t0)
+            figures["generators_replaced"] = torch.tensor(float(self.pool.replaced))
+            figures["generate_s"] = torch.tensor(self.seconds.get("generate_s", 0.0))
+        return loss.detach(), norm.detach(), {f"rl_{k}": v for k, v in figures.items()}
+
+    @torch.no_grad()
+    def evaluate(self, built, batches) -> dict[str, float]:
+        """``val_reward``: the mean reward of the most likely completion of each held-out
+        prompt, under the weights the generators hold now (every rank calls it)."""
+        greedy = Sampling(1, 0.0, 1.0, self.rl.max_completion_tokens)
+        _, every = self.groups(list(batches), greedy, "val")
+        value = (float(np.mean([r for g in every for r in g.rewards])) if every else 0.0)
+        out = torch.tensor([value])
+        if dist.is_initialized():
+            dist.broadcast(out, src=0)
+        return {"val_reward": float(out[0])}
+
+    def flops(self, config, seq_len: int) -> float:
+        # The step's forward and backward over prompt and completion tokens; generation is
+        # the generators' (its time is reported on its own, rl_generate_s).
+        return flops_per_token(config, seq_len + self.rl.max_completion_tokens)

@@ -68,6 +68,7 @@ from raylm.schedule import lr_at
 from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
 from raylm.workers.energy import EnergyCounter, run_figures, window_figures
+from raylm.workers.grpo import Reinforce
 from raylm.workers.handoff import HANDOFF, Handoff
 from raylm.workers.health import (
     Fault,
@@ -596,7 +597,9 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
         "resumed_from_step": state.step if state.step else None,
         "group_started": group_started, "data_startup_s": time.perf_counter() - t0,
     }
-    objective = objective_for(cfg)
+    objective = objective_for(cfg, handoff=handoff, rank=rank)
+    if hasattr(objective, "begin"):  # the generators, with the weights restored
+        objective.begin(built, step=state.step)
     meter = StepMeter(flops_per_token=objective.flops(built.config, cfg.data.seq_len),
                       peak_flops=listed_peak(built, rank=rank), world_size=world,
                       device=device, energy=energy, energy_since=energy_since)
@@ -665,11 +668,15 @@ def build_model(handoff: Handoff, *, device: torch.device, plan: ParallelPlan
     return built, optimizer
 
 
-def objective_for(cfg: Config) -> NextToken | Preference:
+def objective_for(cfg: Config, *, handoff: Handoff, rank: int
+                  ) -> NextToken | Preference | Reinforce:
     """What the run trains toward: the step, validation figures and FLOPs per token of next-token
-    training, or of a preference loss (train.objective=dpo)."""
+    training, of a preference loss (train.objective=dpo) or of GRPO (grpo)."""
     if cfg.train.objective == "dpo":
         return Preference(cfg.dpo, adapters=bool(cfg.lora.rank))
+    if cfg.train.objective == "grpo":
+        return Reinforce(cfg, prepared=handoff.prepared, eos_id=handoff.eos_id,
+                         vocab_size=handoff.vocab_size, rank=rank)
     return NextToken(cross_document=cfg.data.across_documents)
 
 

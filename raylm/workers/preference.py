@@ -174,7 +174,7 @@ def numbered(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     return answer_segments(batch["position_ids"], batch["loss_mask"])
 
 
-def _answer_rows(built: Built, batch: dict[str, torch.Tensor], at: torch.Tensor
+def answer_rows(built: Built, batch: dict[str, torch.Tensor], at: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of the flat target positions ``at`` of ``batch`` (n, V), and ``at`` on the
     model's device. A model whose head computes losses in chunks projects those positions
@@ -203,7 +203,7 @@ def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,
     positions are trained is worked out where ``segments`` is (the host, in training):
     selecting by a mask on the GPU would wait for it to count the mask."""
     at, index = trained(segments)
-    rows, at = _answer_rows(built, batch, at)
+    rows, at = answer_rows(built, batch, at)
     if rows.device.type == "cuda" and index.device.type == "cpu":
         index = index.pin_memory()
     sums, counts = segment_sums(row_logps(rows, batch["input_ids"][:, 1:], at), index,
@@ -229,7 +229,7 @@ def reference_logps(built: Built, batch: dict[str, torch.Tensor]) -> torch.Tenso
     each trained target's log-probability under ``built`` (0 for the others)."""
     segments = batch["loss_mask"][:, 1:].to(torch.int64) - 1
     at, _ = trained(segments)
-    rows, on = _answer_rows(built, batch, at)
+    rows, on = answer_rows(built, batch, at)
     values = row_logps(rows, batch["input_ids"][:, 1:], on).cpu()
     out = torch.zeros(segments.numel(), dtype=torch.float32)
     out[at] = values

@@ -78,4 +78,4 @@ def test_rewards_score_each_completion(make):
     from raylm.rollout.rewards import final_number
     assert group.rewards == [final_number("", t, answer="3") for t in texts]
     assert group.parts == {"reward": group.rewards} and group.failed == 0
-    assert set(gen.seconds) == {"generate_s", "reward_s"}
+    assert set(group.seconds) == {"generate_s", "reward_s"}

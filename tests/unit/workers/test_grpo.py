@@ -83,3 +83,22 @@ def test_an_unknown_aggregation_is_refused():
     with pytest.raises(ValueError, match="token, sequence or constant"):
         token_weights(torch.zeros(1, dtype=torch.long), torch.ones(1), aggregation="mean",
                       max_tokens=4)
+
+
+def test_a_prompt_block_gives_its_prompt_and_rollouts_target_their_completions():
+    from raylm.rollout.generator import Group
+    from raylm.workers.grpo import prompt_tokens, rollout_batch
+
+    block = {"input_ids": torch.tensor([[5, 6, 7, 0, 0, 0], [8, 9, 0, 0, 0, 0]]),
+             "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])}
+    assert prompt_tokens(block) == [[5, 6, 7], [8, 9]]
+    groups = [Group(3, 0, [5, 6, 7], [[11, 0], [12]], [[-0.1, -0.2], [-0.3]], [1.0, 0.0],
+                    {}, [False, True])]
+    r = rollout_batch(groups, torch.tensor([0.7, -0.7]), pad_id=0)
+    assert r.batch["input_ids"].tolist() == [[5, 6, 7, 11, 0, 0], [5, 6, 7, 12, 0, 0]]
+    assert r.batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 0, 1]]
+    targets = r.batch["input_ids"][:, 1:].reshape(-1)
+    # The completions' tokens, each predicted from the position before it.
+    assert targets[r.at].tolist() == [11, 0, 12]
+    assert r.index.tolist() == [0, 0, 1] and r.lengths.tolist() == [2, 1]
+    assert r.old_logp.tolist() == pytest.approx([-0.1, -0.2, -0.3])
