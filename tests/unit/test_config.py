@@ -464,3 +464,10 @@ def test_grpo_settings_that_cannot_train_are_refused_before_ray_starts(tmp_path,
     assert main(["train", *grpo[:2], "--rl.reward=no_such_module:f",
                  f"--data.source={data}", "--tracking.enabled=false"]) == 2
     assert "module 'no_such_module' does not import" in capsys.readouterr().err
+
+
+def test_a_grpo_sweep_is_refused_before_ray_starts(capsys, ray_never_starts):
+    assert main(["tune", "--train.objective=grpo", "--data.format=prompt",
+                 "--rl.reward=exact_match", "--tracking.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert "does not have (it reports val_reward)" in err and err.count("\n") == 1
