@@ -224,9 +224,9 @@ def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-# Per completion figures summed over the step on rank 0, reported as means.
-def group_figures(groups: list[Group], alike: torch.Tensor, max_tokens: int
-                  ) -> dict[str, float]:
+def group_figures(groups: list[Group], alike: torch.Tensor) -> dict[str, float]:
+    """The step's figures of its completions (rank 0 holds every group): means over them,
+    the longest, sums of failures and of the seconds spent scoring, the weight versions."""
     rewards = torch.tensor([r for g in groups for r in g.rewards])
     lengths = torch.tensor([len(c) for g in groups for c in g.completions], dtype=torch.float)
     parts = sorted({name for g in groups for name in g.parts})
@@ -359,8 +359,7 @@ class Reinforce:
             self.pool.load(self.version, weights_now)
             alike_all = group_advantages(torch.tensor([r for g in every for r in g.rewards]),
                                          group_size=rl.group_size)[1]
-            figures |= {k: torch.tensor(v) for k, v in group_figures(
-                every, alike_all, rl.max_completion_tokens).items()}
+            figures |= {k: torch.tensor(v) for k, v in group_figures(every, alike_all).items()}
             figures["transfer_s"] = torch.tensor(time.perf_counter() - t0)
             figures["generators_replaced"] = torch.tensor(float(self.pool.replaced))
             figures["generate_s"] = torch.tensor(self.seconds.get("generate_s", 0.0))

@@ -5,74 +5,25 @@ trainer killed after a checkpoint resumes to the same rewards and losses."""
 
 from __future__ import annotations
 
-import json
-import random
 import signal
 import time
 
 import pytest
-import torch
 
 from raylm.config import load_config
 from tests.integration import faults
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("ray_cluster")]
 
-PAIRS = [(a, b) for a in range(10) for b in range(10) if a != b]
-
-
-def question(a: int, b: int) -> str:
-    return f"Which is larger: {a} or {b}?"
-
 
 @pytest.fixture(scope="module")
 def warmed(tmp_path_factory):
-    """The tiny Llama taught the task's format in this process (a digit of the question, then
-    EOS; which of the two at random, so it starts near half right), saved as a Hugging Face
-    directory with a tokenizer trained on the task's text; and the task's prompts, each with
-    its answer."""
-    from tokenizers import Tokenizer
-
-    from raylm.data.chat import DefaultTemplate, encode
-    from raylm.data.tokenizer import save_hf_tokenizer, train_bpe
-    from raylm.model.assemble import build_training_model
-    from raylm.model.head_loss import LossHead
-    from raylm.workers.step import train_step
+    """The task's prompts and its tiny model, taught in this process to answer with one of
+    the question's two digits at random (:mod:`raylm.examples.larger_digit`)."""
+    from raylm.examples.larger_digit import write
 
     root = tmp_path_factory.mktemp("rl")
-    texts = [f"User: {question(a, b)}\n\nAssistant: {c}" for a, b in PAIRS for c in (a, b)]
-    save_hf_tokenizer(train_bpe(iter(texts * 3), vocab_size=300, min_frequency=2),
-                      root / "tokenizer")
-    tok = Tokenizer.from_file(str(root / "tokenizer" / "tokenizer.json"))
-    eos = tok.token_to_id("<|endoftext|>")
-    built = build_training_model(preset="tiny", path=None, vocab_size=tok.get_vocab_size(),
-                                 eos_id=eos, device=torch.device("cpu"), precision="fp32",
-                                 cross_document=False, seed=0)
-    optimizer = torch.optim.AdamW(built.model.parameters(), lr=3e-3)
-    rng, width = random.Random(0), 48
-    for _ in range(150):
-        rows = []
-        for a, b in rng.sample(PAIRS, 16):
-            ids, mask = encode(DefaultTemplate().segments(
-                [{"role": "user", "content": question(a, b)},
-                 {"role": "assistant", "content": str(rng.choice([a, b]))}]),
-                tok, eos_id=eos, loss_on="assistant")
-            n = len(ids)
-            rows.append((list(ids) + [eos] * (width - n), [0, *mask[1:]] + [0] * (width - n),
-                         list(range(n)) + list(range(width - n))))
-        batch = {"input_ids": torch.tensor([r[0] for r in rows]),
-                 "loss_mask": torch.tensor([r[1] for r in rows], dtype=torch.uint8),
-                 "position_ids": torch.tensor([r[2] for r in rows])}
-        train_step(built, optimizer, [batch], accumulation=1, grad_clip=1.0,
-                   cross_document=False)
-    assert isinstance(built.model.lm_head, LossHead)
-    built.model.lm_head.__class__ = torch.nn.Linear  # the plain head, as transformers saves
-    built.model.save_pretrained(root / "model")
-    for f in (root / "tokenizer").iterdir():
-        (root / "model" / f.name).write_bytes(f.read_bytes())
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": question(a, b), "answer": str(max(a, b))})
-                               + "\n" for a, b in PAIRS))
+    write(root)
     return root
 
 

@@ -142,7 +142,8 @@ def _check(c, sandbox: Path, capsys) -> str | None:
             words = ["raylm", *rest]
         else:
             parser = {"raylm.bench": "raylm.bench.__main__",
-                      "raylm.examples.reverse_words": "raylm.examples.reverse_words"}.get(target)
+                      "raylm.examples.reverse_words": "raylm.examples.reverse_words",
+                      "raylm.examples.larger_digit": "raylm.examples.larger_digit"}.get(target)
             if parser is None:
                 return f"no parser known for {target}"
             import importlib
@@ -159,7 +160,7 @@ def _check(c, sandbox: Path, capsys) -> str | None:
                 return None if e.code == 0 else f"refused: {capsys.readouterr().err.strip()}"
             except ValueError as e:
                 return f"refused: {e}"
-            if target.endswith("reverse_words") and args.command in ("write", "model") \
+            if target.startswith("raylm.examples.") and args.command in ("write", "model") \
                     and not Path(args.output).exists() and not c.inline:
                 module.main(rest)  # cheap, and what the next commands read
             return None
