@@ -51,7 +51,7 @@ class GeneratorPool:
         self.weights = (version, ref)
         for i, done in self._each(lambda a: a.load.remote(version, ref)):
             if done is None:
-                self.actors[i] = self._replacement()
+                self.actors[i] = self._replacement(self.actors[i])
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[Prompt], sampling: Sampling, *, version: int
@@ -71,16 +71,18 @@ class GeneratorPool:
                     if isinstance(e.cause, Mistake):
                         raise Mistake(str(e.cause)) from None
                     raise
-                except ray.exceptions.ActorDiedError:
-                    self.actors[i] = self._replacement()
+                except ray.exceptions.RayActorError:  # died, or its node is unreachable
+                    self.actors[i] = self._replacement(self.actors[i])
         out: list[Group | None] = [None] * len(prompts)
         for i, groups in enumerate(results):
             for k, group in enumerate(groups or []):
                 out[i + k * n] = group
         return out  # type: ignore[return-value]
 
-    def _replacement(self):
-        """A new generator with the newest weights, for one that died."""
+    def _replacement(self, lost):
+        """A new generator with the newest weights, for one that died (or cannot be reached:
+        it is killed, so that it cannot come back beside its replacement)."""
+        ray.kill(lost, no_restart=True)
         self.replaced += 1
         actor = self._start()
         if self.weights is not None:
@@ -93,7 +95,7 @@ class GeneratorPool:
         for i, ref in enumerate(refs):
             try:
                 yield i, ray.get(ref)
-            except ray.exceptions.ActorDiedError:
+            except ray.exceptions.RayActorError:
                 yield i, None
 
     def shutdown(self) -> None:
