@@ -1151,9 +1151,7 @@ def _check_preference(cfg: Config) -> None:
     _check(not cfg.dpo.needs_reference or bool(cfg.model.path), "dpo.loss", cfg.dpo.loss,
            "simpo (no reference model) when training from scratch; sigmoid and ipo compare "
            "the policy with the pretrained model it starts from: set model.path")
-    _check(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1, "train.objective", "dpo",
-           "sft with tensor or pipeline parallelism (parallel.tensor, parallel.pipeline > 1); "
-           "dpo runs on data-parallel FSDP2 workers")
+    _data_parallel_only(cfg)
 
 
 def _check_reinforcement(cfg: Config) -> None:
@@ -1176,9 +1174,15 @@ def _check_reinforcement(cfg: Config) -> None:
     _check(not cfg.rl.kl_coef or bool(cfg.lora.rank), "rl.kl_coef", cfg.rl.kl_coef,
            "0 without LoRA adapters: the KL penalty's reference is the base with the adapters "
            "switched off (lora.rank > 0)")
-    _check(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1, "train.objective", "grpo",
-           "sft with tensor or pipeline parallelism (parallel.tensor, parallel.pipeline > 1); "
-           "grpo runs on data-parallel FSDP2 workers")
+    _data_parallel_only(cfg)
+
+
+def _data_parallel_only(cfg: Config) -> None:
+    """The preference and reinforcement steps run on data-parallel workers only."""
+    objective = cfg.train.objective
+    _check(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1, "train.objective",
+           objective, "sft with tensor or pipeline parallelism (parallel.tensor, "
+           f"parallel.pipeline > 1); {objective} runs on data-parallel FSDP2 workers")
 
 
 def validate(cfg: Config) -> Config:

@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 PAIRS = [(a, b) for a in range(10) for b in range(10) if a != b]
+MARKER = "task.json"  # what proves an output directory is this module's
 
 
 def question(a: int, b: int) -> str:
@@ -28,7 +30,19 @@ def question(a: int, b: int) -> str:
 
 
 def write(output: str | Path, *, steps: int = 150, seed: int = 0) -> dict[str, str]:
-    """The prompts and the warmed-up model (see the module's docstring)."""
+    """The prompts and the warmed-up model (see the module's docstring), built beside
+    ``output`` and renamed into place: an existing ``output`` is replaced only if this wrote
+    it."""
+    from raylm.outputs import building, check_output, publish
+
+    final = check_output(output, what="--output", marker=MARKER, key="task")
+    with building(final) as out:
+        _write(out, steps=steps, seed=seed)
+    publish(out, final, mine=(MARKER, "task"))
+    return {"prompts": str(final / "prompts.jsonl"), "model": str(final / "model")}
+
+
+def _write(out: Path, *, steps: int, seed: int) -> None:
     import torch
     from tokenizers import Tokenizer
 
@@ -37,7 +51,6 @@ def write(output: str | Path, *, steps: int = 150, seed: int = 0) -> dict[str, s
     from raylm.model.assemble import build_training_model
     from raylm.workers.step import train_step
 
-    out = Path(output)
     texts = [f"User: {question(a, b)}\n\nAssistant: {c}" for a, b in PAIRS for c in (a, b)]
     save_hf_tokenizer(train_bpe(iter(texts * 3), vocab_size=300, min_frequency=2),
                       out / "model")
@@ -65,10 +78,10 @@ def write(output: str | Path, *, steps: int = 150, seed: int = 0) -> dict[str, s
             grad_clip=1.0, cross_document=False)
     built.model.lm_head.__class__ = torch.nn.Linear  # the plain head, as transformers saves
     built.model.save_pretrained(out / "model")
-    prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": question(a, b), "answer": str(max(a, b))})
-                               + "\n" for a, b in PAIRS))
-    return {"prompts": str(prompts), "model": str(out / "model")}
+    (out / "prompts.jsonl").write_text("".join(json.dumps(
+        {"prompt": question(a, b), "answer": str(max(a, b))}) + "\n" for a, b in PAIRS))
+    (out / MARKER).write_text(json.dumps({"task": "larger_digit", "steps": steps,
+                                          "seed": seed}))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -82,8 +95,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from raylm.outputs import OutputError
+
     args = parser().parse_args(argv)
-    print(json.dumps(write(args.output, steps=args.steps, seed=args.seed)))
+    try:
+        print(json.dumps(write(args.output, steps=args.steps, seed=args.seed)))
+    except OutputError as e:
+        print(f"larger_digit: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
