@@ -551,10 +551,15 @@ class RlConfig:
     while the trainers continue."""
     generator_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     """Ray resources each generator actor holds (e.g. {"GPU": 1})."""
+    max_staleness: int = 0
+    """0: synchronous (on-policy): each step's completions are sampled by the weights it
+    trains. K > 0: generation runs up to K steps ahead, while the trainers train, so a step
+    trains on completions of weights up to K versions old, weighed by importance; a checkpoint
+    keeps those generated and not yet trained on."""
 
     def __post_init__(self) -> None:
         _at_least("rl", self, group_size=2, max_completion_tokens=1, generators=1,
-                  clip_low=0, clip_high=0, kl_coef=0)
+                  clip_low=0, clip_high=0, kl_coef=0, max_staleness=0)
         _at_least("rl", self, above=True, temperature=0)
         _check(0 < self.top_p <= 1, "rl.top_p", self.top_p, "0 < x <= 1")
         _check(self.clip_low < 1, "rl.clip_low", self.clip_low, "0 <= x < 1")

@@ -47,6 +47,7 @@ EXPORT_INFO = "raylm_export.json"
 # .metadata, with rank 0's ledger and, last, its marker (raylm.rundir.verify reads them).
 CHECKPOINT_MARKER = "raylm_checkpoint.json"   # present once the checkpoint is complete
 CHECKPOINT_SAMPLES = "samples.npy"            # the per-sample ledger at the checkpoint
+CHECKPOINT_ROLLOUTS = "rollouts.json"         # off-policy RL: completions not yet trained on
 
 # The kinds of record in a run's events.jsonl, each its ``event`` (the name in lower case), and
 # of the interruptions its summary lists (RESTART, RESIZE). A new worker group reports

@@ -1,11 +1,14 @@
 """The generators of a run, as rank 0 of its training group sees them: Ray actors on their own
 resources (``rl.generators`` of ``rl.generator_resources``), handed each version of the
-trainers' weights through the object store and asked for groups of completions.
+trainers' weights through the object store and asked for groups of completions. Asking
+(:meth:`GeneratorPool.submit`) and waiting (:meth:`GeneratorPool.collect`) are apart, so that
+off-policy training (``rl.max_staleness``) generates the steps ahead while the trainers train.
 
 A generator that dies (its process killed, its node lost) costs no training: its share of the
 step's prompts goes to a replacement, started on the same resources with the newest weights,
-and the groups it returns are the ones the lost generator would have returned (they are
-seeded by prompt position: :mod:`raylm.rollout.generator`). A reward function that fails on
+and the groups it returns are the ones the lost generator would have returned where the
+weights are the same, as they are in synchronous training (they are seeded by prompt
+position: :mod:`raylm.rollout.generator`). A reward function that fails on
 every completion of a batch raises :class:`raylm.faults.Mistake` in the generator, which ends
 the run here rather than being retried.
 
@@ -17,12 +20,24 @@ checkpoint it resumes from.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from raylm.faults import Mistake
 from raylm.rollout.generator import Generator, Group, Prompt, Sampling
+
+
+@dataclass
+class Submitted:
+    """Prompts asked of the generators: each generator's share, the reference to its groups,
+    and the generator asked (a share is asked again of a replacement)."""
+
+    shares: list[list[Prompt]]
+    refs: list[Any]
+    actors: list[Any]
+    sampling: Sampling
 
 
 class GeneratorPool:
@@ -37,6 +52,7 @@ class GeneratorPool:
                         "max_restarts": 0}
         self.init = init
         self.weights: tuple[int, Any] | None = None
+        self.loading: list[tuple[Any, Any]] = []  # (generator, its load's reference)
         self.actors = [self._start() for _ in range(count)]
         self.replaced = 0
 
@@ -44,27 +60,33 @@ class GeneratorPool:
         return ray.remote(Generator).options(**self.options).remote(**self.init)
 
     def load(self, version: int, weights: dict) -> float:
-        """Hand every generator ``weights`` as ``version``; the seconds it took (the transfer
-        through the object store, and each generator's copy into its model)."""
+        """Hand every generator ``weights`` as ``version``, after what it was asked before
+        (an actor runs its calls in order: a generation in flight finishes on the weights it
+        started with). Returns the seconds it took to put them into the object store; the
+        generators' copies are waited for by the next :meth:`collect`."""
         t0 = time.perf_counter()
         ref = ray.put(weights)
         self.weights = (version, ref)
-        for i, done in self._each(lambda a: a.load.remote(version, ref)):
-            if done is None:
-                self.actors[i] = self._replacement(self.actors[i])
+        self.loading = [(a, a.load.remote(version, ref)) for a in self.actors]
         return time.perf_counter() - t0
 
-    def generate(self, prompts: list[Prompt], sampling: Sampling, *, version: int
-                 ) -> list[Group]:
-        """The groups of ``prompts``, in their order, spread over the generators; a share
-        whose generator died is generated again by its replacement."""
+    def submit(self, prompts: list[Prompt], sampling: Sampling) -> Submitted:
+        """Ask for the groups of ``prompts`` from the weights loaded last, spread over the
+        generators; :meth:`collect` waits for them."""
         n = len(self.actors)
+        version = self.weights[0] if self.weights is not None else 0
         shares = [prompts[i::n] for i in range(n)]
+        refs = [self.actors[i].generate.remote(shares[i], sampling, version=version)
+                if shares[i] else None for i in range(n)]
+        return Submitted(shares, refs, list(self.actors), sampling)
+
+    def collect(self, submitted: Submitted) -> list[Group]:
+        """The groups of a submission, in its prompts' order; a share whose generator died is
+        generated again by its replacement (with the newest weights)."""
+        n = len(submitted.shares)
         results: list[list[Group] | None] = [None] * n
-        while any(r is None for r, s in zip(results, shares, strict=True) if s):
-            pending = {i: self.actors[i].generate.remote(shares[i], sampling, version=version)
-                       for i in range(n) if shares[i] and results[i] is None}
-            for i, ref in pending.items():
+        for i, ref in enumerate(submitted.refs):
+            while ref is not None and results[i] is None:
                 try:
                     results[i] = ray.get(ref)
                 except ray.exceptions.RayTaskError as e:
@@ -72,12 +94,33 @@ class GeneratorPool:
                         raise Mistake(str(e.cause)) from None
                     raise
                 except ray.exceptions.RayActorError:  # died, or its node is unreachable
-                    self.actors[i] = self._replacement(self.actors[i])
-        out: list[Group | None] = [None] * len(prompts)
+                    if self.actors[i] is submitted.actors[i]:
+                        self.actors[i] = self._replacement(self.actors[i])
+                    submitted.actors[i] = self.actors[i]
+                    ref = self.actors[i].generate.remote(
+                        submitted.shares[i], submitted.sampling, version=self.weights[0]
+                        if self.weights is not None else 0)
+        self.wait_loaded()
+        out: list[Group | None] = [None] * sum(len(s) for s in submitted.shares)
         for i, groups in enumerate(results):
             for k, group in enumerate(groups or []):
                 out[i + k * n] = group
         return out  # type: ignore[return-value]
+
+    def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Group]:
+        """The groups of ``prompts`` from the weights loaded last, waited for."""
+        return self.collect(self.submit(prompts, sampling))
+
+    def wait_loaded(self) -> None:
+        """Wait for the loads asked of the generators (done by now where a generation asked
+        after them has finished); one whose generator died is replaced."""
+        for i, (actor, ref) in enumerate(self.loading):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                if self.actors[i] is actor:  # not replaced yet
+                    self.actors[i] = self._replacement(actor)
+        self.loading = []
 
     def _replacement(self, lost):
         """A new generator with the newest weights, for one that died (or cannot be reached:
@@ -88,15 +131,6 @@ class GeneratorPool:
         if self.weights is not None:
             ray.get(actor.load.remote(*self.weights))
         return actor
-
-    def _each(self, call):
-        """``call`` on every generator: (index, its result, or None where it died)."""
-        refs = [call(a) for a in self.actors]
-        for i, ref in enumerate(refs):
-            try:
-                yield i, ray.get(ref)
-            except ray.exceptions.RayActorError:
-                yield i, None
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -2,12 +2,13 @@
 
 A checkpoint directory holds the DCP shards of model and optimizer (each rank writes its own
 files; DCP's metadata lets a different world size load and reshard them), the sample ledger
-``samples.npy`` (see ``raylm.workers.ledger``), and ``raylm_checkpoint.json``, written last by
-rank 0: the train state (step, tokens seen, data position), the model's shape, and the name, size
-and BLAKE2b hash of every file of every rank. The marker's format and its verification are
-:mod:`raylm.rundir`'s, which every process reads a run through; this module writes
-checkpoints and loads them into a model. A directory counts as a checkpoint only if that
-marker exists and every file it lists is there at its size, and, for files up to
+``samples.npy`` (see ``raylm.workers.ledger``), an off-policy RL run's rollouts not yet
+trained on (``rollouts.json``, :mod:`raylm.rollout.buffer`), and ``raylm_checkpoint.json``,
+written last by rank 0: the train state (step, tokens seen, data position), the model's
+shape, and the name, size and BLAKE2b hash of every file of every rank. The marker's format
+and its verification are :mod:`raylm.rundir`'s, which every process reads a run through; this
+module writes checkpoints and loads them into a model. A directory counts as a checkpoint
+only if that marker exists and every file it lists is there at its size, and, for files up to
 :data:`HASHED_ON_RESUME` (DCP's metadata, the ledger, small shards), with its hash; so a save cut
 short (a killed worker, a full disk, an interrupted upload) or a small file changed in place is
 skipped with a warning and the one before it is used. Large shards are checked by size on
@@ -51,7 +52,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from raylm import storage
 from raylm.compat import set_element
-from raylm.contracts import CHECKPOINT_MARKER, CHECKPOINT_SAMPLES, EARLIER_REPORTS, Marker
+from raylm.contracts import (
+    CHECKPOINT_MARKER,
+    CHECKPOINT_ROLLOUTS,
+    CHECKPOINT_SAMPLES,
+    EARLIER_REPORTS,
+    Marker,
+)
 from raylm.outputs import alive
 from raylm.rundir import CheckpointError, check_compatible, file_hash, model_shape, verify
 from raylm.workers.preemption import report_queue
@@ -111,16 +118,17 @@ def _with_aliases(model: nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
 
 def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
          state: dict[str, Any], config, samples: np.ndarray | None = None,
-         adapters: dict[str, Any] | None = None, identity: dict[str, str] | None = None
-         ) -> None:
+         adapters: dict[str, Any] | None = None, identity: dict[str, str] | None = None,
+         rollouts: bytes | None = None) -> None:
     """Write this rank's shards into ``directory`` (rank 0 also ``samples``, the sample
-    ledger, and the marker, last). ``identity``: what the run trains with (data, tokenizer,
-    base model; see :func:`raylm.rundir.check_same_run`)."""
+    ledger, ``rollouts``, an off-policy run's completions not yet trained on, and the marker,
+    last). ``identity``: what the run trains with (data, tokenizer, base model; see
+    :func:`raylm.rundir.check_same_run`)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))
     _write_marker(path, state=state, config=config, samples=samples, adapters=adapters,
-                  identity=identity)
+                  identity=identity, rollouts=rollouts)
 
 
 SHM = "/dev/shm"
@@ -189,7 +197,8 @@ class AsyncSave:
                  optimizer: torch.optim.Optimizer, state: dict[str, Any], config,
                  samples: np.ndarray | None, adapters: dict[str, Any] | None,
                  group: dist.ProcessGroup | None, stager=None, writer: str = "thread",
-                 identity: dict[str, str] | None = None) -> None:
+                 identity: dict[str, str] | None = None, rollouts: bytes | None = None
+                 ) -> None:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         self.path = Path(directory)
@@ -197,7 +206,7 @@ class AsyncSave:
         self.group = group
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._marker = dict(state=state, config=config, samples=samples, adapters=adapters,
-                            identity=identity)
+                            identity=identity, rollouts=rollouts)
         self._write = dcp.async_save(
             _state_dicts(model, optimizer), checkpoint_id=str(self.path), process_group=group,
             async_stager=stager,
@@ -211,7 +220,8 @@ class AsyncSave:
 
 def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndarray | None,
                   adapters: dict[str, Any] | None, group: dist.ProcessGroup | None = None,
-                  identity: dict[str, str] | None = None, world: int | None = None) -> None:
+                  identity: dict[str, str] | None = None, world: int | None = None,
+                  rollouts: bytes | None = None) -> None:
     """Rank 0 writes the ledger and then the marker naming every rank's files, their sizes
     and hashes (each rank hashes its own, just written and still in the page cache).
     ``world``: how many ranks saved (an asynchronous save's finish comes later, from Ray
@@ -229,6 +239,8 @@ def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndar
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if samples is not None and rank0:
         np.save(path / CHECKPOINT_SAMPLES, samples)
+    if rollouts is not None and rank0:
+        (path / CHECKPOINT_ROLLOUTS).write_bytes(rollouts)
     mine = {p.name: (p.stat().st_size, file_hash(storage.read_chunks(str(p))))
             for p in path.iterdir() if p.is_file() and p.name != CHECKPOINT_MARKER}
     everyone = [mine]

@@ -31,9 +31,12 @@ tests check them against a dense, per-completion formulation.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -42,12 +45,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raylm import storage
 from raylm.config import Config
+from raylm.contracts import CHECKPOINT_ROLLOUTS
 from raylm.data.corpus import PREPARED_MANIFEST, SUFFIX_FORMATS, SourceFile, read_rows
 from raylm.data.streams import PackedSplit
 from raylm.data.tokenizer import load_backend
 from raylm.model.assemble import Built, global_count
 from raylm.model.lora import adapters_off
+from raylm.rollout.buffer import Buffer, load_saved
 from raylm.rollout.generator import Group, Prompt, Sampling
 from raylm.rollout.pool import GeneratorPool
 from raylm.rollout.rewards import split_row
@@ -237,6 +243,7 @@ def group_figures(groups: list[Group], alike: torch.Tensor) -> dict[str, float]:
         "truncated": sum(t for g in groups for t in g.truncated) / len(lengths),
         "reward_failures": float(sum(g.failed for g in groups)),
         "reward_s": sum(g.seconds.get("reward_s", 0.0) for g in groups),
+        "sampling_s": sum(g.seconds.get("generate_s", 0.0) for g in groups),
         "weight_version_min": float(min(g.version for g in groups)),
         "weight_version_max": float(max(g.version for g in groups))}
     for name in parts if parts != ["reward"] else []:
@@ -245,9 +252,39 @@ def group_figures(groups: list[Group], alike: torch.Tensor) -> dict[str, float]:
     return figures
 
 
+class Upcoming:
+    """The training stream with the micro-batches of the steps ahead in view: an off-policy
+    run asks for its prompts' groups steps before it trains on them. Iterating it gives the
+    stream's micro-batches in their order, the ones looked at included."""
+
+    def __init__(self, batches: Iterator[dict[str, torch.Tensor]], *, per_step: int) -> None:
+        self.batches, self.per_step = batches, per_step
+        self.held: collections.deque = collections.deque()
+
+    def __iter__(self) -> Upcoming:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return self.held.popleft() if self.held else next(self.batches)
+
+    def ahead(self, k: int) -> list[dict[str, torch.Tensor]]:
+        """The micro-batches of the ``k``-th step after the one being trained (k >= 1)."""
+        while len(self.held) < k * self.per_step:
+            self.held.append(next(self.batches))
+        return list(itertools.islice(self.held, (k - 1) * self.per_step, k * self.per_step))
+
+
+def prompt_items(micro: list[dict[str, torch.Tensor]]) -> list[tuple[int, int, list[int]]]:
+    """(stored row, sample position, prompt tokens) of each block of ``micro``."""
+    return [(int(r), int(p), ids) for b in micro
+            for r, p, ids in zip(b["row"], b["sample_position"], prompt_tokens(b), strict=True)]
+
+
 class Reinforce:
     """GRPO over completions sampled beside the trainers (``train.objective=grpo``): the loop's
-    objective, as :class:`raylm.workers.preference.Preference` is for DPO."""
+    objective, as :class:`raylm.workers.preference.Preference` is for DPO. Off-policy
+    (``rl.max_staleness`` K > 0), each step asks for the groups of the step K ahead before it
+    trains, so that they are generated while it does (:class:`raylm.rollout.buffer.Buffer`)."""
 
     checks_first_prediction = False  # prompts, not text to predict
 
@@ -261,15 +298,22 @@ class Reinforce:
                          reward=rl.reward, prepared=prepared)
         self.rows = ({s: PromptRows(prepared, s, prompt_field=cfg.data.prompt_field)
                       for s in ("train", "val")} if rank == 0 else {})
+        self.steps = cfg.train.steps
         self.pool: GeneratorPool | None = None
-        self.version = 0
+        self.buffer: Buffer | None = None
+        self.upcoming: Upcoming | None = None
+        self.version = self.at = 0
+        self.asked = -1  # the last step whose prompts' groups were asked for
         self.seconds: dict[str, float] = {}
 
-    def begin(self, built: Built, *, step: int) -> None:
-        """At the group's start: the generators, holding the weights the group starts from
-        (every rank calls it)."""
+    def begin(self, built: Built, *, step: int, batches: Iterator[dict[str, torch.Tensor]],
+              accumulation: int, resumed: str | None) -> Iterator[dict[str, torch.Tensor]]:
+        """At the group's start (every rank): the generators, holding the weights the group
+        starts from, and the rollouts the checkpoint ``resumed`` kept; returns the training
+        stream to draw from."""
         weights = trainable_weights(built.model)
-        self.version = step
+        self.version = self.at = step
+        self.asked = step - 1
         if self.rank == 0:
             init = dict(self.init)
             manifest = json.loads((Path(init.pop("prepared")) / PREPARED_MANIFEST).read_text())
@@ -280,34 +324,66 @@ class Reinforce:
                 init={**init, "tokenizer_json": backend.to_str(),
                       "threads": int(self.rl.generator_resources.get("CPU", 1) or 1)})
             self.pool.load(step, weights)
+            self.pool.wait_loaded()  # generators up before the group reports its start
+            ready = {}
+            kept = storage.join(resumed, CHECKPOINT_ROLLOUTS) if resumed else None
+            if kept and storage.is_file(kept):
+                self.asked, ready = load_saved(storage.read_bytes(kept), where=kept)
+            self.buffer = Buffer(self.pool, ready=ready)
+        if dist.is_initialized():  # every rank looks as far ahead as rank 0 has asked
+            agreed = [self.asked]
+            dist.broadcast_object_list(agreed, src=0)
+            self.asked = agreed[0]
+        if not self.rl.max_staleness:
+            return batches
+        self.upcoming = Upcoming(batches, per_step=accumulation)
+        return self.upcoming
 
-    def groups(self, micro: list[dict[str, torch.Tensor]], sampling: Sampling, split: str
+    def saved(self) -> bytes | None:
+        """What a checkpoint keeps of the rollouts: those asked for and not trained on
+        (off-policy runs; rank 0), else None."""
+        if self.buffer is None or not self.rl.max_staleness:
+            return None
+        return self.buffer.saved(through_step=self.asked)
+
+    def groups(self, micro: list[dict[str, torch.Tensor]], sampling: Sampling, split: str,
+               ahead: list[list[dict[str, torch.Tensor]]] = ()
                ) -> tuple[list[Group], list[Group] | None]:
-        """This rank's prompts' groups, generated by the pool; and on rank 0, every rank's."""
-        mine = [(int(r), int(p), ids) for b in micro
-                for r, p, ids in zip(b["row"], b["sample_position"], prompt_tokens(b),
-                                     strict=True)]
-        every = to_rank0([len(mine), *mine])
+        """This rank's prompts' groups, from the buffer (training) or generated now
+        (validation); and on rank 0, every rank's. ``ahead``: the micro-batches of the steps
+        whose groups are asked for now, to be trained later."""
+        every = to_rank0([(prompt_items(micro), [x for m in ahead for x in prompt_items(m)])])
         shares, groups = None, None
         if every is not None:
-            counts, prompts, k = [], [], 0
-            while k < len(every):
-                n = every[k]
-                counts.append(n)
-                prompts += [self.rows[split].prompt(*item) for item in every[k + 1:k + 1 + n]]
-                k += 1 + n
+            prompts = [[self.rows[split].prompt(*item) for item in now] for now, _ in every]
+            flat = [p for share in prompts for p in share]
             t0 = time.perf_counter()
-            groups = self.pool.generate(prompts, sampling, version=self.version)
+            if split == "train":
+                groups = self.buffer.take(flat, sampling)
+                self.buffer.ask([self.rows[split].prompt(*item)
+                                 for _, later in every for item in later], sampling)
+            else:
+                groups = self.pool.generate(flat, sampling)
             self.seconds["generate_s"] = time.perf_counter() - t0
-            starts = np.cumsum([0, *counts])
+            starts = np.cumsum([0, *map(len, prompts)])
             shares = [groups[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
         return from_rank0(shares), groups
+
+    def steps_ahead(self) -> list[list[dict[str, torch.Tensor]]]:
+        """The micro-batches of the steps to ask for now: those up to ``rl.max_staleness``
+        after this one that were not asked for yet (every rank alike)."""
+        last = min(self.at + self.rl.max_staleness, self.steps - 1)
+        out = [self.upcoming.ahead(j - self.at) for j in range(max(self.asked, self.at) + 1,
+                                                                last + 1)]
+        self.asked = max(self.asked, last)
+        return out
 
     def step(self, built, optimizer, micro, *, accumulation, grad_clip, health=None):
         if built.pipeline is not None:
             raise ValueError("train.objective=grpo does not run under pipeline parallelism")
         rl, world = self.rl, dist.get_world_size() if dist.is_initialized() else 1
-        mine, every = self.groups(micro, self.sampling, "train")
+        ahead = self.steps_ahead() if self.upcoming is not None else []
+        mine, every = self.groups(micro, self.sampling, "train", ahead)
         rewards = torch.tensor([r for g in mine for r in g.rewards])
         advantages, _ = group_advantages(rewards, group_size=rl.group_size,
                                          normalize=rl.normalize_advantages)
@@ -351,6 +427,7 @@ class Reinforce:
         norm = clip_grad_norm(built.model, grad_clip)
         apply_update(optimizer, health.check(loss, norm) if health is not None else None)
         self.version += 1
+        self.at += 1
         t0 = time.perf_counter()
         weights_now = trainable_weights(built.model)
         figures = {"clip_low": total[1] / total[4], "clip_high": total[2] / total[4],
@@ -363,6 +440,8 @@ class Reinforce:
             figures["transfer_s"] = torch.tensor(time.perf_counter() - t0)
             figures["generators_replaced"] = torch.tensor(float(self.pool.replaced))
             figures["generate_s"] = torch.tensor(self.seconds.get("generate_s", 0.0))
+            figures["staleness_max"] = torch.tensor(float(self.version - 1 - min(
+                g.version for g in every)))
         return loss.detach(), norm.detach(), {f"rl_{k}": v for k, v in figures.items()}
 
     @torch.no_grad()

@@ -463,6 +463,7 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
                               optimizer=run.optimizer,
                               state=copy.deepcopy(run.state.state_dict()),
                               config=run.built.config, samples=samples,
+                              rollouts=getattr(run.objective, "saved", lambda: None)(),
                               adapters=lora_settings(run.cfg.lora), identity=run.identity)
     run.reporting.vote.reported()
     run.reporting.meter.checkpoint_s += time.perf_counter() - t0
@@ -599,7 +600,8 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
     }
     objective = objective_for(cfg, handoff=handoff, rank=rank)
     if hasattr(objective, "begin"):  # the generators, with the weights restored
-        objective.begin(built, step=state.step)
+        batches = objective.begin(built, step=state.step, batches=batches,
+                                  accumulation=accumulation, resumed=found and found[0])
     meter = StepMeter(flops_per_token=objective.flops(built.config, cfg.data.seq_len),
                       peak_flops=listed_peak(built, rank=rank), world_size=world,
                       device=device, energy=energy, energy_since=energy_since)

@@ -102,3 +102,25 @@ def test_a_prompt_block_gives_its_prompt_and_rollouts_target_their_completions()
     assert targets[r.at].tolist() == [11, 0, 12]
     assert r.index.tolist() == [0, 0, 1] and r.lengths.tolist() == [2, 1]
     assert r.old_logp.tolist() == pytest.approx([-0.1, -0.2, -0.3])
+
+
+def test_an_off_policy_step_asks_for_the_steps_up_to_its_staleness_once():
+    """K steps ahead of the one trained, each asked for once; none past the run's end; the
+    stream gives every micro-batch in order, the ones looked at included."""
+    from raylm.config import load_config
+    from raylm.workers.grpo import Reinforce, Upcoming
+
+    cfg = load_config(None, ["--train.objective=grpo", "--data.format=prompt",
+                             "--rl.reward=exact_match", "--rl.max_staleness=2",
+                             "--train.steps=5"])
+    objective = Reinforce(cfg, prepared="unused", eos_id=0, vocab_size=8, rank=1)
+    stream = Upcoming(iter([{"step": s, "part": k} for s in range(5) for k in range(2)]),
+                      per_step=2)
+    objective.upcoming = stream
+    asked, trained = [], []
+    for step in range(5):
+        trained.append([next(stream)["step"] for _ in range(2)])
+        objective.at = step
+        asked.append([m[0]["step"] for m in objective.steps_ahead()])
+    assert trained == [[s, s] for s in range(5)]
+    assert asked == [[1, 2], [3], [4], [], []]
