@@ -7,7 +7,8 @@ it survives restarts, resizes and new invocations without state of its own. What
   ``setup_s``: building, restoring and waiting for the first batch);
 - each progress report's ``clock``: rank 0's wall time at the report and its counters since the
   group was set up (seconds computing steps, waiting for data, evaluating, blocked on
-  checkpoints), and the energy the window drew where NVML reads it;
+  checkpoints; in reinforcement learning waiting for completions and handing weights to the
+  generators), and the energy the window drew where NVML reads it;
 - the controller's own records: each attempt to place a worker group (``placing``/``placed``,
   with the seconds its placement group waited for resources), each failure, the invocation's
   start and end, and the wait for benchmark evaluations at its end. The evaluations
@@ -36,8 +37,12 @@ from typing import Any
 
 from raylm.contracts import Event
 
-CAUSES = ("productive", "recomputed", "data_wait", "checkpoint", "evaluation", "preemption",
-          "benchmarks", "resources", "startup", "restart", "reporting", "finish", "other")
+CAUSES = ("productive", "recomputed", "data_wait", "generation", "weight_transfer", "checkpoint",
+          "evaluation", "preemption", "benchmarks", "resources", "startup", "restart",
+          "reporting", "finish", "other")
+# A report clock's counters (raylm.workers.loop.StepMeter.clock); reinforcement learning's two
+# (waiting for completions, handing weights to the generators) are absent from other runs'.
+_COUNTERS = ("compute_s", "data_wait_s", "generate_s", "transfer_s", "eval_s", "checkpoint_s")
 PHASES = ("controller", "resources", "workers", "imports", "ray_train", "stream", "build",
           "restore", "validation", "first_batch", "setup_other")
 # The worker's set-up phases as its group's first report names them (raylm.workers.loop).
@@ -53,6 +58,8 @@ class _Window:
     compute_s: float
     wait_s: float
     energy_j: float | None
+    generate_s: float = 0.0
+    transfer_s: float = 0.0
     alive_to: int = field(init=False)
     """Steps up to here still count; beyond it a later group trained them again."""
 
@@ -139,8 +146,7 @@ class _Account:
         self.split_phases(r, resources)
         self.group_seen = True
         self.gap_from, self.gap_resources = None, 0.0
-        self.clock = {"t": ready, "compute_s": 0.0, "data_wait_s": 0.0, "eval_s": 0.0,
-                      "checkpoint_s": 0.0}
+        self.clock = {"t": ready, **dict.fromkeys(_COUNTERS, 0.0)}
         self.step, self.group = r["from_step"], r["time"]
 
     def split_phases(self, r, resources: float) -> None:
@@ -165,15 +171,15 @@ class _Account:
         c = r.get("clock")
         if c is None or self.clock is None:
             return
-        d = {k: c[k] - self.clock[k] for k in self.clock}
-        accounted = d["compute_s"] + d["data_wait_s"] + d["eval_s"] + d["checkpoint_s"]
-        self.s["reporting"] += max(0.0, c["t"] - self.clock["t"] - accounted)
+        now = {k: c.get(k, 0.0) for k in _COUNTERS}
+        d = {k: now[k] - self.clock[k] for k in _COUNTERS}
+        self.s["reporting"] += max(0.0, c["t"] - self.clock["t"] - sum(d.values()))
         self.tail_benchmarks = 0.0
         self.windows.append(_Window(self.step, r["step"], d["compute_s"], d["data_wait_s"],
-                                    c.get("energy_j")))
+                                    c.get("energy_j"), d["generate_s"], d["transfer_s"]))
         self.s["evaluation"] += d["eval_s"]
         self.s["checkpoint"] += d["checkpoint_s"]
-        self.clock, self.step = {k: c[k] for k in self.clock}, r["step"]
+        self.clock, self.step = {"t": c["t"], **now}, r["step"]
 
     def on_waited_for_benchmarks(self, r) -> None:
         self.s["benchmarks"] += r["seconds"]
@@ -211,7 +217,9 @@ class _Account:
             lost = w.lost_share
             self.s["productive"] += (1 - lost) * w.compute_s
             self.s["data_wait"] += (1 - lost) * w.wait_s
-            self.s["recomputed"] += lost * (w.compute_s + w.wait_s)
+            self.s["generation"] += (1 - lost) * w.generate_s
+            self.s["weight_transfer"] += (1 - lost) * w.transfer_s
+            self.s["recomputed"] += lost * (w.compute_s + w.wait_s + w.generate_s + w.transfer_s)
             steps_lost += w.last - w.alive_to
             if w.energy_j is not None:
                 wasted_j += lost * w.energy_j

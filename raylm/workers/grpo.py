@@ -305,6 +305,9 @@ class Reinforce:
         self.version = self.at = 0
         self.asked = -1  # the last step whose prompts' groups were asked for
         self.seconds: dict[str, float] = {}
+        # Since the group started (rank 0's): the goodput account's own causes for the time
+        # steps wait for completions and hand weights over (raylm.workers.loop.StepMeter).
+        self.spent = {"generate_s": 0.0, "transfer_s": 0.0}
 
     def begin(self, built: Built, *, step: int, batches: Iterator[dict[str, torch.Tensor]],
               accumulation: int, resumed: str | None) -> Iterator[dict[str, torch.Tensor]]:
@@ -362,6 +365,7 @@ class Reinforce:
                 groups = self.buffer.take(flat, sampling)
                 self.buffer.ask([self.rows[split].prompt(*item)
                                  for _, later in every for item in later], sampling)
+                self.spent["generate_s"] += time.perf_counter() - t0
             else:
                 groups = self.pool.generate(flat, sampling)
             self.seconds["generate_s"] = time.perf_counter() - t0
@@ -438,6 +442,7 @@ class Reinforce:
                                          group_size=rl.group_size)[1]
             figures |= {k: torch.tensor(v) for k, v in group_figures(every, alike_all).items()}
             figures["transfer_s"] = torch.tensor(time.perf_counter() - t0)
+            self.spent["transfer_s"] += float(figures["transfer_s"])
             figures["generators_replaced"] = torch.tensor(float(self.pool.replaced))
             figures["generate_s"] = torch.tensor(self.seconds.get("generate_s", 0.0))
             figures["staleness_max"] = torch.tensor(float(self.version - 1 - min(

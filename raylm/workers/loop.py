@@ -330,8 +330,12 @@ class StepMeter:
 
     def __init__(self, *, flops_per_token: float, peak_flops: float | None, world_size: int,
                  device: torch.device, energy: EnergyCounter | None = None,
-                 energy_since: tuple[float, float | None] | None = None) -> None:
+                 energy_since: tuple[float, float | None] | None = None,
+                 spent: dict[str, float] | None = None) -> None:
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        # Seconds of the steps an objective spends apart from computing them, as it counts
+        # them (GRPO: generate_s waiting for completions, transfer_s handing weights over).
+        self.spent = spent if spent is not None else {}
         self.world_size, self.device = world_size, device
         self.run_t0 = time.perf_counter()
         self.busy_s = self.run_wait_s = 0.0
@@ -371,11 +375,13 @@ class StepMeter:
 
     def clock(self, *, window_energy_j: float | None) -> dict[str, float | None]:
         """What a report tells the goodput account: this rank's wall time, and the seconds
-        since the group was set up spent computing steps, waiting for data, evaluating and
-        blocked on checkpoints (a report's own checkpoint adds its write when it is made:
+        since the group was set up spent computing steps, waiting for data, what the objective
+        spends apart (:attr:`spent`), evaluating and blocked on checkpoints (a report's own
+        checkpoint adds its write when it is made:
         :meth:`raylm.workers.checkpoint.Checkpointer.save`); the window's joules."""
-        return {"t": time.time(), "compute_s": self.busy_s - self.run_wait_s,
-                "data_wait_s": self.run_wait_s, "eval_s": self.eval_s,
+        apart = sum(self.spent.values())
+        return {"t": time.time(), "compute_s": self.busy_s - self.run_wait_s - apart,
+                "data_wait_s": self.run_wait_s, **self.spent, "eval_s": self.eval_s,
                 "checkpoint_s": self.checkpoint_s, "energy_j": window_energy_j}
 
     def window(self) -> dict[str, float]:
@@ -598,13 +604,12 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
         "resumed_from_step": state.step if state.step else None,
         "group_started": group_started, "data_startup_s": time.perf_counter() - t0,
     }
-    objective = objective_for(cfg, handoff=handoff, rank=rank)
-    if hasattr(objective, "begin"):  # the generators, with the weights restored
-        batches = objective.begin(built, step=state.step, batches=batches,
-                                  accumulation=accumulation, resumed=found and found[0])
+    objective, batches = start_objective(handoff, rank=rank, built=built, step=state.step,
+                                         batches=batches, accumulation=accumulation, found=found)
     meter = StepMeter(flops_per_token=objective.flops(built.config, cfg.data.seq_len),
-                      peak_flops=listed_peak(built, rank=rank), world_size=world,
-                      device=device, energy=energy, energy_since=energy_since)
+                      peak_flops=listed_peak(built, rank=rank), world_size=world, device=device,
+                      energy=energy, energy_since=energy_since,
+                      spent=getattr(objective, "spent", None))
     split = PackedSplit.load(handoff.prepared, "train")
     trace = FaultTrace(
         health=Health(device=device, start_step=state.step, report_every=t.log_every,
@@ -680,6 +685,19 @@ def objective_for(cfg: Config, *, handoff: Handoff, rank: int
         return Reinforce(cfg, prepared=handoff.prepared, eos_id=handoff.eos_id,
                          vocab_size=handoff.vocab_size, rank=rank)
     return NextToken(cross_document=cfg.data.across_documents)
+
+
+def start_objective(handoff: Handoff, *, rank: int, built: Built, step: int,
+                    batches: Iterator[dict[str, torch.Tensor]], accumulation: int,
+                    found: tuple[str, Marker] | None
+                    ) -> tuple[NextToken | Preference | Reinforce, Iterator]:
+    """The run's objective, begun where it has something to start (GRPO: the generators, with
+    the weights and rollouts of the checkpoint ``found``), and the stream to train from."""
+    objective = objective_for(handoff.cfg, handoff=handoff, rank=rank)
+    if hasattr(objective, "begin"):
+        batches = objective.begin(built, step=step, batches=batches, accumulation=accumulation,
+                                  resumed=found and found[0])
+    return objective, batches
 
 
 def worker_device(cfg: Config) -> torch.device:

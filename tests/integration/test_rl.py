@@ -106,6 +106,8 @@ def test_grpo_learns_replaces_a_lost_generator_and_resumes_a_lost_trainer_exactl
     assert {"rl_reward", "rl_reward_std", "rl_no_signal", "rl_clip_low", "rl_kl",
             "rl_generate_s", "rl_transfer_s", "val_reward"} <= set(history)
     assert "rl_reward" in summary and "rl_clip_high" in summary
+    causes = summary["goodput"]["seconds"]
+    assert causes["generation"] > 0 and causes["weight_transfer"] > 0, causes
     from mlflow import MlflowClient
 
     client = MlflowClient(summary["mlflow_tracking_uri"])

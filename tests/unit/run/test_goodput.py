@@ -49,6 +49,7 @@ def test_a_lost_worker_splits_the_wall_time_by_cause():
         "recomputed": 14.0,  # steps 11-15 (9 + 1 s), then 4 s from their report to the loss
         "data_wait": 4.0, "checkpoint": 0.5, "evaluation": 1.0, "preemption": 0.0,
         "benchmarks": 0.0,
+        "generation": 0.0, "weight_transfer": 0.0,  # not reinforcement learning
         "resources": 1.5,  # Ray's measure of both placements
         "startup": 4.0,  # 0 -> ready at 5, less 1 s waiting for resources
         "restart": 6.5,  # the loss at 40 -> ready at 47, less 0.5 s waiting for resources
@@ -64,6 +65,29 @@ def test_a_lost_worker_splits_the_wall_time_by_cause():
     assert "5 steps trained twice" in line
     t = table(g)
     assert t["cause"] == list(CAUSES) and sum(t["share"]) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_reinforcement_learning_waits_are_causes_of_their_own_and_lost_with_their_steps():
+    """GRPO's clock counts waiting for completions and handing weights over apart from
+    computing; a lost window's share of them is recomputed time, like its compute's."""
+    def rl(t, compute, generate, transfer):
+        return {**clock(t, compute), "generate_s": generate, "transfer_s": transfer}
+
+    g = goodput(script(
+        "1",
+        ("invocation", 0.0, {}),
+        ("group_start", 0.0, {"workers": 1, "from_step": 0, "setup_s": 2.0}),  # ready at 2
+        progress(12.0, 10, rl(12.0, 6, 3, 1)),
+        progress(22.0, 20, rl(22.0, 12, 6, 2)),
+        ("failure", 22.0, {"error": "ActorDiedError: worker lost"}),
+        ("group_start", 23.0, {"workers": 1, "from_step": 10, "setup_s": 1.0}),  # ready at 24
+        progress(34.0, 20, rl(34.0, 6, 3, 1)),
+        ("end", 34.0, {"status": "finished"}),
+    ))
+    s = g["seconds"]
+    assert (s["productive"], s["generation"], s["weight_transfer"]) == (12.0, 6.0, 2.0)
+    assert s["recomputed"] == 10.0 and s["reporting"] == 0.0  # steps 11-20 the first time
+    assert sum(s.values()) == pytest.approx(g["total_s"]) and g["total_s"] == 34.0
 
 
 def test_preemption_resize_and_a_later_invocation_that_goes_back():
