@@ -24,6 +24,8 @@
               after, sizes; then healed by a short full and LoRA fine-tune
     gguf      a trained run as a GGUF file of each tensor type: size, export time, and the
               validation loss in llama.cpp against transformers'
+    rl        a GRPO run synchronous and off-policy: the steps' time by part (training,
+              generation, weight transfer), completions per second, the rewards reached
 """
 
 from __future__ import annotations
@@ -59,6 +61,16 @@ def _add_data_and_training(sub) -> None:
     ov.add_argument("--micro-batch", type=int, default=8)
     ov.add_argument("--seq-len", type=int, default=256)
     ov.add_argument("--workdir", default=None)
+    rl = sub.add_parser("rl", help="GRPO's time by part and completions/s, synchronous vs "
+                                   "off-policy")
+    rl.add_argument("--output", required=True)
+    rl.add_argument("--staleness", default="0,1", help="rl.max_staleness of each run; the "
+                                                       "first is the baseline")
+    rl.add_argument("--steps", type=int, default=60)
+    rl.add_argument("--generators", type=int, default=1)
+    rl.add_argument("--group-size", type=int, default=8)
+    rl.add_argument("--max-completion-tokens", type=int, default=4)
+    rl.add_argument("--workdir", default=None)
     ev = sub.add_parser("evals", help="training tokens/s without and with benchmark "
                                       "evaluations of every checkpoint beside the run")
     ev.add_argument("--output", required=True)
@@ -241,6 +253,12 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
 
         result = run(preset=args.preset, steps=args.steps, micro_batch=args.micro_batch,
                      seq_len=args.seq_len, workdir=args.workdir)
+    elif args.name == "rl":
+        from raylm.bench.rl import run
+
+        result = run(staleness=[int(k) for k in args.staleness.split(",")], steps=args.steps,
+                     generators=args.generators, group_size=args.group_size,
+                     max_completion_tokens=args.max_completion_tokens, workdir=args.workdir)
     elif args.name == "evals":
         from raylm.bench.evals import run
 
