@@ -116,10 +116,9 @@ class Run:
     @property
     def goodput(self) -> pd.DataFrame:
         """Where the run's wall time went, every invocation (:mod:`raylm.run.goodput`): one
-        row per cause (``productive``, ``recomputed``, ``data_wait``, ``checkpoint``,
-        ``evaluation``, ``preemption``, ``benchmarks``, ``resources``, ``startup``,
-        ``restart``, ``other``)
-        with its ``seconds`` and ``share`` of the total; ``goodput`` is the ``productive``
+        row per cause (``productive``, ``recomputed``, ``data_wait``, ``generation`` and
+        ``weight_transfer`` in reinforcement learning, ``checkpoint``, ``evaluation``, ...,
+        ``other``) with its ``seconds`` and ``share`` of the total; ``goodput`` is the ``productive``
         share. Read from the run's records, so a running run's shows it so far."""
         import pandas as pd
 

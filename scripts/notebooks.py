@@ -2,7 +2,7 @@
 outputs: the committed copies, which the documentation shows as pages. From the project root,
 with a fresh ``notebooks/runs`` (later notebooks read the runs earlier ones made):
 
-    rm -rf notebooks/runs && python scripts/notebooks.py            # all five
+    rm -rf notebooks/runs && python scripts/notebooks.py            # all six
     python scripts/notebooks.py 04_lora_fine_tune.ipynb             # one
 
 Each notebook starts its own local Ray cluster (set RAY_ADDRESS to run them on another). The

@@ -46,8 +46,11 @@ def _write(out: Path, *, steps: int, seed: int) -> None:
     import torch
     from tokenizers import Tokenizer
 
+    from raylm.console import quiet_torchao
     from raylm.data.chat import DefaultTemplate, encode
     from raylm.data.tokenizer import save_hf_tokenizer, train_bpe
+
+    quiet_torchao()  # before transformers' model code imports it
     from raylm.model.assemble import build_training_model
     from raylm.workers.step import train_step
 
