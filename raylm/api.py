@@ -118,8 +118,8 @@ class Run:
         """Where the run's wall time went, every invocation (:mod:`raylm.run.goodput`): one
         row per cause (``productive``, ``recomputed``, ``data_wait``, ``generation`` and
         ``weight_transfer`` in reinforcement learning, ``checkpoint``, ``evaluation``, ...,
-        ``other``) with its ``seconds`` and ``share`` of the total; ``goodput`` is the ``productive``
-        share. Read from the run's records, so a running run's shows it so far."""
+        ``other``) with its ``seconds`` and ``share`` of the total; ``goodput`` is the
+        ``productive`` share. Read from the run's records, so a running run's shows it so far."""
         import pandas as pd
 
         from raylm.run.goodput import goodput, table
