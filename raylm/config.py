@@ -780,6 +780,10 @@ class TuneConfig:
     """train.objective=dpo: dpo.beta values to choose among; empty keeps dpo.beta. A DPO
     sweep ranks its trials by held-out preference accuracy (val_accuracy), which, unlike the
     DPO loss, does not move with beta."""
+    choices: dict[str, list[Any]] = field(default_factory=dict)
+    """Any other settings to choose among, by key: {"rl.clip_high": [0.2, 0.28],
+    "rl.temperature": [0.7, 1.0]}. Each value is checked as that key's own setting is; the
+    settings with lists of their own above keep them."""
     num_samples: int = 8
     """Trials in the sweep (random and optuna); grid runs every combination once."""
     lr_points: int = 3
@@ -935,6 +939,8 @@ def _closest(name: str, choices: list[str], prefix: str = "") -> str:
 
 
 def _describe(tp: Any) -> str:
+    if tp is Any:
+        return "any value"
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
@@ -957,6 +963,8 @@ _NO = object()
 
 def _coerce(value: Any, tp: Any) -> Any:
     """Return ``value`` as type ``tp`` or ``_NO``; never converts lossily (1.5 is not an int)."""
+    if tp is Any:  # tune.choices' values: checked as their own keys' settings
+        return value
     origin = typing.get_origin(tp)
     if origin is Literal:
         return value if value in typing.get_args(tp) else _NO
@@ -1182,6 +1190,31 @@ def _check_reinforcement(cfg: Config) -> None:
     _data_parallel_only(cfg)
 
 
+# Swept through lists of their own (TuneConfig), or the run's identity: not in tune.choices.
+_OWN_LISTS = {"optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio",
+              "optim.weight_decay", "lora.rank", "lora.alpha", "dpo.beta"}
+
+
+def _check_choices(cfg: Config) -> None:
+    """tune.choices: known keys, none with a list of its own, each value a valid setting."""
+    choices = cfg.tune.choices
+    if not choices:
+        return
+    tree = cfg.to_dict()
+    tree["tune"]["choices"] = {}
+    for key, values in choices.items():
+        section = key.split(".", 1)[0]
+        _check(key in cfg.flat() and key not in _OWN_LISTS and section not in ("run", "tune"),
+               "tune.choices", key, "config keys outside run.* and tune.*, other than "
+               f"{', '.join(sorted(_OWN_LISTS))} (which have tune lists of their own)")
+        _check(isinstance(values, list) and bool(values), f"tune.choices[{key}]", values,
+               "a non-empty list of values")
+        for value in values:
+            candidate = {name: dict(v) for name, v in tree.items()}
+            candidate[section][key.split(".", 1)[1]] = value
+            config_from_dict(candidate)  # a value that key refuses is refused by its name
+
+
 def _data_parallel_only(cfg: Config) -> None:
     """The preference and reinforcement steps run on data-parallel workers only."""
     objective = cfg.train.objective
@@ -1213,6 +1246,7 @@ def validate(cfg: Config) -> Config:
         _check(cfg.parallel.tensor == 1, "model.float8", cfg.model.float8,
                "off with parallel.tensor > 1 (float8 under tensor parallelism is not "
                "supported); use data or pipeline parallelism")
+    _check_choices(cfg)
     _check(not tu.lora_ranks or bool(cfg.model.path), "tune.lora_ranks", tu.lora_ranks,
            "ranks >= 1, with model.path naming the pretrained model they adapt")
     if tu.metric is not None:

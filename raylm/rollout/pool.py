@@ -46,10 +46,16 @@ class GeneratorPool:
 
     def __init__(self, *, count: int, resources: dict[str, float], init: dict[str, Any]
                  ) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.asks = dict(resources)
         resources = dict(resources)
+        # Outside any placement group: a Tune trial's workers run in placement groups whose
+        # bundles hold nothing for a generator, and Ray would place it there to wait forever.
         self.options = {"num_cpus": resources.pop("CPU", 0.0),
                         "num_gpus": resources.pop("GPU", 0.0), "resources": resources,
-                        "max_restarts": 0}
+                        "max_restarts": 0, "scheduling_strategy":
+                        PlacementGroupSchedulingStrategy(placement_group=None)}
         self.init = init
         self.weights: tuple[int, Any] | None = None
         self.loading: list[tuple[Any, Any]] = []  # (generator, its load's reference)
@@ -110,6 +116,24 @@ class GeneratorPool:
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Group]:
         """The groups of ``prompts`` from the weights loaded last, waited for."""
         return self.collect(self.submit(prompts, sampling))
+
+    def started(self, *, timeout_s: float, keep_waiting: bool, log) -> None:
+        """Wait for every generator to hold the weights loaded first; one not started
+        ``timeout_s`` after this is called is named with what it waits for instead of waited
+        for in silence: with ``keep_waiting`` (an autoscaling cluster) that is said every
+        ``timeout_s`` and the wait goes on, else the run stops with it."""
+        t0 = time.monotonic()
+        refs = [ref for _, ref in self.loading]
+        while len(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) < len(refs):
+            free = ray.available_resources()
+            message = (f"{len(refs)} generator actor(s) asking for {self.asks} each not all "
+                       f"started after {time.monotonic() - t0:.0f} s; the cluster has free: "
+                       + (", ".join(f"{k} {free.get(k, 0):g}" for k in self.asks) or "-"))
+            if not keep_waiting:
+                raise RuntimeError(f"{message}. Fewer or smaller generators "
+                                   f"(rl.generators, rl.generator_resources) would fit")
+            log(f"raylm: warning: {message}; waiting on, as scaling.wait_for_nodes asks")
+        self.wait_loaded()
 
     def wait_loaded(self) -> None:
         """Wait for the loads asked of the generators (done by now where a generation asked

@@ -100,10 +100,6 @@ def adapted(cfg: Config, *, sweep: bool) -> Config:
 def check_sweep(cfg: Config) -> None:
     """What can be wrong with the sweep itself (ranges and schedules are checked by the
     config loader)."""
-    if cfg.train.objective == "grpo":
-        raise ValueError("raylm tune ranks trials by validation loss, which a "
-                         "train.objective=grpo run does not have (it reports val_reward); "
-                         "sweep its settings with several raylm train runs for now.")
     if cfg.train.steps < cfg.train.eval_every:
         raise ValueError(f"train.steps={cfg.train.steps} is below train.eval_every="
                          f"{cfg.train.eval_every}: trials would report once, at the end, and "

@@ -60,11 +60,13 @@ def ranking(cfg: Config) -> tuple[str, str]:
     when set (its direction lm-eval's); else the validation loss, or for train.objective=dpo
     the preference accuracy (the held-out share of pairs whose chosen answer has the higher
     reward), since the DPO loss moves with dpo.beta, which a sweep may vary, and the accuracy
-    does not."""
+    does not; for train.objective=grpo the held-out reward (a GRPO run has no validation
+    loss)."""
     if cfg.tune.metric is not None:
         return cfg.tune.metric, _direction(cfg.eval.include_path, tuple(cfg.eval.tasks),
                                            cfg.tune.metric)
-    return ("val_accuracy", "max") if cfg.train.objective == "dpo" else (METRIC, "min")
+    return {"dpo": ("val_accuracy", "max"),
+            "grpo": ("val_reward", "max")}.get(cfg.train.objective, (METRIC, "min"))
 
 
 @functools.lru_cache(maxsize=8)
@@ -84,6 +86,7 @@ def search_space(cfg: Config) -> dict[str, Any]:
                "lora.alpha": tu.lora_alphas or [cfg.lora.alpha]}
     if cfg.train.objective == "dpo":
         choices["dpo.beta"] = tu.dpo_betas or [cfg.dpo.beta]
+    choices.update(tu.choices)
     if tu.search == "grid":
         n = tu.lr_points
         # Largest first, so that ASHA has records to compare the smallest (slowest) against.
@@ -131,9 +134,14 @@ def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: 
 
 def trial_resources(cfg: Config, plan: ResourcePlan) -> dict[str, float]:
     """What one trial needs at most: its workers and their readers at the largest worker
-    count (its own process asks for no CPU, its Train controller for none)."""
+    count, and a GRPO run's generators (its own process asks for no CPU, its Train controller
+    for none)."""
     workers = cfg.scaling.worker_range[1]
-    return {name: workers * amount for name, amount in plan.per_worker().items()}
+    need = {name: workers * amount for name, amount in plan.per_worker().items()}
+    if cfg.train.objective == "grpo":
+        for name, amount in cfg.rl.generator_resources.items():
+            need[name] = need.get(name, 0.0) + cfg.rl.generators * amount
+    return need
 
 
 def concurrent_trials(cfg: Config, capacity: dict[str, float]) -> int:
@@ -240,13 +248,15 @@ def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
     better = min if mode == "min" else max
     for r in results:
         history, ranked = (curve(r.metrics_dataframe, name) for name in (METRIC, metric))
+        # A GRPO trial reports no validation loss: its curve is its held-out reward's.
+        history = history or ranked
         steps = max((s for s, _ in history), default=0)
         trial_id = r.metrics.get("trial_id")  # Tune adds it to every result
         found = rundir.latest_verified(storage.join(rd, "trials", str(trial_id)),
                                        warn=lambda m: None)
         trials.append({
             "trial_id": trial_id, "config": {k: v for k, v in r.config.items()},
-            "val_loss": min((v for _, v in history), default=None),
+            "val_loss": min((v for _, v in curve(r.metrics_dataframe, METRIC)), default=None),
             metric: better((v for _, v in ranked), default=None), "steps": steps,
             "stopped_early": r.error is None and steps < cfg.train.steps,
             "error": str(r.error).splitlines()[0] if r.error else None,
@@ -296,7 +306,8 @@ def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print,
 def table(summary: dict[str, Any]) -> str:
     keys = sorted({k for t in summary["trials"] for k in t["config"]})
     metric = summary.get("metric", METRIC)
-    figures = list(dict.fromkeys((METRIC, metric)))
+    figures = [f for f in dict.fromkeys((METRIC, metric))
+               if f == metric or any(t.get(f) is not None for t in summary["trials"])]
     head = ["trial", *[k.split(".")[1] for k in keys], *figures, "steps", "stopped"]
     rows = []
     sign = -1 if metric != METRIC else 1  # the best first: a higher accuracy, a lower loss
@@ -323,17 +334,24 @@ def plot(summary: dict[str, Any], path: Path, *, total_steps: int) -> None:
     ax = fig.subplots()
     best = summary["best"]["trial_id"] if summary["best"] else None
     metric = summary.get("metric", METRIC)
+    # Beside LR and schedule, the label names the other settings the trials differ in.
+    keys = sorted({k for t in summary["trials"] for k in t["config"]} - {"optim.lr",
+                                                                          "optim.schedule"})
+    varied = [k for k in keys if len({str(t["config"].get(k)) for t in summary["trials"]}) > 1]
     for t in summary["trials"]:
         points = t.get("scores", t["history"])
         if not points:
             continue
         steps, losses = zip(*points, strict=True)
         lr = t["config"].get("optim.lr")
-        label = f"{t['trial_id']}: lr {lr:.2g} {t['config'].get('optim.schedule', '')}"
+        label = " ".join([f"{t['trial_id']}: lr {lr:.2g} {t['config'].get('optim.schedule', '')}",
+                          *(f"{k.split('.', 1)[1]} {t['config'].get(k)}" for k in varied)])
         ax.plot(steps, losses, marker="o", lw=2.5 if t["trial_id"] == best else 1.2,
                 label=label + (" (best)" if t["trial_id"] == best else ""))
     ax.set_xlabel("step")
-    ax.set_ylabel(metric if metric.startswith("eval/") else "validation loss (nats)")
+    # The curves drawn: a benchmark's scores, a GRPO trial's held-out reward, else the loss.
+    ax.set_ylabel(metric if metric.startswith("eval/") else "held-out reward"
+                  if metric == "val_reward" else "validation loss (nats)")
     ax.set_xlim(0, total_steps)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)

@@ -299,6 +299,8 @@ class Reinforce:
         self.rows = ({s: PromptRows(prepared, s, prompt_field=cfg.data.prompt_field)
                       for s in ("train", "val")} if rank == 0 else {})
         self.steps = cfg.train.steps
+        self.start_timeout_s = cfg.data.first_batch_timeout_s
+        self.wait_for_nodes = cfg.scaling.wait_for_nodes
         self.pool: GeneratorPool | None = None
         self.buffer: Buffer | None = None
         self.upcoming: Upcoming | None = None
@@ -327,7 +329,9 @@ class Reinforce:
                 init={**init, "tokenizer_json": backend.to_str(),
                       "threads": int(self.rl.generator_resources.get("CPU", 1) or 1)})
             self.pool.load(step, weights)
-            self.pool.wait_loaded()  # generators up before the group reports its start
+            # Generators up before the group reports its start; never waited for in silence.
+            self.pool.started(timeout_s=self.start_timeout_s, keep_waiting=self.wait_for_nodes,
+                              log=print)
             ready = {}
             kept = storage.join(resumed, CHECKPOINT_ROLLOUTS) if resumed else None
             if kept and storage.is_file(kept):

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
@@ -466,8 +468,15 @@ def test_grpo_settings_that_cannot_train_are_refused_before_ray_starts(tmp_path,
     assert "module 'no_such_module' does not import" in capsys.readouterr().err
 
 
-def test_a_grpo_sweep_is_refused_before_ray_starts(capsys, ray_never_starts):
-    assert main(["tune", "--train.objective=grpo", "--data.format=prompt",
-                 "--rl.reward=exact_match", "--tracking.enabled=false"]) == 2
-    err = capsys.readouterr().err
-    assert "does not have (it reports val_reward)" in err and err.count("\n") == 1
+def test_tune_choices_take_known_keys_and_valid_values_only():
+    cfg = load_config(None, ['--tune.choices={"rl.clip_high": [0.2, 0.28], "data.seq_len": [64]}'])
+    assert cfg.tune.choices == {"rl.clip_high": [0.2, 0.28], "data.seq_len": [64]}
+    for choices, says in [
+        ('{"rl.clip_higher": [0.3]}', "'tune.choices': 'rl.clip_higher'"),
+        ('{"optim.lr": [0.1]}', "which have tune lists of their own"),
+        ('{"run.name": ["a", "b"]}', "outside run.* and tune.*"),
+        ('{"rl.top_p": []}', "a non-empty list of values"),
+        ('{"rl.clip_low": [0.1, 1.5]}', "'rl.clip_low': 1.5"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(None, [f"--tune.choices={choices}"])

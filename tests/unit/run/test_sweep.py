@@ -143,3 +143,32 @@ def test_a_sweep_resumes_tunes_experiment_in_its_own_folder_or_in_an_older_sweep
     (rd / "tune").mkdir()
     (rd / "tune" / "tuner.pkl").write_bytes(b"")
     assert tune_experiment(str(rd)) == str(rd / "tune")
+
+
+def test_a_grpo_sweep_ranks_by_held_out_reward_counts_its_generators_and_sweeps_rl_settings(
+        tmp_path):
+    from raylm.run.sweep import ranking, table, trial_resources
+
+    grpo = ["--train.objective=grpo", "--data.format=prompt", "--rl.reward=exact_match", CPU,
+            "--rl.generators=2", '--rl.generator_resources={"CPU": 0.5}']
+    cfg = load_config(None, [*grpo, "--tune.search=grid",
+                             '--tune.choices={"rl.clip_high": [0.2, 0.28]}'])
+    assert ranking(cfg) == ("val_reward", "max")
+    assert search_space(cfg)["rl.clip_high"]["grid_search"] == [0.2, 0.28]
+    trial = trial_config(cfg.to_dict(), {"optim.lr": 1e-3, "rl.clip_high": 0.28},
+                         trials_dir=str(tmp_path), trial_id="t_00001", prepared="/data/p")
+    assert trial.rl.clip_high == 0.28 and trial.tune.choices == cfg.tune.choices
+    # A trial holds its worker and its reader, and its two generators of half a CPU.
+    from raylm.run.launch import plan_resources
+
+    assert trial_resources(cfg, plan_resources(cfg, {"CPU": 8})) == {"CPU": 2.1}
+    assert concurrent_trials(cfg, {"CPU": 8}) == 3
+    # No validation loss to show: the reward decides, the best first.
+    summary = {"metric": "val_reward", "trials": [
+        {"trial_id": "a", "config": {"rl.clip_high": 0.2}, "val_loss": None,
+         "val_reward": 0.6, "steps": 10, "stopped_early": False},
+        {"trial_id": "b", "config": {"rl.clip_high": 0.28}, "val_loss": None,
+         "val_reward": 0.8, "steps": 10, "stopped_early": False}]}
+    lines = table(summary).splitlines()
+    assert lines[0].split() == ["trial", "clip_high", "val_reward", "steps", "stopped"]
+    assert lines[1].startswith("b ")
