@@ -38,14 +38,15 @@ class Submitted:
     refs: list[Any]
     actors: list[Any]
     sampling: Sampling
+    version: int
 
 
 class GeneratorPool:
     """``count`` generator actors, each made with ``init`` (:class:`Generator`'s arguments)
     and holding ``resources``."""
 
-    def __init__(self, *, count: int, resources: dict[str, float], init: dict[str, Any]
-                 ) -> None:
+    def __init__(self, *, count: int, resources: dict[str, float], init: dict[str, Any],
+                 keep: int = 1) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.asks = dict(resources)
@@ -58,6 +59,11 @@ class GeneratorPool:
                         PlacementGroupSchedulingStrategy(placement_group=None)}
         self.init = init
         self.weights: tuple[int, Any] | None = None
+        # The newest ``keep`` versions' weights (an off-policy run's asked-for generations
+        # are up to rl.max_staleness versions old): a share whose generator died is sampled
+        # again by the version it was asked of.
+        self.kept: dict[int, Any] = {}
+        self.keep = keep
         self.loading: list[tuple[Any, Any]] = []  # (generator, its load's reference)
         self.actors = [self._start() for _ in range(count)]
         self.replaced = 0
@@ -73,6 +79,9 @@ class GeneratorPool:
         t0 = time.perf_counter()
         ref = ray.put(weights)
         self.weights = (version, ref)
+        self.kept[version] = ref
+        for old in sorted(self.kept)[:-self.keep]:
+            del self.kept[old]
         self.loading = [(a, a.load.remote(version, ref)) for a in self.actors]
         return time.perf_counter() - t0
 
@@ -84,11 +93,12 @@ class GeneratorPool:
         shares = [prompts[i::n] for i in range(n)]
         refs = [self.actors[i].generate.remote(shares[i], sampling, version=version)
                 if shares[i] else None for i in range(n)]
-        return Submitted(shares, refs, list(self.actors), sampling)
+        return Submitted(shares, refs, list(self.actors), sampling, version)
 
     def collect(self, submitted: Submitted) -> list[Group]:
         """The groups of a submission, in its prompts' order; a share whose generator died is
-        generated again by its replacement (with the newest weights)."""
+        generated again by its replacement, from the weights it was asked of (so the groups
+        are the ones the lost generator would have returned)."""
         n = len(submitted.shares)
         results: list[list[Group] | None] = [None] * n
         for i, ref in enumerate(submitted.refs):
@@ -102,16 +112,24 @@ class GeneratorPool:
                 except ray.exceptions.RayActorError:  # died, or its node is unreachable
                     if self.actors[i] is submitted.actors[i]:
                         self.actors[i] = self._replacement(self.actors[i])
-                    submitted.actors[i] = self.actors[i]
-                    ref = self.actors[i].generate.remote(
-                        submitted.shares[i], submitted.sampling, version=self.weights[0]
-                        if self.weights is not None else 0)
+                    submitted.actors[i] = actor = self.actors[i]
+                    ref = self._again(actor, submitted.shares[i], submitted.sampling,
+                                      submitted.version)
         self.wait_loaded()
         out: list[Group | None] = [None] * sum(len(s) for s in submitted.shares)
         for i, groups in enumerate(results):
             for k, group in enumerate(groups or []):
                 out[i + k * n] = group
         return out  # type: ignore[return-value]
+
+    def _again(self, actor, share: list[Prompt], sampling: Sampling, version: int):
+        """``share`` asked of ``actor`` with ``version``'s weights, which it loads for it
+        (the newest kept if that one is gone), then the newest weights again."""
+        version = version if version in self.kept else max(self.kept)
+        actor.load.remote(version, self.kept[version])
+        ref = actor.generate.remote(share, sampling, version=version)
+        self.loading.append((actor, actor.load.remote(*self.weights)))
+        return ref
 
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[Group]:
         """The groups of ``prompts`` from the weights loaded last, waited for."""
@@ -137,23 +155,25 @@ class GeneratorPool:
 
     def wait_loaded(self) -> None:
         """Wait for the loads asked of the generators (done by now where a generation asked
-        after them has finished); one whose generator died is replaced."""
-        for i, (actor, ref) in enumerate(self.loading):
+        after them has finished); one whose generator died is replaced (and its replacement's
+        load waited for in turn)."""
+        while self.loading:
+            actor, ref = self.loading.pop(0)
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
-                if self.actors[i] is actor:  # not replaced yet
-                    self.actors[i] = self._replacement(actor)
-        self.loading = []
+                for i, current in enumerate(self.actors):
+                    if current is actor:  # not replaced yet
+                        self.actors[i] = self._replacement(actor)
 
     def _replacement(self, lost):
-        """A new generator with the newest weights, for one that died (or cannot be reached:
-        it is killed, so that it cannot come back beside its replacement)."""
+        """A new generator, for one that died (or cannot be reached: it is killed, so that
+        it cannot come back beside its replacement), asked to load the newest weights."""
         ray.kill(lost, no_restart=True)
         self.replaced += 1
         actor = self._start()
         if self.weights is not None:
-            ray.get(actor.load.remote(*self.weights))
+            self.loading.append((actor, actor.load.remote(*self.weights)))
         return actor
 
     def shutdown(self) -> None:

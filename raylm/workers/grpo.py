@@ -306,6 +306,7 @@ class Reinforce:
         self.upcoming: Upcoming | None = None
         self.version = self.at = 0
         self.asked = -1  # the last step whose prompts' groups were asked for
+        self.tokens = 0  # the last step's rows' tokens, every rank's (the loop counts them)
         self.seconds: dict[str, float] = {}
         # Since the group started (rank 0's): the goodput account's own causes for the time
         # steps wait for completions and hand weights over (raylm.workers.loop.StepMeter).
@@ -327,7 +328,8 @@ class Reinforce:
             self.pool = GeneratorPool(
                 count=self.rl.generators, resources=self.rl.generator_resources,
                 init={**init, "tokenizer_json": backend.to_str(),
-                      "threads": int(self.rl.generator_resources.get("CPU", 1) or 1)})
+                      "threads": int(self.rl.generator_resources.get("CPU", 1) or 1)},
+                keep=self.rl.max_staleness + 1)
             self.pool.load(step, weights)
             # Generators up before the group reports its start; never waited for in silence.
             self.pool.started(timeout_s=self.start_timeout_s, keep_waiting=self.wait_for_nodes,
@@ -374,8 +376,14 @@ class Reinforce:
                 groups = self.pool.generate(flat, sampling)
             self.seconds["generate_s"] = time.perf_counter() - t0
             starts = np.cumsum([0, *map(len, prompts)])
-            shares = [groups[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
-        return from_rank0(shares), groups
+            # With each share, the tokens of every row the step trains (prompt and
+            # completion), which every rank counts its throughput and tokens_seen by.
+            rows = sum(len(g.prompt_ids) + len(c) for g in groups for c in g.completions)
+            shares = [(rows, groups[a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        rows, mine = from_rank0(shares)
+        if split == "train":
+            self.tokens = rows
+        return mine, groups
 
     def steps_ahead(self) -> list[list[dict[str, torch.Tensor]]]:
         """The micro-batches of the steps to ask for now: those up to ``rl.max_staleness``

@@ -229,10 +229,12 @@ def train(run: Setup) -> None:
             run.built, run.optimizer, micro, accumulation=run.accumulation,
             grad_clip=o.grad_clip, health=run.trace.health)
         sparsity.reapply(run.zeros)
-        state.advance(samples=t.global_batch_size, tokens=tokens_per_step, lr=lr)
+        # GRPO's steps train rows of prompt and completion, which it counts.
+        tokens = getattr(run.objective, "tokens", tokens_per_step)
+        state.advance(samples=t.global_batch_size, tokens=tokens, lr=lr)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
         run.trace.recent.append((state.step, micro))
-        meter.step_ends(tokens_per_step)
+        meter.step_ends(tokens)
         # Every rank takes part in the vote, every step.
         verdict = run.reporting.vote(busy=run.checkpointer.busy())
         cause = verdict.cause

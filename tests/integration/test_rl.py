@@ -55,30 +55,42 @@ def test_grpo_learns_replaces_a_lost_generator_and_resumes_a_lost_trainer_exactl
         f"--tracking.uri=sqlite:///{tmp_path}/mlflow.db", "--tracking.log_model=false"])
     run_dir = tmp_path / "runs" / "grpo"
 
+    killed_after: list[int] = []
+
     def kill_a_generator_then_the_trainer() -> None:
-        """A generator as soon as the group has started; then, once the record holds step 21
-        (reports reach it at the controller's polls, several steps behind training), the
-        trainer, stopped first so that no save lands meanwhile, if the newest checkpoint is
-        still step 20's."""
+        """A generator as soon as the group has started; then the trainer, once the record
+        holds a step after the newest checkpoint, stopped first to see that no save landed
+        meanwhile. Reports reach the record at the controller's polls, a second or more behind
+        training, when the steps take 50 ms: from the first checkpoint on, the trainer is held
+        (stopped 0.2 s in every 0.25 s) so that the record catches up before the next one."""
         (victim, *_) = generator_processes()
         victim.send_signal(signal.SIGKILL)
         deadline = time.time() + 240
-        while not any(r["event"] == "progress" and r["step"] >= 21
-                      for r in record.read(str(run_dir))):
-            assert time.time() < deadline, "the controller never had step 21"
-            time.sleep(0.02)
-        (trainer,) = faults.train_workers()
-        trainer.send_signal(signal.SIGSTOP)
-        newest = faults.checkpoint_step(run_dir)
-        trainer.send_signal(signal.SIGKILL if newest == 20 else signal.SIGCONT)
-        assert newest == 20, f"the run reached its step-{newest} checkpoint before the kill"
+        while True:
+            assert time.time() < deadline, "no step reported after a checkpoint in time"
+            reported = max((r["step"] for r in record.read(str(run_dir))
+                            if r["event"] == "progress"), default=0)
+            newest = faults.checkpoint_step(run_dir)
+            if newest <= 0:
+                time.sleep(0.02)
+                continue
+            (trainer,) = faults.train_workers()
+            trainer.send_signal(signal.SIGSTOP)
+            if newest < reported < 100 and faults.checkpoint_step(run_dir) == newest:
+                trainer.send_signal(signal.SIGKILL)
+                killed_after.append(newest)
+                return
+            time.sleep(0.2)
+            trainer.send_signal(signal.SIGCONT)
+            time.sleep(0.05)
 
     summary = faults.run_and_interfere(lambda: train(cfg, log=print), run_dir,
                                        acts=[(0, kill_a_generator_then_the_trainer)])
     assert summary["status"] == "finished" and summary["final_step"] == 100
     assert summary["restarts"] == 1  # the trainer's loss; the generator's cost no restart
     (restart,) = [i for i in summary["interruptions"] if i["event"] == "restart"]
-    assert restart["resumed_from_step"] == 20
+    (k,) = killed_after
+    assert restart["resumed_from_step"] == k
     groups: list[dict[int, dict]] = []
     for r in record.read(str(run_dir)):
         if r["event"] == "group_start":
@@ -88,11 +100,12 @@ def test_grpo_learns_replaces_a_lost_generator_and_resumes_a_lost_trainer_exactl
     first, second = groups
     assert max(r["rl_generators_replaced"] for r in first.values()) >= 1
     again = sorted(set(first) & set(second))
-    assert again and again[0] == 21, (sorted(first), sorted(second))
-    # Off-policy (rl.max_staleness=1): step 21 trains the completions version 19 sampled,
-    # which the resumed group, holding version 20, has only from the step-20 checkpoint.
-    assert second[21]["rl_weight_version_min"] == 19 and second[21]["rl_staleness_max"] == 1
-    for step in again:  # the same completions, rewards and update from the step-20 weights
+    assert again and again[0] == k + 1, (k, sorted(first), sorted(second))
+    # Off-policy (rl.max_staleness=1): step k + 1 trains the completions version k - 1
+    # sampled, which the resumed group, holding version k, has only from the checkpoint.
+    assert second[k + 1]["rl_weight_version_min"] == k - 1
+    assert second[k + 1]["rl_staleness_max"] == 1
+    for step in again:  # the same completions, rewards and update from the step-k weights
         for key in ("rl_reward", "rl_completion_len", "loss"):
             assert second[step][key] == pytest.approx(first[step][key], abs=1e-6), (step, key)
     assert summary["samples"]["duplicated"] == 0 and summary["samples"]["skipped"] == 0
@@ -113,14 +126,22 @@ def test_grpo_learns_replaces_a_lost_generator_and_resumes_a_lost_trainer_exactl
     client = MlflowClient(summary["mlflow_tracking_uri"])
     for name in ("rl_reward", "rl_truncated", "val_reward"):
         assert client.get_metric_history(summary["mlflow_run_id"], name), name
+    # tokens_seen counts the rows trained, prompt and completion (the task's prompts all have
+    # one length): 100 steps of 64 rows less their completions leave 6,400 such prompts.
+    seen = max(client.get_metric_history(summary["mlflow_run_id"], "tokens_seen"),
+               key=lambda m: m.step).value
+    completions = 64 * sum(second.get(s, first.get(s))["rl_completion_len"]
+                           for s in range(1, 101))
+    prompt_len = (seen - completions) / 6400
+    assert prompt_len > 5 and prompt_len == pytest.approx(round(prompt_len), abs=1e-6), prompt_len
 
 
 def test_off_policy_groups_keep_the_weights_that_asked_for_them_and_a_checkpoint_keeps_them(
         tokenizer_dir):
     """Generator actors on the cluster, as an off-policy run's rank 0 drives them: groups asked
     for before a new version is loaded are sampled by the old one; the groups a checkpoint
-    keeps are trained as kept, whatever the generators hold by then; a generator lost before
-    a step is replaced with the newest weights."""
+    keeps are trained as kept, whatever the generators hold by then; a generator lost is
+    replaced, and its share sampled again by the weights it was asked of."""
     import ray
     import torch
 
@@ -141,7 +162,7 @@ def test_off_policy_groups_keep_the_weights_that_asked_for_them_and_a_checkpoint
     def prompts(*positions: int) -> list[Prompt]:
         return [Prompt(p, [5, 17, 23, 40 + p], f"say {p}", {"answer": "x"}) for p in positions]
 
-    pool = GeneratorPool(count=2, resources={"CPU": 0.5}, init=init)
+    pool = GeneratorPool(count=2, resources={"CPU": 0.5}, init=init, keep=2)
     try:
         pool.load(0, versions[0])
         buffer = Buffer(pool)
@@ -168,6 +189,16 @@ def test_off_policy_groups_keep_the_weights_that_asked_for_them_and_a_checkpoint
         assert [g.version for g in fresh] == [2, 2] and pool.replaced == 1
         twice = pool.generate(prompts(8, 9), sampling)
         assert [g.completions for g in twice] == [g.completions for g in fresh]
+
+        # Lost holding a share asked of a version older than the newest: sampled again by
+        # that version, the groups the lost generator would have returned.
+        intact = pool.generate(prompts(10, 11), sampling)
+        ray.kill(pool.actors[1], no_restart=True)
+        asked = pool.submit(prompts(10, 11), sampling)
+        pool.load(3, versions[0])
+        again = pool.collect(asked)
+        assert [g.version for g in again] == [2, 2] and pool.replaced == 2
+        assert [g.completions for g in again] == [g.completions for g in intact]
     finally:
         pool.shutdown()
 
