@@ -551,6 +551,11 @@ class RlConfig:
     while the trainers continue."""
     generator_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     """Ray resources each generator actor holds (e.g. {"GPU": 1})."""
+    updates_per_step: int = 1
+    """Optimizer updates each step's completions feed: its groups split into this many
+    mini-batches of whole groups, one update each, in order (PPO's mini-batches); the later
+    ones train completions their earlier updates moved the policy from, weighed by importance
+    and clipped. It must divide train.global_batch_size / the workers."""
     max_staleness: int = 0
     """0: synchronous (on-policy): each step's completions are sampled by the weights it
     trains. K > 0: generation runs up to K steps ahead, while the trainers train, so a step
@@ -559,7 +564,7 @@ class RlConfig:
 
     def __post_init__(self) -> None:
         _at_least("rl", self, group_size=2, max_completion_tokens=1, generators=1,
-                  clip_low=0, clip_high=0, kl_coef=0, max_staleness=0)
+                  clip_low=0, clip_high=0, kl_coef=0, max_staleness=0, updates_per_step=1)
         _at_least("rl", self, above=True, temperature=0)
         _check(0 < self.top_p <= 1, "rl.top_p", self.top_p, "0 < x <= 1")
         _check(self.clip_low < 1, "rl.clip_low", self.clip_low, "0 <= x < 1")
@@ -1187,6 +1192,11 @@ def _check_reinforcement(cfg: Config) -> None:
     _check(not cfg.rl.kl_coef or bool(cfg.lora.rank), "rl.kl_coef", cfg.rl.kl_coef,
            "0 without LoRA adapters: the KL penalty's reference is the base with the adapters "
            "switched off (lora.rank > 0)")
+    n, gb = cfg.rl.updates_per_step, cfg.train.global_batch_size
+    fewest, most = cfg.scaling.worker_range
+    uneven = [w for w in range(fewest, most + 1) if gb % w == 0 and (gb // w) % n]
+    _check(not uneven, "rl.updates_per_step", n, f"a divisor of each worker's prompts per step "
+           f"(train.global_batch_size={gb} / {uneven[0] if uneven else 1} workers)")
     _data_parallel_only(cfg)
 
 

@@ -51,6 +51,7 @@ from raylm.contracts import CHECKPOINT_ROLLOUTS
 from raylm.data.corpus import PREPARED_MANIFEST, SUFFIX_FORMATS, SourceFile, read_rows
 from raylm.data.streams import PackedSplit
 from raylm.data.tokenizer import load_backend
+from raylm.faults import Mistake
 from raylm.model.assemble import Built, global_count
 from raylm.model.lora import adapters_off
 from raylm.rollout.buffer import Buffer, load_saved
@@ -394,24 +395,21 @@ class Reinforce:
         self.asked = max(self.asked, last)
         return out
 
-    def step(self, built, optimizer, micro, *, accumulation, grad_clip, health=None):
-        if built.pipeline is not None:
-            raise ValueError("train.objective=grpo does not run under pipeline parallelism")
-        rl, world = self.rl, dist.get_world_size() if dist.is_initialized() else 1
-        ahead = self.steps_ahead() if self.upcoming is not None else []
-        mine, every = self.groups(micro, self.sampling, "train", ahead)
-        rewards = torch.tensor([r for g in mine for r in g.rewards])
-        advantages, _ = group_advantages(rewards, group_size=rl.group_size,
-                                         normalize=rl.normalize_advantages)
-        per_micro = max(1, len(mine) // accumulation)
-        parts = [mine[i:i + per_micro] for i in range(0, len(mine), per_micro)]
+    def update(self, built: Built, groups: list[Group], advantages: torch.Tensor, *,
+               accumulation: int) -> torch.Tensor:
+        """One update's gradients over ``groups`` (this rank's share), in ``accumulation``
+        micro-batches; returns, summed over every rank: the loss's sum, tokens clipped low
+        and high, the KL's sum, the tokens, and the loss's denominator."""
+        rl = self.rl
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        per_micro = max(1, len(groups) // accumulation)
         batches, k = [], 0
-        for part in parts:
+        for i in range(0, len(groups), per_micro):
+            part = groups[i:i + per_micro]
             n = sum(len(g.completions) for g in part)
             batches.append(rollout_batch(part, advantages[k:k + n], pad_id=self.eos_id))
             k += n
-        local = 0.0
-        weights = []
+        local, weights = 0.0, []
         for b in batches:
             w, d = token_weights(b.index, b.lengths, aggregation=rl.aggregation,
                                  max_tokens=rl.max_completion_tokens)
@@ -439,9 +437,39 @@ class Reinforce:
                                   torch.tensor(float(len(at)), device=dev)])
         if dist.is_initialized():
             dist.all_reduce(total)
-        loss = total[0] / denominator
-        norm = clip_grad_norm(built.model, grad_clip)
-        apply_update(optimizer, health.check(loss, norm) if health is not None else None)
+        return torch.cat([total, denominator.reshape(1)])
+
+    def step(self, built, optimizer, micro, *, accumulation, grad_clip, health=None):
+        if built.pipeline is not None:
+            raise ValueError("train.objective=grpo does not run under pipeline parallelism")
+        rl = self.rl
+        ahead = self.steps_ahead() if self.upcoming is not None else []
+        mine, every = self.groups(micro, self.sampling, "train", ahead)
+        rewards = torch.tensor([r for g in mine for r in g.rewards])
+        advantages, _ = group_advantages(rewards, group_size=rl.group_size,
+                                         normalize=rl.normalize_advantages)
+        # rl.updates_per_step mini-batches of whole groups, one optimizer update each, in order;
+        # every rank holds as many groups (train.global_batch_size / data-parallel ranks).
+        n = rl.updates_per_step
+        if len(mine) % n:
+            raise Mistake(f"rl.updates_per_step={n} does not divide the {len(mine)} prompts "
+                          f"each worker trains per step; make train.global_batch_size a "
+                          f"multiple of {n} x the workers")
+        size, per = len(mine) // n, len(mine[0].completions) if mine else 0
+        total, losses = torch.zeros(5, device=built.device), []
+        for u in range(n):
+            part = mine[u * size:(u + 1) * size]
+            stats = self.update(built, part, advantages[u * size * per:(u + 1) * size * per],
+                                accumulation=accumulation)
+            losses.append(stats[0] / stats[5])
+            norm = clip_grad_norm(built.model, grad_clip)
+            # The numerical check (train.on_spike) judges each step by its last update; an
+            # earlier update that is not finite is skipped on its own.
+            fault = (health.check(losses[-1], norm) if health is not None and u == n - 1 else
+                     (~(torch.isfinite(losses[-1]) & torch.isfinite(norm))).float())
+            apply_update(optimizer, fault)
+            total += stats[:5]
+        loss = torch.stack(losses).mean()
         self.version += 1
         self.at += 1
         t0 = time.perf_counter()

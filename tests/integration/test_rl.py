@@ -46,6 +46,7 @@ def test_grpo_learns_replaces_a_lost_generator_and_resumes_a_lost_trainer_exactl
         "--data.format=prompt", "--train.objective=grpo", "--rl.reward=exact_match",
         "--data.seq_len=40", "--rl.max_completion_tokens=4", "--rl.group_size=8",
         "--rl.generators=2", '--rl.generator_resources={"CPU": 0.5}', "--rl.max_staleness=1",
+        "--rl.updates_per_step=2",
         "--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.steps=100",
         "--train.log_every=1", "--train.eval_every=20", "--train.eval_batches=4",
         "--checkpoint.every=20", "--optim.lr=1e-3", "--optim.warmup_steps=2",
@@ -109,10 +110,14 @@ def test_grpo_learns_replaces_a_lost_generator_and_resumes_a_lost_trainer_exactl
         for key in ("rl_reward", "rl_completion_len", "loss"):
             assert second[step][key] == pytest.approx(first[step][key], abs=1e-6), (step, key)
     assert summary["samples"]["duplicated"] == 0 and summary["samples"]["skipped"] == 0
+    # Two updates a step (rl.updates_per_step=2): the second trains completions the first
+    # moved the policy from, and the clip binds on some of their tokens.
+    path = [second.get(step, first.get(step)) for step in range(1, 101)]
+    assert max(r["rl_clip_low"] + r["rl_clip_high"] for r in path) > 0
     assert summary["samples"]["trained"] == 100 * 8
     # It learned: from about half right (either digit of the question, at random) to the
     # larger one, on the training prompts and on held-out ones.
-    rewards = [second.get(step, first.get(step))["rl_reward"] for step in range(1, 101)]
+    rewards = [r["rl_reward"] for r in path]
     assert sum(rewards[:5]) / 5 < 0.65 and sum(rewards[-10:]) / 10 >= 0.8, rewards
     assert summary["val_reward"] >= 0.8
     history = api.Run(str(run_dir)).history

@@ -448,6 +448,9 @@ def test_grpo_settings_that_cannot_train_are_refused_before_ray_starts(tmp_path,
         (["--rl.top_p=0"], "0 < x <= 1"),
         (["--rl.clip_low=1"], "0 <= x < 1"),
         (['--rl.generator_resources={"CPU": -1}'], "amounts >= 0"),
+        (["--rl.max_staleness=-1"], "'rl.max_staleness': -1"),
+        (["--rl.updates_per_step=4", "--train.global_batch_size=12",
+          "--scaling.num_workers=[1, 2]"], r"train.global_batch_size=12 / 2 workers"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(None, [*grpo, *extra])

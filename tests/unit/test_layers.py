@@ -42,8 +42,8 @@ def test_ruff_finds_nothing():
 
 
 # The budget docs/development.md states: raising one is a decision made there, with its reason.
-MAX_LINES = 18_800  # raylm/ outside bench/
-MAX_CONFIG_KEYS = 144
+MAX_LINES = 19_000  # raylm/ outside bench/
+MAX_CONFIG_KEYS = 145
 
 
 def test_the_codebase_keeps_its_budget(capsys):
