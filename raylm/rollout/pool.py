@@ -43,10 +43,12 @@ class Submitted:
 
 class GeneratorPool:
     """``count`` generator actors, each made with ``init`` (:class:`Generator`'s arguments)
-    and holding ``resources``."""
+    and holding ``resources``; one not placed ``timeout_s`` after it was asked for is said
+    (with ``keep_waiting``) or stops the run (see :meth:`_placed`)."""
 
     def __init__(self, *, count: int, resources: dict[str, float], init: dict[str, Any],
-                 keep: int = 1) -> None:
+                 keep: int = 1, timeout_s: float = 180.0, keep_waiting: bool = False,
+                 log=print) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.asks = dict(resources)
@@ -64,6 +66,7 @@ class GeneratorPool:
         # again by the version it was asked of.
         self.kept: dict[int, Any] = {}
         self.keep = keep
+        self.timeout_s, self.keep_waiting, self.log = timeout_s, keep_waiting, log
         self.loading: list[tuple[Any, Any]] = []  # (generator, its load's reference)
         self.actors = [self._start() for _ in range(count)]
         self.replaced = 0
@@ -82,7 +85,7 @@ class GeneratorPool:
         self.kept[version] = ref
         for old in sorted(self.kept)[:-self.keep]:
             del self.kept[old]
-        self.loading = [(a, a.load.remote(version, ref)) for a in self.actors]
+        self.loading += [(a, a.load.remote(version, ref)) for a in self.actors]
         return time.perf_counter() - t0
 
     def submit(self, prompts: list[Prompt], sampling: Sampling) -> Submitted:
@@ -115,7 +118,9 @@ class GeneratorPool:
                     submitted.actors[i] = actor = self.actors[i]
                     ref = self._again(actor, submitted.shares[i], submitted.sampling,
                                       submitted.version)
-        self.wait_loaded()
+        # Loads done by now are checked; one still queued behind a generation asked before it
+        # (off-policy, more than a step ahead) is not waited for.
+        self.wait_loaded(block=False)
         out: list[Group | None] = [None] * sum(len(s) for s in submitted.shares)
         for i, groups in enumerate(results):
             for k, group in enumerate(groups or []):
@@ -135,36 +140,46 @@ class GeneratorPool:
         """The groups of ``prompts`` from the weights loaded last, waited for."""
         return self.collect(self.submit(prompts, sampling))
 
-    def started(self, *, timeout_s: float, keep_waiting: bool, log) -> None:
-        """Wait for every generator to hold the weights loaded first; one not started
-        ``timeout_s`` after this is called is named with what it waits for instead of waited
-        for in silence: with ``keep_waiting`` (an autoscaling cluster) that is said every
-        ``timeout_s`` and the wait goes on, else the run stops with it."""
-        t0 = time.monotonic()
-        refs = [ref for _, ref in self.loading]
-        while len(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) < len(refs):
-            free = ray.available_resources()
-            message = (f"{len(refs)} generator actor(s) asking for {self.asks} each not all "
-                       f"started after {time.monotonic() - t0:.0f} s; the cluster has free: "
-                       + (", ".join(f"{k} {free.get(k, 0):g}" for k in self.asks) or "-"))
-            if not keep_waiting:
-                raise RuntimeError(f"{message}. Fewer or smaller generators "
-                                   f"(rl.generators, rl.generator_resources) would fit")
-            log(f"raylm: warning: {message}; waiting on, as scaling.wait_for_nodes asks")
+    def started(self) -> None:
+        """Wait for every generator to hold the weights loaded first (see :meth:`_placed`)."""
+        self._placed([ref for _, ref in self.loading], what="generator actor(s)")
         self.wait_loaded()
 
-    def wait_loaded(self) -> None:
-        """Wait for the loads asked of the generators (done by now where a generation asked
-        after them has finished); one whose generator died is replaced (and its replacement's
-        load waited for in turn)."""
+    def _placed(self, refs: list, *, what: str) -> None:
+        """Wait for ``refs`` (generators' loads); generators not started ``timeout_s`` after
+        this is called are named with what they ask for instead of waited for in silence:
+        with ``keep_waiting`` (an autoscaling cluster) that is said every ``timeout_s`` and
+        the wait goes on, else the run stops with it (a fault: a lost node's replacement
+        may come)."""
+        t0 = time.monotonic()
+        while len(ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)[0]) < len(refs):
+            free = ray.available_resources()
+            message = (f"{len(refs)} {what} asking for {self.asks} each not all started after "
+                       f"{time.monotonic() - t0:.0f} s; the cluster has free: "
+                       + (", ".join(f"{k} {free.get(k, 0):g}" for k in self.asks) or "-"))
+            if not self.keep_waiting:
+                raise RuntimeError(f"{message}. Fewer or smaller generators "
+                                   f"(rl.generators, rl.generator_resources) would fit")
+            self.log(f"raylm: warning: {message}; waiting on, as scaling.wait_for_nodes asks")
+
+    def wait_loaded(self, *, block: bool = True) -> None:
+        """Check the loads asked of the generators: every one, waited for (``block``), or
+        those done now. A load whose generator died replaces it (and the replacement's load is
+        checked in turn)."""
         while self.loading:
-            actor, ref = self.loading.pop(0)
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:
-                for i, current in enumerate(self.actors):
-                    if current is actor:  # not replaced yet
-                        self.actors[i] = self._replacement(actor)
+            refs = [ref for _, ref in self.loading]
+            done = set(ray.wait(refs, num_returns=len(refs), timeout=None if block else 0)[0])
+            checked = [(a, r) for a, r in self.loading if r in done]
+            self.loading = [(a, r) for a, r in self.loading if r not in done]
+            for actor, ref in checked:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    for i, current in enumerate(self.actors):
+                        if current is actor:  # not replaced yet
+                            self.actors[i] = self._replacement(actor)
+            if not block:
+                return
 
     def _replacement(self, lost):
         """A new generator, for one that died (or cannot be reached: it is killed, so that
@@ -173,7 +188,9 @@ class GeneratorPool:
         self.replaced += 1
         actor = self._start()
         if self.weights is not None:
-            self.loading.append((actor, actor.load.remote(*self.weights)))
+            ref = actor.load.remote(*self.weights)
+            self._placed([ref], what="generator(s) replacing a lost one")
+            self.loading.append((actor, ref))
         return actor
 
     def shutdown(self) -> None:

@@ -330,11 +330,10 @@ class Reinforce:
                 count=self.rl.generators, resources=self.rl.generator_resources,
                 init={**init, "tokenizer_json": backend.to_str(),
                       "threads": int(self.rl.generator_resources.get("CPU", 1) or 1)},
-                keep=self.rl.max_staleness + 1)
+                keep=self.rl.max_staleness + 1, timeout_s=self.start_timeout_s,
+                keep_waiting=self.wait_for_nodes)
             self.pool.load(step, weights)
-            # Generators up before the group reports its start; never waited for in silence.
-            self.pool.started(timeout_s=self.start_timeout_s, keep_waiting=self.wait_for_nodes,
-                              log=print)
+            self.pool.started()  # before the group reports its start
             ready = {}
             kept = storage.join(resumed, CHECKPOINT_ROLLOUTS) if resumed else None
             if kept and storage.is_file(kept):

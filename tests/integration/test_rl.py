@@ -215,14 +215,15 @@ def test_generators_that_cannot_start_are_named_not_waited_for_in_silence(tokeni
     init = dict(config={"model": {"preset": "tiny"}, "train": {"precision": "fp32"}},
                 vocab_size=tokenizer_vocab(tokenizer_dir), eos_id=0, reward="exact_match",
                 tokenizer_json=(tokenizer_dir / "tokenizer.json").read_text())
-    pool = GeneratorPool(count=1, resources={"CPU": 0.5, "accelerator_x": 1}, init=init)
     said: list[str] = []
+    pool = GeneratorPool(count=1, resources={"CPU": 0.5, "accelerator_x": 1}, init=init,
+                         timeout_s=0.5, log=said.append)
     try:
         pool.load(0, {})
         with pytest.raises(RuntimeError, match=r"1 generator actor\(s\) asking for \{'CPU': "
                                                r"0.5, 'accelerator_x': 1\} each not all "
                                                r"started after \d+ s; the cluster has free: CPU"):
-            pool.started(timeout_s=0.5, keep_waiting=False, log=said.append)
+            pool.started()
         assert not said  # no autoscaler to wait for: it stops at once
     finally:
         pool.shutdown()
