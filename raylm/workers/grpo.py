@@ -253,6 +253,25 @@ def group_figures(groups: list[Group], alike: torch.Tensor) -> dict[str, float]:
     return figures
 
 
+# Distinct reward errors said on the console in a worker group's life; the count of failures
+# is in every report (rl_reward_failures) whatever their number.
+ERRORS_SAID = 5
+
+
+def reward_warning(groups: list[Group], *, step: int, said: set[str]) -> str | None:
+    """A line for the console when the step's reward function failed on some completions
+    with an error not said before (at most :data:`ERRORS_SAID`), else None."""
+    failed = [g for g in groups if g.failed]
+    first = failed[0].first_error if failed else None
+    if first is None or first in said or len(said) >= ERRORS_SAID:
+        return None
+    said.add(first)
+    last = "; later errors are counted, not said" if len(said) == ERRORS_SAID else ""
+    return (f"raylm: warning: rl.reward failed on {sum(g.failed for g in failed)} "
+            f"completion(s) of step {step}, each scored 0 (rl_reward_failures counts them): "
+            f"{first}{last}")
+
+
 class Upcoming:
     """The training stream with the micro-batches of the steps ahead in view: an off-policy
     run asks for its prompts' groups steps before it trains on them. Iterating it gives the
@@ -308,6 +327,7 @@ class Reinforce:
         self.version = self.at = 0
         self.asked = -1  # the last step whose prompts' groups were asked for
         self.tokens = 0  # the last step's rows' tokens, every rank's (the loop counts them)
+        self.errors_said: set[str] = set()
         self.seconds: dict[str, float] = {}
         # Since the group started (rank 0's): the goodput account's own causes for the time
         # steps wait for completions and hand weights over (raylm.workers.loop.StepMeter).
@@ -486,6 +506,9 @@ class Reinforce:
             figures["generate_s"] = torch.tensor(self.seconds.get("generate_s", 0.0))
             figures["staleness_max"] = torch.tensor(float(self.version - 1 - min(
                 g.version for g in every)))
+            warning = reward_warning(every, step=self.version, said=self.errors_said)
+            if warning:
+                print(warning)
         return loss.detach(), norm.detach(), {f"rl_{k}": v for k, v in figures.items()}
 
     @torch.no_grad()

@@ -124,3 +124,25 @@ def test_an_off_policy_step_asks_for_the_steps_up_to_its_staleness_once():
         asked.append([m[0]["step"] for m in objective.steps_ahead()])
     assert trained == [[s, s] for s in range(5)]
     assert asked == [[1, 2], [3], [4], [], []]
+
+
+def test_a_reward_error_is_said_once_and_only_the_first_few_distinct_ones():
+    from raylm.rollout.generator import Group
+    from raylm.workers.grpo import ERRORS_SAID, reward_warning
+
+    def group(failed: int, error: str | None) -> Group:
+        return Group(0, 1, [1], [[2], [3]], [[-1.0], [-1.0]], [0.0, 1.0], {}, [False, False],
+                     failed, error, {})
+
+    said: set[str] = set()
+    assert reward_warning([group(0, None)], step=3, said=said) is None
+    line = reward_warning([group(0, None), group(1, "KeyError: 'answer'"),
+                           group(2, "ValueError: x")], step=3, said=said)
+    assert line == ("raylm: warning: rl.reward failed on 3 completion(s) of step 3, each "
+                    "scored 0 (rl_reward_failures counts them): KeyError: 'answer'")
+    assert reward_warning([group(1, "KeyError: 'answer'")], step=4, said=said) is None
+    for k in range(ERRORS_SAID - 2):
+        assert reward_warning([group(1, f"E{k}")], step=5, said=said)
+    assert reward_warning([group(1, "last")], step=6, said=said).endswith(
+        "last; later errors are counted, not said")
+    assert reward_warning([group(1, "one more")], step=7, said=said) is None
