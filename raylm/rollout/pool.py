@@ -6,9 +6,9 @@ off-policy training (``rl.max_staleness``) generates the steps ahead while the t
 
 A generator that dies (its process killed, its node lost) costs no training: its share of the
 step's prompts goes to a replacement, started on the same resources with the newest weights,
-and the groups it returns are the ones the lost generator would have returned where the
-weights are the same, as they are in synchronous training (they are seeded by prompt
-position: :mod:`raylm.rollout.generator`). A reward function that fails on
+and the groups it returns are the ones the lost generator would have returned: they are
+sampled by the weights the share was asked of (the pool keeps the last few versions), and
+seeded by prompt position (:mod:`raylm.rollout.generator`). A reward function that fails on
 every completion of a batch raises :class:`raylm.faults.Mistake` in the generator, which ends
 the run here rather than being retried.
 

@@ -51,7 +51,6 @@ from raylm.contracts import CHECKPOINT_ROLLOUTS
 from raylm.data.corpus import PREPARED_MANIFEST, SUFFIX_FORMATS, SourceFile, read_rows
 from raylm.data.streams import PackedSplit
 from raylm.data.tokenizer import load_backend
-from raylm.faults import Mistake
 from raylm.model.assemble import Built, global_count
 from raylm.model.lora import adapters_off
 from raylm.rollout.buffer import Buffer, load_saved
@@ -468,12 +467,9 @@ class Reinforce:
         advantages, _ = group_advantages(rewards, group_size=rl.group_size,
                                          normalize=rl.normalize_advantages)
         # rl.updates_per_step mini-batches of whole groups, one optimizer update each, in order;
-        # every rank holds as many groups (train.global_batch_size / data-parallel ranks).
+        # every rank holds as many groups (train.global_batch_size / data-parallel ranks), which
+        # the config checks it divides at every worker count of the range.
         n = rl.updates_per_step
-        if len(mine) % n:
-            raise Mistake(f"rl.updates_per_step={n} does not divide the {len(mine)} prompts "
-                          f"each worker trains per step; make train.global_batch_size a "
-                          f"multiple of {n} x the workers")
         size, per = len(mine) // n, len(mine[0].completions) if mine else 0
         total, losses = torch.zeros(5, device=built.device), []
         for u in range(n):
