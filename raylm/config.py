@@ -546,9 +546,11 @@ class RlConfig:
     """Weight of the KL penalty against the starting model (the k3 estimate per token), whose
     log-probabilities are the base's with the LoRA adapters switched off (so it needs
     lora.rank > 0); 0: none."""
-    generators: int = 1
-    """Generator actors sampling completions beside the trainers; one that dies is replaced
-    while the trainers continue."""
+    generators: int | list[int] = 1
+    """Generator actors sampling completions beside the trainers: an int, or [min, max] to
+    sample with as many as the cluster places, steps waiting only while fewer than min are
+    (one placed later joins with the newest weights). One that dies is replaced while the
+    trainers continue; its prompts go to the others."""
     generator_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     """Ray resources each generator actor holds (e.g. {"GPU": 1})."""
     updates_per_step: int = 1
@@ -562,7 +564,16 @@ class RlConfig:
     trains on completions of weights up to K versions old, weighed by importance; a checkpoint
     keeps those generated and not yet trained on."""
 
+    @property
+    def generator_range(self) -> tuple[int, int]:
+        """(fewest, most) generators."""
+        g = self.generators
+        return (g[0], g[1]) if isinstance(g, list) else (g, g)
+
     def __post_init__(self) -> None:
+        g = self.generators
+        _check(len(g) == 2 and g[0] <= g[1] if isinstance(g, list) else True, "rl.generators",
+               g, "an integer >= 1 or [min, max] with 1 <= min <= max")
         _at_least("rl", self, group_size=2, max_completion_tokens=1, generators=1,
                   clip_low=0, clip_high=0, kl_coef=0, max_staleness=0, updates_per_step=1)
         _at_least("rl", self, above=True, temperature=0)

@@ -4,13 +4,19 @@ trainers' weights through the object store and asked for groups of completions. 
 (:meth:`GeneratorPool.submit`) and waiting (:meth:`GeneratorPool.collect`) are apart, so that
 off-policy training (``rl.max_staleness``) generates the steps ahead while the trainers train.
 
+The count is a range, ``[fewest, most]``: the pool asks Ray for the most and samples with
+those placed, as long as there are at least the fewest. One not placed yet (the cluster is
+full, or an autoscaler is adding its node) joins at the first step after Ray places it, with
+the newest weights; steps wait only while fewer than the fewest are placed.
+
 A generator that dies (its process killed, its node lost) costs no training: its share of the
-step's prompts goes to a replacement, started on the same resources with the newest weights,
-and the groups it returns are the ones the lost generator would have returned: they are
-sampled by the weights the share was asked of (the pool keeps the last few versions), and
-seeded by prompt position (:mod:`raylm.rollout.generator`). A reward function that fails on
-every completion of a batch raises :class:`raylm.faults.Mistake` in the generator, which ends
-the run here rather than being retried.
+step's prompts goes to the others (or, below the fewest, to its replacement, asked of Ray at
+once and on the same resources), and the groups that come back are the ones the lost generator
+would have returned: they are sampled by the weights the share was asked of (the pool keeps
+the last few versions), and seeded by prompt position (:mod:`raylm.rollout.generator`), so
+which generator samples a prompt, and how many there are, changes no completion. A reward
+function that fails on every completion of a batch raises :class:`raylm.faults.Mistake` in the
+generator, which ends the run here rather than being retried.
 
 The pool belongs to the training group's rank 0 (Ray ties an actor's life to the process that
 started it): a group that restarts starts its generators anew, with the weights of the
@@ -32,7 +38,7 @@ from raylm.rollout.generator import Generator, Group, Prompt, Sampling
 @dataclass
 class Submitted:
     """Prompts asked of the generators: each generator's share, the reference to its groups,
-    and the generator asked (a share is asked again of a replacement)."""
+    and the generator asked (a share is asked again of another when it dies)."""
 
     shares: list[list[Prompt]]
     refs: list[Any]
@@ -42,15 +48,17 @@ class Submitted:
 
 
 class GeneratorPool:
-    """``count`` generator actors, each made with ``init`` (:class:`Generator`'s arguments)
-    and holding ``resources``; one not placed ``timeout_s`` after it was asked for is said
-    (with ``keep_waiting``) or stops the run (see :meth:`_placed`)."""
+    """``count`` generator actors (a number, or ``(fewest, most)``), each made with ``init``
+    (:class:`Generator`'s arguments) and holding ``resources``; while fewer than the fewest
+    are placed, the wait is said after ``timeout_s`` (with ``keep_waiting``) or stops the run
+    (see :meth:`_placed`)."""
 
-    def __init__(self, *, count: int, resources: dict[str, float], init: dict[str, Any],
-                 keep: int = 1, timeout_s: float = 180.0, keep_waiting: bool = False,
-                 log=print) -> None:
+    def __init__(self, *, count: int | tuple[int, int], resources: dict[str, float],
+                 init: dict[str, Any], keep: int = 1, timeout_s: float = 180.0,
+                 keep_waiting: bool = False, log=print) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.fewest, self.most = (count, count) if isinstance(count, int) else count
         self.asks = dict(resources)
         resources = dict(resources)
         # Outside any placement group: a Tune trial's workers run in placement groups whose
@@ -67,12 +75,19 @@ class GeneratorPool:
         self.kept: dict[int, Any] = {}
         self.keep = keep
         self.timeout_s, self.keep_waiting, self.log = timeout_s, keep_waiting, log
-        self.loading: list[tuple[Any, Any]] = []  # (generator, its load's reference)
-        self.actors = [self._start() for _ in range(count)]
+        self.actors: list[Any] = []  # placed: each holds (or has queued) the newest weights
+        # Asked of Ray, not placed yet: each with its first load's reference (None before the
+        # first weights). Only the first load is queued on one: a generator waiting for a
+        # node through many steps would otherwise hold every version in the object store.
+        self.waiting: dict[Any, Any] = {}
+        self.loading: list[tuple[Any, Any]] = []  # (placed generator, its load's reference)
         self.replaced = 0
+        for _ in range(self.most):
+            self._start()
 
-    def _start(self):
-        return ray.remote(Generator).options(**self.options).remote(**self.init)
+    def _start(self) -> None:
+        actor = ray.remote(Generator).options(**self.options).remote(**self.init)
+        self.waiting[actor] = actor.load.remote(*self.weights) if self.weights else None
 
     def load(self, version: int, weights: dict) -> float:
         """Hand every generator ``weights`` as ``version``, after what it was asked before
@@ -86,11 +101,15 @@ class GeneratorPool:
         for old in sorted(self.kept)[:-self.keep]:
             del self.kept[old]
         self.loading += [(a, a.load.remote(version, ref)) for a in self.actors]
+        for actor, first in self.waiting.items():
+            if first is None:
+                self.waiting[actor] = actor.load.remote(version, ref)
         return time.perf_counter() - t0
 
     def submit(self, prompts: list[Prompt], sampling: Sampling) -> Submitted:
         """Ask for the groups of ``prompts`` from the weights loaded last, spread over the
-        generators; :meth:`collect` waits for them."""
+        generators placed by now; :meth:`collect` waits for them."""
+        self.join()
         n = len(self.actors)
         version = self.weights[0] if self.weights is not None else 0
         shares = [prompts[i::n] for i in range(n)]
@@ -100,8 +119,8 @@ class GeneratorPool:
 
     def collect(self, submitted: Submitted) -> list[Group]:
         """The groups of a submission, in its prompts' order; a share whose generator died is
-        generated again by its replacement, from the weights it was asked of (so the groups
-        are the ones the lost generator would have returned)."""
+        generated again by another, from the weights it was asked of (so the groups are the
+        ones the lost generator would have returned)."""
         n = len(submitted.shares)
         results: list[list[Group] | None] = [None] * n
         for i, ref in enumerate(submitted.refs):
@@ -113,9 +132,9 @@ class GeneratorPool:
                         raise Mistake(str(e.cause)) from None
                     raise
                 except ray.exceptions.RayActorError:  # died, or its node is unreachable
-                    if self.actors[i] is submitted.actors[i]:
-                        self.actors[i] = self._replacement(self.actors[i])
-                    submitted.actors[i] = actor = self.actors[i]
+                    self._lost(submitted.actors[i])
+                    self.join()
+                    submitted.actors[i] = actor = self.actors[i % len(self.actors)]
                     ref = self._again(actor, submitted.shares[i], submitted.sampling,
                                       submitted.version)
         # Loads done by now are checked; one still queued behind a generation asked before it
@@ -141,21 +160,49 @@ class GeneratorPool:
         return self.collect(self.submit(prompts, sampling))
 
     def started(self) -> None:
-        """Wait for every generator to hold the weights loaded first (see :meth:`_placed`)."""
-        self._placed([ref for _, ref in self.loading], what="generator actor(s)")
+        """Wait for the fewest generators to hold the weights loaded first (see
+        :meth:`_placed`), and for the loads of those placed."""
+        self.join()
         self.wait_loaded()
 
-    def _placed(self, refs: list, *, what: str) -> None:
-        """Wait for ``refs`` (generators' loads); generators not started ``timeout_s`` after
-        this is called are named with what they ask for instead of waited for in silence:
-        with ``keep_waiting`` (an autoscaling cluster) that is said every ``timeout_s`` and
-        the wait goes on, else the run stops with it (a fault: a lost node's replacement
-        may come)."""
+    def join(self) -> None:
+        """The generators Ray has placed since the last look join the pool (with the newest
+        weights); while fewer than the fewest are placed, wait for more (:meth:`_placed`)."""
+        assert self.weights is not None, "the generators are handed weights before use"
+        while True:
+            firsts = [ref for ref in self.waiting.values() if ref is not None]
+            short = self.fewest - len(self.actors)
+            if short > 0:
+                self._placed(firsts, short, what="generator actor(s)")
+            done = set(ray.wait(firsts, num_returns=len(firsts), timeout=0)[0]) if firsts else ()
+            for actor, first in list(self.waiting.items()):
+                if first not in done:
+                    continue
+                del self.waiting[actor]
+                try:
+                    joined = ray.get(first)
+                except ray.exceptions.RayActorError:  # lost before it joined
+                    self.replaced += 1
+                    self._start()
+                    continue
+                self.actors.append(actor)
+                if joined != self.weights[0]:  # placed versions after its first load
+                    self.loading.append((actor, actor.load.remote(*self.weights)))
+            if len(self.actors) >= self.fewest:
+                return
+
+    def _placed(self, refs: list, needed: int, *, what: str) -> None:
+        """Wait for ``needed`` of ``refs`` (first loads of generators not placed yet); when
+        they are not done ``timeout_s`` after this is called, the generators are named with
+        what they ask for instead of waited for in silence: with ``keep_waiting`` (an
+        autoscaling cluster) that is said every ``timeout_s`` and the wait goes on, else the
+        run stops with it (a fault: a lost node's replacement may come)."""
         t0 = time.monotonic()
-        while len(ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)[0]) < len(refs):
+        while len(ray.wait(refs, num_returns=needed, timeout=self.timeout_s)[0]) < needed:
             free = ray.available_resources()
-            message = (f"{len(refs)} {what} asking for {self.asks} each not all started after "
-                       f"{time.monotonic() - t0:.0f} s; the cluster has free: "
+            message = (f"{needed} {what} asking for {self.asks} each not started after "
+                       f"{time.monotonic() - t0:.0f} s ({len(self.actors)} running, "
+                       f"rl.generators asks for at least {self.fewest}); the cluster has free: "
                        + (", ".join(f"{k} {free.get(k, 0):g}" for k in self.asks) or "-"))
             if not self.keep_waiting:
                 raise RuntimeError(f"{message}. Fewer or smaller generators "
@@ -163,9 +210,8 @@ class GeneratorPool:
             self.log(f"raylm: warning: {message}; waiting on, as scaling.wait_for_nodes asks")
 
     def wait_loaded(self, *, block: bool = True) -> None:
-        """Check the loads asked of the generators: every one, waited for (``block``), or
-        those done now. A load whose generator died replaces it (and the replacement's load is
-        checked in turn)."""
+        """Check the loads asked of the placed generators: every one, waited for (``block``),
+        or those done now. A generator whose load finds it dead is replaced."""
         while self.loading:
             refs = [ref for _, ref in self.loading]
             done = set(ray.wait(refs, num_returns=len(refs), timeout=None if block else 0)[0])
@@ -175,24 +221,21 @@ class GeneratorPool:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError:
-                    for i, current in enumerate(self.actors):
-                        if current is actor:  # not replaced yet
-                            self.actors[i] = self._replacement(actor)
+                    self._lost(actor)
             if not block:
                 return
 
-    def _replacement(self, lost):
-        """A new generator, for one that died (or cannot be reached: it is killed, so that
-        it cannot come back beside its replacement), asked to load the newest weights."""
-        ray.kill(lost, no_restart=True)
+    def _lost(self, actor) -> None:
+        """``actor`` died (or cannot be reached: it is killed, so that it cannot come back
+        beside its replacement): out of the pool, and a new one asked of Ray in its place."""
+        if actor not in self.actors:  # lost already
+            return
+        self.actors.remove(actor)
+        self.loading = [(a, r) for a, r in self.loading if a is not actor]
+        ray.kill(actor, no_restart=True)
         self.replaced += 1
-        actor = self._start()
-        if self.weights is not None:
-            ref = actor.load.remote(*self.weights)
-            self._placed([ref], what="generator(s) replacing a lost one")
-            self.loading.append((actor, ref))
-        return actor
+        self._start()
 
     def shutdown(self) -> None:
-        for actor in self.actors:
+        for actor in [*self.actors, *self.waiting]:
             ray.kill(actor)

@@ -140,12 +140,13 @@ def plan_resources(cfg: Config, capacity: dict[str, float] | None) -> ResourcePl
 
 
 def beside_generators(cfg: Config, capacity: dict[str, float]) -> dict[str, float]:
-    """What the cluster's ``capacity`` leaves for training once the generators of
+    """What the cluster's ``capacity`` leaves for training once the fewest generators of
     train.objective=grpo (rl.generators x rl.generator_resources) are placed; refused, with
-    the arithmetic, when they do not fit at all."""
+    the arithmetic, when they do not fit at all. Generators beyond the fewest take what the
+    training workers leave free, when they find it."""
     rl, left = cfg.rl, dict(capacity)
     for name, amount in rl.generator_resources.items():
-        need = rl.generators * amount
+        need = rl.generator_range[0] * amount
         if need > capacity.get(name, 0.0) + 1e-9:
             raise ValueError(
                 f"rl.generators={rl.generators} of rl.generator_resources={rl.generator_resources}"

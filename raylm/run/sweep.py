@@ -140,7 +140,7 @@ def trial_resources(cfg: Config, plan: ResourcePlan) -> dict[str, float]:
     need = {name: workers * amount for name, amount in plan.per_worker().items()}
     if cfg.train.objective == "grpo":
         for name, amount in cfg.rl.generator_resources.items():
-            need[name] = need.get(name, 0.0) + cfg.rl.generators * amount
+            need[name] = need.get(name, 0.0) + cfg.rl.generator_range[1] * amount
     return need
 
 

@@ -346,7 +346,7 @@ class Reinforce:
             backend, _ = load_backend(manifest["tokenizer_path"], self.init["config"]["model"]
                                       ["path"])
             self.pool = GeneratorPool(
-                count=self.rl.generators, resources=self.rl.generator_resources,
+                count=self.rl.generator_range, resources=self.rl.generator_resources,
                 init={**init, "tokenizer_json": backend.to_str(),
                       "threads": int(self.rl.generator_resources.get("CPU", 1) or 1)},
                 keep=self.rl.max_staleness + 1, timeout_s=self.start_timeout_s,
@@ -499,6 +499,7 @@ class Reinforce:
             figures["transfer_s"] = torch.tensor(time.perf_counter() - t0)
             self.spent["transfer_s"] += float(figures["transfer_s"])
             figures["generators_replaced"] = torch.tensor(float(self.pool.replaced))
+            figures["generators"] = torch.tensor(float(len(self.pool.actors)))
             figures["generate_s"] = torch.tensor(self.seconds.get("generate_s", 0.0))
             figures["staleness_max"] = torch.tensor(float(self.version - 1 - min(
                 g.version for g in every)))

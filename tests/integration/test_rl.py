@@ -45,7 +45,7 @@ def test_grpo_learns_replaces_a_lost_generator_and_resumes_a_lost_trainer_exactl
         f"--model.path={warmed / 'model'}", f"--data.source={warmed / 'prompts.jsonl'}",
         "--data.format=prompt", "--train.objective=grpo", "--rl.reward=exact_match",
         "--data.seq_len=40", "--rl.max_completion_tokens=4", "--rl.group_size=8",
-        "--rl.generators=2", '--rl.generator_resources={"CPU": 0.5}', "--rl.max_staleness=1",
+        "--rl.generators=[1, 2]", '--rl.generator_resources={"CPU": 0.5}', "--rl.max_staleness=1",
         "--rl.updates_per_step=2",
         "--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.steps=100",
         "--train.log_every=1", "--train.eval_every=20", "--train.eval_batches=4",
@@ -100,6 +100,10 @@ def test_grpo_learns_replaces_a_lost_generator_and_resumes_a_lost_trainer_exactl
             groups[-1][r["step"]] = r
     first, second = groups
     assert max(r["rl_generators_replaced"] for r in first.values()) >= 1
+    # rl.generators=[1, 2]: the steps went on with one while the lost one's replacement
+    # started, and the run ended with two.
+    assert min(r["rl_generators"] for r in first.values()) == 1
+    assert second[100]["rl_generators"] == 2
     again = sorted(set(first) & set(second))
     assert again and again[0] == k + 1, (k, sorted(first), sorted(second))
     # Off-policy (rl.max_staleness=1): step k + 1 trains the completions version k - 1
@@ -153,11 +157,8 @@ def test_off_policy_groups_keep_the_weights_that_asked_for_them_and_a_checkpoint
     from raylm.rollout.buffer import Buffer, load_saved
     from raylm.rollout.generator import Generator, Prompt, Sampling
     from raylm.rollout.pool import GeneratorPool
-    from tests.conftest import tokenizer_vocab
 
-    init = dict(config={"model": {"preset": "tiny"}, "train": {"precision": "fp32"}},
-                vocab_size=tokenizer_vocab(tokenizer_dir), eos_id=0, reward="exact_match",
-                tokenizer_json=(tokenizer_dir / "tokenizer.json").read_text())
+    init = generator_init(tokenizer_dir)
     local = Generator(**init)
     torch.manual_seed(0)
     versions = [{n: p.detach() + 0.3 * k * torch.randn_like(p)
@@ -208,21 +209,99 @@ def test_off_policy_groups_keep_the_weights_that_asked_for_them_and_a_checkpoint
         pool.shutdown()
 
 
-def test_generators_that_cannot_start_are_named_not_waited_for_in_silence(tokenizer_dir):
+def test_generators_join_as_the_cluster_places_them_and_the_others_take_a_lost_ones_share(
+        tokenizer_dir):
+    """rl.generators=[1, 2] on a cluster with room for one: the pool samples with that one,
+    and the second joins, with the newest weights, once a CPU frees; one lost while the cluster
+    has no room for its replacement leaves its share to the other, and the replacement joins
+    later. The groups are the same at every count."""
+    import ray
+    import torch
+
+    from raylm.rollout.generator import Generator, Prompt, Sampling
     from raylm.rollout.pool import GeneratorPool
+
+    init = generator_init(tokenizer_dir)
+    torch.manual_seed(0)
+    local = list(Generator(**init).built.model.named_parameters())
+    versions = [{n: p.detach() + 0.3 * k * torch.randn_like(p) for n, p in local}
+                for k in range(2)]
+    prompts = [Prompt(p, [5, 17, 23, 40 + p], f"say {p}", {"answer": "x"}) for p in range(3)]
+    sampling = Sampling(group_size=3, temperature=1.0, max_tokens=5)
+
+    @ray.remote
+    class Holder:  # another job's actor, holding CPUs the generators would take
+        def ping(self) -> bool:
+            return True
+
+    def hold(cpus: float):
+        holder = Holder.options(num_cpus=cpus).remote()
+        ray.get(holder.ping.remote())
+        return holder
+
+    def until(what, ok) -> None:
+        deadline = time.monotonic() + 60
+        while not ok():
+            assert time.monotonic() < deadline, f"waited 60 s for {what}"
+            time.sleep(0.2)
+
+    free = ray.available_resources()["CPU"]
+    holder = hold(free - 1.5)  # room for one generator of one CPU
+    pool = GeneratorPool(count=(1, 2), resources={"CPU": 1.0}, init=init)
+    try:
+        pool.load(0, versions[0])
+        pool.started()
+        assert len(pool.actors) == 1 and len(pool.waiting) == 1
+        pool.load(1, versions[1])
+        alone = pool.generate(prompts, sampling)
+        assert [g.version for g in alone] == [1, 1, 1]
+
+        ray.kill(holder)
+        until("the second generator to join", lambda: pool.join()
+              or len(pool.actors) == 2)
+        both = pool.generate(prompts, sampling)  # the joined one loaded version 0 first
+        assert [g.version for g in both] == [1, 1, 1]
+        assert [g.completions for g in both] == [g.completions for g in alone]
+
+        lost = pool.actors[1]
+        before = ray.available_resources().get("CPU", 0)
+        ray.kill(lost, no_restart=True)
+        until("the lost generator's CPU", lambda: ray.available_resources().get("CPU", 0)
+              >= before + 1)
+        holder = hold(ray.available_resources()["CPU"] - 0.5)  # no room for a replacement
+        shared = pool.generate(prompts, sampling)
+        assert [g.completions for g in shared] == [g.completions for g in alone]
+        assert pool.replaced == 1 and lost not in pool.actors and len(pool.actors) == 1
+        assert len(pool.waiting) == 1
+        ray.kill(holder)
+        until("the replacement to join", lambda: pool.join()
+              or len(pool.actors) == 2)
+    finally:
+        pool.shutdown()
+
+
+def generator_init(tokenizer_dir) -> dict:
+    """A tiny model's generator, as a run's rank 0 makes it."""
     from tests.conftest import tokenizer_vocab
 
-    init = dict(config={"model": {"preset": "tiny"}, "train": {"precision": "fp32"}},
+    return dict(config={"model": {"preset": "tiny"}, "train": {"precision": "fp32"}},
                 vocab_size=tokenizer_vocab(tokenizer_dir), eos_id=0, reward="exact_match",
                 tokenizer_json=(tokenizer_dir / "tokenizer.json").read_text())
+
+
+def test_generators_that_cannot_start_are_named_not_waited_for_in_silence(tokenizer_dir):
+    from raylm.rollout.pool import GeneratorPool
+
+    init = generator_init(tokenizer_dir)
     said: list[str] = []
     pool = GeneratorPool(count=1, resources={"CPU": 0.5, "accelerator_x": 1}, init=init,
                          timeout_s=0.5, log=said.append)
     try:
         pool.load(0, {})
         with pytest.raises(RuntimeError, match=r"1 generator actor\(s\) asking for \{'CPU': "
-                                               r"0.5, 'accelerator_x': 1\} each not all "
-                                               r"started after \d+ s; the cluster has free: CPU"):
+                                               r"0.5, 'accelerator_x': 1\} each not started "
+                                               r"after \d+ s \(0 running, rl.generators asks "
+                                               r"for at least 1\); the cluster has free: CPU"):
             pool.started()
         assert not said  # no autoscaler to wait for: it stops at once
     finally:

@@ -208,3 +208,7 @@ def test_generators_are_placed_first_and_the_trainers_plan_around_them():
     with pytest.raises(ValueError, match=r"^rl.generators=3 of rl.generator_resources="
                                          r"\{'CPU': 1.0\} need 3 CPU, but the cluster has 2"):
         plan_resources(load_config(None, [*grpo, "--rl.generators=3"]), {"CPU": 2.0})
+    # A range: the fewest are placed beside the trainers, the rest take what is left.
+    ranged = load_config(None, [*grpo, "--rl.generators=[1, 3]"])
+    assert ranged.rl.generator_range == (1, 3)
+    assert plan_resources(ranged, {"CPU": 2.0}).worker == {"CPU": 1.0}
