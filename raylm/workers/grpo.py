@@ -466,15 +466,18 @@ class Reinforce:
         rewards = torch.tensor([r for g in mine for r in g.rewards])
         advantages, _ = group_advantages(rewards, group_size=rl.group_size,
                                          normalize=rl.normalize_advantages)
-        # rl.updates_per_step mini-batches of whole groups, one optimizer update each, in order;
-        # every rank holds as many groups (train.global_batch_size / data-parallel ranks), which
-        # the config checks it divides at every worker count of the range.
+        # rl.updates_per_step mini-batches of whole groups, one optimizer update each, in order:
+        # update u trains the groups at the step's slots u, u + N, u + 2N, ... A rank holds a
+        # contiguous run of the step's slots (raylm.data.packing.rank_positions) whose length
+        # N divides (the config checks it at every worker count of the range), so every rank
+        # holds as many groups of each update, and an update trains the same groups whatever
+        # the worker count (a rank's groups cut into contiguous runs would not: a resize
+        # would change what each update trains).
         n = rl.updates_per_step
-        size, per = len(mine) // n, len(mine[0].completions) if mine else 0
+        per_group = advantages.reshape(len(mine), -1)
         total, losses = torch.zeros(5, device=built.device), []
         for u in range(n):
-            part = mine[u * size:(u + 1) * size]
-            stats = self.update(built, part, advantages[u * size * per:(u + 1) * size * per],
+            stats = self.update(built, mine[u::n], per_group[u::n].reshape(-1),
                                 accumulation=accumulation)
             losses.append(stats[0] / stats[5])
             norm = clip_grad_norm(built.model, grad_clip)

@@ -18,6 +18,14 @@ def train_workers():
             if any("ray::RayTrainWorker" in part for part in (p.info["cmdline"] or []))]
 
 
+def generator_processes():
+    """The live generator actor processes of a reinforcement-learning run."""
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"])
+            if any(part.startswith("ray::Generator") for part in (p.info["cmdline"] or []))]
+
+
 def checkpoint_step(run_dir: str | Path) -> int:
     """The step of the run's newest checkpoint with its marker (0 if none). The marker is
     written last, once every rank's files are: what a test waits for, read without hashing
