@@ -543,9 +543,9 @@ class RlConfig:
     completion's mean then their mean (GRPO as published), or the sum over completions x
     rl.max_completion_tokens (Dr. GRPO)."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty against the starting model (the k3 estimate per token), whose
-    log-probabilities are the base's with the LoRA adapters switched off (so it needs
-    lora.rank > 0); 0: none."""
+    """Weight of the KL penalty against the starting model (the k3 estimate per token), scored
+    by the generators: with LoRA the base with the adapters switched off, else a frozen copy of
+    the starting weights beside each generator's policy (twice its model's memory); 0: none."""
     generators: int | list[int] = 1
     """Generator actors sampling completions beside the trainers: an int, or [min, max] to
     sample with as many as the cluster places, steps waiting only while fewer than min are
@@ -1200,9 +1200,6 @@ def _check_reinforcement(cfg: Config) -> None:
            "final_number")
     _check(not d.across_documents, "data.cross_document_attention",
            d.cross_document_attention, "false (or unset) with train.objective=grpo")
-    _check(not cfg.rl.kl_coef or bool(cfg.lora.rank), "rl.kl_coef", cfg.rl.kl_coef,
-           "0 without LoRA adapters: the KL penalty's reference is the base with the adapters "
-           "switched off (lora.rank > 0)")
     n, gb = cfg.rl.updates_per_step, cfg.train.global_batch_size
     fewest, most = cfg.scaling.worker_range
     uneven = [w for w in range(fewest, most + 1) if gb % w == 0 and (gb // w) % n]

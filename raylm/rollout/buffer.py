@@ -90,6 +90,8 @@ def load_saved(data: bytes, *, where: str) -> tuple[int, dict[int, Group]]:
 def group_from_dict(d: Any) -> Group:
     """A :class:`Group` from its :func:`dataclasses.asdict`, every field checked."""
     names = {f.name for f in fields(Group)}
+    if isinstance(d, dict):
+        d = {"ref_logps": None, **d}  # kept before the KL penalty's reference had a field
     if not isinstance(d, dict) or set(d) != names:
         raise TypeError(f"a group holds the fields {sorted(names)}")
     n = len(d["completions"])
@@ -111,7 +113,11 @@ def group_from_dict(d: Any) -> Group:
           and isinstance(d["truncated"], list) and len(d["truncated"]) == n
           and all(type(t) is bool for t in d["truncated"]) and type(d["failed"]) is int
           and (d["first_error"] is None or isinstance(d["first_error"], str))
-          and isinstance(d["seconds"], dict) and numbers(list(d["seconds"].values())))
+          and isinstance(d["seconds"], dict) and numbers(list(d["seconds"].values()))
+          and (d["ref_logps"] is None or isinstance(d["ref_logps"], list)
+               and len(d["ref_logps"]) == n
+               and all(numbers(lp) and len(lp) == len(c)
+                       for lp, c in zip(d["ref_logps"], d["completions"], strict=True))))
     if not ok:
         raise TypeError(f"the group of position {d.get('position')!r} is malformed")
     return Group(**d)

@@ -16,11 +16,19 @@ device); that is what lets a resumed synchronous run equal the uninterrupted one
 With each completion comes its tokens' log-probabilities under the weights that sampled it
 (teacher-forced, of the logits divided by the temperature, as the trainers score them), so a
 trainer that is versions ahead weighs it by importance, and its reward's parts with the
-seconds spent generating and scoring.
+seconds spent generating and scoring. With a KL penalty (``rl.kl_coef``) it also carries the
+tokens' log-probabilities under the run's starting model, the reference: the same model with
+its LoRA adapters switched off, or, for a full fine-tune, a frozen copy of the weights the
+generator was built with (the pretrained ``model.path``, or the seeded initialization), kept
+beside the policy. Scoring the reference here rather than on the trainers keeps a second
+model out of their memory, and costs the generator one forward pass per group, beside the
+one that scores the sampling weights.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +37,7 @@ import torch
 
 from raylm.config import config_from_dict
 from raylm.console import quiet_libraries
+from raylm.model.lora import adapters_off
 from raylm.rollout import rewards
 
 # Seeds of different prompts' groups differ in their high bits from the run's seed.
@@ -64,6 +73,8 @@ class Group:
     first_error: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     """Spent sampling (``generate_s``) and scoring (``reward_s``) this group."""
+    ref_logps: list[list[float]] | None = None
+    """The completions' tokens' log-probabilities under the reference (with a KL penalty)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +116,12 @@ class Generator:
         self.built.model.eval()
         self.names = {n for n, p in self.built.model.named_parameters() if p.requires_grad}
         self.version = 0  # the built weights: the run's start
+        self.adapters = bool(cfg.lora.rank)
+        self.reference = None  # with a KL penalty: what the reference log-probabilities read
+        if cfg.rl.kl_coef:
+            self.reference = self.built.model
+            if not self.adapters:
+                self.reference = copy.deepcopy(self.built.model).requires_grad_(False)
 
     def load(self, version: int, weights: dict[str, torch.Tensor]) -> int:
         """Take the trainers' trainable weights of ``version``; returns it."""
@@ -131,7 +148,7 @@ class Generator:
 
     def group(self, prompt: Prompt, sampling: Sampling) -> Group:
         t0 = time.perf_counter()
-        ids, logps = self.sample(prompt, sampling)
+        ids, logps, ref_logps = self.sample(prompt, sampling)
         generated = time.perf_counter()
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in ids]
         scores = rewards.score(self.reward, [prompt.prompt] * len(ids), texts,
@@ -139,10 +156,12 @@ class Generator:
         seconds = {"generate_s": generated - t0, "reward_s": time.perf_counter() - generated}
         return Group(prompt.position, self.version, prompt.ids, ids, logps, scores.rewards,
                      scores.parts, [not c or c[-1] != self.eos_id for c in ids],
-                     scores.failed, scores.first_error, seconds)
+                     scores.failed, scores.first_error, seconds, ref_logps)
 
-    def sample(self, prompt: Prompt, s: Sampling) -> tuple[list[list[int]], list[list[float]]]:
-        """``s.group_size`` completions of ``prompt`` and their tokens' log-probabilities."""
+    def sample(self, prompt: Prompt, s: Sampling
+               ) -> tuple[list[list[int]], list[list[float]], list[list[float]] | None]:
+        """``s.group_size`` completions of ``prompt``, their tokens' log-probabilities, and
+        the reference's (with a KL penalty, else None)."""
         model, device = self.built.model, self.built.device
         tokens = torch.tensor([prompt.ids] * s.group_size, device=device)
         seed = self.cfg.train.seed * SEED_STRIDE + prompt.position
@@ -161,13 +180,21 @@ class Generator:
         for row in out[:, n:].tolist():
             end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
             completions.append(row[:end])
-        return completions, self.logps(out, n, completions, s.temperature or 1.0)
+        t = s.temperature or 1.0
+        reference = None
+        if self.reference is not None:
+            with adapters_off(self.reference) if self.adapters else contextlib.nullcontext():
+                reference = self.logps(out, n, completions, t, model=self.reference)
+        return completions, self.logps(out, n, completions, t), reference
 
     def logps(self, sequences: torch.Tensor, prompt_len: int, completions: list[list[int]],
-              temperature: float) -> list[list[float]]:
-        """Each completion token's log-probability under these weights (teacher-forced)."""
+              temperature: float, *, model: torch.nn.Module | None = None
+              ) -> list[list[float]]:
+        """Each completion token's log-probability under ``model`` (these weights unless
+        given; teacher-forced)."""
+        model = model if model is not None else self.built.model
         with self.built.attention.context():
-            logits = self.built.model(input_ids=sequences[:, :-1]).logits.float()
+            logits = model(input_ids=sequences[:, :-1]).logits.float()
         picked = torch.log_softmax(logits[:, prompt_len - 1:] / temperature, dim=-1).gather(
             -1, sequences[:, prompt_len:, None]).squeeze(-1)
         return [picked[i, :len(c)].tolist() for i, c in enumerate(completions)]

@@ -51,8 +51,8 @@ from raylm.contracts import CHECKPOINT_ROLLOUTS
 from raylm.data.corpus import PREPARED_MANIFEST, SUFFIX_FORMATS, SourceFile, read_rows
 from raylm.data.streams import PackedSplit
 from raylm.data.tokenizer import load_backend
+from raylm.faults import Mistake
 from raylm.model.assemble import Built, global_count
-from raylm.model.lora import adapters_off
 from raylm.rollout.buffer import Buffer, load_saved
 from raylm.rollout.generator import Group, Prompt, Sampling
 from raylm.rollout.pool import GeneratorPool
@@ -144,7 +144,8 @@ class Rollouts:
     """A micro-batch of completions, each after its prompt in a row of its own (padding after
     it a document of its own): the flat target positions of the completions' tokens
     (``at``), each one's completion (``index``), their sampling log-probabilities, each
-    completion's advantage and length."""
+    completion's advantage and length, and the tokens' reference log-probabilities (with a KL
+    penalty)."""
 
     batch: dict[str, torch.Tensor]
     at: torch.Tensor
@@ -152,16 +153,19 @@ class Rollouts:
     old_logp: torch.Tensor
     advantages: torch.Tensor
     lengths: torch.Tensor
+    ref_logp: torch.Tensor | None = None
 
 
 def rollout_batch(groups: list[Group], advantages: torch.Tensor, *, pad_id: int) -> Rollouts:
     """The rows of ``groups``' completions (``advantages``: one per completion, in order)."""
-    seqs, prompt_lens, old, lengths = [], [], [], []
+    seqs, prompt_lens, old, ref, lengths = [], [], [], [], []
     for g in groups:
-        for completion, logps in zip(g.completions, g.logps, strict=True):
+        for k, (completion, logps) in enumerate(zip(g.completions, g.logps, strict=True)):
             seqs.append(g.prompt_ids + completion)
             prompt_lens.append(len(g.prompt_ids))
             old.extend(logps)
+            if g.ref_logps is not None:
+                ref.extend(g.ref_logps[k])
             lengths.append(len(completion))
     width = max(len(s) for s in seqs) + 1  # a padding token closes every row
     tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -175,9 +179,12 @@ def rollout_batch(groups: list[Group], advantages: torch.Tensor, *, pad_id: int)
         first = i * (width - 1) + prompt_lens[i] - 1
         at.extend(range(first, first + lengths[i]))
         index.extend([i] * lengths[i])
+    if ref and len(ref) != len(old):
+        raise ValueError("some completions of the micro-batch have reference log-probabilities "
+                         "and some have none")
     return Rollouts({"input_ids": tokens, "position_ids": positions}, torch.tensor(at),
                     torch.tensor(index), torch.tensor(old), advantages,
-                    torch.tensor(lengths))
+                    torch.tensor(lengths), torch.tensor(ref) if ref else None)
 
 
 class PromptRows:
@@ -438,12 +445,11 @@ class Reinforce:
         for b, w in zip(batches, weights, strict=True):
             rows, at = answer_rows(built, b.batch, b.at)
             logp = row_logps(rows / rl.temperature, b.batch["input_ids"][:, 1:], at)
-            ref = None
-            if rl.kl_coef:
-                with torch.no_grad(), adapters_off(built.model):
-                    ref_rows, _ = answer_rows(built, b.batch, b.at)
-                    ref = row_logps(ref_rows / rl.temperature, b.batch["input_ids"][:, 1:], at)
             dev = logp.device
+            if rl.kl_coef and b.ref_logp is None:  # kept by a checkpoint of a run without KL
+                raise Mistake("rl.kl_coef > 0, but completions kept from before it was set "
+                                 "have no reference log-probabilities")
+            ref = b.ref_logp.to(dev) if rl.kl_coef else None
             per, fig = token_losses(logp, b.old_logp.to(dev), b.advantages.to(dev)
                                     .index_select(0, b.index.to(dev)), clip=self.clip,
                                     ref_logp=ref, kl_coef=rl.kl_coef)

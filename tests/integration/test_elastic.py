@@ -225,7 +225,7 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
         "--data.format=prompt", "--train.objective=grpo", "--rl.reward=exact_match",
         "--data.seq_len=40", "--rl.max_completion_tokens=4", "--rl.group_size=8",
         "--rl.generators=[1, 2]", '--rl.generator_resources={"CPU": 0.5}', "--rl.max_staleness=1",
-        "--rl.updates_per_step=2",
+        "--rl.updates_per_step=2", "--rl.kl_coef=0.05",
         "--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.steps=100",
         "--train.log_every=1", "--train.eval_every=20", "--train.eval_batches=4",
         "--checkpoint.every=20", "--optim.lr=1e-3", "--optim.warmup_steps=2",
@@ -304,6 +304,9 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
     # moved the policy from, and the clip binds on some of their tokens.
     path = [second.get(step, first.get(step)) for step in range(1, 101)]
     assert max(r["rl_clip_low"] + r["rl_clip_high"] for r in path) > 0
+    # The KL penalty of a full fine-tune (rl.kl_coef=0.05): the generators score the starting
+    # weights, which the policy moves away from, and the checkpoint keeps those scores.
+    assert path[0]["rl_kl"] < 0.01 < max(r["rl_kl"] for r in path)
     assert summary["samples"]["trained"] == 100 * 8
     # It learned: from about half right (either digit of the question, at random) to the
     # larger one, on the training prompts and on held-out ones.

@@ -21,10 +21,18 @@ def test_kept_groups_read_back_as_they_were_saved():
     data = json.dumps({"through_step": 9, "groups": [asdict(group(4)), asdict(group(5))]})
     through, groups = load_saved(data.encode(), where="ckpt/rollouts.json")
     assert through == 9 and groups == {4: group(4), 5: group(5)}
+    # With a KL penalty's reference log-probabilities; without them (before the KL penalty
+    # reached full fine-tuning, a group had no such field): None.
+    kl = Group(**{**asdict(group(6)), "ref_logps": [[-0.4, -1.0], [-2.5]]})
+    old = {k: v for k, v in asdict(group(7)).items() if k != "ref_logps"}
+    data = json.dumps({"through_step": 9, "groups": [asdict(kl), old]})
+    assert load_saved(data.encode(), where="rollouts.json")[1] == {6: kl, 7: group(7)}
 
 
 @pytest.mark.parametrize("change", [
     {"logps": [[-0.5], [-2.0]]},             # a completion's tokens without their logps
+    {"ref_logps": [[-0.5, -1.0], [-2.0, 0.0]]},
+    {"ref_logps": [[-0.5, -1.0]]},
     {"rewards": [1.0, float("nan")]},
     {"completions": [[7, "0"], [8]]},
     {"truncated": [0, 1]},

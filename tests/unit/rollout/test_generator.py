@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raylm.rollout.generator import Generator, Prompt, Sampling
-from tests.conftest import tokenizer_vocab
+from tests.conftest import save_tiny_llama, tokenizer_vocab
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +17,9 @@ def make(tokenizer_dir):
     tokenizer_json = (tokenizer_dir / "tokenizer.json").read_text()
     vocab = tokenizer_vocab(tokenizer_dir)
 
-    def make(reward: str = "exact_match", seed: int = 0) -> Generator:
-        cfg = {"model": {"preset": "tiny"}, "train": {"precision": "fp32", "seed": seed}}
+    def make(reward: str = "exact_match", seed: int = 0, **sections) -> Generator:
+        cfg = {"model": {"preset": "tiny"}, "train": {"precision": "fp32", "seed": seed},
+               **sections}
         return Generator(config=cfg, vocab_size=vocab, eos_id=0,
                          tokenizer_json=tokenizer_json, reward=reward)
     return make
@@ -79,3 +80,31 @@ def test_rewards_score_each_completion(make):
     assert group.rewards == [final_number("", t, answer="3") for t in texts]
     assert group.parts == {"reward": group.rewards} and group.failed == 0
     assert set(group.seconds) == {"generate_s", "reward_s"}
+
+
+@pytest.mark.parametrize("lora", [0, 4], ids=["full", "lora"])
+def test_the_kl_reference_is_the_starting_model_whatever_weights_are_loaded(make, lora,
+                                                                             tmp_path,
+                                                                             tokenizer_dir):
+    """With rl.kl_coef each completion carries its tokens' log-probabilities under the starting
+    model: a frozen copy of it (full fine-tuning) or the base with the adapters off (LoRA)."""
+    path = save_tiny_llama(tmp_path / "base", vocab_size=tokenizer_vocab(tokenizer_dir))
+    sections = {"rl": {"kl_coef": 0.1}, "lora": {"rank": lora},
+                "model": {"path": str(path)}}
+    gen, start = make(**sections), make(**sections)
+    first = gen.generate([prompt(5)], SAMPLING, version=0)[0]
+    for ref, logps in zip(first.ref_logps, first.logps, strict=True):
+        assert ref == pytest.approx(logps, abs=1e-6)
+    torch.manual_seed(1)
+    trained = {n: p.detach() + 0.5 * torch.randn_like(p)
+               for n, p in gen.built.model.named_parameters() if p.requires_grad}
+    gen.load(1, trained)
+    group = gen.generate([prompt(5)], SAMPLING, version=1)[0]
+    for completion, ref, logps in zip(group.completions, group.ref_logps, group.logps,
+                                      strict=True):
+        ids = torch.tensor([prompt(5).ids + completion])
+        with torch.no_grad():
+            want = start.logps(ids, 4, [completion], SAMPLING.temperature)[0]
+        assert ref == pytest.approx(want, abs=1e-5)
+        assert ref != pytest.approx(logps, abs=1e-3)
+    assert make().generate([prompt(5)], SAMPLING, version=0)[0].ref_logps is None

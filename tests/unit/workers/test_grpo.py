@@ -102,6 +102,11 @@ def test_a_prompt_block_gives_its_prompt_and_rollouts_target_their_completions()
     assert targets[r.at].tolist() == [11, 0, 12]
     assert r.index.tolist() == [0, 0, 1] and r.lengths.tolist() == [2, 1]
     assert r.old_logp.tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert r.ref_logp is None
+    # A KL penalty's reference log-probabilities line up with the sampling ones.
+    groups[0].ref_logps = [[-0.4, -0.5], [-0.6]]
+    r = rollout_batch(groups, torch.tensor([0.7, -0.7]), pad_id=0)
+    assert r.ref_logp.tolist() == pytest.approx([-0.4, -0.5, -0.6])
 
 
 def test_an_off_policy_step_asks_for_the_steps_up_to_its_staleness_once():
