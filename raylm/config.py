@@ -273,7 +273,8 @@ class DataConfig:
     reader then shares its worker's CPUs)."""
     first_batch_timeout_s: float = 180.0
     """How long a worker waits for its first training batch before it stops with what its
-    reader waits for (with scaling.wait_for_nodes, it says so and keeps waiting)."""
+    reader waits for (with scaling.wait_for_nodes, it says so and keeps waiting); GRPO's
+    generators are placed within it alike, and a generation waited for longer is said."""
 
 
     @property

@@ -16,7 +16,12 @@ would have returned: they are sampled by the weights the share was asked of (the
 the last few versions), and seeded by prompt position (:mod:`raylm.rollout.generator`), so
 which generator samples a prompt, and how many there are, changes no completion. A reward
 function that fails on every completion of a batch raises :class:`raylm.faults.Mistake` in the
-generator, which ends the run here rather than being retried.
+generator, which ends the run here rather than being retried; so do prompts whose generation
+or scoring ends the process of every generator that takes them (a reward that exits or
+crashes its interpreter, or runs it out of memory, on them): after
+:data:`DEATHS_PER_SHARE` generators in a row, that is taken for what the prompts do, not for
+machines lost. A generation that does not return is said, with its prompts' positions, every
+``timeout_s`` it is waited for.
 
 The pool belongs to the training group's rank 0 (Ray ties an actor's life to the process that
 started it): a group that restarts starts its generators anew, with the weights of the
@@ -33,6 +38,10 @@ import ray
 
 from raylm.faults import Mistake
 from raylm.rollout.generator import Generator, Group, Prompt, Sampling
+
+# Generators in a row that die holding the same prompts before those prompts are taken to be
+# what kills them (a lost machine rarely takes two).
+DEATHS_PER_SHARE = 3
 
 
 @dataclass
@@ -124,14 +133,22 @@ class GeneratorPool:
         n = len(submitted.shares)
         results: list[list[Group] | None] = [None] * n
         for i, ref in enumerate(submitted.refs):
+            deaths = 0
             while ref is not None and results[i] is None:
                 try:
-                    results[i] = ray.get(ref)
+                    results[i] = self._wait(ref, submitted.shares[i])
                 except ray.exceptions.RayTaskError as e:
                     if isinstance(e.cause, Mistake):
                         raise Mistake(str(e.cause)) from None
                     raise
-                except ray.exceptions.RayActorError:  # died, or its node is unreachable
+                except ray.exceptions.RayActorError as e:  # died, or its node is unreachable
+                    deaths += 1
+                    if deaths >= DEATHS_PER_SHARE:
+                        raise Mistake(
+                            f"{deaths} generators in a row died sampling or scoring the prompts "
+                            f"at positions {positions(submitted.shares[i])}: their generation "
+                            f"or reward ends the generator's process (a reward that exits or "
+                            f"crashes, or memory); the last: {str(e).splitlines()[0]}") from None
                     self._lost(submitted.actors[i])
                     self.join()
                     submitted.actors[i] = actor = self.actors[i % len(self.actors)]
@@ -145,6 +162,15 @@ class GeneratorPool:
             for k, group in enumerate(groups or []):
                 out[i + k * n] = group
         return out  # type: ignore[return-value]
+
+    def _wait(self, ref, share: list[Prompt]) -> list[Group]:
+        """``ref``'s groups, said every ``timeout_s`` they are waited for."""
+        t0 = time.monotonic()
+        while not ray.wait([ref], timeout=self.timeout_s)[0]:
+            self.log(f"raylm: warning: waited {time.monotonic() - t0:.0f} s for the groups of "
+                     f"the prompts at positions {positions(share)} from a generator; a "
+                     f"generation or reward function that does not return holds the run here")
+        return ray.get(ref)
 
     def _again(self, actor, share: list[Prompt], sampling: Sampling, version: int):
         """``share`` asked of ``actor`` with ``version``'s weights, which it loads for it
@@ -239,3 +265,9 @@ class GeneratorPool:
     def shutdown(self) -> None:
         for actor in [*self.actors, *self.waiting]:
             ray.kill(actor)
+
+
+def positions(share: list[Prompt]) -> str:
+    """The sample positions of ``share``, the first few."""
+    shown = [p.position for p in share[:8]]
+    return f"{shown}{' ...' if len(share) > 8 else ''}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -127,3 +128,14 @@ def _save_in_flight(workers, before_step: int) -> int | None:
         return None
     step = steps.pop()
     return step if step < before_step else None
+
+
+def reward_that_stalls_or_exits(prompt, completion, *, answer: str, **columns) -> float:
+    """A reward function (``rl.reward``) that takes 0.6 s a completion on the rows answered
+    "slow" and ends its process on those answered "exit", as a reward running generated code
+    can."""
+    if answer == "slow":
+        time.sleep(0.6)
+    if answer == "exit":
+        os._exit(3)
+    return 0.0

@@ -175,3 +175,36 @@ def test_generators_that_cannot_start_are_named_not_waited_for_in_silence(tokeni
         assert not said  # no autoscaler to wait for: it stops at once
     finally:
         pool.shutdown()
+
+
+def test_a_stalled_generation_is_said_and_prompts_that_kill_generators_stop_the_run(
+        tokenizer_dir):
+    """A generation that has not returned after the pool's timeout is said with its prompts'
+    positions; prompts whose reward ends every generator's process that scores them stop the
+    run as a mistake after three generators, rather than being handed on forever."""
+    from raylm.faults import Mistake
+    from raylm.rollout.generator import Generator, Prompt, Sampling
+    from raylm.rollout.pool import GeneratorPool
+
+    init = {**generator_init(tokenizer_dir),
+            "reward": "tests.integration.faults:reward_that_stalls_or_exits"}
+    weights = {n: p.detach() for n, p in Generator(**init).built.model.named_parameters()}
+    sampling = Sampling(group_size=3, temperature=1.0, max_tokens=3)
+    said: list[str] = []
+    pool = GeneratorPool(count=(1, 2), resources={"CPU": 0.5}, init=init, timeout_s=1.0,
+                         keep_waiting=True, log=said.append)
+    try:
+        pool.load(0, weights)
+        pool.started()
+        said.clear()
+        slow = pool.generate([Prompt(7, [5, 17, 23], "q", {"answer": "slow"})], sampling)
+        assert len(slow) == 1 and any(
+            "for the groups of the prompts at positions [7] from a generator" in m
+            for m in said), said
+        with pytest.raises(Mistake, match=r"3 generators in a row died sampling or scoring the "
+                                          r"prompts at positions \[8\]"):
+            pool.generate([Prompt(8, [5, 17, 23], "q", {"answer": "exit"}),
+                           Prompt(9, [5, 17, 24], "q", {"answer": "fine"})], sampling)
+        assert pool.replaced >= 2
+    finally:
+        pool.shutdown()
