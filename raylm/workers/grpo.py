@@ -59,7 +59,7 @@ from raylm.rollout.pool import GeneratorPool
 from raylm.rollout.rewards import split_row
 from raylm.workers.metrics import flops_per_token
 from raylm.workers.preference import answer_rows, row_logps
-from raylm.workers.step import apply_update, clip_grad_norm
+from raylm.workers.step import Objective, apply_update, clip_grad_norm
 
 Aggregation = Literal["token", "sequence", "constant"]
 # Added to a group's standard deviation: a group whose rewards differ by a hair does not
@@ -306,7 +306,7 @@ def prompt_items(micro: list[dict[str, torch.Tensor]]) -> list[tuple[int, int, l
             for r, p, ids in zip(b["row"], b["sample_position"], prompt_tokens(b), strict=True)]
 
 
-class Reinforce:
+class Reinforce(Objective):
     """GRPO over completions sampled beside the trainers (``train.objective=grpo``): the loop's
     objective, as :class:`raylm.workers.preference.Preference` is for DPO. Off-policy
     (``rl.max_staleness`` K > 0), each step asks for the groups of the step K ahead before it

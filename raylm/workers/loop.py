@@ -87,7 +87,7 @@ from raylm.workers.metrics import (
 from raylm.workers.node_metrics import NodeMonitor
 from raylm.workers.optim import build_optimizer, set_lr
 from raylm.workers.preference import Preference
-from raylm.workers.step import NextToken, TrainState
+from raylm.workers.step import NextToken, Objective, TrainState
 from raylm.workers.watchdog import bounded
 
 
@@ -137,7 +137,7 @@ class Setup:
     layout: Layout
     built: Built
     optimizer: torch.optim.Optimizer
-    objective: NextToken | Preference
+    objective: Objective
     state: TrainState
     ledger: Ledger
     accumulation: int
@@ -230,7 +230,7 @@ def train(run: Setup) -> None:
             grad_clip=o.grad_clip, health=run.trace.health)
         sparsity.reapply(run.zeros)
         # GRPO's steps train rows of prompt and completion, which it counts.
-        tokens = getattr(run.objective, "tokens", tokens_per_step)
+        tokens = run.objective.tokens if run.objective.tokens is not None else tokens_per_step
         state.advance(samples=t.global_batch_size, tokens=tokens, lr=lr)
         run.ledger.add(torch.cat([b["row"] for b in micro]).numpy())
         run.trace.recent.append((state.step, micro))
@@ -471,7 +471,7 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
                               optimizer=run.optimizer,
                               state=copy.deepcopy(run.state.state_dict()),
                               config=run.built.config, samples=samples,
-                              rollouts=getattr(run.objective, "saved", lambda: None)(),
+                              rollouts=run.objective.saved(),
                               adapters=lora_settings(run.cfg.lora), identity=run.identity)
     run.reporting.vote.reported()
     run.reporting.meter.checkpoint_s += time.perf_counter() - t0
@@ -611,7 +611,7 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
     meter = StepMeter(flops_per_token=objective.flops(built.config, cfg.data.seq_len),
                       peak_flops=listed_peak(built, rank=rank), world_size=world, device=device,
                       energy=energy, energy_since=energy_since,
-                      spent=getattr(objective, "spent", None))
+                      spent=objective.spent)
     split = PackedSplit.load(handoff.prepared, "train")
     trace = FaultTrace(
         health=Health(device=device, start_step=state.step, report_every=t.log_every,
@@ -678,7 +678,7 @@ def build_model(handoff: Handoff, *, device: torch.device, plan: ParallelPlan
 
 
 def objective_for(cfg: Config, *, handoff: Handoff, rank: int
-                  ) -> NextToken | Preference | Reinforce:
+                  ) -> Objective:
     """What the run trains toward: the step, validation figures and FLOPs per token of next-token
     training, of a preference loss (train.objective=dpo) or of GRPO (grpo)."""
     if cfg.train.objective == "dpo":
@@ -692,13 +692,12 @@ def objective_for(cfg: Config, *, handoff: Handoff, rank: int
 def start_objective(handoff: Handoff, *, rank: int, built: Built, step: int,
                     batches: Iterator[dict[str, torch.Tensor]], accumulation: int,
                     found: tuple[str, Marker] | None
-                    ) -> tuple[NextToken | Preference | Reinforce, Iterator]:
+                    ) -> tuple[Objective, Iterator]:
     """The run's objective, begun where it has something to start (GRPO: the generators, with
     the weights and rollouts of the checkpoint ``found``), and the stream to train from."""
     objective = objective_for(handoff.cfg, handoff=handoff, rank=rank)
-    if hasattr(objective, "begin"):
-        batches = objective.begin(built, step=step, batches=batches, accumulation=accumulation,
-                                  resumed=found and found[0])
+    batches = objective.begin(built, step=step, batches=batches, accumulation=accumulation,
+                              resumed=found and found[0])
     return objective, batches
 
 

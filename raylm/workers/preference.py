@@ -52,7 +52,7 @@ from raylm.model.head_loss import head_rows
 from raylm.model.lora import adapters_off
 from raylm.model.parallelize import autocast
 from raylm.workers.metrics import flops_per_token
-from raylm.workers.step import apply_update, clip_grad_norm
+from raylm.workers.step import Objective, apply_update, clip_grad_norm
 
 if TYPE_CHECKING:
     from raylm.workers.health import Health
@@ -314,7 +314,7 @@ def preference_evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]]
     return {f"val_{k}": v for k, v in zip(("loss", *FIGURES), values, strict=True)}
 
 
-class Preference:
+class Preference(Objective):
     """A preference loss over packed pairs (``train.objective=dpo``): the loop's objective, as
     :class:`raylm.workers.step.NextToken` is for next-token training."""
 

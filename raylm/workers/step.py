@@ -12,7 +12,7 @@ validation figures and FLOPs per token: another objective is another class, not 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -209,7 +209,33 @@ def pipeline_step(built: Built, optimizer: torch.optim.Optimizer,
     return mean.detach(), norm.detach()
 
 
-class NextToken:
+class Objective:
+    """What the loop trains toward (:class:`NextToken`, DPO's
+    :class:`raylm.workers.preference.Preference`, GRPO's :class:`raylm.workers.grpo.Reinforce`):
+    each gives ``step``, ``evaluate`` and ``flops``; the hooks below are for an objective with
+    parts beside the trainers (GRPO's generators), and do nothing by default."""
+
+    checks_first_prediction = False
+    """Whether the loop checks the first batch's predictions (that pretrained weights loaded)."""
+    tokens: int | None = None
+    """Tokens the last step trained, every rank's, when the objective counts them (GRPO's rows
+    of prompt and completion); None: the loop's count of the step's blocks."""
+    spent: dict[str, float] | None = None
+    """Seconds, since the group started, of the objective's own goodput causes
+    (:class:`raylm.workers.loop.StepMeter`)."""
+
+    def begin(self, built: Built, *, step: int, batches: Iterator[dict[str, torch.Tensor]],
+              accumulation: int, resumed: str | None) -> Iterator[dict[str, torch.Tensor]]:
+        """At the group's start, from ``step`` (the checkpoint ``resumed``, if any): returns
+        the training stream to draw from."""
+        return batches
+
+    def saved(self) -> bytes | None:
+        """What a checkpoint keeps of the objective's own state (rank 0), if anything."""
+        return None
+
+
+class NextToken(Objective):
     """Next-token cross-entropy over the trained targets (every target in pretraining)."""
 
     checks_first_prediction = True  # that pretrained weights loaded, on the first batch
