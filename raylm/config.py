@@ -523,6 +523,11 @@ class RlConfig:
     """train.objective=grpo: the reward function, module:function (called as fn(prompt,
     completion, **columns), returning a number or a mapping of named numbers, summed), or a
     built-in: exact_match or final_number, against the row's answer column."""
+    reward_timeout_s: float = 0.0
+    """> 0: the reward function runs in a process of its own beside each generator (a Ray
+    actor on its node), and a call that takes longer is ended with its process (its completion
+    scores 0, counted as a failure); a process that dies is replaced and the call made again
+    once. For rewards that run generated code. 0: in the generator's process."""
     group_size: int = 8
     """Completions sampled for each prompt; each one's advantage is its reward against its
     group's."""
@@ -576,6 +581,7 @@ class RlConfig:
         _check(len(g) == 2 and g[0] <= g[1] if isinstance(g, list) else True, "rl.generators",
                g, "an integer >= 1 or [min, max] with 1 <= min <= max")
         _at_least("rl", self, group_size=2, max_completion_tokens=1, generators=1,
+                  reward_timeout_s=0,
                   clip_low=0, clip_high=0, kl_coef=0, max_staleness=0, updates_per_step=1)
         _at_least("rl", self, above=True, temperature=0)
         _check(0 < self.top_p <= 1, "rl.top_p", self.top_p, "0 < x <= 1")
@@ -785,8 +791,6 @@ class TuneConfig:
     """Schedules the sweep chooses among."""
     warmup_steps: list[int] = field(default_factory=list)
     """Warmup steps to choose among; empty keeps optim.warmup_steps."""
-    min_lr_ratios: list[float] = field(default_factory=list)
-    """Minimum-LR ratios to choose among; empty keeps optim.min_lr_ratio."""
     weight_decays: list[float] = field(default_factory=list)
     """Weight decays to choose among; empty keeps optim.weight_decay."""
     lora_ranks: list[int] = field(default_factory=list)
@@ -821,8 +825,6 @@ class TuneConfig:
                "0 < lr_min < lr_max")
         _at_least("tune", tu, num_samples=1, lr_points=1, max_concurrent=0, warmup_steps=0,
                   weight_decays=0)
-        _check(all(0 <= r <= 1 for r in tu.min_lr_ratios), "tune.min_lr_ratios",
-               tu.min_lr_ratios, "numbers 0 <= x <= 1")
         _check(all(r >= 1 for r in tu.lora_ranks), "tune.lora_ranks", tu.lora_ranks,
                "ranks >= 1, with model.path naming the pretrained model they adapt")
         _at_least("tune", tu, above=True, lora_alphas=0, dpo_betas=0)
@@ -950,7 +952,13 @@ SECTIONS: dict[str, type] = {
 }
 
 
+# Keys a release removed, with what took their place.
+REMOVED = {"tune.min_lr_ratios": 'tune.choices, as {"optim.min_lr_ratio": [0.05, 0.1]}'}
+
+
 def _closest(name: str, choices: list[str], prefix: str = "") -> str:
+    if prefix + name in REMOVED:
+        return f" It was removed: use {REMOVED[prefix + name]}."
     match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     return f" Did you mean '{prefix}{match[0]}'?" if match else ""
 

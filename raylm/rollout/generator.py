@@ -102,7 +102,8 @@ class Generator:
 
         self.cfg, self.eos_id, self.spec = cfg, eos_id, reward
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        self.reward = rewards.load_reward(reward)
+        self.reward = (rewards.Isolated(reward, timeout_s=cfg.rl.reward_timeout_s)
+                       if cfg.rl.reward_timeout_s else rewards.load_reward(reward))
         if torch.cuda.is_available():
             device = torch.device("cuda", 0)
         else:

@@ -14,6 +14,12 @@ something that is not a number) on one completion scores it 0, counted and repor
 fails on every completion of a batch is a mistake in the run's input, which no retry fixes,
 and ends the run with its first error. Built in: :func:`exact_match` and :func:`final_number`,
 which read the row's ``answer`` column (``raylm.rollout.rewards:exact_match``).
+
+With ``rl.reward_timeout_s`` the function runs in a process of its own (:class:`Isolated`: a
+Ray actor on the generator's node, which Ray can end and replace, as no thread can end a call
+that does not return): a call past the limit is ended with its process and scores 0, a
+process that dies is replaced and the call made again once, so a reward that runs generated
+code can neither hold a run nor take its generator with it.
 """
 
 from __future__ import annotations
@@ -107,6 +113,80 @@ def parts_of(value: Any) -> dict[str, float]:
     return parts
 
 
+class RewardFailed(Exception):
+    """The reward function failed in its own process; the message is its error's."""
+
+
+class Isolated:
+    """The reward function ``spec`` called in a Ray actor of its own on this node, each call
+    bounded by ``timeout_s`` (see the module's docstring); called as the function is."""
+
+    def __init__(self, spec: str, *, timeout_s: float) -> None:
+        self.spec, self.timeout_s = spec, timeout_s
+        self.actor = None
+
+    def _started(self):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if self.actor is None:
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                  soft=False)
+            self.actor = ray.remote(_RewardServer).options(
+                num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(self.spec)
+            try:  # its start is not the call's time
+                ray.get(self.actor.ready.remote(), timeout=max(60.0, self.timeout_s))
+            except ray.exceptions.GetTimeoutError:
+                self.close()
+                raise RuntimeError("the reward's process did not start in 60 s") from None
+        return self.actor
+
+    def close(self) -> None:
+        """End the process, if any (a later call starts another)."""
+        import ray
+
+        if self.actor is not None:
+            ray.kill(self.actor, no_restart=True)
+        self.actor = None
+
+    def __call__(self, prompt: Any, completion: str, **columns: Any) -> dict[str, float]:
+        import ray
+
+        died = False
+        while True:
+            ref = self._started().score.remote(prompt, completion, columns)
+            try:
+                return ray.get(ref, timeout=self.timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                self.close()
+                raise TimeoutError(f"no result after rl.reward_timeout_s={self.timeout_s:g} s; "
+                                   f"its process was ended") from None
+            except ray.exceptions.RayTaskError as e:
+                raise RewardFailed(str(e.cause) if e.cause else str(e)) from None
+            except ray.exceptions.RayActorError:  # killed, or the function ended it
+                self.close()
+                if died:
+                    raise RuntimeError("the reward's process died on this completion twice"
+                                       ) from None
+                died = True
+
+
+class _RewardServer:
+    """The process a reward function runs in, for :class:`Isolated`."""
+
+    def __init__(self, spec: str) -> None:
+        self.fn = load_reward(spec)
+
+    def ready(self) -> bool:
+        return True
+
+    def score(self, prompt: Any, completion: str, columns: dict[str, Any]) -> dict[str, float]:
+        try:
+            return parts_of(self.fn(prompt, completion, **columns))
+        except Exception as e:  # a user's function: its error, as a message
+            raise RewardFailed(f"{type(e).__name__}: {e}") from None
+
+
 @dataclass
 class Scores:
     """A batch's rewards, their named parts (absent parts 0), and the completions whose
@@ -129,7 +209,8 @@ def score(fn: Reward, prompts: Sequence[Any], completions: Sequence[str],
             results.append(parts_of(fn(prompt, completion, **cols)))
         except Exception as e:  # a user's function: any error scores the completion 0
             failed += 1
-            first = first or f"{type(e).__name__}: {e}"
+            first = first or (str(e) if isinstance(e, RewardFailed)
+                              else f"{type(e).__name__}: {e}")
             results.append(None)
     if results and failed == len(results):
         raise Mistake(f"rl.reward={spec!r} failed on every completion of a batch "

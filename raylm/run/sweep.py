@@ -80,7 +80,6 @@ def search_space(cfg: Config) -> dict[str, Any]:
     tu, o = cfg.tune, cfg.optim
     choices = {"optim.schedule": tu.schedules,
                "optim.warmup_steps": tu.warmup_steps or [o.warmup_steps],
-               "optim.min_lr_ratio": tu.min_lr_ratios or [o.min_lr_ratio],
                "optim.weight_decay": tu.weight_decays or [o.weight_decay],
                "lora.rank": tu.lora_ranks or [cfg.lora.rank],
                "lora.alpha": tu.lora_alphas or [cfg.lora.alpha]}

@@ -208,3 +208,46 @@ def test_a_stalled_generation_is_said_and_prompts_that_kill_generators_stop_the_
         assert pool.replaced >= 2
     finally:
         pool.shutdown()
+
+
+def test_a_reward_in_a_process_of_its_own_is_bounded_and_replaced():
+    """rl.reward_timeout_s: a call past the limit scores as an error and ends its process; a
+    reward that ends its process fails after the second; one killed from outside mid-call is
+    replaced and the call made again, to the same result."""
+    import threading
+
+    import psutil
+
+    from raylm.rollout.rewards import Isolated, RewardFailed, score
+
+    spec = "tests.integration.faults:reward_that_stalls_or_exits"
+    quick = Isolated(spec, timeout_s=0.3)
+    assert quick("q", "a", answer="fine") == {"reward": 0.0}
+    with pytest.raises(TimeoutError, match="no result after rl.reward_timeout_s=0.3 s"):
+        quick("q", "a", answer="slow")
+    with pytest.raises(RuntimeError, match="died on this completion twice"):
+        quick("q", "a", answer="exit")
+    with pytest.raises(RewardFailed, match="^TypeError: .*answer"):
+        quick("q", "a")
+    scores = score(quick, ["q"] * 3, ["a"] * 3, [{"answer": "fine"}, {"answer": "slow"}, {}],
+                   spec=spec)
+    assert scores.rewards == [0.0, 0.0, 0.0] and scores.failed == 2
+    assert scores.first_error.startswith("TimeoutError: no result after")
+
+    def servers():
+        return [p for p in psutil.process_iter(["cmdline"])
+                if any("_RewardServer" in part for part in (p.info["cmdline"] or []))]
+
+    before = {p.pid for p in servers()}
+    patient = Isolated(spec, timeout_s=30)
+    assert patient("q", "a", answer="fine") == {"reward": 0.0}
+    (first,) = [p for p in servers() if p.pid not in before]
+    killer = threading.Timer(0.2, lambda: first.kill())
+    killer.start()
+    assert patient("q", "a", answer="slow") == {"reward": 0.0}  # 0.6 s, killed at 0.2
+    killer.join()
+    # Its call was made again in a new process (one is started at a call, not before).
+    assert not first.is_running()
+    assert [p for p in servers() if p.pid not in before | {first.pid}]
+    quick.close()
+    patient.close()

@@ -485,3 +485,9 @@ def test_tune_choices_take_known_keys_and_valid_values_only():
     ]:
         with pytest.raises(ConfigError, match=re.escape(says)):
             load_config(None, [f"--tune.choices={choices}"])
+
+
+def test_a_removed_key_says_what_took_its_place():
+    with pytest.raises(ConfigError, match=r"Unknown config key 'tune.min_lr_ratios'. It was "
+                                          r"removed: use tune.choices, as "):
+        load_config(None, ["--tune.min_lr_ratios=[0.1]"])
