@@ -207,7 +207,10 @@ class GeneratorPool:
                 del self.waiting[actor]
                 try:
                     joined = ray.get(first)
-                except ray.exceptions.RayActorError:  # lost before it joined
+                except ray.exceptions.RayActorError as e:  # lost before it joined
+                    if e.actor_init_failed:  # its model or reward: the next would fail alike
+                        lines = [line for line in str(e).splitlines() if line.strip()]
+                        raise Mistake(f"a generator failed as it started: {lines[-1]}") from None
                     self.replaced += 1
                     self._start()
                     continue

@@ -159,6 +159,7 @@ def generator_init(tokenizer_dir) -> dict:
 
 
 def test_generators_that_cannot_start_are_named_not_waited_for_in_silence(tokenizer_dir):
+    from raylm.faults import Mistake
     from raylm.rollout.pool import GeneratorPool
 
     init = generator_init(tokenizer_dir)
@@ -175,6 +176,17 @@ def test_generators_that_cannot_start_are_named_not_waited_for_in_silence(tokeni
         assert not said  # no autoscaler to wait for: it stops at once
     finally:
         pool.shutdown()
+    # One that fails as it starts (its reward does not import where it runs) is a mistake,
+    # not a lost machine to replace.
+    broken = GeneratorPool(count=1, resources={"CPU": 0.5}, init={**init, "reward": "nope:f"})
+    try:
+        broken.load(0, {})
+        with pytest.raises(Mistake, match=r"a generator failed as it started: ValueError: "
+                                          r"rl.reward='nope:f': module 'nope' does not import"):
+            broken.started()
+        assert broken.replaced == 0
+    finally:
+        broken.shutdown()
 
 
 def test_a_stalled_generation_is_said_and_prompts_that_kill_generators_stop_the_run(
