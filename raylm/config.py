@@ -952,13 +952,14 @@ SECTIONS: dict[str, type] = {
 }
 
 
-# Keys a release removed, with what took their place.
-REMOVED = {"tune.min_lr_ratios": 'tune.choices, as {"optim.min_lr_ratio": [0.05, 0.1]}'}
+# Keys a release removed: their default, which a run directory's saved config written before
+# holds and which is read as their absence, and what took their place.
+REMOVED = {"tune.min_lr_ratios": ([], 'tune.choices, as {"optim.min_lr_ratio": [0.05, 0.1]}')}
 
 
 def _closest(name: str, choices: list[str], prefix: str = "") -> str:
     if prefix + name in REMOVED:
-        return f" It was removed: use {REMOVED[prefix + name]}."
+        return f" It was removed: use {REMOVED[prefix + name][1]}."
     match = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
     return f" Did you mean '{prefix}{match[0]}'?" if match else ""
 
@@ -1042,6 +1043,9 @@ def _build_section(name: str, values: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in values.items():
+        removed = REMOVED.get(f"{name}.{key}")
+        if key not in hints and removed is not None and removed[0] == value:
+            continue  # a removed key at its default: a config saved before it went
         if key not in hints:
             raise ConfigError(
                 f"Unknown config key '{name}.{key}'.{_closest(key, list(hints), name + '.')} "

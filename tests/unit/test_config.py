@@ -491,3 +491,5 @@ def test_a_removed_key_says_what_took_its_place():
     with pytest.raises(ConfigError, match=r"Unknown config key 'tune.min_lr_ratios'. It was "
                                           r"removed: use tune.choices, as "):
         load_config(None, ["--tune.min_lr_ratios=[0.1]"])
+    # A config saved before it went holds it at its default: read as its absence.
+    assert load_config(None, ["--tune.min_lr_ratios=[]"]) == load_config(None, [])
