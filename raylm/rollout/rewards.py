@@ -134,11 +134,17 @@ class Isolated:
                                                   soft=False)
             self.actor = ray.remote(_RewardServer).options(
                 num_cpus=0, max_restarts=0, scheduling_strategy=here).remote(self.spec)
+            limit = max(60.0, self.timeout_s)
             try:  # its start is not the call's time
-                ray.get(self.actor.ready.remote(), timeout=max(60.0, self.timeout_s))
+                ray.get(self.actor.ready.remote(), timeout=limit)
             except ray.exceptions.GetTimeoutError:
                 self.close()
-                raise RuntimeError("the reward's process did not start in 60 s") from None
+                raise RuntimeError(f"the reward's process did not start in {limit:g} s") from None
+            except ray.exceptions.RayActorError as e:  # the function does not load there
+                self.close()
+                lines = [line for line in str(e).splitlines() if line.strip()]
+                raise Mistake(f"rl.reward={self.spec!r} failed to load in its own process: "
+                              f"{lines[-1]}") from None
         return self.actor
 
     def close(self) -> None:
@@ -207,6 +213,8 @@ def score(fn: Reward, prompts: Sequence[Any], completions: Sequence[str],
     for prompt, completion, cols in zip(prompts, completions, columns, strict=True):
         try:
             results.append(parts_of(fn(prompt, completion, **cols)))
+        except Mistake:  # not the completion's: the function cannot run at all
+            raise
         except Exception as e:  # a user's function: any error scores the completion 0
             failed += 1
             first = first or (str(e) if isinstance(e, RewardFailed)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +27,33 @@ def generator_processes():
 
     return [p for p in psutil.process_iter(["cmdline"])
             if any(part.startswith("ray::Generator") for part in (p.info["cmdline"] or []))]
+
+
+def signal_all(processes, sig) -> None:
+    """Send ``sig`` to each of ``processes`` that is still there."""
+    import psutil
+
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+
+
+def hold_until(ready: Callable[[], bool], *, what: str, timeout: float = 240.0) -> list:
+    """Hold the run's training workers, stopped 0.2 s in every 0.25 s, until ``ready()``
+    (checked while they are stopped, so no save lands meanwhile) holds; returns them, stopped.
+    Reports reach the record at the controller's polls, a second or more behind training when
+    steps take tens of ms: held, a run cannot reach its next checkpoint before its record has
+    caught up with the one before."""
+    deadline = time.time() + timeout
+    while True:
+        assert time.time() < deadline, f"waited {timeout:.0f} s for {what}"
+        workers = train_workers()
+        signal_all(workers, signal.SIGSTOP)
+        if ready():
+            return workers
+        time.sleep(0.2)
+        signal_all(workers, signal.SIGCONT)
+        time.sleep(0.05)
 
 
 def checkpoint_step(run_dir: str | Path) -> int:

@@ -15,7 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from raylm.config import load_config
@@ -240,33 +239,24 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
 
     def kill_a_generator_then_a_trainer_node() -> None:
         """A generator as soon as the group has started; then a trainer's node, once the
-        record holds a step after the newest checkpoint, the trainers stopped first to see
-        that no save landed meanwhile (the lost node's raylet kills its worker, stopped or
-        not). Reports reach the record at the controller's polls, a second or more behind
-        training, when the steps take 50 ms: from the first checkpoint on, the trainers are
-        held (stopped 0.2 s in every 0.25 s) so that the record catches up before the next
-        one."""
+        record holds a step after the newest checkpoint, the trainers stopped so that no save
+        lands meanwhile (the lost node's raylet kills its worker, stopped or not). From the
+        first checkpoint on, the trainers are held (:func:`faults.hold_until`): at 50 ms a
+        step the record would lag past the next checkpoint."""
         (victim, *_) = faults.generator_processes()
         victim.send_signal(signal.SIGKILL)
-        deadline = time.time() + 240
-        while True:
-            assert time.time() < deadline, "no step reported after a checkpoint in time"
+        wait_for(lambda: faults.checkpoint_step(run_dir) > 0, "the first checkpoint")
+
+        def reported_past_the_checkpoint() -> bool:
             reported = max((r["step"] for r in record.read(str(run_dir))
                             if r["event"] == "progress"), default=0)
-            newest = faults.checkpoint_step(run_dir)
-            if newest <= 0:
-                time.sleep(0.02)
-                continue
-            trainers = faults.train_workers()
-            signal_all(trainers, signal.SIGSTOP)
-            if newest < reported < 100 and faults.checkpoint_step(run_dir) == newest:
-                c.remove_node(next(iter(c.worker_nodes)))
-                killed_after.append(newest)
-                signal_all(trainers, signal.SIGCONT)
-                return
-            time.sleep(0.2)
-            signal_all(trainers, signal.SIGCONT)
-            time.sleep(0.05)
+            return faults.checkpoint_step(run_dir) < reported < 100
+
+        trainers = faults.hold_until(reported_past_the_checkpoint,
+                                     what="a step reported after a checkpoint")
+        killed_after.append(faults.checkpoint_step(run_dir))
+        c.remove_node(next(iter(c.worker_nodes)))
+        faults.signal_all(trainers, signal.SIGCONT)
 
     summary = faults.run_and_interfere(lambda: train(cfg, log=print), run_dir,
                                        acts=[(0, kill_a_generator_then_a_trainer_node)])
@@ -332,9 +322,3 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
                            for s in range(1, 101))
     prompt_len = (seen - completions) / 6400
     assert prompt_len > 5 and prompt_len == pytest.approx(round(prompt_len), abs=1e-6), prompt_len
-
-
-def signal_all(processes, sig) -> None:
-    for p in processes:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(sig)

@@ -263,3 +263,8 @@ def test_a_reward_in_a_process_of_its_own_is_bounded_and_replaced():
     assert [p for p in servers() if p.pid not in before | {first.pid}]
     quick.close()
     patient.close()
+    from raylm.faults import Mistake
+
+    with pytest.raises(Mistake, match=r"rl.reward='nope:f' failed to load in its own process: "
+                                      r"ValueError: rl.reward='nope:f': module 'nope'"):
+        score(Isolated("nope:f", timeout_s=1), ["q"], ["a"], [{}], spec="nope:f")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -425,16 +424,12 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
 
     def kill_past_the_checkpoint() -> None:
         """Once the controller has step 13 (the record holds it; reports reach it at its
-        polls, so it is a few steps behind training), with every worker stopped so that no
-        save can land meanwhile: one is killed if the newest checkpoint is still step 12's."""
-        deadline = time.time() + 240
-        while not any(r["event"] == "progress" and r["step"] >= 13
-                      for r in record.read(str(run_dir))):
-            assert time.time() < deadline, "the controller never had step 13"
-            time.sleep(0.02)
-        workers = faults.train_workers()
-        for p in workers:
-            p.send_signal(signal.SIGSTOP)
+        polls, so it is a few steps behind training: the workers are held meanwhile), with
+        every worker stopped so that no save can land: one is killed if the newest checkpoint
+        is still step 12's."""
+        workers = faults.hold_until(lambda: any(
+            r["event"] == "progress" and r["step"] >= 13 for r in record.read(str(run_dir))),
+            what="the controller to have step 13")
         newest = rundir.latest_verified(run_dir, warn=lambda m: None)[1].step
         if newest == 12:
             workers[0].send_signal(signal.SIGKILL)

@@ -92,6 +92,14 @@ def test_a_failing_completion_scores_zero_and_a_batch_that_all_fails_is_a_mistak
         score(fn, ["p"] * 2, ["b", "bb"], [{}] * 2, spec="f")
 
 
+def test_a_reward_that_cannot_run_at_all_is_a_mistake_at_its_first_completion():
+    def cannot_run(prompt, completion, **row):  # as a reward's process that does not load
+        raise Mistake("rl.reward='x:f' failed to load in its own process")
+
+    with pytest.raises(Mistake, match="failed to load"):
+        score(cannot_run, ["p"] * 2, ["a", "b"], [{}] * 2, spec="x:f")
+
+
 def test_named_parts_are_summed_and_each_kept(user_module):
     fn = load_reward("my_rewards:graded")
     scores = score(fn, ["p", "p"], ["4", "five"], [{"answer": "4"}] * 2, spec="g")
