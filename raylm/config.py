@@ -1222,8 +1222,8 @@ def _check_reinforcement(cfg: Config) -> None:
 
 
 # Swept through lists of their own (TuneConfig), or the run's identity: not in tune.choices.
-_OWN_LISTS = {"optim.lr", "optim.schedule", "optim.warmup_steps", "optim.min_lr_ratio",
-              "optim.weight_decay", "lora.rank", "lora.alpha", "dpo.beta"}
+_OWN_LISTS = {"optim.lr", "optim.schedule", "optim.warmup_steps", "optim.weight_decay",
+              "lora.rank", "lora.alpha", "dpo.beta"}
 
 
 def _check_choices(cfg: Config) -> None:

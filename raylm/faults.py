@@ -74,6 +74,13 @@ def cause(error: BaseException, kind: type[BaseException] = Mistake) -> BaseExce
     return None
 
 
+def last_line(error: BaseException) -> str:
+    """The last line of ``error``'s message: for an actor that failed as it started, the
+    error its constructor raised (Ray puts the traceback before it)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 class Rewind(RuntimeError):
     """Raised on every rank once the samples of faulty steps are recorded to be left out (or
     the checkpoint a group resumed from is marked bad): Ray Train restarts the group, which

@@ -36,7 +36,7 @@ from typing import Any
 
 import ray
 
-from raylm.faults import Mistake
+from raylm.faults import Mistake, last_line
 from raylm.rollout.generator import Generator, Group, Prompt, Sampling
 
 # Generators in a row that die holding the same prompts before those prompts are taken to be
@@ -209,8 +209,8 @@ class GeneratorPool:
                     joined = ray.get(first)
                 except ray.exceptions.RayActorError as e:  # lost before it joined
                     if e.actor_init_failed:  # its model or reward: the next would fail alike
-                        lines = [line for line in str(e).splitlines() if line.strip()]
-                        raise Mistake(f"a generator failed as it started: {lines[-1]}") from None
+                        raise Mistake(f"a generator failed as it started: {last_line(e)}"
+                                      ) from None
                     self.replaced += 1
                     self._start()
                     continue

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raylm.faults import Mistake
+from raylm.faults import Mistake, last_line
 
 Reward = Callable[..., Any]
 # The built-ins' short names, for rl.reward: exact_match rather than the module path.
@@ -142,9 +142,8 @@ class Isolated:
                 raise RuntimeError(f"the reward's process did not start in {limit:g} s") from None
             except ray.exceptions.RayActorError as e:  # the function does not load there
                 self.close()
-                lines = [line for line in str(e).splitlines() if line.strip()]
                 raise Mistake(f"rl.reward={self.spec!r} failed to load in its own process: "
-                              f"{lines[-1]}") from None
+                              f"{last_line(e)}") from None
         return self.actor
 
     def close(self) -> None:

@@ -179,12 +179,11 @@ def rollout_batch(groups: list[Group], advantages: torch.Tensor, *, pad_id: int)
         first = i * (width - 1) + prompt_lens[i] - 1
         at.extend(range(first, first + lengths[i]))
         index.extend([i] * lengths[i])
-    if ref and len(ref) != len(old):
-        raise ValueError("some completions of the micro-batch have reference log-probabilities "
-                         "and some have none")
+    # Reference log-probabilities only where every completion has them: a micro-batch mixing
+    # completions kept from before rl.kl_coef was set has none (the step says so).
     return Rollouts({"input_ids": tokens, "position_ids": positions}, torch.tensor(at),
-                    torch.tensor(index), torch.tensor(old), advantages,
-                    torch.tensor(lengths), torch.tensor(ref) if ref else None)
+                    torch.tensor(index), torch.tensor(old), advantages, torch.tensor(lengths),
+                    torch.tensor(ref) if ref and len(ref) == len(old) else None)
 
 
 class PromptRows:

@@ -493,3 +493,8 @@ def test_a_removed_key_says_what_took_its_place():
         load_config(None, ["--tune.min_lr_ratios=[0.1]"])
     # A config saved before it went holds it at its default: read as its absence.
     assert load_config(None, ["--tune.min_lr_ratios=[]"]) == load_config(None, [])
+    # What took its place sweeps it.
+    from raylm.run.sweep import search_space
+
+    swept = load_config(None, ['--tune.choices={"optim.min_lr_ratio": [0.05, 0.1]}'])
+    assert search_space(swept)["optim.min_lr_ratio"].categories == [0.05, 0.1]
