@@ -234,12 +234,13 @@ def ddp_and_profile(rank: int, world: int, spec: dict[str, Any]) -> dict[str, An
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
 
-    from raylm.model.build import build_config, build_meta_model, init_weights, materialize
+    from raylm.model.build import build_meta_model, init_weights, materialize
+    from raylm.model.spec import ModelSpec
 
     cuda = spec["device"] == "cuda"
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    config = build_config(preset=spec["preset"], path=None, vocab_size=spec["vocab"], eos_id=0,
-                          attn_implementation="sdpa")
+    config = ModelSpec(preset=spec["preset"], vocab_size=spec["vocab"], eos_id=0
+                       ).transformers_config()
     model = materialize(build_meta_model(config), device)
     init_weights(model, seed=0, num_layers=config.num_hidden_layers)
     # One bucket: PowerSGD chains each bucket's all-reduces through futures, and with several

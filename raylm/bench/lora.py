@@ -31,7 +31,7 @@ from raylm.config import load_config
 from raylm.console import quiet_torchao
 from raylm.data.tokenizer import EOS_TOKEN, save_hf_tokenizer, train_bpe
 from raylm.examples.reverse_words import pretraining_text, write
-from raylm.model.build import build_config
+from raylm.model.spec import ModelSpec
 from raylm.run.launch import train
 
 # The vocabulary raylm's GPU configs train for the 125m preset and up.
@@ -77,8 +77,8 @@ def make_model(directory: Path, *, preset: str, family: str | None, texts: list[
     if family:
         config = family_config(family)
     else:
-        config = build_config(preset=preset, path=None, vocab_size=vocab_size,
-                              eos_id=tok.token_to_id(EOS_TOKEN), attn_implementation="sdpa")
+        config = ModelSpec(preset=preset, vocab_size=vocab_size,
+                           eos_id=tok.token_to_id(EOS_TOKEN)).transformers_config()
     torch.manual_seed(0)
     # Built on the GPU where there is one: initializing a billion parameters on the host's
     # cores takes longer than the fine-tunes measured.

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from raylm.config import load_config
 from raylm.contracts import PREPARED_MANIFEST
 from raylm.data.tokenizer import load_backend
-from raylm.model.build import build_config
+from raylm.model.spec import ModelSpec
 from raylm.run.launch import train
 
 
@@ -40,8 +40,7 @@ def bare_loop(prepared: Path, *, preset: str, vocab_size: int, eos_id: int, step
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    config = build_config(preset=preset, path=None, vocab_size=vocab_size, eos_id=eos_id,
-                          attn_implementation="sdpa")
+    config = ModelSpec(preset=preset, vocab_size=vocab_size, eos_id=eos_id).transformers_config()
     model = AutoModelForCausalLM.from_config(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device == "cuda")
     ids = pq.read_table(prepared / "train").column("input_ids").combine_chunks()

@@ -51,7 +51,7 @@ def _write(out: Path, *, steps: int, seed: int) -> None:
     from raylm.data.tokenizer import save_hf_tokenizer, train_bpe
 
     quiet_torchao()  # before transformers' model code imports it
-    from raylm.model.assemble import build_training_model
+    from raylm.model.spec import ModelSpec
     from raylm.workers.step import train_step
 
     texts = [f"User: {question(a, b)}\n\nAssistant: {c}" for a, b in PAIRS for c in (a, b)]
@@ -59,9 +59,9 @@ def _write(out: Path, *, steps: int, seed: int) -> None:
                       out / "model")
     tok = Tokenizer.from_file(str(out / "model" / "tokenizer.json"))
     eos = tok.token_to_id("<|endoftext|>")
-    built = build_training_model(preset="tiny", path=None, vocab_size=tok.get_vocab_size(),
-                                 eos_id=eos, device=torch.device("cpu"), precision="fp32",
-                                 cross_document=False, seed=seed)
+    built = ModelSpec(preset="tiny", vocab_size=tok.get_vocab_size(), eos_id=eos,
+                      precision="fp32", cross_document=False, seed=seed
+                      ).build(torch.device("cpu"))
     optimizer = torch.optim.AdamW(built.model.parameters(), lr=3e-3)
     rng, width = random.Random(seed), 48
     for _ in range(steps):

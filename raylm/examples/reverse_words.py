@@ -239,7 +239,7 @@ def model(output: str | Path, data: str | Path, *, layers: int = 4, hidden: int 
 
     from raylm.console import quiet_torchao
     from raylm.data.tokenizer import EOS_TOKEN, save_hf_tokenizer, train_bpe
-    from raylm.model.build import build_config
+    from raylm.model.spec import ModelSpec
 
     quiet_torchao()
     from transformers import AutoModelForCausalLM
@@ -249,8 +249,8 @@ def model(output: str | Path, data: str | Path, *, layers: int = 4, hidden: int 
     texts = (json.loads(line)["text"] for line in
              (Path(data) / "pretrain.jsonl").read_text().splitlines())
     tok = train_bpe(texts, vocab_size=2048)
-    config = build_config(preset="tiny", path=None, vocab_size=tok.get_vocab_size(),
-                          eos_id=tok.token_to_id(EOS_TOKEN), attn_implementation="sdpa")
+    config = ModelSpec(preset="tiny", vocab_size=tok.get_vocab_size(),
+                       eos_id=tok.token_to_id(EOS_TOKEN)).transformers_config()
     config.update({"hidden_size": hidden, "intermediate_size": 4 * hidden,
                    "num_hidden_layers": layers, "num_attention_heads": heads,
                    "num_key_value_heads": heads, "head_dim": hidden // heads, "use_cache": True})

@@ -40,8 +40,9 @@ from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_bloc
 from raylm.data.tokenizer import load_tokenizer
 from raylm.formats import llamacpp
 from raylm.model import lora, sparsity
-from raylm.model.assemble import Built, build_for_checkpoint, evaluate
-from raylm.model.build import build_config, max_positions
+from raylm.model.assemble import Built, evaluate
+from raylm.model.build import max_positions
+from raylm.model.spec import ModelSpec
 from raylm.outputs import OutputError, building, check_output, publish
 from raylm.workers import checkpoint
 
@@ -116,8 +117,8 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True,
     if found is None:
         raise ValueError(f"{rd} holds no complete checkpoint to export.")
     args = lora.adapter_args(cfg.lora)
-    built = build_for_checkpoint(preset=cfg.model.preset, path=cfg.model.path,
-                                 vocab_size=info["vocab_size"], eos_id=info["eos_id"], lora=args)
+    built = ModelSpec.from_config(cfg, vocab_size=info["vocab_size"],
+                                  eos_id=info["eos_id"]).for_checkpoint()
     model = built.model
     state = checkpoint.load(found[0], model=model, optimizer=None, config=built.config,
                             adapters=lora.settings(cfg.lora))
@@ -189,9 +190,8 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
         raise ValueError(f"--quantize {quantize} is llama.cpp's own quantizer: pip install "
                          f"'raylm[llamacpp]' (or export q8_0, which needs only gguf)")
     info = read_run_info(storage.normalize(run_dir))
-    config = build_config(preset=cfg.model.preset, path=cfg.model.path,
-                          vocab_size=info["vocab_size"], eos_id=info["eos_id"],
-                          attn_implementation="sdpa")
+    config = ModelSpec.from_config(cfg, vocab_size=info["vocab_size"],
+                                   eos_id=info["eos_id"]).transformers_config()
     arch = llamacpp.check_model(config.to_dict())
     tokenizer = storage.join(storage.normalize(run_dir), TOKENIZER_DIR, "tokenizer.json")
     llamacpp.pre_tokenizer(json.loads(storage.read_text(tokenizer)), arch)

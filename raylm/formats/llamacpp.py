@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from raylm.model.build import Shape
+
 FAMILIES = {"LlamaForCausalLM": "LLAMA", "MistralForCausalLM": "LLAMA",
             "Qwen2ForCausalLM": "QWEN2", "Qwen3ForCausalLM": "QWEN3",
             "Gemma3ForCausalLM": "GEMMA3", "Olmo2ForCausalLM": "OLMO2",
@@ -192,8 +194,8 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
         if arch.name == "GPT2" and data.ndim == 2 and ".h." in name:  # Conv1D: (in, out)
             data = data.T
         if arch.name in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
-            data = _interleaved_rotary(data, c.num_key_value_heads if "k_proj" in name
-                                       else c.num_attention_heads)
+            data = _interleaved_rotary(data, Shape.of(c).kv_heads if "k_proj" in name
+                                       else Shape.of(c).heads)
         if arch.name in ("GEMMA2", "GEMMA3") and name.endswith("norm.weight"):
             data = data + 1.0
         types[_add_tensor(writer, target, data.numpy(), quantize)] += 1
@@ -209,17 +211,17 @@ def _add_shape(writer, arch: str, c) -> None:
     """The model's hyperparameters, as llama.cpp's ``arch`` reads them."""
     import gguf
 
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    writer.add_block_count(c.num_hidden_layers)
+    shape = Shape.of(c)
+    head_dim = shape.head_dim
+    writer.add_block_count(shape.layers)
     # llama.cpp's Phi-3 attends to all it holds, transformers' to a window: the file's length
     # is as far as they agree.
     window = (arch == "PHI3" and c.sliding_window) or c.max_position_embeddings
     writer.add_context_length(min(window, c.max_position_embeddings))
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(getattr(c, "intermediate_size", None) or c.n_inner
-                                   or 4 * c.hidden_size)  # GPT-2's n_inner
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(getattr(c, "num_key_value_heads", c.num_attention_heads))
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.intermediate)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     if arch == "GPT2":  # learned positions, LayerNorms

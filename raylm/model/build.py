@@ -104,6 +104,38 @@ def build_config(*, preset: str | None, path: str | None, vocab_size: int, eos_i
     return cfg
 
 
+@dataclass(frozen=True)
+class Shape:
+    """A model's dimensions, read from any family's transformers config: the names Llama uses
+    where the family has them (transformers maps GPT-2's ``n_head``, ``n_embd`` and ``n_layer``
+    onto them), else what the family computes without them. A family whose config class
+    declares no key/value head count (GPT-2) has one key/value head per attention head,
+    whatever a hand-edited config carries under that name (transformers ignores it too)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> Shape:
+        import inspect
+
+        hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+        declared = "num_key_value_heads" in inspect.signature(type(config).__init__).parameters
+        kv = (getattr(config, "num_key_value_heads", None) if declared else None) or heads
+        # GPT-2's MLP is n_inner wide, 4 x hidden where n_inner is None.
+        mlp = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+               or 4 * hidden)
+        return cls(layers=int(config.num_hidden_layers), hidden=hidden, heads=heads,
+                   kv_heads=int(kv), head_dim=int(getattr(config, "head_dim", None)
+                                                  or hidden // heads),
+                   intermediate=int(mlp), vocab=int(config.vocab_size))
+
+
 def max_positions(config) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 0)
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from raylm.model.build import decoder_layers
+from raylm.model.build import Shape, decoder_layers
 from raylm.model.float8 import to_float8
 from raylm.model.pipeline import Stage, owned_blocks
 
@@ -175,8 +175,8 @@ def check_tensor_parallel(config, *, tensor: int, seq_len: int) -> None:
     if tensor == 1:
         return
     tp_plan(config, tensor=tensor)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    shape = Shape.of(config)
+    heads, kv_heads = shape.heads, shape.kv_heads
     for what, n in (("attention heads", heads), ("key/value heads", kv_heads),
                     ("tokens per sequence (data.seq_len)", seq_len)):
         if n % tensor:

@@ -1,8 +1,9 @@
 """A generator: the policy's weights of one version, sampling a group of completions per prompt
 and scoring them with the run's reward function, as a Ray actor beside the trainers.
 
-The generator builds the run's model as a training worker does (one process, no sharding:
-:func:`raylm.model.assemble.build_training_model`, adapters included), and takes the trainers'
+The generator builds the run's model as a training worker does, from the run's
+:class:`raylm.model.spec.ModelSpec` (one process, no sharding; adapters and an NF4 base
+included, under the trainers' mixed precision), and takes the trainers'
 trainable weights after each optimizer step (:meth:`Generator.load`, a version number with
 them). Sampling runs through transformers' ``generate`` with its KV cache.
 
@@ -97,8 +98,7 @@ class Generator:
         quiet_libraries(cfg.run.verbose)
         from tokenizers import Tokenizer
 
-        from raylm.model.assemble import build_training_model
-        from raylm.model.lora import adapter_args
+        from raylm.model.spec import ModelSpec
 
         self.cfg, self.eos_id, self.spec = cfg, eos_id, reward
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
@@ -109,11 +109,11 @@ class Generator:
         else:
             device = torch.device("cpu")
             torch.set_num_threads(max(1, threads))
-        self.built = build_training_model(
-            preset=cfg.model.preset, path=cfg.model.path, vocab_size=vocab_size,
-            eos_id=eos_id, device=device, precision=cfg.train.precision,
-            attention=cfg.model.attention, seed=cfg.train.seed, lora=adapter_args(cfg.lora),
-            fused_loss=False)
+        # The trainers' model (its NF4 base included), with whole logits (sampling reads
+        # them) and the plain kernel: each row is one document, and transformers' generate
+        # runs its KV cache through that kernel.
+        spec = ModelSpec.from_config(cfg, vocab_size=vocab_size, eos_id=eos_id)
+        self.built = spec.replace(fused_loss=False, cross_document=True).build(device)
         self.built.model.eval()
         self.names = {n for n, p in self.built.model.named_parameters() if p.requires_grad}
         self.version = 0  # the built weights: the run's start
@@ -123,6 +123,12 @@ class Generator:
             self.reference = self.built.model
             if not self.adapters:
                 self.reference = copy.deepcopy(self.built.model).requires_grad_(False)
+
+    def autocast(self):
+        """The trainers' mixed precision, so the generator's numbers are theirs."""
+        from raylm.model.parallelize import autocast
+
+        return autocast(self.built.precision, self.built.device.type)
 
     def load(self, version: int, weights: dict[str, torch.Tensor]) -> int:
         """Take the trainers' trainable weights of ``version``; returns it."""
@@ -171,7 +177,7 @@ class Generator:
             torch.cuda.manual_seed(seed)
         sampled = (dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
                    if s.temperature > 0 else dict(do_sample=False))
-        with self.built.attention.context():
+        with self.built.attention.context(), self.autocast():
             out = model.generate(
                 input_ids=tokens, attention_mask=torch.ones_like(tokens), **sampled,
                 max_new_tokens=s.max_tokens, eos_token_id=self.eos_id, pad_token_id=self.eos_id,
@@ -194,7 +200,7 @@ class Generator:
         """Each completion token's log-probability under ``model`` (these weights unless
         given; teacher-forced)."""
         model = model if model is not None else self.built.model
-        with self.built.attention.context():
+        with self.built.attention.context(), self.autocast():
             logits = model(input_ids=sequences[:, :-1]).logits.float()
         picked = torch.log_softmax(logits[:, prompt_len - 1:] / temperature, dim=-1).gather(
             -1, sequences[:, prompt_len:, None]).squeeze(-1)

@@ -40,7 +40,7 @@ from raylm.data.streams import READER_CPUS
 from raylm.data.tokenizer import load_backend
 from raylm.formats.exporter import export, write_run_info
 from raylm.model import lora
-from raylm.model.build import build_config
+from raylm.model.spec import ModelSpec
 from raylm.run import goodput, tracking
 from raylm.run.benchmarks import Benchmarks
 from raylm.run.group import ProcessGroup
@@ -574,8 +574,8 @@ def check_resumable(cfg: Config, found: tuple[str, Marker] | None, *, vocab_size
     checkpoint."""
     if found is None:
         return None
-    model_cfg = build_config(preset=cfg.model.preset, path=cfg.model.path,
-                             vocab_size=vocab_size, eos_id=eos_id, attn_implementation="sdpa")
+    model_cfg = ModelSpec.from_config(cfg, vocab_size=vocab_size,
+                                      eos_id=eos_id).transformers_config()
     rundir.check_compatible(found[1], model_cfg, str(found[0]), lora.settings(cfg.lora))
     state = found[1].state
     log(f"raylm: run {cfg.run.name!r} exists; resuming from step {state['step']} "

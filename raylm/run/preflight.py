@@ -20,9 +20,10 @@ from raylm.config import Config, for_sweep
 from raylm.data.corpus import first_row
 from raylm.hub import with_hub_snapshots
 from raylm.model import lora
-from raylm.model.build import build_config, build_meta_model, check_seq_len
+from raylm.model.build import check_seq_len
 from raylm.model.parallelize import check_tensor_parallel
 from raylm.model.pipeline import check_pipeline
+from raylm.model.spec import ModelSpec
 from raylm.model.weights import check_weights
 from raylm.rollout import rewards
 from raylm.run import benchmarks, tracking
@@ -48,8 +49,9 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
         cfg = for_sweep(cfg)  # before a hub id becomes a snapshot path
     cfg = with_hub_snapshots(cfg)
     m = cfg.model
-    model_config = build_config(preset=m.preset, path=m.path, vocab_size=1, eos_id=0,
-                                attn_implementation="eager")
+    # The tokenizer is not known yet: one token fits any model's embeddings.
+    spec = ModelSpec.from_config(adapted(cfg, sweep=sweep), vocab_size=1, eos_id=0)
+    model_config = spec.transformers_config("eager")
     longest = cfg.data.seq_len + (cfg.rl.max_completion_tokens
                                   if cfg.train.objective == "grpo" else 0)
     check_seq_len(longest, model_config, preset=m.preset, path=m.path)
@@ -57,13 +59,11 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
         check_reward(cfg)
     check_tensor_parallel(model_config, tensor=cfg.parallel.tensor, seq_len=cfg.data.seq_len)
     check_pipeline(model_config, pipeline=cfg.parallel.pipeline)
-    adapters = lora.adapter_args(adapted(cfg, sweep=sweep).lora)
     if m.path:
         # The weight files against the model the config makes (on meta, no memory).
-        model = build_meta_model(model_config)
-        check_weights(lora.add_adapters(model, **adapters) if adapters else model, m.path)
+        check_weights(spec.meta_model(model_config), m.path)
     if cfg.lora.base_quantization == "nf4":
-        model = lora.add_adapters(build_meta_model(model_config), **adapters)
+        model = spec.meta_model(model_config)
         fewest, most = cfg.scaling.worker_range
         for workers in range(fewest, most + 1):
             lora.check_nf4_shapes(model, cfg.lora.target_modules, workers)

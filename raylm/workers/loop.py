@@ -56,7 +56,6 @@ from raylm.model import sparsity
 from raylm.model.assemble import (
     Built,
     batch_loss,
-    build_training_model,
     logit_spread,
     plain,
 )
@@ -64,6 +63,7 @@ from raylm.model.lora import adapter_args
 from raylm.model.lora import settings as lora_settings
 from raylm.model.parallelize import Layout, ParallelPlan, layout_of, loss_context
 from raylm.model.pipeline import describe_split
+from raylm.model.spec import ModelSpec
 from raylm.schedule import lr_at
 from raylm.workers import checkpoint as ckpt
 from raylm.workers import preemption
@@ -663,14 +663,8 @@ def build_model(handoff: Handoff, *, device: torch.device, plan: ParallelPlan
                 ) -> tuple[Built, torch.optim.Optimizer]:
     """The run's model, laid out by ``plan`` on ``device``, and its optimizer."""
     cfg = handoff.cfg
-    t = cfg.train
-    built = build_training_model(
-        preset=cfg.model.preset, path=cfg.model.path, vocab_size=handoff.vocab_size,
-        eos_id=handoff.eos_id, device=device, precision=t.precision,
-        attention=cfg.model.attention, cross_document=cfg.data.across_documents,
-        plan=plan, pipeline_schedule=cfg.parallel.pipeline_schedule,
-        seed=t.seed, lora=adapter_args(cfg.lora),
-        base_quantization=cfg.lora.base_quantization, fused_loss=t.fused_loss)
+    built = ModelSpec.from_config(cfg, vocab_size=handoff.vocab_size,
+                                  eos_id=handoff.eos_id).build(device, plan)
     o = cfg.optim
     optimizer = build_optimizer(built.model, lr=o.lr, weight_decay=o.weight_decay,
                                 betas=(o.beta1, o.beta2), device_type=device.type)

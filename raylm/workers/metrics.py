@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from raylm.model.build import Shape
+
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s, from the vendors' data sheets, keyed by
 # the exact name CUDA reports. Exact, because names nest: "NVIDIA L40" is not an L4 (181 vs
 # 121 TFLOP/s) and "NVIDIA H200 NVL" is not the SXM H200 (835 vs 989); a substring match once
@@ -44,13 +46,11 @@ def bf16_peak(device_name: str) -> float | None:
 
 
 def flops_per_token(config, seq_len: int) -> float:
-    layers, hidden = config.num_hidden_layers, config.hidden_size
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    attn = hidden * head_dim * (2 * heads + 2 * kv)  # q, o and k, v projections
-    mlp = 3 * hidden * config.intermediate_size
-    non_embedding = layers * (attn + mlp) + hidden * config.vocab_size  # + output head
-    return 6.0 * non_embedding + 12.0 * layers * hidden * seq_len
+    s = Shape.of(config)
+    attn = s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads)  # q, o and k, v projections
+    mlp = 3 * s.hidden * s.intermediate
+    non_embedding = s.layers * (attn + mlp) + s.hidden * s.vocab  # + output head
+    return 6.0 * non_embedding + 12.0 * s.layers * s.hidden * seq_len
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:

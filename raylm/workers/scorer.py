@@ -11,9 +11,9 @@ time, writing each group's figures as a file of their own with the same rows in 
 (:func:`raylm.data.streams.reference_file`): the pass spreads over as many actors as there are
 row groups, and a reader finds a block's figures at the same (file, row group, row).
 
-The scorer builds the model as a training worker does
-(:func:`raylm.model.assemble.build_training_model`, one process, the run's precision and
-attention) and sums nothing: it stores each target's log-probability, and the step sums them
+The scorer builds the model as a training worker does, from the run's
+:class:`raylm.model.spec.ModelSpec` without its adapters (one process, the run's precision and
+attention), and sums nothing: it stores each target's log-probability, and the step sums them
 with the same segments as the policy's (:func:`raylm.workers.preference.reference_sums`).
 """
 
@@ -46,7 +46,7 @@ class ReferenceScorer:
         # Before the model code is imported: its libraries' import-time lines (torchao's about
         # its installation) are quieted as in a training worker.
         quiet_libraries(cfg.run.verbose)
-        from raylm.model.assemble import build_training_model
+        from raylm.model.spec import ModelSpec
 
         self.prepared, self.out, self.block_length = prepared, out, block_length
         self.micro_batch = cfg.train.micro_batch_size
@@ -55,10 +55,9 @@ class ReferenceScorer:
         else:
             device = torch.device("cpu")
             torch.set_num_threads(max(1, int(cfg.scaling.cpus_per_worker)))
-        self.built = build_training_model(
-            preset=cfg.model.preset, path=cfg.model.path, vocab_size=vocab_size, eos_id=eos_id,
-            device=device, precision=cfg.train.precision, attention=cfg.model.attention,
-            cross_document=cfg.data.across_documents, seed=cfg.train.seed)
+        # The reference is the starting model itself: no adapters on it.
+        spec = ModelSpec.from_config(cfg, vocab_size=vocab_size, eos_id=eos_id)
+        self.built = spec.replace(lora=None, base_quantization="none").build(device)
         self.built.model.eval()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

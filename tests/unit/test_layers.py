@@ -42,7 +42,7 @@ def test_ruff_finds_nothing():
 
 
 # The budget docs/development.md states: raising one is a decision made there, with its reason.
-MAX_LINES = 19_100  # raylm/ outside bench/
+MAX_LINES = 19_400  # raylm/ outside bench/
 MAX_CONFIG_KEYS = 145
 
 
@@ -102,3 +102,12 @@ def test_no_module_of_raylm_is_named_as_its_api():
     root = Path(raylm.__file__).parent
     modules = {p.stem for p in root.glob("*.py")} | {p.name for p in root.iterdir() if p.is_dir()}
     assert not modules & set(raylm.__all__)
+
+
+def test_models_are_built_from_their_spec_outside_model():
+    """Outside raylm/model, a model's transformers config comes from its ModelSpec, so every
+    process builds the run's model from the same settings (raylm.model.spec)."""
+    found = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "raylm").rglob("*.py"))
+             if "model" not in p.relative_to(ROOT / "raylm").parts[:1]
+             and "build_config(" in p.read_text()]
+    assert found == [], found

@@ -107,3 +107,22 @@ def test_a_model_that_brings_its_own_code_is_refused_and_its_code_never_runs(tmp
         build_config(preset=None, path=str(tmp_path), vocab_size=10, eos_id=0,
                      attn_implementation="sdpa")
     assert not proof.exists()
+
+
+def test_each_familys_shape_is_read_under_its_own_names():
+    """Shape.of reads a model's dimensions from any family's transformers config: GPT-2's own
+    names, its unset MLP width, its one key/value head per head; grouped-query heads and an
+    explicit head size elsewhere."""
+    import transformers as T
+
+    from raylm.model.build import Shape
+
+    gpt2 = T.GPT2Config(vocab_size=500, n_embd=64, n_layer=3, n_head=4, num_key_value_heads=2)
+    assert Shape.of(gpt2) == Shape(layers=3, hidden=64, heads=4, kv_heads=4, head_dim=16,
+                                   intermediate=256, vocab=500)
+    assert Shape.of(T.GPT2Config(n_embd=64, n_head=4, n_inner=100)).intermediate == 100
+    qwen3 = T.Qwen3Config(vocab_size=500, hidden_size=64, intermediate_size=96,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=32)
+    assert Shape.of(qwen3) == Shape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32,
+                                    intermediate=96, vocab=500)

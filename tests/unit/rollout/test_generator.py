@@ -108,3 +108,49 @@ def test_the_kl_reference_is_the_starting_model_whatever_weights_are_loaded(make
         assert ref == pytest.approx(want, abs=1e-5)
         assert ref != pytest.approx(logps, abs=1e-3)
     assert make().generate([prompt(5)], SAMPLING, version=0)[0].ref_logps is None
+
+
+def test_a_qlora_generator_samples_from_the_nf4_base_the_trainers_score(tmp_path,
+                                                                        tokenizer_dir):
+    """The generators build the trainers' model from the same spec: under QLoRA, the NF4 base
+    and the mixed precision, so the first step's importance ratio (the trainers' probability of
+    each sampled token over the generator's) is 1 within float noise (1e-3). An unquantized
+    base, what the generators built before, is off by the quantization's error (up to 0.1
+    here)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from raylm.config import config_from_dict
+    from raylm.model.spec import ModelSpec
+    from raylm.workers.grpo import rollout_batch
+    from raylm.workers.preference import answer_rows, row_logps
+
+    vocab = tokenizer_vocab(tokenizer_dir)
+    torch.manual_seed(0)  # NF4 splits 256-wide weights into whole blocks; the tiny preset's do not
+    AutoModelForCausalLM.from_config(LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=64)
+    ).save_pretrained(str(tmp_path / "base"))
+    sections = {"model": {"path": str(tmp_path / "base")},
+                "train": {"precision": "bf16-mixed", "seed": 0},
+                "data": {"cross_document_attention": False},
+                "lora": {"rank": 4, "alpha": 8, "target_modules": "auto"}}
+    sampling = Sampling(group_size=3, temperature=1.0, max_tokens=5)
+
+    def ratios(base_quantization: str) -> torch.Tensor:
+        lora = {**sections["lora"], "base_quantization": base_quantization}
+        gen = Generator(config={**sections, "lora": lora}, vocab_size=vocab, eos_id=0,
+                        tokenizer_json=(tokenizer_dir / "tokenizer.json").read_text(),
+                        reward="exact_match")
+        group = gen.generate([prompt(3)], sampling, version=0)[0]
+        trainer = ModelSpec.from_config(config_from_dict({**sections, "lora": {
+            **lora, "base_quantization": "nf4"}}), vocab_size=vocab, eos_id=0
+                                        ).build(torch.device("cpu"))
+        rows = rollout_batch([group], torch.zeros(3), pad_id=0)
+        with torch.no_grad():
+            logits, at = answer_rows(trainer, rows.batch, rows.at)
+            logp = row_logps(logits / sampling.temperature, rows.batch["input_ids"][:, 1:], at)
+        return (logp - rows.old_logp).exp()
+
+    same, apart = ratios("nf4"), ratios("none")
+    assert (same - 1).abs().max() < 1e-3, same
+    assert (apart - 1).abs().max() > 0.03, apart

@@ -41,3 +41,17 @@ def test_cpu_has_no_peak_and_memory_is_measured():
 def test_peak_is_looked_up_by_exact_device_name(name, tflops):
     peak = bf16_peak(name)
     assert (peak if peak is None else peak / 1e12) == tflops
+
+
+def test_flops_per_token_of_a_gpt2_as_released():
+    """GPT-2's config names no key/value heads and leaves its MLP width unset (4 x hidden):
+    the count is a full multi-head model's, even where a hand-edited config carries a key/value
+    head count transformers ignores."""
+    from transformers import GPT2Config
+
+    per_layer = 4 * 64 * 64 + 3 * 64 * 256  # q, k, v, o; the MLP 4 x 64 wide
+    want = 6 * (2 * per_layer + 64 * 500) + 12 * 2 * 64 * 128
+    for config in (GPT2Config(vocab_size=500, n_embd=64, n_layer=2, n_head=4),
+                   GPT2Config(vocab_size=500, n_embd=64, n_layer=2, n_head=4,
+                              num_key_value_heads=2)):
+        assert flops_per_token(config, 128) == want
