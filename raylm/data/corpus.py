@@ -81,6 +81,8 @@ class Record:
     line: int
     """1-based line (text/JSONL), row (Parquet/Arrow) or docstring line (pydoc); 0 for a whole
     file (an empty file)."""
+    row: str | None = None
+    """A prompt's whole row, every column, as JSON (:func:`row_json`): what its reward reads."""
 
 
 def is_bad(reason: str | None, line: int) -> bool:
@@ -259,7 +261,8 @@ def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "
               "preference": [prompt_field, chosen_field, rejected_field],
               "prompt": [prompt_field]}[example_format]
     n = 0
-    for row, reason, line in _rows(f, fields):
+    whole = example_format == "prompt"  # a prompt keeps its row: its reward reads the columns
+    for row, reason, line in _rows(f, fields, whole=whole):
         n += 1
         messages = None
         if reason is None:
@@ -277,14 +280,42 @@ def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "
                 messages, reason = parse_prompt_completion(row[prompt_field],
                                                            row[completion_field])
         text = None if reason is not None else json.dumps(messages, ensure_ascii=False)
-        yield Record(text, reason, line)
+        kept = whole and reason is None
+        yield Record(text, reason, line, row_json(row, where=f"{f.path}:{line}") if kept else None)
     if n == 0:
         yield Record(None, "empty", 0)
 
 
+def row_json(row: dict[str, Any], *, where: str) -> str:
+    """A data row as the JSON its prompt keeps in the prepared blocks: JSON's own values as
+    they are, dates and times as ISO 8601 text; anything else (bytes, a decimal) is refused
+    naming its column, before any block is written."""
+    import datetime
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (datetime.date, datetime.time, datetime.datetime)):
+            return value.isoformat()
+        raise TypeError(type(value).__name__)
+
+    try:
+        return json.dumps(row, ensure_ascii=False, default=plain)
+    except TypeError as e:
+        def fails(value: Any) -> bool:
+            try:
+                json.dumps(value, default=plain)
+            except TypeError:
+                return True
+            return False
+
+        name = next(k for k, v in row.items() if fails(v))  # the first column that fails alone
+        raise SourceError(f"{where}: column {name!r} holds a {e} value, which a prompt's row "
+                          f"cannot keep (it is stored as JSON for the reward); cast the column "
+                          f"to text or numbers in the source, or drop it.") from None
+
+
 def read_rows(f: SourceFile) -> dict[int, dict[str, Any]]:
     """Every row of a JSONL/Parquet/Arrow file with all its columns, by the line (or row)
-    :func:`read_examples` gives it: what a reward function is given beside a prompt."""
+    :func:`read_examples` gives it."""
     if f.format == "jsonl":
         return {line: obj for obj, _, line in _jsonl_objects(f) if obj is not None}
     import pyarrow as pa
@@ -324,14 +355,18 @@ def first_row(source: str | list[str], *, hf_split: str = "train") -> dict[str, 
     return None
 
 
-def _rows(f: SourceFile, fields: list[str]) -> Iterator[tuple]:
+def _rows(f: SourceFile, fields: list[str], *, whole: bool = False) -> Iterator[tuple]:
     """``(row, reason, line)``: each row of a JSONL/Parquet/Arrow file as a mapping of the
-    ``fields`` (absent ones None), or the reason it cannot be read."""
+    ``fields`` (absent ones None; with ``whole``, every other column too), or the reason it
+    cannot be read."""
     if f.format == "jsonl":
         for obj, reason, lineno in _jsonl_objects(f):
-            yield (None if obj is None else {k: obj.get(k) for k in fields}), reason, lineno
+            if obj is not None:
+                obj = {**dict.fromkeys(fields), **obj} if whole else {k: obj.get(k)
+                                                                      for k in fields}
+            yield obj, reason, lineno
         return
-    present, batches, rows = _table_batches(f, fields)
+    present, batches, rows = _table_batches(f, fields, whole=whole)
     if batches is None:  # none of the fields: every row lacks them
         for i in range(rows):
             yield dict.fromkeys(fields), None, i + 1
@@ -343,7 +378,8 @@ def _rows(f: SourceFile, fields: list[str]) -> Iterator[tuple]:
                    for k in present}
         for i in range(batch.num_rows):
             line += 1
-            row = {k: (columns[k][i] if k in columns else None) for k in fields}
+            row = {k: (columns[k][i] if k in columns else None)
+                   for k in (dict.fromkeys([*fields, *present]) if whole else fields)}
             if sum(_cell_size(v) for v in row.values()) > MAX_RECORD_BYTES:
                 yield None, "too_long", line
             else:
@@ -464,15 +500,22 @@ def _jsonl_records(f: SourceFile, *, text_field: str, **_) -> Iterator[tuple]:
             yield value, None, lineno
 
 
-def _table_batches(f: SourceFile, columns: list[str]):
+def _table_batches(f: SourceFile, columns: list[str], *, whole: bool = False):
     """(the ``columns`` the file has, their record batches, None), or ([], None, row count)
-    when it has none of them."""
+    when it has none of them. With ``whole``, the batches hold every column the file has
+    (listed after them), wherever it has one of ``columns``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    def found(names: list[str]) -> list[str]:
+        present = [c for c in columns if c in names]
+        if whole and present:
+            present += [c for c in names if c not in present]
+        return present
+
     if f.format == "parquet":
         pf = pq.ParquetFile(f.path)
-        present = [c for c in columns if c in pf.schema_arrow.names]
+        present = found(pf.schema_arrow.names)
         if not present:
             return [], None, pf.metadata.num_rows
         return present, pf.iter_batches(columns=present, batch_size=1024), None
@@ -484,7 +527,7 @@ def _table_batches(f: SourceFile, columns: list[str]):
         reader = pa.ipc.open_file(source)
         schema = reader.schema
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    present = [c for c in columns if c in schema.names]
+    present = found(schema.names)
     if not present:
         return [], None, sum(b.num_rows for b in batches)
     return present, batches, None

@@ -58,7 +58,7 @@ import pyarrow.parquet as pq
 
 from raylm import storage
 from raylm.config import Config, cache_dir, run_dir
-from raylm.contracts import LAYOUT, RUN_INFO, SPLITS
+from raylm.contracts import LAYOUT, PROMPT_ROW, RUN_INFO, SPLITS
 from raylm.data.chat import (
     DEFAULT_VERSION,
     DefaultTemplate,
@@ -106,7 +106,7 @@ class BadRecordError(ValueError):
 
 _RECORD_SCHEMA = pa.schema([
     ("text", pa.string()), ("reason", pa.string()), ("file_id", pa.int32()),
-    ("line", pa.int64()), ("key", pa.int64()), ("hash", pa.uint64()),
+    ("line", pa.int64()), ("key", pa.int64()), ("hash", pa.uint64()), ("row", pa.string()),
 ])
 
 
@@ -132,6 +132,7 @@ def _records(files: list[tuple[SourceFile, int]], *, text_field: str, text_unit:
             cols["line"].append(rec.line)
             cols["key"].append(record_key(file_id, index))
             cols["hash"].append(content_hash(rec.text) if rec.text is not None else 0)
+            cols["row"].append(rec.row)
             if len(cols["text"]) >= chunk_rows:
                 yield pa.table(cols, schema=_RECORD_SCHEMA)
                 cols = {name: [] for name in _RECORD_SCHEMA.names}
@@ -327,10 +328,13 @@ class BlockWriter:
     and renamed when complete, so a piece task that is retried leaves no half file. Besides the
     tokens and document starts, each block keeps where its segments came from (``doc_sources``:
     :func:`raylm.data.packing.source_key` of file and line, 8 bytes per document), so that a
-    sample a run leaves out can be traced to its records."""
+    sample a run leaves out can be traced to its records. A block of a prompt set keeps its
+    prompt's whole row too (``prompt_row``, JSON: what the reward reads), so a prepared
+    directory trains without its sources."""
 
     def __init__(self, directory: Path, *, block_length: int, group_rows: int,
-                 loss_mask: bool = False, prefix: str = "part") -> None:
+                 loss_mask: bool = False, prefix: str = "part",
+                 prompt_rows: bool = False) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.block_length = block_length
@@ -340,8 +344,11 @@ class BlockWriter:
                   ("doc_sources", pa.list_(pa.int64()))]
         if loss_mask:
             fields.append(("loss_mask", pa.list_(pa.uint8())))
+        if prompt_rows:
+            fields.append((PROMPT_ROW, pa.string()))
         self.schema = pa.schema(fields)
-        self.loss_mask = loss_mask
+        self.loss_mask, self.prompt_rows = loss_mask, prompt_rows
+        self._rows: list[str] = []
         self._blocks: list[np.ndarray] = []
         self._masks: list[np.ndarray] = []
         self._starts: list[np.ndarray] = []
@@ -356,8 +363,13 @@ class BlockWriter:
         opening every file's footer."""
 
     def add(self, blocks: np.ndarray, doc_starts: list[np.ndarray],
-            sources: list[np.ndarray], masks: np.ndarray | None = None) -> None:
+            sources: list[np.ndarray], masks: np.ndarray | None = None,
+            rows: list[str] | None = None) -> None:
         assert (masks is not None) == self.loss_mask and len(sources) == len(blocks)
+        assert (rows is not None) == self.prompt_rows
+        if rows is not None:
+            assert len(rows) == len(blocks)
+            self._rows.extend(rows)
         if len(blocks):
             self._blocks.append(blocks)
             if masks is not None:
@@ -382,6 +394,9 @@ class BlockWriter:
             m_off = pa.array(np.arange(n + 1, dtype=np.int32) * self.block_length)
             columns.append(pa.ListArray.from_arrays(
                 m_off, pa.array(mask_rows.reshape(-1), type=pa.uint8())))
+        if self.prompt_rows:
+            columns.append(pa.array(self._rows[:n], pa.string()))
+            self._rows = self._rows[n:]
         self._pending -= n
         if self._writer is None or self._groups_in_file >= ROW_GROUPS_PER_FILE:
             self._open()
@@ -524,11 +539,14 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
     renderer = ExampleRenderer(**render, tokenizer=tok, eos_id=eos_id) if render else None
     dup = np.unique(np.concatenate([np.zeros(0, np.int64), *duplicates]))
     prefix = f"part-{piece:05d}"
+    prompts = renderer is not None and renderer.format == "prompt"
     writers = {s: BlockWriter(Path(out) / s, block_length=block_length, group_rows=group_rows,
-                              loss_mask=renderer is not None, prefix=prefix) for s in SPLITS}
-    packers = {s: ExamplePacker(block_length, pad_id=eos_id,
-                                one_per_block=renderer.format == "prompt") if renderer else
-               Packer(block_length) for s in SPLITS}
+                              loss_mask=renderer is not None, prefix=prefix,
+                              prompt_rows=prompts) for s in SPLITS}
+    packers = {s: ExamplePacker(block_length, pad_id=eos_id, one_per_block=prompts)
+               if renderer else Packer(block_length) for s in SPLITS}
+    # A prompt's row by its source key, until the packer hands out the prompt's block.
+    rows: dict[int, str] | None = {} if prompts else None
     val_cut = int(val_fraction * 2**64)
     res = PieceResult(dropped=dict.fromkeys(
         DROP_REASONS + (EXAMPLE_DROP_REASONS if renderer else ()), 0),
@@ -587,12 +605,14 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
                     doc = (*doc, int(pair_splits[i]))
             docs[split].append(doc)
             keys[split].append(source_key(int(file_ids[i]), int(lines[i])))
+            if rows is not None:
+                rows[keys[split][-1]] = table.column("row")[i].as_py()
         for s in SPLITS:
             if docs[s]:
-                _write(writers[s], packers[s].add(docs[s], np.array(keys[s], np.int64)))
+                _write(writers[s], packers[s].add(docs[s], np.array(keys[s], np.int64)), rows)
     for s in SPLITS:
         if renderer:
-            _write(writers[s], packers[s].finish())
+            _write(writers[s], packers[s].finish(), rows)
         writers[s].close()
         p = packers[s]
         res.splits[s] = {
@@ -634,8 +654,12 @@ def _tokenizer_id(cfg: Config) -> str:
     return f"{base}:beside:{json.loads(config.read_text()).get('model_type')}"
 
 
-def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
-    """Names the cached preparation and is the manifest's ``fingerprint``."""
+def prepared_fingerprint(corpus_fp: str, cfg: Config, *, blocks_only: bool = False) -> str:
+    """Names the cached preparation and is the manifest's ``fingerprint``. ``blocks_only``:
+    without what a prompt set's blocks keep beside their tokens (``prompt_rows``: each
+    prompt's data row, since raylm stopped reading the sources at training time), so equal
+    for two preparations whose blocks hold the same samples: a run's identity
+    (``data_identity``), and the name of a prompt set's cache before it kept its rows."""
     d = cfg.data
     tokenizer_id = _tokenizer_id(cfg)
     examples = {}
@@ -645,6 +669,8 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config) -> str:
                         long_examples=d.long_examples, render=2)
         if (version := template_version(run_dir(cfg))) != 1:  # 1's fingerprints kept
             examples["default_template"] = version
+        if d.format == "prompt" and not blocks_only:
+            examples["prompt_rows"] = 1
     return tokenizer_fingerprint(
         corpus_fp, tokenizer=tokenizer_id, seq_len=d.seq_len, min_chars=d.min_chars,
         dedup=d.dedup, val_fraction=d.val_fraction, text_field=d.text_field,
@@ -786,8 +812,9 @@ def _prepare_into(out: Path, cfg: Config, files: list[SourceFile], *,
         lambda i: pack_task.remote(i, _piece_files(files, starts, i), *duplicates[i],
                                    **settings),
         n, limit=d.tokenize_concurrency, log=log, t0=t0)
-    return _finish(out, results, cfg=cfg, eos=eos, tok_path=tok_path, fp=fp, log=log, t0=t0,
-                   sources=[str(f.path) for f in files])
+    return _finish(out, results, cfg=cfg, eos=eos, tok_path=tok_path, fp=fp,
+                   identity=prepared_fingerprint(corpus_fp, cfg, blocks_only=True), log=log,
+                   t0=t0, sources=[str(f.path) for f in files])
 
 
 def _run_pieces(submit: Callable[[int], Any], n: int, *, limit: int,
@@ -813,16 +840,18 @@ def _run_pieces(submit: Callable[[int], Any], n: int, *, limit: int,
     return [_get(r) for r in refs]
 
 
-def _write(writer: BlockWriter, packed: tuple) -> None:
+def _write(writer: BlockWriter, packed: tuple, rows: dict[int, str] | None = None) -> None:
     """A packer's output into ``writer``: (blocks, starts, sources) from
     :class:`~raylm.data.packing.Packer`, (blocks, starts, masks, sources) from
-    :class:`~raylm.data.packing.ExamplePacker`."""
+    :class:`~raylm.data.packing.ExamplePacker`; ``rows``: prompts' rows by source key, each
+    taken by its block (one prompt a block, its first segment)."""
     if len(packed) == 3:
         blocks, starts, sources = packed
         writer.add(blocks, starts, sources)
     else:
         blocks, starts, masks, sources = packed
-        writer.add(blocks, starts, sources, masks)
+        writer.add(blocks, starts, sources, masks,
+                   None if rows is None else [rows.pop(int(s[0])) for s in sources])
 
 
 def _pack_tails(out: Path, results: list[PieceResult], *, block_length: int,
@@ -845,7 +874,7 @@ def _pack_tails(out: Path, results: list[PieceResult], *, block_length: int,
 
 
 def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok_path: Path,
-            fp: str, log: Callable[[str], None], t0: float, sources: list[str]
+            fp: str, identity: str, log: Callable[[str], None], t0: float, sources: list[str]
             ) -> dict[str, Any]:
     """Sum the pieces' counts, pack their tails, check the invariants, write layout.json (with
     the corpus files by index: ``sources``) and manifest.json."""
@@ -885,7 +914,8 @@ def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok
     manifest = {"documents_read": read, "documents_kept": kept, "dropped": dropped,
                 "bad_records": bad_records, "tokens": tokens, "block_length": L,
                 "blocks": blocks, "tail_tokens_dropped": tail, "pieces": len(results),
-                "tokenizer_path": str(tok_path), "fingerprint": fp}
+                "tokenizer_path": str(tok_path), "fingerprint": fp,
+                "data_identity": identity}
     if d.examples:
         manifest.update({
             "format": d.format, "loss_on": d.trains_on,
@@ -893,7 +923,7 @@ def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok
             "padding_tokens": padding, "truncated": sum(r.truncated for r in results)})
     layout = {
         "block_length": L, "eos_id": eos, "seq_len": d.seq_len, "loss_mask": d.examples,
-        "sources": sources,
+        "sources": sources, "prompt_rows": d.format == "prompt",
         "splits": {s: {"blocks": total(s, "blocks"),
                        "tail_tokens_dropped": total(s, "tail_tokens"),
                        "files": listed(s, "files"),
@@ -947,10 +977,23 @@ def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
             raise ValueError(f"data.seq_len={d.seq_len} but the prepared directory {path} "
                              f"holds blocks for seq_len={layout['seq_len']}; set data.seq_len="
                              f"{layout['seq_len']} or prepare again.")
+        if d.format == "prompt" and not layout.get("prompt_rows"):
+            raise ValueError(f"the prepared directory {path} was written by an earlier raylm: "
+                             f"its prompts do not keep their rows, which their reward reads "
+                             f"(that raylm read them from the source files at training time); "
+                             f"prepare it again with `raylm prepare`.")
         return path
-    target = cached_prepared_dir(cfg)
+    files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
+    target = cached_prepared_dir(cfg, files)
     if (target / PREPARED_MANIFEST).is_file():
         log(f"data: reusing prepared data {target}")
         return target
+    if d.format == "prompt":
+        earlier = target.parent / prepared_fingerprint(fingerprint_files(files), cfg,
+                                                       blocks_only=True)
+        if (earlier / PREPARED_MANIFEST).is_file():
+            log(f"data: preparing these prompts again: their blocks now keep each prompt's row "
+                f"(the columns its reward reads), where the preparation {earlier} left them in "
+                f"the source files; the samples and their order are the same")
     prepare(cfg, target, log=log, shared=True)
     return target

@@ -86,6 +86,18 @@ class PackedSplit:
                    layout.get("sources"),
                    None if reference is None else os.path.join(reference, split))
 
+    def row_group_of(self, row: int) -> tuple[int, int]:
+        """(row group, index inside it) of the stored ``row``."""
+        offsets = np.cumsum(self.row_group_sizes)
+        g = int(np.searchsorted(offsets, row, side="right"))
+        return g, row - (int(offsets[g - 1]) if g else 0)
+
+    def column_of_group(self, group: int, column: str) -> list:
+        """One column of row group ``group``, as Python values."""
+        path, idx = self.group_locations()[group]
+        return pq.ParquetFile(path).read_row_group(idx, columns=[column]).column(
+            column).to_pylist()
+
     def documents(self, rows: np.ndarray) -> list[dict[str, object]] | None:
         """The records (corpus file and line, or row) whose tokens the stored ``rows`` hold,
         each once, in order; None when the blocks do not keep their sources. Reads only the

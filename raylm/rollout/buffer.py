@@ -9,18 +9,13 @@ flight (waited for), or, for prompts never asked for (the first steps of a group
 then. A checkpoint keeps the groups asked for and not yet trained (:meth:`Buffer.saved`, the
 file ``rollouts.json`` beside the shards), so the resumed run trains on the same completions,
 of the same versions, as the run it continues: none is lost, and none generated twice by
-weights the run never had at that step. Plain JSON, read back field by field
-(:func:`group_from_dict`): a checkpoint's file is data, never code.
+weights the run never had at that step. The file is a record,
+:class:`raylm.contracts.rollouts.SavedRollouts`, with the sampling settings that made it.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import asdict, fields
-from typing import Any
-
-from raylm.rollout.generator import Group, Prompt, Sampling
+from raylm.contracts.rollouts import Group, Prompt, Sampling, SavedRollouts
 from raylm.rollout.pool import GeneratorPool, Submitted
 
 
@@ -66,58 +61,10 @@ class Buffer:
         for group in self.pool.collect(submitted):
             self.ready[group.position] = group
 
-    def saved(self, *, through_step: int) -> bytes:
+    def saved(self, *, through_step: int, sampling: Sampling) -> bytes:
         """The groups asked for and not yet trained on, as the checkpoint keeps them
-        (``through_step``: the last step whose prompts were asked for)."""
+        (``through_step``: the last step whose prompts were asked for; ``sampling``: how
+        they were sampled)."""
         self.settle()
-        return json.dumps({"through_step": through_step,
-                           "groups": [asdict(g) for g in self.ready.values()]}).encode()
-
-
-def load_saved(data: bytes, *, where: str) -> tuple[int, dict[int, Group]]:
-    """A checkpoint's rollouts: the last step asked for and the groups by position."""
-    try:
-        saved = json.loads(data)
-        through = saved["through_step"]
-        groups = [group_from_dict(g) for g in saved["groups"]]
-        if not isinstance(through, int):
-            raise TypeError("through_step is not an integer")
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: not the rollouts raylm keeps in a checkpoint ({e})") from None
-    return through, {g.position: g for g in groups}
-
-
-def group_from_dict(d: Any) -> Group:
-    """A :class:`Group` from its :func:`dataclasses.asdict`, every field checked."""
-    names = {f.name for f in fields(Group)}
-    if isinstance(d, dict):
-        d = {"ref_logps": None, **d}  # kept before the KL penalty's reference had a field
-    if not isinstance(d, dict) or set(d) != names:
-        raise TypeError(f"a group holds the fields {sorted(names)}")
-    n = len(d["completions"])
-
-    def ints(xs):
-        return isinstance(xs, list) and all(type(x) is int for x in xs)
-
-    def numbers(xs):
-        return isinstance(xs, list) and all(isinstance(x, (int, float)) and not
-                                            isinstance(x, bool) and math.isfinite(x) for x in xs)
-
-    ok = (type(d["position"]) is int and type(d["version"]) is int and ints(d["prompt_ids"])
-          and all(ints(c) for c in d["completions"]) and len(d["logps"]) == n
-          and all(numbers(lp) and len(lp) == len(c)
-                  for lp, c in zip(d["logps"], d["completions"], strict=True))
-          and numbers(d["rewards"]) and len(d["rewards"]) == n
-          and isinstance(d["parts"], dict)
-          and all(numbers(v) and len(v) == n for v in d["parts"].values())
-          and isinstance(d["truncated"], list) and len(d["truncated"]) == n
-          and all(type(t) is bool for t in d["truncated"]) and type(d["failed"]) is int
-          and (d["first_error"] is None or isinstance(d["first_error"], str))
-          and isinstance(d["seconds"], dict) and numbers(list(d["seconds"].values()))
-          and (d["ref_logps"] is None or isinstance(d["ref_logps"], list)
-               and len(d["ref_logps"]) == n
-               and all(numbers(lp) and len(lp) == len(c)
-                       for lp, c in zip(d["ref_logps"], d["completions"], strict=True))))
-    if not ok:
-        raise TypeError(f"the group of position {d.get('position')!r} is malformed")
-    return Group(**d)
+        return SavedRollouts(through_step, list(self.ready.values()), sampling
+                             ).to_json().encode()

@@ -31,62 +31,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from raylm.config import config_from_dict
 from raylm.console import quiet_libraries
+from raylm.contracts.rollouts import Group, Prompt, Sampling
 from raylm.model.lora import adapters_off
 from raylm.rollout import rewards
 
 # Seeds of different prompts' groups differ in their high bits from the run's seed.
 SEED_STRIDE = 1_000_003
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt to answer: its sample position (what seeds its group), its tokens, and the
-    row as the data holds it (the prompt and the columns the reward reads)."""
-
-    position: int
-    ids: list[int]
-    prompt: Any
-    columns: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Group:
-    """A prompt's completions (tokens without the prompt's, the closing EOS included where
-    sampling ended with it), their tokens' log-probabilities, rewards and reward parts, and
-    the weight version that sampled them."""
-
-    position: int
-    version: int
-    prompt_ids: list[int]
-    completions: list[list[int]]
-    logps: list[list[float]]
-    rewards: list[float]
-    parts: dict[str, list[float]]
-    truncated: list[bool]
-    failed: int = 0
-    first_error: str | None = None
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Spent sampling (``generate_s``) and scoring (``reward_s``) this group."""
-    ref_logps: list[list[float]] | None = None
-    """The completions' tokens' log-probabilities under the reference (with a KL penalty)."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How completions are sampled: ``group_size`` per prompt, at ``temperature`` (0: the
-    most likely token each time) and nucleus ``top_p``, at most ``max_tokens`` each."""
-
-    group_size: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 256
 
 
 class Generator:

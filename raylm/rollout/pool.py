@@ -36,8 +36,9 @@ from typing import Any
 
 import ray
 
+from raylm.contracts.rollouts import Group, Prompt, Sampling
 from raylm.faults import Mistake, last_line
-from raylm.rollout.generator import Generator, Group, Prompt, Sampling
+from raylm.rollout.generator import Generator
 
 # Generators in a row that die holding the same prompts before those prompts are taken to be
 # what kills them (a lost machine rarely takes two).

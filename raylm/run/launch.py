@@ -494,7 +494,10 @@ def run_identity(cfg: Config, manifest: dict[str, Any], backend) -> dict[str, st
     content and the preparation settings), data format, tokenizer (its whole definition, so a
     retrained tokenizer of the same size differs) and base model (its config and weight
     files)."""
-    return {"data": manifest["fingerprint"], "format": cfg.data.format,
+    # data_identity: the blocks' samples, whatever the blocks keep beside them (a prompt set's
+    # rows): a run prepared before the rows were kept resumes on the same samples.
+    return {"data": manifest.get("data_identity", manifest["fingerprint"]),
+            "format": cfg.data.format,
             "tokenizer": hashlib.blake2b(backend.to_str().encode(), digest_size=12).hexdigest(),
             "base_model": base_model_identity(cfg)}
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,14 +46,14 @@ import torch.distributed as dist
 
 from raylm import storage
 from raylm.config import Config
-from raylm.contracts import CHECKPOINT_ROLLOUTS
-from raylm.data.corpus import PREPARED_MANIFEST, SUFFIX_FORMATS, SourceFile, read_rows
+from raylm.contracts import CHECKPOINT_ROLLOUTS, PROMPT_ROW, Malformed
+from raylm.contracts.rollouts import Group, Prompt, Sampling, SavedRollouts
+from raylm.data.corpus import PREPARED_MANIFEST
 from raylm.data.streams import PackedSplit
 from raylm.data.tokenizer import load_backend
 from raylm.faults import Mistake
 from raylm.model.assemble import Built, global_count
-from raylm.rollout.buffer import Buffer, load_saved
-from raylm.rollout.generator import Group, Prompt, Sampling
+from raylm.rollout.buffer import Buffer
 from raylm.rollout.pool import GeneratorPool
 from raylm.rollout.rewards import split_row
 from raylm.workers.metrics import flops_per_token
@@ -187,22 +186,26 @@ def rollout_batch(groups: list[Group], advantages: torch.Tensor, *, pad_id: int)
 
 
 class PromptRows:
-    """The data rows behind prompt blocks (rank 0): each block's source file and line, then
-    the row as the file holds it, every column (a reward function reads them). A file is
-    read whole once, when a prompt of it is first asked for."""
+    """The data rows behind prompt blocks (rank 0), as preparation stored them beside each
+    prompt's tokens (:data:`raylm.contracts.PROMPT_ROW`): nothing outside the prepared
+    directory is read. A row group's rows are read when one of its prompts is first asked for,
+    and the last :attr:`GROUPS` row groups read are kept (a step's prompts come from a few
+    row groups of the sample order's window)."""
+
+    GROUPS = 8
 
     def __init__(self, prepared: str, split: str, *, prompt_field: str) -> None:
         self.split = PackedSplit.load(prepared, split)
         self.prompt_field = prompt_field
-        self.files: dict[str, dict[int, dict]] = {}
+        self.groups: dict[int, list[str]] = {}
 
     def prompt(self, row: int, position: int, ids: list[int]) -> Prompt:
-        (where,) = self.split.documents(np.array([row]))
-        path = str(where["file"])
-        if path not in self.files:
-            fmt = SUFFIX_FORMATS.get(os.path.splitext(path)[1].lower(), "arrow")
-            self.files[path] = read_rows(SourceFile(path, fmt))
-        prompt, columns = split_row(self.files[path][int(where["line"])],
+        group, index = self.split.row_group_of(row)
+        if group not in self.groups:
+            if len(self.groups) >= self.GROUPS:
+                del self.groups[next(iter(self.groups))]
+            self.groups[group] = self.split.column_of_group(group, PROMPT_ROW)
+        prompt, columns = split_row(json.loads(self.groups[group][index]),
                                     prompt_field=self.prompt_field)
         return Prompt(position, ids, prompt, columns)
 
@@ -359,11 +362,8 @@ class Reinforce(Objective):
                 keep_waiting=self.wait_for_nodes)
             self.pool.load(step, weights)
             self.pool.started()  # before the group reports its start
-            ready = {}
             kept = storage.join(resumed, CHECKPOINT_ROLLOUTS) if resumed else None
-            if kept and storage.is_file(kept):
-                self.asked, ready = load_saved(storage.read_bytes(kept), where=kept)
-            self.buffer = Buffer(self.pool, ready=ready)
+            self.buffer = Buffer(self.pool, ready=self.kept_groups(kept))
         if dist.is_initialized():  # every rank looks as far ahead as rank 0 has asked
             agreed = [self.asked]
             dist.broadcast_object_list(agreed, src=0)
@@ -373,12 +373,32 @@ class Reinforce(Objective):
         self.upcoming = Upcoming(batches, per_step=accumulation)
         return self.upcoming
 
+    def kept_groups(self, path: str | None) -> dict[int, Group]:
+        """The groups a checkpoint's ``rollouts.json`` at ``path`` kept, by position (rank 0;
+        none where there is no such file), and the last step they were asked for. Groups
+        sampled otherwise than this run samples (a changed ``rl.group_size``, temperature,
+        top_p or completion length) are not trained as if they were: they are sampled again,
+        and the console says so."""
+        if not path or not storage.is_file(path):
+            return {}
+        try:
+            saved = SavedRollouts.from_json(storage.read_bytes(path))
+        except Malformed as e:
+            raise Mistake(f"{path}: {e}") from None
+        if saved.sampling is not None and saved.sampling != self.sampling:
+            changed = ", ".join(saved.sampling.differences(self.sampling))
+            print(f"raylm: warning: the {len(saved.groups)} groups {path} kept were sampled "
+                  f"otherwise than this run samples ({changed}): they are sampled again")
+            return {}
+        self.asked = saved.through_step
+        return {g.position: g for g in saved.groups}
+
     def saved(self) -> bytes | None:
         """What a checkpoint keeps of the rollouts: those asked for and not trained on
         (off-policy runs; rank 0), else None."""
         if self.buffer is None or not self.rl.max_staleness:
             return None
-        return self.buffer.saved(through_step=self.asked)
+        return self.buffer.saved(through_step=self.asked, sampling=self.sampling)
 
     def groups(self, micro: list[dict[str, torch.Tensor]], sampling: Sampling, split: str,
                ahead: list[list[dict[str, torch.Tensor]]] = ()

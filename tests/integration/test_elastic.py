@@ -201,7 +201,10 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
     generator killed as the run starts is replaced while the trainers go on (rl.generators
     [1, 2]: the other takes its share meanwhile); a trainer's node lost after a checkpoint
     leaves one worker, which resumes to the same rewards and losses, training the completions
-    the checkpoint kept."""
+    the checkpoint kept. The prompts are prepared first and their source rewritten after, every
+    answer the wrong digit: the run reads the rows its prepared blocks keep, nothing else."""
+    import json
+
     import ray
 
     from raylm import api
@@ -219,8 +222,10 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
         ray.get(coordinator.get_reserved_resources.remote("raylm", recompute=True))
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "4")
 
-    cfg = load_config(None, [
-        f"--model.path={warmed / 'model'}", f"--data.source={warmed / 'prompts.jsonl'}",
+    source = tmp_path / "prompts.jsonl"
+    source.write_text((warmed / "prompts.jsonl").read_text())
+    settings = [
+        f"--model.path={warmed / 'model'}",
         "--data.format=prompt", "--train.objective=grpo", "--rl.reward=exact_match",
         "--data.seq_len=40", "--rl.max_completion_tokens=4", "--rl.group_size=8",
         "--rl.generators=[1, 2]", '--rl.generator_resources={"CPU": 0.5}', "--rl.max_staleness=1",
@@ -232,7 +237,13 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
         "--scaling.worker_resources={trainer: 1}",
         f"--run.storage_path={tmp_path}/runs", f"--run.cache_dir={tmp_path}/cache",
         "--run.name=grpo", "--tracking.enabled=true",
-        f"--tracking.uri=sqlite:///{tmp_path}/mlflow.db", "--tracking.log_model=false"])
+        f"--tracking.uri=sqlite:///{tmp_path}/mlflow.db", "--tracking.log_model=false"]
+    prepare(load_config(None, [*settings, f"--data.source={source}"]), tmp_path / "prepared",
+            log=print)
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    source.write_text("".join(json.dumps({**r, "answer": next(
+        c for c in r["prompt"] if c.isdigit() and c != r["answer"])}) + "\n" for r in rows))
+    cfg = load_config(None, [*settings, f"--data.source={tmp_path / 'prepared'}"])
     run_dir = tmp_path / "runs" / "grpo"
 
     killed_after: list[int] = []

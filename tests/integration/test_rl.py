@@ -23,8 +23,9 @@ def test_off_policy_groups_keep_the_weights_that_asked_for_them_and_a_checkpoint
     import ray
     import torch
 
-    from raylm.rollout.buffer import Buffer, load_saved
-    from raylm.rollout.generator import Generator, Prompt, Sampling
+    from raylm.contracts.rollouts import Prompt, Sampling, SavedRollouts
+    from raylm.rollout.buffer import Buffer
+    from raylm.rollout.generator import Generator
     from raylm.rollout.pool import GeneratorPool
 
     init = generator_init(tokenizer_dir)
@@ -46,8 +47,9 @@ def test_off_policy_groups_keep_the_weights_that_asked_for_them_and_a_checkpoint
         first = buffer.take(prompts(0, 1, 2), sampling)
         assert [g.version for g in first] == [0, 0, 0] and not buffer.ready
         buffer.ask(prompts(3, 4, 5), sampling)
-        through, kept = load_saved(buffer.saved(through_step=7), where="rollouts.json")
-        assert through == 7 and sorted(kept) == [3, 4, 5]
+        saved = SavedRollouts.from_json(buffer.saved(through_step=7, sampling=sampling))
+        kept = {g.position: g for g in saved.groups}
+        assert saved.through_step == 7 and saved.sampling == sampling and sorted(kept) == [3, 4, 5]
 
         # A resumed run: the kept groups, not new ones from the weights it now holds.
         resumed = Buffer(pool, ready=kept)

@@ -2,7 +2,10 @@
 round-trips through its JSON, refuses what is not of its shape, and reads what raylm wrote
 before it had versions: tests/fixtures/run-6ef9b7a is a run directory written by raylm at
 commit 6ef9b7a (a 4-step tiny run on one worker, its checkpoint's DCP shards left out), and its
-lease.json one that release's driver held."""
+lease.json one that release's driver held; tests/fixtures/run-cb5e3f1-grpo one of commit
+cb5e3f1 (`raylm train --config jobs/configs/grpo_larger_digit.yaml --train.steps=4
+--checkpoint.every=2 --rl.max_staleness=1 --rl.group_size=4`, the task's model warmed 20
+steps), its step-2 checkpoint's shards left out and the rollouts it kept for step 3 in."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from raylm import faults, rundir
 from raylm.contracts import LEASE, LeaseRecord, Malformed, Marker
 
 OLD = Path(__file__).resolve().parents[1] / "fixtures" / "run-6ef9b7a"
+GRPO = Path(__file__).resolve().parents[1] / "fixtures" / "run-cb5e3f1-grpo"
 MARKER = Marker(state={"step": 7, "tokens_seen": 896, "clock": {"t": 1.5}},
                 model={"model_type": "llama", "hidden_size": 64}, files={"__0_0.distcp": 10},
                 hashes={"__0_0.distcp": "ab"}, world_size=2, adapters={"r": 8},
@@ -117,3 +121,42 @@ def test_a_lease_of_6ef9b7a_is_read_as_its_holder(old, monkeypatch):
         assert dataclasses.replace(now, beat=taken.holder.beat) == taken.holder
     finally:
         taken.release()
+
+
+def test_a_grpo_run_directory_of_cb5e3f1_reads_back_and_resumes_with_its_kept_rollouts(
+        tmp_path, capsys):
+    """Its checkpoint's rollouts.json (version 1: no version, no sampling) reads as the groups
+    it kept, which a resumed run trains as kept; a file that says it was sampled otherwise than
+    the resumed run samples (rl.group_size 4 -> 8) is sampled again, said on the console."""
+    from raylm.api import Run
+    from raylm.contracts.rollouts import SavedRollouts
+    from raylm.workers.grpo import Reinforce
+
+    old = Path(shutil.copytree(GRPO, tmp_path / "old"))
+    ckpt = old / "checkpoint_000002"
+    marker = Marker.from_json((ckpt / "raylm_checkpoint.json").read_text())
+    assert marker.step == 2 and "rollouts.json" in marker.files
+    assert rundir.check_same_run(marker, marker.identity, "old", accept=[]) == []
+    saved = SavedRollouts.from_json((ckpt / "rollouts.json").read_bytes())
+    assert saved.sampling is None and saved.through_step == 2
+    assert len(saved.groups) == 8 and {len(g.completions) for g in saved.groups} == {4}
+    run = Run(old)
+    assert run.summary["status"] == "finished" and run.summary["final_step"] == 4
+    assert run.config.train.objective == "grpo" and run.config.rl.group_size == 4
+    assert list(run.history["step"]) == [1, 2, 3, 4] and "rl_reward" in run.history
+
+    def resumed(group_size: int) -> Reinforce:
+        cfg = dataclasses.replace(run.config, rl=dataclasses.replace(run.config.rl,
+                                                                     group_size=group_size))
+        return Reinforce(cfg, prepared=str(old), eos_id=0, vocab_size=300, rank=1)
+
+    again = resumed(4)
+    kept = again.kept_groups(str(ckpt / "rollouts.json"))
+    assert again.asked == 2 and kept == {g.position: g for g in saved.groups}
+    # Written today, the file says how its groups were sampled.
+    today = tmp_path / "rollouts.json"
+    today.write_text(SavedRollouts(2, saved.groups, again.sampling).to_json())
+    assert resumed(4).kept_groups(str(today)) == kept
+    other = resumed(8)
+    assert other.kept_groups(str(today)) == {} and other.asked == -1
+    assert "sampled otherwise than this run samples (group_size 4 -> 8)" in capsys.readouterr().out

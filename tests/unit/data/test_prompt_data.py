@@ -1,16 +1,19 @@
-"""Prompts for reinforcement learning: read with their rows' other columns, rendered as the
-model is asked to answer them (nothing trained), one a block, never cut."""
+"""Prompts for reinforcement learning: read with their whole rows (kept as JSON in the blocks,
+for the reward), rendered as the model is asked to answer them (nothing trained), one a
+block, never cut."""
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from raylm.data.chat import DefaultTemplate, encode
-from raylm.data.corpus import SourceFile, read_examples, read_rows
+from raylm.data.corpus import SourceError, SourceFile, read_examples
 from raylm.data.packing import ExamplePacker
 from raylm.data.preparation import ExampleRenderer
 
@@ -28,13 +31,21 @@ def test_prompts_are_read_as_conversations_and_rows_keep_every_column(tmp_path):
     assert [r.reason for r in got] == [None, None, "malformed", "missing_field"]
     assert json.loads(got[0].text) == [{"role": "user", "content": "2+2?"}]
     assert json.loads(got[1].text)[0]["role"] == "system"
-    assert read_rows(SourceFile(str(path), "jsonl"))[2]["answer"] == "6"
-    pq.write_table(pa.Table.from_pylist([rows[0], {"prompt": "3+3?", "answer": "6"}]),
+    assert [json.loads(r.row) if r.row else None for r in got] == [*rows[:2], None, None]
+    day = datetime.date(2026, 12, 1)
+    pq.write_table(pa.Table.from_pylist([{**rows[0], "day": day, "n": 1},
+                                         {"prompt": "3+3?", "answer": "6", "day": day, "n": 2}]),
                    tmp_path / "p.parquet")
-    by_row = read_rows(SourceFile(str(tmp_path / "p.parquet"), "parquet"))
-    assert [by_row[n]["answer"] for n in (1, 2)] == ["4", "6"]
-    assert [r.line for r in read_examples(SourceFile(str(tmp_path / "p.parquet"), "parquet"),
-                                          example_format="prompt")] == [1, 2]
+    got = list(read_examples(SourceFile(str(tmp_path / "p.parquet"), "parquet"),
+                             example_format="prompt"))
+    assert [r.line for r in got] == [1, 2]
+    assert json.loads(got[1].row) == {"prompt": "3+3?", "answer": "6", "day": "2026-12-01",
+                                      "n": 2}
+    # What JSON cannot hold is refused by its column, before any block is written.
+    pq.write_table(pa.table({"prompt": ["q"], "blob": [b"\x00"]}), tmp_path / "b.parquet")
+    with pytest.raises(SourceError, match=r"b\.parquet:1: column 'blob' holds a bytes"):
+        list(read_examples(SourceFile(str(tmp_path / "b.parquet"), "parquet"),
+                           example_format="prompt"))
 
 
 def test_a_prompt_renders_as_the_generation_prompt_untrained_and_fills_a_block(tok):

@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 PREPARED_MANIFEST = "manifest.json"   # counts, sources, tokenizer, fingerprint
 LAYOUT = "layout.json"                # the packed blocks of each split
 SPLITS = ("train", "val")             # one folder of block files each
+PROMPT_ROW = "prompt_row"             # a prompt block's column: its data row, every column, as
+                                      # JSON (what the reward reads; layout.json's prompt_rows)
 
 # A reference directory (raylm.run.reference): per split, a file beside each block file with
 # the same row groups, holding the starting model's log-probability of every trained target.
