@@ -1263,7 +1263,7 @@ def validate(cfg: Config) -> Config:
     if lo.base_quantization == "nf4":
         _check(bool(lo.rank), "lora.base_quantization", lo.base_quantization,
                "none unless lora.rank >= 1 (an NF4 base is frozen: only adapters train)")
-        # auto is checked once the cluster is known (raylm.run.launch.choose_device).
+        # auto is checked once the cluster is known (raylm.run.resources.choose_device).
         _check(sc.use_gpu is not False, "lora.base_quantization", lo.base_quantization,
                "none on CPU workers: NF4 bases run on CUDA (set scaling.use_gpu=true or auto "
                "on a cluster with GPUs, or train the adapters on an unquantized base)")

@@ -297,7 +297,7 @@ def build_train_stream(prepared: str | os.PathLike, *, rank: int, world_size: in
     """Rank ``rank``'s training stream, built by the worker itself once it has restored its
     train state: the samples of steps ``[start_step, num_steps)`` in the global order (less
     the position ranges ``skips``), its slice of each global batch. Its reader asks for
-    ``resources`` (CPU and custom Ray resources, as :func:`raylm.run.launch.plan_resources`
+    ``resources`` (CPU and custom Ray resources, as :func:`raylm.run.resources.plan_resources`
     decided). ``reference``: the run's reference directory, whose figures come with each
     block (``ref_logp``)."""
     import ray

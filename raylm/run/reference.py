@@ -48,7 +48,7 @@ REFERENCE_FORMAT = 2
 def reference_inputs(cfg: Config, identity: dict[str, str]) -> dict[str, Any]:
     """What the stored figures depend on (``identity``: the run's data, tokenizer and base
     model, :func:`raylm.run.launch.run_identity`): with them the precision, the attention
-    kernel, the device kind (``cfg`` has it decided, :func:`raylm.run.launch.choose_device`:
+    kernel, the device kind (``cfg`` has it decided, :func:`raylm.run.resources.choose_device`:
     the figures differ between CPU and GPU) and the stored format. (A base is always a
     ``model.path``: a loss with a reference is refused on a preset.)"""
     assert cfg.scaling.use_gpu != "auto", "choose_device decides it first"

@@ -42,15 +42,10 @@ from raylm.console import quiet_libraries, tune_verbosity
 from raylm.contracts import TUNE_EXPERIMENT
 from raylm.data.preparation import prepared_dir
 from raylm.run import benchmarks, tracking
-from raylm.run.launch import (
-    ResourcePlan,
-    choose_device,
-    plan_resources,
-    reference_before_trials,
-    train,
-)
+from raylm.run.launch import reference_before_trials, train
 from raylm.run.lease import hold
 from raylm.run.preflight import Checked, preflight
+from raylm.run.resources import ResourcePlan, choose_device, plan_resources
 from raylm.run.tracking import Tracker
 from raylm.run.trial import METRIC, ToTune, TrialReporter
 

@@ -480,8 +480,9 @@ def test_dpo_full_fine_tuning_scores_its_reference_once_before_training(
     same copy."""
     from raylm import api
     from raylm.data.streams import reference_file
-    from raylm.run.launch import choose_device, train
+    from raylm.run.launch import train
     from raylm.run.reference import stored_reference
+    from raylm.run.resources import choose_device
 
     args = [f"--data.source={preference_pairs}", "--data.format=preference",
             "--train.objective=dpo", "--dpo.beta=0.5",

@@ -149,9 +149,9 @@ def test_ledger_gather_on_one_process_keeps_each_steps_rows():
 
 
 def test_resource_plan_counts_workers_and_readers():
-    from raylm.run.launch import plan_resources
+    from raylm.run.resources import plan_resources
 
-    # The device is decided first (raylm.run.launch.choose_device): CPU workers here.
+    # The device is decided first (raylm.run.resources.choose_device): CPU workers here.
     two = ["--scaling.num_workers=2", "--train.global_batch_size=8", "--scaling.use_gpu=false"]
     # Two 1-CPU workers on 3 CPUs: each reader gets its 0.1 CPU beside them.
     plan = plan_resources(load_config(None, two), {"CPU": 3.0})
@@ -196,7 +196,7 @@ def test_resource_plan_counts_workers_and_readers():
 
 
 def test_generators_are_placed_first_and_the_trainers_plan_around_them():
-    from raylm.run.launch import plan_resources
+    from raylm.run.resources import plan_resources
 
     grpo = ["--train.objective=grpo", "--data.format=prompt", "--rl.reward=exact_match",
             "--scaling.use_gpu=false", "--scaling.num_workers=1"]
