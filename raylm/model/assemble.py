@@ -33,7 +33,7 @@ from raylm.model.build import (
     materialize,
     reset_buffers,
 )
-from raylm.model.head_loss import IGNORE, fusable, head_loss, use_loss_head
+from raylm.model.head_loss import IGNORE, fusable, head_loss, head_rows, use_loss_head
 from raylm.model.lora import add_adapters, check_nf4_shapes, init_adapters, load_quantized_base
 from raylm.model.parallelize import (
     DATA_PARALLEL,
@@ -195,6 +195,47 @@ def _positions(built: Built, batch: dict[str, torch.Tensor], cross_document: boo
     """The inputs' positions, restarting at each document unless attention crosses them."""
     return {} if cross_document else {
         "position_ids": batch["position_ids"][:, :-1].to(built.device, non_blocking=True)}
+
+
+def row_logps(rows: torch.Tensor, targets: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The log-probability of the target at each flat position ``at`` of a (B, T) batch, from
+    the logits of those positions alone (``rows``: (n, V), ``at`` on their device): fp32
+    log-softmax of those rows only (answers are a part of a block: the prompts' and the
+    padding's rows of the vocabulary-wide logits are never copied to fp32)."""
+    rows = rows.float()
+    picked = targets.reshape(-1).to(rows.device, non_blocking=True).index_select(0, at)
+    return rows.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1)
+
+
+def _on(at: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if at.device != device:
+        if device.type == "cuda":
+            at = at.pin_memory()
+        at = at.to(device, non_blocking=True)
+    return at
+
+
+def answer_rows(built: Built, batch: dict[str, torch.Tensor], at: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the flat target positions ``at`` of ``batch`` (n, V), and ``at`` on the
+    model's device. A model whose head computes losses in chunks projects those positions
+    only (:func:`raylm.model.head_loss.head_rows`)."""
+    if built.cross_document:
+        # Its kernel was chosen for unmasked blocks: on CUDA, SDPA's flash kernel, which
+        # takes no mask and fails at the first pair ("No available kernel").
+        raise ValueError("answers are scored with per-document attention: build the model "
+                         "with cross_document=False (data.cross_document_attention false), so "
+                         "that a block's documents (a pair's halves) do not see each other")
+    tokens = batch["input_ids"].to(built.device, non_blocking=True)
+    positions = batch["position_ids"][:, :-1].to(built.device, non_blocking=True)
+    at = _on(at, built.device)
+    with built.attention.context(), autocast(built.precision, built.device.type):
+        if built.fused_loss:
+            with head_rows(at, built.config) as pending:
+                built.model(input_ids=tokens[:, :-1], position_ids=positions)
+            return pending.logits, at
+        logits = built.model(input_ids=tokens[:, :-1], position_ids=positions).logits
+    return logits.reshape(-1, logits.size(-1)).index_select(0, at), at
 
 
 @torch.no_grad()

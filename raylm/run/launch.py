@@ -41,10 +41,11 @@ from raylm.run import goodput, tracking
 from raylm.run.benchmarks import Benchmarks
 from raylm.run.group import ProcessGroup
 from raylm.run.lease import Lease, LeaseError, hold
+from raylm.run.objectives import objective_of
 from raylm.run.preflight import Checked, preflight
 from raylm.run.progress import Feed
 from raylm.run.record import Ending, FinalModel, RunRecord, controller_callbacks
-from raylm.run.reference import needs_stored_reference, stored_reference
+from raylm.run.reference import stored_reference
 from raylm.run.resources import ResourcePlan, choose_device, plan_benchmarks, plan_resources
 from raylm.schedule import EXTEND_CLEANLY, schedule_change
 from raylm.workers.handoff import HANDOFF, Handoff
@@ -275,7 +276,7 @@ def log_final_model(run_dir: str, tracker: tracking.Tracker, final: FinalModel, 
 def reference_before_trials(cfg: Config, prepared: str, *, log=print) -> None:
     """A sweep's stored DPO reference (:mod:`raylm.run.reference`), scored once by its driver
     so that trials running at once do not each score it; they read it."""
-    if not needs_stored_reference(cfg):
+    if not objective_of(cfg).needs_stored_reference(cfg):
         return
     manifest = json.loads((Path(prepared) / PREPARED_MANIFEST).read_text())
     backend, eos = load_backend(manifest["tokenizer_path"], cfg.model.path)

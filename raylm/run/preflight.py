@@ -17,7 +17,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from raylm.config import Config, for_sweep
-from raylm.data.corpus import first_row
 from raylm.hub import with_hub_snapshots
 from raylm.model import lora
 from raylm.model.build import check_seq_len
@@ -25,8 +24,8 @@ from raylm.model.parallelize import check_tensor_parallel
 from raylm.model.pipeline import check_pipeline
 from raylm.model.spec import ModelSpec
 from raylm.model.weights import check_weights
-from raylm.rollout import rewards
 from raylm.run import benchmarks, tracking
+from raylm.run.objectives import objective_of
 
 
 @dataclass(frozen=True)
@@ -52,11 +51,9 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
     # The tokenizer is not known yet: one token fits any model's embeddings.
     spec = ModelSpec.from_config(adapted(cfg, sweep=sweep), vocab_size=1, eos_id=0)
     model_config = spec.transformers_config("eager")
-    longest = cfg.data.seq_len + (cfg.rl.max_completion_tokens
-                                  if cfg.train.objective == "grpo" else 0)
-    check_seq_len(longest, model_config, preset=m.preset, path=m.path)
-    if cfg.train.objective == "grpo":
-        check_reward(cfg)
+    objective = objective_of(cfg)
+    check_seq_len(objective.longest_row(cfg), model_config, preset=m.preset, path=m.path)
+    objective.check(cfg)
     check_tensor_parallel(model_config, tensor=cfg.parallel.tensor, seq_len=cfg.data.seq_len)
     check_pipeline(model_config, pipeline=cfg.parallel.pipeline)
     if m.path:
@@ -77,15 +74,6 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
         # after the data is prepared.
         tracking.check_access(cfg)
     return Checked(cfg=cfg)
-
-
-def check_reward(cfg: Config) -> None:
-    """rl.reward imported, and called once on the data's first row where it is a local file
-    (:func:`raylm.rollout.rewards.check_reward`)."""
-    fn = rewards.load_reward(cfg.rl.reward)
-    row = first_row(cfg.data.source, hf_split=cfg.data.hf_split)
-    if row is not None and cfg.data.prompt_field in row:
-        rewards.check_reward(fn, row, prompt_field=cfg.data.prompt_field, spec=cfg.rl.reward)
 
 
 def adapted(cfg: Config, *, sweep: bool) -> Config:

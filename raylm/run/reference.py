@@ -32,14 +32,8 @@ import ray
 from raylm.config import Config, cache_dir
 from raylm.contracts import LAYOUT, REFERENCE_INFO, SPLITS
 from raylm.outputs import building, publish
+from raylm.run.objectives import objective_of
 from raylm.workers.scorer import ReferenceScorer
-
-
-def needs_stored_reference(cfg: Config) -> bool:
-    """A preference loss with a reference model, on a model without adapters to switch off."""
-    return (cfg.train.objective == "dpo" and cfg.dpo.needs_reference
-            and not cfg.lora.rank)
-
 
 # The layout of a stored reference (its files and REFERENCE_INFO); a change of it makes new keys.
 REFERENCE_FORMAT = 2
@@ -84,9 +78,9 @@ def stored_reference(cfg: Config, prepared: str | Path, *, identity: dict[str, s
                      resources: dict[str, float], vocab_size: int, eos_id: int,
                      log=print) -> str | None:
     """The run's reference directory, computed first if no earlier run left it; None when
-    the run needs none (:func:`needs_stored_reference`). ``resources``: one training
+    the run needs none (the objective's ``needs_stored_reference``). ``resources``: one training
     worker's, given to each actor of the pass. Needs ``ray.init``."""
-    if not needs_stored_reference(cfg):
+    if not objective_of(cfg).needs_stored_reference(cfg):
         return None
     what = reference_inputs(cfg, identity)
     out = cache_dir(cfg) / "reference" / reference_key(cfg, identity)

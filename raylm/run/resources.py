@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from raylm.config import Config, ConfigError, validate
 from raylm.data.streams import READER_CPUS
+from raylm.run.objectives import objective_of
 
 
 def choose_device(cfg: Config, capacity: dict[str, float]) -> tuple[Config, str]:
@@ -77,8 +78,8 @@ def plan_resources(cfg: Config, capacity: dict[str, float] | None) -> ResourcePl
     with the arithmetic and the settings that fit, when the fewest workers do not fit."""
     sc, d = cfg.scaling, cfg.data
     assert sc.use_gpu != "auto", "choose_device decides it first"
-    if cfg.train.objective == "grpo" and capacity is not None:
-        capacity = beside_generators(cfg, capacity)
+    if capacity is not None:
+        capacity = beside_trainers(cfg, capacity)
     fewest, most = sc.worker_range
     worker = {"CPU": sc.cpus_per_worker, **sc.worker_resources}
     if sc.use_gpu:
@@ -101,21 +102,21 @@ def plan_resources(cfg: Config, capacity: dict[str, float] | None) -> ResourcePl
     return plan
 
 
-def beside_generators(cfg: Config, capacity: dict[str, float]) -> dict[str, float]:
-    """What the cluster's ``capacity`` leaves for training once the fewest generators of
-    train.objective=grpo (rl.generators x rl.generator_resources) are placed; refused, with
-    the arithmetic, when they do not fit at all. Generators beyond the fewest take what the
-    training workers leave free, when they find it."""
-    rl, left = cfg.rl, dict(capacity)
-    for name, amount in rl.generator_resources.items():
-        need = rl.generator_range[0] * amount
-        if need > capacity.get(name, 0.0) + 1e-9:
+def beside_trainers(cfg: Config, capacity: dict[str, float]) -> dict[str, float]:
+    """What the cluster's ``capacity`` leaves for training once what the objective places
+    beside the trainers at its fewest (train.objective=grpo: rl.generators x
+    rl.generator_resources) is placed; refused, with the arithmetic, when that does not fit at
+    all. Generators beyond the fewest take what the training workers leave free, when they
+    find it."""
+    need, what = objective_of(cfg).beside_trainers(cfg)
+    left = dict(capacity)
+    for name, amount in need.items():
+        if amount > capacity.get(name, 0.0) + 1e-9:
             raise ValueError(
-                f"rl.generators={rl.generators} of rl.generator_resources={rl.generator_resources}"
-                f" need {need:g} {name}, but the cluster has {capacity.get(name, 0):g}; fewer "
-                f"generators or smaller ones would fit, or set scaling.wait_for_nodes=true if "
-                f"the cluster autoscales.")
-        left[name] = capacity.get(name, 0.0) - need
+                f"{what} need {amount:g} {name}, but the cluster has "
+                f"{capacity.get(name, 0):g}; fewer generators or smaller ones would fit, or set "
+                f"scaling.wait_for_nodes=true if the cluster autoscales.")
+        left[name] = capacity.get(name, 0.0) - amount
     return left
 
 

@@ -44,6 +44,7 @@ from raylm.data.preparation import prepared_dir
 from raylm.run import benchmarks, tracking
 from raylm.run.launch import reference_before_trials, train
 from raylm.run.lease import hold
+from raylm.run.objectives import objective_of
 from raylm.run.preflight import Checked, preflight
 from raylm.run.resources import ResourcePlan, choose_device, plan_resources
 from raylm.run.tracking import Tracker
@@ -52,16 +53,13 @@ from raylm.run.trial import METRIC, ToTune, TrialReporter
 
 def ranking(cfg: Config) -> tuple[str, str]:
     """The figure trials are ranked by, and ``min`` or ``max``: tune.metric's benchmark score
-    when set (its direction lm-eval's); else the validation loss, or for train.objective=dpo
-    the preference accuracy (the held-out share of pairs whose chosen answer has the higher
-    reward), since the DPO loss moves with dpo.beta, which a sweep may vary, and the accuracy
-    does not; for train.objective=grpo the held-out reward (a GRPO run has no validation
-    loss)."""
+    when set (its direction lm-eval's); else the objective's own (the validation loss; DPO's
+    held-out preference accuracy; GRPO's held-out reward: :mod:`raylm.run.objectives`)."""
     if cfg.tune.metric is not None:
         return cfg.tune.metric, _direction(cfg.eval.include_path, tuple(cfg.eval.tasks),
                                            cfg.tune.metric)
-    return {"dpo": ("val_accuracy", "max"),
-            "grpo": ("val_reward", "max")}.get(cfg.train.objective, (METRIC, "min"))
+    objective = objective_of(cfg)
+    return objective.metric, objective.mode
 
 
 @functools.lru_cache(maxsize=8)
@@ -78,8 +76,7 @@ def search_space(cfg: Config) -> dict[str, Any]:
                "optim.weight_decay": tu.weight_decays or [o.weight_decay],
                "lora.rank": tu.lora_ranks or [cfg.lora.rank],
                "lora.alpha": tu.lora_alphas or [cfg.lora.alpha]}
-    if cfg.train.objective == "dpo":
-        choices["dpo.beta"] = tu.dpo_betas or [cfg.dpo.beta]
+    choices.update(objective_of(cfg).sweep_choices(cfg))
     choices.update(tu.choices)
     if tu.search == "grid":
         n = tu.lr_points
@@ -128,13 +125,12 @@ def run_trial(params: dict[str, Any], *, base: dict, trials_dir: str, prepared: 
 
 def trial_resources(cfg: Config, plan: ResourcePlan) -> dict[str, float]:
     """What one trial needs at most: its workers and their readers at the largest worker
-    count, and a GRPO run's generators (its own process asks for no CPU, its Train controller
-    for none)."""
+    count, and what the objective places beside them at its most (a GRPO run's generators;
+    its own process asks for no CPU, its Train controller for none)."""
     workers = cfg.scaling.worker_range[1]
     need = {name: workers * amount for name, amount in plan.per_worker().items()}
-    if cfg.train.objective == "grpo":
-        for name, amount in cfg.rl.generator_resources.items():
-            need[name] = need.get(name, 0.0) + cfg.rl.generator_range[1] * amount
+    for name, amount in objective_of(cfg).beside_trainers(cfg, most=True)[0].items():
+        need[name] = need.get(name, 0.0) + amount
     return need
 
 

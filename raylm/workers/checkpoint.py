@@ -2,24 +2,24 @@
 
 A checkpoint directory holds the DCP shards of model and optimizer (each rank writes its own
 files; DCP's metadata lets a different world size load and reshard them), the sample ledger
-``samples.npy`` (see ``raylm.workers.ledger``), an off-policy RL run's rollouts not yet
-trained on (``rollouts.json``, :mod:`raylm.rollout.buffer`), and ``raylm_checkpoint.json``,
-written last by rank 0: the train state (step, tokens seen, data position), the model's
-shape, and the name, size and BLAKE2b hash of every file of every rank. The marker's format
-and its verification are :mod:`raylm.rundir`'s, which every process reads a run through; this
-module writes checkpoints and loads them into a model. A directory counts as a checkpoint
-only if that marker exists and every file it lists is there at its size, and, for files up to
-:data:`HASHED_ON_RESUME` (DCP's metadata, the ledger, small shards), with its hash; so a save cut
-short (a killed worker, a full disk, an interrupted upload) or a small file changed in place is
-skipped with a warning and the one before it is used. Large shards are checked by size on
-resume (hashing them would read the whole checkpoint at every resume, which the ranged reads
-below exist to avoid); ``verify(..., every_hash=True)`` checks them all. Checkpoints
-may live in object storage (see ``raylm.storage``): they are verified there, and each resuming
-rank reads from there only what it loads (:class:`RangeReader`): the metadata, then one ranged
-read per stored chunk its shards overlap. A rank of N resuming a checkpoint that N ranks saved
-fetches ~1/N of it, where downloading the directory first would cost every rank all of it
-(16 x 12.5 GB per restart for the 1B multi-node config). The learning-rate schedule is a pure
-function of the step, so it needs no state of its own.
+``samples.npy`` (see ``raylm.workers.ledger``), an objective's own files (an off-policy RL
+run's rollouts not yet trained on, ``rollouts.json``: :mod:`raylm.contracts.rollouts`), and
+``raylm_checkpoint.json``, written last by rank 0: the train state (step, tokens seen, data
+position), the model's shape, and the name, size and BLAKE2b hash of every file of every rank.
+The marker's format and its verification are :mod:`raylm.rundir`'s, which every process reads a
+run through; this module writes checkpoints and loads them into a model. A directory counts as
+a checkpoint only if that marker exists and every file it lists is there at its size, and, for
+files up to :data:`HASHED_ON_RESUME` (DCP's metadata, the ledger, small shards), with its hash;
+so a save cut short (a killed worker, a full disk, an interrupted upload) or a small file
+changed in place is skipped with a warning and the one before it is used. Large shards are
+checked by size on resume (hashing them would read the whole checkpoint at every resume, which
+the ranged reads below exist to avoid); ``verify(..., every_hash=True)`` checks them all.
+Checkpoints may live in object storage (see ``raylm.storage``): they are verified there, and
+each resuming rank reads from there only what it loads (:class:`RangeReader`): the metadata,
+then one ranged read per stored chunk its shards overlap. A rank of N resuming a checkpoint
+that N ranks saved fetches ~1/N of it, where downloading the directory first would cost every
+rank all of it (16 x 12.5 GB per restart for the 1B multi-node config). The learning-rate
+schedule is a pure function of the step, so it needs no state of its own.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ from raylm import storage
 from raylm.compat import set_element
 from raylm.contracts import (
     CHECKPOINT_MARKER,
-    CHECKPOINT_ROLLOUTS,
     CHECKPOINT_SAMPLES,
     EARLIER_REPORTS,
     Marker,
@@ -119,16 +118,16 @@ def _with_aliases(model: nn.Module, msd: dict[str, Any]) -> dict[str, Any]:
 def save(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
          state: dict[str, Any], config, samples: np.ndarray | None = None,
          adapters: dict[str, Any] | None = None, identity: dict[str, str] | None = None,
-         rollouts: bytes | None = None) -> None:
+         extra: dict[str, bytes] | None = None) -> None:
     """Write this rank's shards into ``directory`` (rank 0 also ``samples``, the sample
-    ledger, ``rollouts``, an off-policy run's completions not yet trained on, and the marker,
-    last). ``identity``: what the run trains with (data, tokenizer, base model; see
-    :func:`raylm.rundir.check_same_run`)."""
+    ledger, ``extra``, the objective's own files by name (an off-policy RL run's rollouts
+    not yet trained on), and the marker, last). ``identity``: what the run trains with (data,
+    tokenizer, base model; see :func:`raylm.rundir.check_same_run`)."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(path))
     _write_marker(path, state=state, config=config, samples=samples, adapters=adapters,
-                  identity=identity, rollouts=rollouts)
+                  identity=identity, extra=extra)
 
 
 SHM = "/dev/shm"
@@ -197,7 +196,7 @@ class AsyncSave:
                  optimizer: torch.optim.Optimizer, state: dict[str, Any], config,
                  samples: np.ndarray | None, adapters: dict[str, Any] | None,
                  group: dist.ProcessGroup | None, stager=None, writer: str = "thread",
-                 identity: dict[str, str] | None = None, rollouts: bytes | None = None
+                 identity: dict[str, str] | None = None, extra: dict[str, bytes] | None = None
                  ) -> None:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -206,7 +205,7 @@ class AsyncSave:
         self.group = group
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self._marker = dict(state=state, config=config, samples=samples, adapters=adapters,
-                            identity=identity, rollouts=rollouts)
+                            identity=identity, extra=extra)
         self._write = dcp.async_save(
             _state_dicts(model, optimizer), checkpoint_id=str(self.path), process_group=group,
             async_stager=stager,
@@ -221,7 +220,7 @@ class AsyncSave:
 def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndarray | None,
                   adapters: dict[str, Any] | None, group: dist.ProcessGroup | None = None,
                   identity: dict[str, str] | None = None, world: int | None = None,
-                  rollouts: bytes | None = None) -> None:
+                  extra: dict[str, bytes] | None = None) -> None:
     """Rank 0 writes the ledger and then the marker naming every rank's files, their sizes
     and hashes (each rank hashes its own, just written and still in the page cache).
     ``world``: how many ranks saved (an asynchronous save's finish comes later, from Ray
@@ -239,8 +238,8 @@ def _write_marker(path: Path, *, state: dict[str, Any], config, samples: np.ndar
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     if samples is not None and rank0:
         np.save(path / CHECKPOINT_SAMPLES, samples)
-    if rollouts is not None and rank0:
-        (path / CHECKPOINT_ROLLOUTS).write_bytes(rollouts)
+    for name, data in (extra or {}).items() if rank0 else ():
+        (path / name).write_bytes(data)
     mine = {p.name: (p.stat().st_size, file_hash(storage.read_chunks(str(p))))
             for p in path.iterdir() if p.is_file() and p.name != CHECKPOINT_MARKER}
     everyone = [mine]

@@ -52,12 +52,11 @@ from raylm.data.corpus import PREPARED_MANIFEST
 from raylm.data.streams import PackedSplit
 from raylm.data.tokenizer import load_backend
 from raylm.faults import Mistake
-from raylm.model.assemble import Built, global_count
+from raylm.model.assemble import Built, answer_rows, global_count, row_logps
 from raylm.rollout.buffer import Buffer
 from raylm.rollout.pool import GeneratorPool
 from raylm.rollout.rewards import split_row
 from raylm.workers.metrics import flops_per_token
-from raylm.workers.preference import answer_rows, row_logps
 from raylm.workers.step import Objective, apply_update, clip_grad_norm
 
 Aggregation = Literal["token", "sequence", "constant"]
@@ -393,12 +392,13 @@ class Reinforce(Objective):
         self.asked = saved.through_step
         return {g.position: g for g in saved.groups}
 
-    def saved(self) -> bytes | None:
+    def saved(self) -> dict[str, bytes]:
         """What a checkpoint keeps of the rollouts: those asked for and not trained on
-        (off-policy runs; rank 0), else None."""
+        (off-policy runs; rank 0)."""
         if self.buffer is None or not self.rl.max_staleness:
-            return None
-        return self.buffer.saved(through_step=self.asked, sampling=self.sampling)
+            return {}
+        return {CHECKPOINT_ROLLOUTS: self.buffer.saved(through_step=self.asked,
+                                                       sampling=self.sampling)}
 
     def groups(self, micro: list[dict[str, torch.Tensor]], sampling: Sampling, split: str,
                ahead: list[list[dict[str, torch.Tensor]]] = ()

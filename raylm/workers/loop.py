@@ -471,7 +471,7 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
                               optimizer=run.optimizer,
                               state=copy.deepcopy(run.state.state_dict()),
                               config=run.built.config, samples=samples,
-                              rollouts=run.objective.saved(),
+                              extra=run.objective.saved(),
                               adapters=lora_settings(run.cfg.lora), identity=run.identity)
     run.reporting.vote.reported()
     run.reporting.meter.checkpoint_s += time.perf_counter() - t0

@@ -47,10 +47,8 @@ import torch.nn.functional as F
 
 from raylm.config import DpoConfig, PreferenceLoss
 from raylm.contracts import REFERENCE_COLUMN
-from raylm.model.assemble import Built, global_count
-from raylm.model.head_loss import head_rows
+from raylm.model.assemble import Built, answer_rows, global_count, row_logps
 from raylm.model.lora import adapters_off
-from raylm.model.parallelize import autocast
 from raylm.workers.metrics import flops_per_token
 from raylm.workers.step import Objective, apply_update, clip_grad_norm
 
@@ -112,24 +110,6 @@ def smoothed(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return out
 
 
-def row_logps(rows: torch.Tensor, targets: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """The log-probability of the target at each flat position ``at`` of a (B, T) batch, from
-    the logits of those positions alone (``rows``: (n, V), ``at`` on their device): fp32
-    log-softmax of those rows only (answers are a part of a block: the prompts' and the
-    padding's rows of the vocabulary-wide logits are never copied to fp32)."""
-    rows = rows.float()
-    picked = targets.reshape(-1).to(rows.device, non_blocking=True).index_select(0, at)
-    return rows.gather(-1, picked.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(rows, dim=-1)
-
-
-def _on(at: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if at.device != device:
-        if device.type == "cuda":
-            at = at.pin_memory()
-        at = at.to(device, non_blocking=True)
-    return at
-
-
 def trained(segments: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat positions of a batch's trained targets, and the answer each belongs to."""
     flat = segments.reshape(-1)
@@ -172,29 +152,6 @@ def answer_segments(position_ids: torch.Tensor, loss_mask: torch.Tensor
 def numbered(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """:func:`answer_segments` of a batch of packed pairs."""
     return answer_segments(batch["position_ids"], batch["loss_mask"])
-
-
-def answer_rows(built: Built, batch: dict[str, torch.Tensor], at: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of the flat target positions ``at`` of ``batch`` (n, V), and ``at`` on the
-    model's device. A model whose head computes losses in chunks projects those positions
-    only (:func:`raylm.model.head_loss.head_rows`)."""
-    if built.cross_document:
-        # Its kernel was chosen for unmasked blocks: on CUDA, SDPA's flash kernel, which
-        # takes no mask and fails at the first pair ("No available kernel").
-        raise ValueError("preference pairs are scored with per-document attention: build "
-                         "the model with cross_document=False (data.cross_document_attention "
-                         "false), so that a pair's halves do not see each other")
-    tokens = batch["input_ids"].to(built.device, non_blocking=True)
-    positions = batch["position_ids"][:, :-1].to(built.device, non_blocking=True)
-    at = _on(at, built.device)
-    with built.attention.context(), autocast(built.precision, built.device.type):
-        if built.fused_loss:
-            with head_rows(at, built.config) as pending:
-                built.model(input_ids=tokens[:, :-1], position_ids=positions)
-            return pending.logits, at
-        logits = built.model(input_ids=tokens[:, :-1], position_ids=positions).logits
-    return logits.reshape(-1, logits.size(-1)).index_select(0, at), at
 
 
 def scored(built: Built, batch: dict[str, torch.Tensor], segments: torch.Tensor,

@@ -212,8 +212,9 @@ def pipeline_step(built: Built, optimizer: torch.optim.Optimizer,
 class Objective:
     """What the loop trains toward (:class:`NextToken`, DPO's
     :class:`raylm.workers.preference.Preference`, GRPO's :class:`raylm.workers.grpo.Reinforce`):
-    each gives ``step``, ``evaluate`` and ``flops``; the hooks below are for an objective with
-    parts beside the trainers (GRPO's generators), and do nothing by default."""
+    each gives ``step``, ``evaluate`` and ``flops``; ``begin`` and ``saved`` are for an
+    objective with parts beside the trainers (GRPO's generators), and do nothing by default.
+    The driver's side of the same objective is :mod:`raylm.run.objectives`'."""
 
     checks_first_prediction = False
     """Whether the loop checks the first batch's predictions (that pretrained weights loaded)."""
@@ -224,15 +225,30 @@ class Objective:
     """Seconds, since the group started, of the objective's own goodput causes
     (:class:`raylm.workers.loop.StepMeter`)."""
 
+    def step(self, built: Built, optimizer: torch.optim.Optimizer, micro, *, accumulation: int,
+             grad_clip: float, health: Health | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """One optimizer step over the micro-batches ``micro``: (loss, gradient norm, the
+        objective's own figures by report key), on the device."""
+        raise NotImplementedError
+
+    def evaluate(self, built: Built, batches) -> dict[str, float]:
+        """The validation figures of ``batches`` by report key (every rank alike)."""
+        raise NotImplementedError
+
+    def flops(self, config, seq_len: int) -> float:
+        """Model FLOPs per trained token (MFU's numerator)."""
+        raise NotImplementedError
+
     def begin(self, built: Built, *, step: int, batches: Iterator[dict[str, torch.Tensor]],
               accumulation: int, resumed: str | None) -> Iterator[dict[str, torch.Tensor]]:
         """At the group's start, from ``step`` (the checkpoint ``resumed``, if any): returns
         the training stream to draw from."""
         return batches
 
-    def saved(self) -> bytes | None:
-        """What a checkpoint keeps of the objective's own state (rank 0), if anything."""
-        return None
+    def saved(self) -> dict[str, bytes]:
+        """The files a checkpoint keeps of the objective's own state, by name (rank 0)."""
+        return {}
 
 
 class NextToken(Objective):

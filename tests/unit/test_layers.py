@@ -42,7 +42,7 @@ def test_ruff_finds_nothing():
 
 
 # The budget docs/development.md states: raising one is a decision made there, with its reason.
-MAX_LINES = 19_400  # raylm/ outside bench/
+MAX_LINES = 19_600  # raylm/ outside bench/
 MAX_CONFIG_KEYS = 145
 
 
@@ -110,4 +110,17 @@ def test_models_are_built_from_their_spec_outside_model():
     found = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "raylm").rglob("*.py"))
              if "model" not in p.relative_to(ROOT / "raylm").parts[:1]
              and "build_config(" in p.read_text()]
+    assert found == [], found
+
+
+def test_the_driver_asks_the_objective_not_its_name():
+    """raylm/run knows each train.objective through its object (raylm.run.objectives), so a new
+    objective is one class there and one beside the workers' (raylm.workers.step.Objective),
+    not a branch in every module that plans a run."""
+    import re
+
+    compared = re.compile(r"objective\s*(==|!=|in\b)|\.get\(cfg\.train\.objective")
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}"
+             for p in sorted((ROOT / "raylm" / "run").glob("*.py")) if p.name != "objectives.py"
+             for m in compared.finditer(p.read_text())]
     assert found == [], found

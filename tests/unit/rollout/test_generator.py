@@ -120,9 +120,9 @@ def test_a_qlora_generator_samples_from_the_nf4_base_the_trainers_score(tmp_path
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from raylm.config import config_from_dict
+    from raylm.model.assemble import answer_rows, row_logps
     from raylm.model.spec import ModelSpec
     from raylm.workers.grpo import rollout_batch
-    from raylm.workers.preference import answer_rows, row_logps
 
     vocab = tokenizer_vocab(tokenizer_dir)
     torch.manual_seed(0)  # NF4 splits 256-wide weights into whole blocks; the tiny preset's do not

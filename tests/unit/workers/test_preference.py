@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from raylm.config import DpoConfig
-from raylm.workers.preference import Answers, pair_losses, row_logps, segment_sums, trained
+from raylm.model.assemble import row_logps
+from raylm.workers.preference import Answers, pair_losses, segment_sums, trained
 
 
 def answer_logps(logits, targets, segments, *, num_segments):

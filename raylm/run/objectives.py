@@ -1,0 +1,95 @@
+"""What the driver knows of each ``train.objective``, one object each (:func:`objective_of`), so
+that nothing else in :mod:`raylm.run` compares the objective's name: the figure a sweep ranks
+trials by and its direction, the longest row a block must hold, the objective's own preflight,
+what the run places beside its trainers (GRPO's generators), whether it needs a stored reference
+pass, and the settings a sweep of it varies. The workers' side of each is
+:class:`raylm.workers.step.Objective`'s (``NextToken``, ``Preference``, ``Reinforce``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raylm.config import Config
+from raylm.data.corpus import first_row
+from raylm.rollout import rewards
+from raylm.run.trial import METRIC
+
+
+class RunObjective:
+    """Next-token training (``train.objective=sft``, pretraining included)."""
+
+    metric, mode = METRIC, "min"
+    """The figure a sweep ranks trials by (tune.metric unset), and whether lower is better."""
+
+    def longest_row(self, cfg: Config) -> int:
+        """The most tokens a row of the run holds (the model's positions must cover them)."""
+        return cfg.data.seq_len
+
+    def check(self, cfg: Config) -> None:
+        """The objective's own preflight (before Ray starts)."""
+
+    def beside_trainers(self, cfg: Config, *, most: bool = False
+                        ) -> tuple[dict[str, float], str]:
+        """What the run places beside its training workers, at its fewest (``most``: at its
+        largest), and the settings that ask for it."""
+        return {}, ""
+
+    def needs_stored_reference(self, cfg: Config) -> bool:
+        """Whether the run needs the reference pass stored before it trains
+        (:mod:`raylm.run.reference`)."""
+        return False
+
+    def sweep_choices(self, cfg: Config) -> dict[str, list[Any]]:
+        """The objective's own settings a sweep varies, by key, with their values."""
+        return {}
+
+
+class PreferenceObjective(RunObjective):
+    """``train.objective=dpo``: ranked by the held-out preference accuracy (the share of pairs
+    whose chosen answer has the higher reward), since the DPO loss moves with dpo.beta, which a
+    sweep may vary, and the accuracy does not."""
+
+    metric, mode = "val_accuracy", "max"
+
+    def needs_stored_reference(self, cfg: Config) -> bool:
+        # A reference model without adapters to switch off is scored once, before training.
+        return cfg.dpo.needs_reference and not cfg.lora.rank
+
+    def sweep_choices(self, cfg: Config) -> dict[str, list[Any]]:
+        return {"dpo.beta": cfg.tune.dpo_betas or [cfg.dpo.beta]}
+
+
+class ReinforceObjective(RunObjective):
+    """``train.objective=grpo``: ranked by the held-out reward (a GRPO run has no validation
+    loss); a row is its prompt and its completion; the generators stand beside the trainers."""
+
+    metric, mode = "val_reward", "max"
+
+    def longest_row(self, cfg: Config) -> int:
+        return cfg.data.seq_len + cfg.rl.max_completion_tokens
+
+    def check(self, cfg: Config) -> None:
+        """rl.reward imported, and called once on the data's first row where it is a local
+        file (:func:`raylm.rollout.rewards.check_reward`)."""
+        fn = rewards.load_reward(cfg.rl.reward)
+        row = first_row(cfg.data.source, hf_split=cfg.data.hf_split)
+        if row is not None and cfg.data.prompt_field in row:
+            rewards.check_reward(fn, row, prompt_field=cfg.data.prompt_field,
+                                 spec=cfg.rl.reward)
+
+    def beside_trainers(self, cfg: Config, *, most: bool = False
+                        ) -> tuple[dict[str, float], str]:
+        rl = cfg.rl
+        count = rl.generator_range[1 if most else 0]
+        return ({name: count * amount for name, amount in rl.generator_resources.items()},
+                f"rl.generators={rl.generators} of rl.generator_resources="
+                f"{rl.generator_resources}")
+
+
+OBJECTIVES: dict[str, RunObjective] = {"sft": RunObjective(), "dpo": PreferenceObjective(),
+                                       "grpo": ReinforceObjective()}
+
+
+def objective_of(cfg: Config) -> RunObjective:
+    return OBJECTIVES[cfg.train.objective]
