@@ -217,3 +217,25 @@ def head_matmuls(width: int):
     mode = HeadMatmuls()
     mode.seen = []
     return mode
+
+
+def names_since_cb5e3f1(summary: dict, run_dir: Path) -> dict[str, list[str]]:
+    """A tracked run's names as tests/fixtures/names-cb5e3f1.json keeps them from raylm at
+    cb5e3f1: its MLflow metric names (less MLflow's own system/ ones), summary.json's keys in
+    order (less the final model's, which the driver adds when it logs one), and its progress
+    records' keys. Reports became records after cb5e3f1 (raylm.contracts.report), their names
+    unchanged."""
+    from mlflow import MlflowClient
+
+    from raylm.run import record
+
+    run = MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"])
+    progress = [r for r in record.read(str(run_dir)) if r["event"] == "progress"]
+    return {"mlflow_metrics": sorted(k for k in run.data.metrics if not k.startswith("system/")),
+            "summary": [k for k in summary if k not in ("registered_model", "registered_version")],
+            "progress": sorted({k for r in progress for k in r})}
+
+
+def names_of_cb5e3f1(kind: str) -> dict[str, list[str]]:
+    kept = Path(__file__).parent / "fixtures" / "names-cb5e3f1.json"
+    return json.loads(kept.read_text())[kind]

@@ -189,7 +189,8 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                        verbose=cfg.run.verbose, progress=feed and feed.queue, ending=ending,
                        lease=held.token, benchmarks=Benchmarks(
                            rd, cfg.eval, checkpoint_every=cfg.checkpoint.every,
-                           total_steps=cfg.train.steps) if cfg.eval.tasks else None)
+                           total_steps=cfg.train.steps) if cfg.eval.tasks else None,
+                       objective=objective_of(cfg))
     # A sweep trial's reporter hears each benchmark's scores (raylm.run.sweep).
     record.listeners += [c for c in callbacks or () if hasattr(c, "scored")]
     record.note(Event.DEVICE, gpu=cfg.scaling.use_gpu, reason=device)

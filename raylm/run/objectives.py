@@ -44,6 +44,11 @@ class RunObjective:
         """The objective's own settings a sweep varies, by key, with their values."""
         return {}
 
+    def progress(self, figures: dict[str, float]) -> str:
+        """What a step's progress line says of the report's ``figures`` (its own and the
+        validation's)."""
+        return f"  val {figures['val_loss']:.4f}" if "val_loss" in figures else ""
+
 
 class PreferenceObjective(RunObjective):
     """``train.objective=dpo``: ranked by the held-out preference accuracy (the share of pairs
@@ -58,6 +63,15 @@ class PreferenceObjective(RunObjective):
 
     def sweep_choices(self, cfg: Config) -> dict[str, list[Any]]:
         return {"dpo.beta": cfg.tune.dpo_betas or [cfg.dpo.beta]}
+
+    def progress(self, figures: dict[str, float]) -> str:
+        f, line = figures, ""
+        if "dpo_accuracy" in f:
+            line += f"  margin {f['dpo_margin']:.3f}  acc {f['dpo_accuracy']:.2f}"
+        line += super().progress(f)
+        if "val_accuracy" in f:
+            line += f" (acc {f['val_accuracy']:.3f})"
+        return line
 
 
 class ReinforceObjective(RunObjective):
@@ -85,6 +99,15 @@ class ReinforceObjective(RunObjective):
         return ({name: count * amount for name, amount in rl.generator_resources.items()},
                 f"rl.generators={rl.generators} of rl.generator_resources="
                 f"{rl.generator_resources}")
+
+    def progress(self, figures: dict[str, float]) -> str:
+        f, line = figures, ""
+        if "rl_reward" in f:
+            line += (f"  reward {f['rl_reward']:.3f} (sd {f['rl_reward_std']:.3f}, no signal "
+                     f"{100 * f['rl_no_signal']:.0f}%)  len {f['rl_completion_len']:.1f}")
+        if "val_reward" in f:
+            line += f"  val reward {f['val_reward']:.3f}"
+        return line
 
 
 OBJECTIVES: dict[str, RunObjective] = {"sft": RunObjective(), "dpo": PreferenceObjective(),

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, TextIO
+from typing import TextIO
+
+from raylm.contracts.report import Report
 
 
 def use_bar(mode: str, stream: TextIO | None = None) -> bool:
@@ -48,20 +50,20 @@ class Bar:
                         desc="training", mininterval=0)
         self.val_loss: float | None = None
 
-    def update(self, m: dict[str, Any]) -> None:
-        if m.get("val_loss") is not None:
-            self.val_loss = m["val_loss"]
-        if self.bar.n == 0 and m.get("resumed_from_step"):
+    def update(self, r: Report) -> None:
+        if r.val_loss is not None:
+            self.val_loss = r.val_loss
+        if self.bar.n == 0 and r.resumed_from_step:
             # A resumed run: its ETA counts from here, not from step 0.
             self.bar.reset(total=self.bar.total)
-            self.bar.update(m["resumed_from_step"])
-        figures = {"loss": f"{m['loss']:.4f}"}
+            self.bar.update(r.resumed_from_step)
+        figures = {"loss": f"{r.loss:.4f}"}
         if self.val_loss is not None:
             figures["val"] = f"{self.val_loss:.4f}"
-        figures["tok/s"] = f"{m['tokens_per_s']:,.0f}"
+        figures["tok/s"] = f"{r.tokens_per_s:,.0f}"
         self.bar.set_postfix(figures, refresh=False)
         # A restarted group reports steps again from its checkpoint: the bar moves back.
-        self.bar.update(m["step"] - self.bar.n)
+        self.bar.update(r.step - self.bar.n)
 
     def close(self) -> None:
         self.bar.close()

@@ -52,22 +52,14 @@ from raylm.contracts import (
     SUMMARY,
     Event,
 )
+from raylm.contracts.report import Report
 from raylm.faults import LeaseLost, Mistake, Preempted, Rewind, cause, check_lease
 from raylm.live import LiveMetrics
 from raylm.run import benchmarks as bench
 from raylm.run.benchmarks import Benchmarks
 from raylm.run.goodput import goodput
+from raylm.run.objectives import OBJECTIVES, RunObjective
 from raylm.run.tracking import Tracker
-
-# The reported figures each progress record keeps: the run's metric history (raylm.api reads
-# it back as a DataFrame), whether or not MLflow is on. Also every figure named with one of
-# HISTORY_PREFIXES: preference tuning's (dpo_margin, val_accuracy ...), reinforcement
-# learning's (rl_reward, val_reward ...).
-HISTORY = ("loss", "val_loss", "val_perplexity", "lr", "grad_norm", "tokens_per_s", "mfu",
-           "data_wait_fraction", "peak_memory_gb", "workers", "joules_per_token",
-           "watts_per_gpu", "energy_kwh")
-HISTORY_PREFIXES = ("dpo_", "rl_", "val_")
-
 
 # ---- events.jsonl: writing and reading -----------------------------------------------------
 
@@ -219,8 +211,10 @@ class RunRecord(UserCallback):
 
     def __init__(self, run_dir: str, *, total_steps: int, tracker: Tracker,
                  verbose: bool = False, progress=None, ending: Ending | None = None,
-                 lease: str | None = None, benchmarks: Benchmarks | None = None) -> None:
+                 lease: str | None = None, benchmarks: Benchmarks | None = None,
+                 objective: RunObjective = OBJECTIVES["sft"]) -> None:
         self.run_dir = run_dir
+        self.objective = objective  # what the progress lines say of its figures
         # The checkpoints' benchmark evaluations (raylm.run.benchmarks), when eval.tasks names
         # any; ``listeners`` hear each one's scores (a sweep trial's reporter to Tune).
         self.benchmarks = benchmarks
@@ -245,7 +239,7 @@ class RunRecord(UserCallback):
         self.group: float | None = None  # the current worker group's start time
         self.group_reported = False  # has it reported a step yet?
         self.resumed_from_step: int | None = None  # where this invocation's first group began
-        self.latest: dict[str, Any] = {}
+        self.latest: Report | None = None
         self.val_loss: float | None = None
         self.val_figures: dict[str, float] = {}
         self.checkpoint_path: str | None = None
@@ -281,50 +275,48 @@ class RunRecord(UserCallback):
 
     # What the hooks do, callable on their own.
 
-    def report(self, m: dict[str, Any], checkpoint_name: str | None) -> None:
-        """One report (rank 0's metrics), with the name of the checkpoint directory it saved."""
+    def report(self, metrics: dict[str, Any], checkpoint_name: str | None) -> None:
+        """One report (rank 0's metrics, :meth:`Report.to_metrics`), with the name of the
+        checkpoint directory it saved."""
         if not self.quieted:
             quiet_libraries(self.verbose)
             self.quieted = True
-        step = m["step"]
-        if m["group_started"] != self.group:
+        r = Report.from_metrics(metrics)
+        step = r.step
+        if r.group_started != self.group:
             if self.group is None:
-                self.resumed_from_step = m["resumed_from_step"]
-            self.group = m["group_started"]
-            self._add(Event.GROUP_START, at=m["group_started"], workers=m["workers"],
-                      from_step=m["resumed_from_step"] or 0, setup_s=m.get("setup_s"),
-                      phases=m.get("phases"), resumed_clock=m.get("resumed_clock"))
+                self.resumed_from_step = r.resumed_from_step
+            self.group = r.group_started
+            self._add(Event.GROUP_START, at=r.group_started, workers=r.workers,
+                      from_step=r.resumed_from_step or 0, setup_s=r.setup_s, phases=r.phases,
+                      resumed_clock=r.resumed_clock)
             self.group_reported = False
-        if m.get("event") == Event.GROUP_START:
+        if r.announces:
             return
-        step_time = m["elapsed_s"] / max(1, step - (m["resumed_from_step"] or 0))
+        step_time = r.elapsed_s / max(1, step - (r.resumed_from_step or 0))
         # Timed when rank 0 made it, which for a report held back is earlier than its arrival.
-        clock = m.get("clock")
-        self._add(Event.PROGRESS, at=clock["t"] if clock else None, step=step, step_time=step_time,
-                  clock=clock,
-                  **{k: v for k, v in m.items() if v is not None
-                     and (k in HISTORY or k.startswith(HISTORY_PREFIXES))})
+        self._add(Event.PROGRESS, at=r.clock["t"] if r.clock else None, step=step,
+                  step_time=step_time, clock=r.clock, **r.history())
         first_of_group = not self.group_reported
         if first_of_group:  # an interruption is complete at its group's first step
             self.group_reported = True
             self._announce(step)
-        for fault in m.get("numerical_faults") or ():
+        for fault in r.numerical_faults or ():
             self._numerical_fault(fault)
-        self.latest = m
+        self.latest = r
         self.furthest = max(self.furthest, step)
-        if "val_loss" in m or "val_reward" in m:
-            self.val_loss = m.get("val_loss")
+        if r.evaluated:
+            self.val_loss = r.val_loss
             # Preference tuning's evaluation figures besides the loss (val_accuracy ...),
             # reinforcement learning's instead of it (val_reward).
-            self.val_figures = {k: v for k, v in m.items() if k.startswith("val_")
-                                and k not in ("val_loss", "val_perplexity")}
+            self.val_figures = r.validation()
         path = None
         if checkpoint_name is not None:
             path = self.checkpoint_path = storage.join(self.run_dir, checkpoint_name)
-        self.tracker.log_report(m, path)
+        self.tracker.log_report(r, path)
         self._live(interrupted=first_of_group)
         self._note_tracking(step)
-        self._progress(m, step_time=step_time, checkpoint=path)
+        self._progress(r, step_time=step_time, checkpoint=path)
         if self.benchmarks is not None:
             self._benchmark(step, path)
         if path is not None:
@@ -368,18 +360,16 @@ class RunRecord(UserCallback):
         if outcomes:
             self.flush()
 
-    def _progress(self, m: dict[str, Any], *, step_time: float, checkpoint: str | None
-                  ) -> None:
+    def _progress(self, r: Report, *, step_time: float, checkpoint: str | None) -> None:
         if self.progress is not None:
             try:
-                self.progress.put_nowait({k: m.get(k) for k in (
-                    "step", "loss", "val_loss", "tokens_per_s", "resumed_from_step")})
+                self.progress.put_nowait(r)
                 return
             except Exception as e:  # the driver is gone: lines from here on
                 print(f"warning: raylm progress bar: {type(e).__name__}: {e}", flush=True)
                 self.progress = None
-        print(progress_line(m, total_steps=self.total_steps, step_time=step_time,
-                            checkpoint=checkpoint), flush=True)
+        print(progress_line(r, total_steps=self.total_steps, step_time=step_time,
+                            checkpoint=checkpoint, objective=self.objective), flush=True)
 
     def _numerical_fault(self, fault: dict[str, Any]) -> None:
         """A step the numerical check kept from the weights: in the events, said in a line,
@@ -495,19 +485,19 @@ class RunRecord(UserCallback):
 
     def summary(self) -> dict[str, Any]:
         """summary.json as the record knows it: where the run is now."""
-        m = self.latest
+        m = self.latest or Report(step=None, group_started=None, workers=None)
         return {
             "status": "running",
             "invocation": self.invocation,
-            "final_step": m.get("step"),
-            "train_loss": m.get("loss"),
+            "final_step": m.step,
+            "train_loss": m.loss,
             "val_loss": self.val_loss,
             **self.val_figures,
             # Reinforcement learning's figures of the latest step (rl_reward ...).
-            **{k: v for k, v in m.items() if k.startswith("rl_")},
-            "tokens_per_s": m.get("tokens_per_s"),
-            "mfu": m.get("mfu"),
-            "data_wait_fraction": m.get("data_wait_fraction_run"),
+            **m.objective_figures("rl_"),
+            "tokens_per_s": m.tokens_per_s,
+            "mfu": m.mfu,
+            "data_wait_fraction": m.data_wait_fraction_run,
             "checkpoint_path": (storage.redact(self.checkpoint_path)
                                 if self.checkpoint_path else None),
             "mlflow_run_id": self.tracker.run_id,
@@ -515,20 +505,21 @@ class RunRecord(UserCallback):
             else self.tracker.uri,
             "tracking_lost": self.tracking_lost,
             "resumed_from_step": self.resumed_from_step,
-            **{k: m.get(k) for k in ("workers", "trainable_params", "peak_memory_gb",
-                                     "param_memory_gb", "optimizer_memory_gb", "data_parallel",
-                                     "tensor_parallel", "pipeline_parallel")},
+            "workers": m.workers, "trainable_params": m.trainable_params,
+            "peak_memory_gb": m.peak_memory_gb, "param_memory_gb": m.param_memory_gb,
+            "optimizer_memory_gb": m.optimizer_memory_gb, "data_parallel": m.data_parallel,
+            "tensor_parallel": m.tensor_parallel, "pipeline_parallel": m.pipeline_parallel,
             # GPU energy and time (None on CPUs): see raylm.workers.energy.
-            **{k: m.get(k) for k in ("joules_per_token", "watts_per_gpu", "energy_kwh",
-                                     "gpu_hours", "cost")},
+            "joules_per_token": m.joules_per_token, "watts_per_gpu": m.watts_per_gpu,
+            "energy_kwh": m.energy_kwh, "gpu_hours": m.gpu_hours, "cost": m.cost,
             **summarize(self.records),
             "numerical_faults": [{k: v for k, v in r.items() if k not in ("invocation", "event")}
                                  for r in self.records if r["event"] == Event.NUMERICAL_FAULT],
             # Where the workers ran, and why (scaling.use_gpu, and the cluster).
             "device": next((r["reason"] for r in reversed(self.records)
                             if r["event"] == Event.DEVICE), None),
-            "attention_backend": m.get("attention_backend"),
-            "precision": m.get("precision"),
+            "attention_backend": m.attention_backend,
+            "precision": m.precision,
             # What this invocation resumed with although it changed (checkpoint.accept_changes).
             "changed_on_resume": sorted({c for r in self.records
                                          if r["event"] == Event.RESUMED_WITH_CHANGES
@@ -629,23 +620,15 @@ def resource_wait(worker_group) -> float | None:
         return None
 
 
-def progress_line(m: dict[str, Any], *, total_steps: int, step_time: float,
-                  checkpoint: str | None) -> str:
-    step = m["step"]
-    line = (f"step {step}/{total_steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
-            f"{m['tokens_per_s']:,.0f} tok/s  data wait {100 * m['data_wait_fraction']:.1f}%  "
+def progress_line(r: Report, *, total_steps: int, step_time: float, checkpoint: str | None,
+                  objective: RunObjective = OBJECTIVES["sft"]) -> str:
+    """The console's line for a step's report: the common figures, then the objective's own
+    (:meth:`raylm.run.objectives.RunObjective.progress`)."""
+    step = r.step
+    line = (f"step {step}/{total_steps}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
+            f"{r.tokens_per_s:,.0f} tok/s  data wait {100 * r.data_wait_fraction:.1f}%  "
             f"ETA {step_time * (total_steps - step):.0f}s")
-    if "dpo_accuracy" in m:
-        line += f"  margin {m['dpo_margin']:.3f}  acc {m['dpo_accuracy']:.2f}"
-    if "rl_reward" in m:
-        line += (f"  reward {m['rl_reward']:.3f} (sd {m['rl_reward_std']:.3f}, no signal "
-                 f"{100 * m['rl_no_signal']:.0f}%)  len {m['rl_completion_len']:.1f}")
-    if "val_reward" in m:
-        line += f"  val reward {m['val_reward']:.3f}"
-    if "val_loss" in m:
-        line += f"  val {m['val_loss']:.4f}"
-    if "val_accuracy" in m:
-        line += f" (acc {m['val_accuracy']:.3f})"
+    line += objective.progress(r.figures)
     if checkpoint is not None:
         line += f"  checkpoint {checkpoint}"
     return line

@@ -34,14 +34,9 @@ from typing import Any
 from raylm import storage
 from raylm.config import Config, run_dir, storage_root
 from raylm.contracts import MLFLOW_RUN
+from raylm.contracts.report import Report
 from raylm.run.goodput import table
 from raylm.workers.node_metrics import fail_fast
-
-# Reported values that describe the run rather than measure it: params, not metrics.
-DESCRIPTIVE = ("attention_backend", "precision")
-# Reported values that are neither: the step itself, and the worker group's start time, which
-# the run's record uses to tell worker groups apart.
-NOT_LOGGED = ("step", "group_started")
 
 
 def resolve_uri(cfg: Config) -> str:
@@ -94,7 +89,7 @@ class Tracker:
 
     # What a tracker does (MLflowTracker says how); here, nothing.
     def lose(self, reason: str) -> None: ...  # stop without a word: another copy said it
-    def log_report(self, metrics: dict[str, Any], checkpoint_path: str | None) -> None: ...
+    def log_report(self, report: Report, checkpoint_path: str | None) -> None: ...
     def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None: ...
     def log_goodput(self, account: dict[str, Any], step: int) -> None: ...
     def log_scores(self, scores: dict[str, float], step: int) -> None: ...
@@ -157,17 +152,16 @@ class MLflowTracker(Tracker):
         self.broken, self.lost = True, reason
 
     @_guarded("log metrics")
-    def log_report(self, client, m: dict[str, Any], checkpoint_path: str | None) -> None:
+    def log_report(self, client, report: Report, checkpoint_path: str | None) -> None:
         """A report's numeric values as metrics at its step; the descriptive ones as params
         (once); a checkpoint's location as a tag and in ``checkpoints.json``."""
         from mlflow.entities import Param
 
-        step = int(m["step"])
-        values = _metrics({k: v for k, v in m.items() if isinstance(v, (int, float))
-                           and not isinstance(v, bool) and k not in NOT_LOGGED}, step)
+        step = int(report.step)
+        values = _metrics(report.logged_metrics(), step)
         params = []
         if not self.params_logged:
-            params = [Param(k, str(m[k])) for k in DESCRIPTIVE if k in m]
+            params = [Param(k, v) for k, v in report.described().items()]
             self.params_logged = True
         client.log_batch(self.run_id, metrics=values, params=params)
         if checkpoint_path is not None:

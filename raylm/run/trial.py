@@ -13,7 +13,7 @@ from typing import Any
 
 from ray.train.v2.api.callback import UserCallback
 
-from raylm.contracts import Event
+from raylm.contracts.report import Report
 
 METRIC = "val_loss"
 
@@ -32,7 +32,7 @@ class TrialReporter(UserCallback):
         self.by_benchmark = by_benchmark
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        if metrics[0].get("event") == Event.GROUP_START or self.by_benchmark:
+        if self.by_benchmark or Report.from_metrics(metrics[0]).announces:
             return
         result = dict(metrics[0])
         if checkpoint is not None:

@@ -42,6 +42,7 @@ from raylm import rundir, storage
 from raylm.config import Config, batch_plan
 from raylm.console import quiet_libraries
 from raylm.contracts import Event, Marker
+from raylm.contracts.report import Report
 from raylm.data.packing import SampleOrder, Skips, check_positions, step_positions
 from raylm.data.streams import (
     FirstBatch,
@@ -187,15 +188,12 @@ def train_loop_per_worker(loop_config: dict[str, Handoff]) -> None:
             raise Mistake(f"worker setup: {type(e).__name__}: {e}") from e
         try:
             started = process_started()
-            ray.train.report({**run.reporting.constant, "step": run.state.step,
-                              "event": Event.GROUP_START,
-                              "setup_s": time.time() - group_started,
-                              "phases": {
-                                  "process_s": None if started is None
-                                  else max(0.0, IMPORTED - started),
-                                  "ray_train_s": group_started - IMPORTED,
-                                  **run.reporting.phases},
-                              "resumed_clock": run.state.clock})
+            ray.train.report(Report(
+                **run.reporting.constant, step=run.state.step, event=Event.GROUP_START,
+                setup_s=time.time() - group_started,
+                phases={"process_s": None if started is None else max(0.0, IMPORTED - started),
+                        "ray_train_s": group_started - IMPORTED, **run.reporting.phases},
+                resumed_clock=run.state.clock).to_metrics())
             train(run)
         finally:
             if run.reporting.monitor is not None:
@@ -244,26 +242,25 @@ def train(run: Setup) -> None:
         window = meter.window()
         window_energy = window.pop("energy_j")
         state.add_usage(joules=window_energy, gpu_seconds=window.pop("gpu_s"))
-        # The only host-device synchronisations of the loop are here, at reports.
-        metrics = {"step": state.step, "loss": float(loss), "lr": lr,
-                   "grad_norm": float(grad_norm), "tokens_seen": state.tokens_seen,
-                   "preempted": todo.preempted, **window,
-                   **{k: float(v) for k, v in figures.items()},
-                   **run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
-                                 gpu_hour_price=run.cfg.tracking.gpu_hour_price),
-                   **run.reporting.constant}
         if run.reporting.state_memory is None:  # after a step: the optimizer's state exists
             run.reporting.state_memory = state_memory(run)
-        metrics.update(run.reporting.state_memory)
-        metrics["clock"] = meter.clock(window_energy_j=window_energy)
+        # The only host-device synchronisations of the loop are here, at reports.
+        report = Report(step=state.step, loss=float(loss), lr=lr, grad_norm=float(grad_norm),
+                        tokens_seen=state.tokens_seen, preempted=todo.preempted, **window,
+                        figures={k: float(v) for k, v in figures.items()},
+                        **run_figures(joules=state.energy_j, gpu_seconds=state.gpu_s,
+                                      gpu_hour_price=run.cfg.tracking.gpu_hour_price),
+                        **run.reporting.constant, **run.reporting.state_memory,
+                        clock=meter.clock(window_energy_j=window_energy))
         faults = run.trace.health.read()
         if faults:
-            on_faults(run, faults, metrics)
+            on_faults(run, faults, report)
         if todo.evaluate:
             t0 = time.perf_counter()
-            metrics.update(run.objective.evaluate(run.built, run.val_batches))
+            report.figures.update(run.objective.evaluate(run.built, run.val_batches))
             meter.eval_s += time.perf_counter() - t0
-            metrics["clock"] = meter.clock(window_energy_j=window_energy)
+            report.clock = meter.clock(window_energy_j=window_energy)
+        metrics = report.to_metrics()
         if run.reporting.live is not None:
             run.reporting.live.record(metrics)
         # The last checkpoint and a preemption's are written before the loop goes on (to its
@@ -477,7 +474,7 @@ def save_and_report(run: Setup, metrics: dict[str, Any], *, save: bool, wait: bo
     run.reporting.meter.checkpoint_s += time.perf_counter() - t0
 
 
-def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
+def on_faults(run: Setup, faults: list[Fault], report: Report) -> None:
     """Act on the numerical faults of the window this report closes (every rank alike, see
     :func:`raylm.workers.health.decide`): record them in the report; skipped steps' rows go
     into the ledger as withheld; a rewind writes the run's skipped_samples.json (rank 0) and
@@ -494,7 +491,7 @@ def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
         culprits_of=lambda step: culprits(run.built, batches[step],
                                           cross_document=run.cfg.data.across_documents),
         documents_of=run.trace.split.documents)
-    metrics["numerical_faults"] = decision.records
+    report.numerical_faults = decision.records
     if decision.action == "skip":
         for r in decision.records:
             run.ledger.withhold(run.state.step - r["step"])
@@ -502,7 +499,7 @@ def on_faults(run: Setup, faults: list[Fault], metrics: dict[str, Any]) -> None:
     run.checkpointer.wait()
     if decision.manifest is not None and run.rank == 0:
         rundir.write_manifest(run.run_dir, decision.manifest)
-    run.checkpointer.report(metrics)
+    run.checkpointer.report(report.to_metrics())
     preemption.hand_over()
     raise (Rewind if decision.action == "rewind" else NumericalFault)(decision.message)
 

@@ -21,7 +21,13 @@ from raylm.config import load_config
 from raylm.data.preparation import prepare
 from raylm.run import record
 from raylm.run.launch import train
-from tests.conftest import PIECE_MB, tiny_run, write_pieces_corpus
+from tests.conftest import (
+    PIECE_MB,
+    names_of_cb5e3f1,
+    names_since_cb5e3f1,
+    tiny_run,
+    write_pieces_corpus,
+)
 from tests.integration import faults
 
 pytestmark = pytest.mark.integration
@@ -309,6 +315,7 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
     # weights, which the policy moves away from, and the checkpoint keeps those scores.
     assert path[0]["rl_kl"] < 0.01 < max(r["rl_kl"] for r in path)
     assert summary["samples"]["trained"] == 100 * 8
+    assert names_since_cb5e3f1(summary, run_dir) == names_of_cb5e3f1("grpo")
     # It learned: from about half right (either digit of the question, at random) to the
     # larger one, on the training prompts and on held-out ones.
     rewards = [r["rl_reward"] for r in path]

@@ -20,7 +20,7 @@ import pytest
 
 from raylm.config import load_config
 from raylm.run.launch import train
-from tests.conftest import tiny_run
+from tests.conftest import names_of_cb5e3f1, names_since_cb5e3f1, tiny_run
 from tests.integration import faults
 from tests.integration.conftest import MLFLOW_ADMIN, MLFLOW_CREDENTIALS
 
@@ -156,6 +156,9 @@ def test_a_run_on_an_mlflow_server_reads_back_through_the_client(base, server, t
     summary = json.loads(Path(client.download_artifacts(
         run.info.run_id, "summary.json", str(tmp_path))).read_text())
     assert summary == out
+    # The names MLflow, summary.json and the events hold are those of earlier releases.
+    assert names_since_cb5e3f1(out, Path(out["checkpoint_path"]).parent) == names_of_cb5e3f1(
+        "sft")
     assert {"run.json", "summary.json", "checkpoints.json"} <= {
         a.path for a in client.list_artifacts(run.info.run_id)}
     # The final model: the run's output at its last step, registered as version 1, loadable

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import io
 
+from raylm.contracts.report import Report
 from raylm.run.progress import Bar, use_bar
 
 
-def report(step, loss, *, val=None, resumed=None):
-    return {"step": step, "loss": loss, "val_loss": val, "tokens_per_s": 12345.6,
-            "resumed_from_step": resumed}
+def report(step, loss, *, val=None, resumed=None) -> Report:
+    return Report(step=step, group_started=1.0, workers=1, loss=loss, tokens_per_s=12345.6,
+                  resumed_from_step=resumed, figures={} if val is None else {"val_loss": val})
 
 
 def test_the_bar_follows_reports_and_moves_back_after_a_restart():
