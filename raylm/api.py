@@ -77,9 +77,9 @@ class Run:
     def config(self) -> Config:
         """The config the run last trained with."""
         from raylm.config import config_from_dict
+        from raylm.rundir import read_run_info
 
-        info = json.loads(storage.read_text(storage.join(self.run_dir, RUN_INFO)))
-        return config_from_dict(info["config"])
+        return config_from_dict(read_run_info(self.run_dir).config)
 
     @property
     def checkpoint(self) -> str | None:

@@ -31,10 +31,12 @@ from raylm.contracts import (
     CHECKPOINT_MARKER,
     CHECKPOINT_SAMPLES,
     RAY_TRAIN_STATE,
+    RUN_INFO,
     SKIPPED,
     TUNE_EXPERIMENT,
     Malformed,
     Marker,
+    RunInfo,
 )
 from raylm.data.packing import SampleOrder, Skips
 
@@ -48,6 +50,18 @@ SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: incomplete, corrupted or for another model."""
+
+
+def read_run_info(run_dir: str) -> RunInfo:
+    """``RUN_DIR/run.json``: the resolved config, vocabulary, EOS id and prepared data."""
+    path = storage.join(run_dir, RUN_INFO)
+    if not storage.is_file(path):
+        raise ValueError(f"{run_dir} is not a raylm run directory (no {RUN_INFO}); pass the "
+                         f"directory `raylm train` printed as its run dir.")
+    try:
+        return RunInfo.from_json(storage.read_text(path))
+    except Malformed as e:
+        raise Malformed(f"{run_dir}: {e}") from None
 
 
 def model_shape(config) -> dict[str, Any]:

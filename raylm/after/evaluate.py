@@ -18,7 +18,6 @@ from typing import Any
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
 from raylm.contracts import RUN_INFO, SUMMARY, Event
-from raylm.formats.exporter import read_run_info
 from raylm.run import tracking
 from raylm.run.benchmarks import (
     check_settings,
@@ -30,6 +29,7 @@ from raylm.run.benchmarks import (
 )
 from raylm.run.lease import hold
 from raylm.run.record import EventLog, read
+from raylm.rundir import read_run_info
 
 
 def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = None,
@@ -54,7 +54,7 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
         scored = score_model(Path(src), ev)
         return [{"event": Event.BENCHMARK, "step": None, "scores": scored.scores,
                  "higher": scored.higher, "seconds": scored.seconds}]
-    cfg = config_from_dict(read_run_info(src)["config"])
+    cfg = config_from_dict(read_run_info(src).config)
     if ev is None or not ev.tasks:  # the run's tasks; task code only from a folder named here
         named = ev.include_path if ev is not None else None
         if cfg.eval.include_path and not named:

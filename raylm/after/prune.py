@@ -34,7 +34,6 @@ from raylm.formats.exporter import (
     batched,
     load_run_model,
     model_losses,
-    read_run_info,
     stored_bytes,
     validation_batches,
 )
@@ -42,6 +41,7 @@ from raylm.model import sparsity
 from raylm.model.assemble import Built, batch_loss
 from raylm.outputs import building, check_output, publish
 from raylm.run import tracking
+from raylm.rundir import read_run_info
 
 DEFAULT_CALIBRATION_BLOCKS = 32
 
@@ -63,8 +63,8 @@ def prune_source(source: str | Path, output: str | Path, *, sparsity_text: str,
     if storage.is_uri(src) or not (is_run or Path(src, "config.json").is_file()):
         raise ValueError(f"{src} is neither a raylm run directory nor a model directory on "
                          f"this machine (config.json).")
-    cfg = config_from_dict(read_run_info(src)["config"]) if is_run else Config()
-    prepared = data or (read_run_info(src).get("prepared") if is_run else None)
+    cfg = config_from_dict(read_run_info(src).config) if is_run else Config()
+    prepared = data or (read_run_info(src).prepared if is_run else None)
     if data is not None and not Path(data, LAYOUT).is_file():
         raise ValueError(f"--data {data}: not prepared data (no {LAYOUT}); give the "
                          f"directory `raylm prepare` wrote.")

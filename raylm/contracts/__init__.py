@@ -185,3 +185,25 @@ class LeaseRecord(_Record):
         """The holder; None for a lease given back."""
         data = cls._decoded(text)
         return None if data.get("released") is True else cls._checked(data)
+
+
+@dataclass(frozen=True)
+class RunInfo(_Record):
+    """``run.json``, which the driver writes at each start
+    (:func:`raylm.formats.exporter.write_run_info`): the run's resolved config (secrets
+    redacted), its tokenizer's vocabulary and EOS id, the prepared data it trains on, and the
+    version of raylm's default chat template it renders with (1 where a run.json names none: a
+    run started before version 2). Those of version 1 carry no version."""
+
+    FILE = RUN_INFO
+    CHECKS = {"config": (_of(lambda x: isinstance(x, dict)), "an object of config sections"),
+              "vocab_size": (lambda v: _count(v) and v > 0, "a number of tokens"),
+              "eos_id": (_count, "a token id"),
+              "prepared": (lambda v: v is None or isinstance(v, str), "a path"),
+              "default_template": (_count, "a template version")}
+
+    config: dict
+    vocab_size: int
+    eos_id: int
+    prepared: str | None = None
+    default_template: int = 1

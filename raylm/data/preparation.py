@@ -58,7 +58,7 @@ import pyarrow.parquet as pq
 
 from raylm import storage
 from raylm.config import Config, cache_dir, run_dir
-from raylm.contracts import LAYOUT, PROMPT_ROW, RUN_INFO, SPLITS
+from raylm.contracts import LAYOUT, PROMPT_ROW, RUN_INFO, SPLITS, RunInfo
 from raylm.data.chat import (
     DEFAULT_VERSION,
     DefaultTemplate,
@@ -690,7 +690,7 @@ def template_version(run: str) -> int:
     info = storage.join(run, RUN_INFO)
     if not storage.is_file(info):
         return DEFAULT_VERSION
-    version = json.loads(storage.read_text(info)).get("default_template", 1)
+    version = RunInfo.from_json(storage.read_text(info)).default_template
     if version not in (1, DEFAULT_VERSION):
         raise ValueError(f"{info}: default_template={version!r} is no version raylm renders "
                          f"(1 or {DEFAULT_VERSION}); it is not a run raylm started.")

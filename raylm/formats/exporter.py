@@ -26,7 +26,7 @@ import torch
 from raylm import rundir, storage
 from raylm.config import config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
-from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
+from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY, RunInfo
 from raylm.data.chat import (
     DEFAULT_VERSION,
     answer_segments,
@@ -44,6 +44,7 @@ from raylm.model.assemble import Built, evaluate
 from raylm.model.build import max_positions
 from raylm.model.spec import ModelSpec
 from raylm.outputs import OutputError, building, check_output, publish
+from raylm.rundir import read_run_info
 from raylm.workers import checkpoint
 
 TOKENIZER_DIR = "tokenizer"
@@ -67,9 +68,9 @@ def _redacted(value):
 
 def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
                    tokenizer_path: str, prepared: str) -> None:
-    storage.write_text(storage.join(run_dir, RUN_INFO), json.dumps(
-        {"config": _redacted(config), "vocab_size": vocab_size, "eos_id": eos_id,
-         "prepared": prepared, "default_template": template_version(run_dir)}, indent=1))
+    storage.write_text(storage.join(run_dir, RUN_INFO), RunInfo(
+        config=_redacted(config), vocab_size=vocab_size, eos_id=eos_id, prepared=prepared,
+        default_template=template_version(run_dir)).to_json())
     # The tokenizer's own files only: it is often a whole model directory (model.path's),
     # whose weights must not travel with every run, nor land in its exports. Written at every
     # start whose tokenizer differs from the one there (a resume with accept_changes: [tokenizer],
@@ -93,14 +94,6 @@ def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
         storage.write_text(mark, digest)
 
 
-def read_run_info(run_dir: str) -> dict:
-    """``RUN_DIR/run.json``: the resolved config, vocabulary and EOS id."""
-    if not storage.is_file(storage.join(run_dir, RUN_INFO)):
-        raise ValueError(f"{run_dir} is not a raylm run directory (no {RUN_INFO}); pass the "
-                         f"directory `raylm train` printed as its run dir.")
-    return json.loads(storage.read_text(storage.join(run_dir, RUN_INFO)))
-
-
 def load_run_model(run_dir: str | Path, *, merge: bool = True,
                    checkpoint_path: str | None = None):
     """(model in eval mode, local tokenizer directory, step) from a run's newest verified
@@ -110,15 +103,15 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True,
 
     rd = storage.normalize(run_dir)
     info = read_run_info(rd)
-    cfg = config_from_dict(info["config"])
+    cfg = config_from_dict(info.config)
     found = (rundir.latest_usable(rd, bad=rundir.read_manifest(rd)["bad_checkpoints"])
              if checkpoint_path is None
              else (checkpoint_path, rundir.verify(checkpoint_path)))
     if found is None:
         raise ValueError(f"{rd} holds no complete checkpoint to export.")
     args = lora.adapter_args(cfg.lora)
-    built = ModelSpec.from_config(cfg, vocab_size=info["vocab_size"],
-                                  eos_id=info["eos_id"]).for_checkpoint()
+    built = ModelSpec.from_config(cfg, vocab_size=info.vocab_size,
+                                  eos_id=info.eos_id).for_checkpoint()
     model = built.model
     state = checkpoint.load(found[0], model=model, optimizer=None, config=built.config,
                             adapters=lora.settings(cfg.lora))
@@ -147,7 +140,7 @@ def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
     if format not in FORMATS:
         raise ValueError(f"--format {format}: not one of {', '.join(FORMATS)}")
     quiet_torchao()  # before the model's imports bring torchao in
-    cfg = config_from_dict(read_run_info(storage.normalize(run_dir))["config"])
+    cfg = config_from_dict(read_run_info(storage.normalize(run_dir)).config)
     if format == "gguf":
         quantize = gguf_settings(run_dir, cfg, quantize)
         kind = f"gguf-{quantize}"
@@ -190,8 +183,8 @@ def gguf_settings(run_dir: str | Path, cfg, quantize: str | None) -> str:
         raise ValueError(f"--quantize {quantize} is llama.cpp's own quantizer: pip install "
                          f"'raylm[llamacpp]' (or export q8_0, which needs only gguf)")
     info = read_run_info(storage.normalize(run_dir))
-    config = ModelSpec.from_config(cfg, vocab_size=info["vocab_size"],
-                                   eos_id=info["eos_id"]).transformers_config()
+    config = ModelSpec.from_config(cfg, vocab_size=info.vocab_size,
+                                   eos_id=info.eos_id).transformers_config()
     arch = llamacpp.check_model(config.to_dict())
     tokenizer = storage.join(storage.normalize(run_dir), TOKENIZER_DIR, "tokenizer.json")
     llamacpp.pre_tokenizer(json.loads(storage.read_text(tokenizer)), arch)
@@ -321,12 +314,12 @@ def validation_batches(run_dir: str | Path, *, log
     """(batches, whether documents attend across each other) of the blocks the run's last
     evaluation read; None, with the reason logged, when its prepared data is not here."""
     info = read_run_info(storage.normalize(run_dir))
-    prepared = info.get("prepared")
+    prepared = info.prepared
     if not prepared or not Path(prepared, LAYOUT).is_file():
         log(f"validation loss not compared: the run's prepared data "
             f"({prepared or 'its path is not in run.json'}) is not on this machine")
         return None
-    cfg = config_from_dict(info["config"])
+    cfg = config_from_dict(info.config)
     # Each of the run's W workers took its share of the first blocks in storage order, so one
     # reader taking W shares reads the same ones, and the unchanged model's figure is the
     # run's own final validation loss.

@@ -181,10 +181,11 @@ def score_checkpoint(run_dir: str, checkpoint: str, ev: EvalConfig) -> Scored:
     writes it, into a temporary directory, and scored there. A held copy of the checkpoint
     (:func:`hold`) is removed once scored (a retry after a failure reads it again)."""
     quiet_torchao()
-    from raylm.formats.exporter import read_run_info, write_export
+    from raylm.formats.exporter import write_export
+    from raylm.rundir import read_run_info
 
     start = time.time()
-    cfg = config_from_dict(read_run_info(run_dir)["config"])
+    cfg = config_from_dict(read_run_info(run_dir).config)
     with tempfile.TemporaryDirectory(prefix="raylm-eval-") as tmp, quiet_model_io():
         write_export(run_dir, Path(tmp), cfg, merge=True, checkpoint_path=checkpoint)
         scored = score_model(Path(tmp), ev)

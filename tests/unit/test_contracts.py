@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from raylm import faults, rundir
-from raylm.contracts import LEASE, LeaseRecord, Malformed, Marker
+from raylm.contracts import LEASE, LeaseRecord, Malformed, Marker, RunInfo
 
 OLD = Path(__file__).resolve().parents[1] / "fixtures" / "run-6ef9b7a"
 GRPO = Path(__file__).resolve().parents[1] / "fixtures" / "run-cb5e3f1-grpo"
@@ -28,9 +28,11 @@ MARKER = Marker(state={"step": 7, "tokens_seen": 896, "clock": {"t": 1.5}},
                 hashes={"__0_0.distcp": "ab"}, world_size=2, adapters={"r": 8},
                 identity={"data": "d", "tokenizer": "t"})
 HOLDER = LeaseRecord(host="h", pid=42, started=1.0e9, beat=1.0e9 + 5, token="t", owner="trial")
+INFO = RunInfo(config={"train": {"steps": 4}}, vocab_size=400, eos_id=0, prepared="p",
+               default_template=2)
 
 
-@pytest.mark.parametrize("record", [MARKER, HOLDER], ids=["marker", "lease"])
+@pytest.mark.parametrize("record", [MARKER, HOLDER, INFO], ids=["marker", "lease", "run-info"])
 def test_a_record_round_trips_through_its_json_with_its_version(record):
     text = record.to_json()
     assert json.loads(text)["version"] == type(record).VERSION == 2
@@ -94,6 +96,8 @@ def test_a_run_directory_of_6ef9b7a_reads_back(old):
     run = Run(old)
     assert run.summary["status"] == "finished" and run.summary["final_step"] == 4
     assert run.config.train.steps == 4 and run.config.scaling.num_workers == 1
+    info = rundir.read_run_info(str(old))  # version 1: no version, no template version
+    assert (info.vocab_size, info.default_template) == (400, 1)
     assert list(run.history["step"]) == [2, 4]
     # Its events, read again by today's account (which names more causes than it had).
     shares = run.goodput["share"]
@@ -143,6 +147,7 @@ def test_a_grpo_run_directory_of_cb5e3f1_reads_back_and_resumes_with_its_kept_ro
     run = Run(old)
     assert run.summary["status"] == "finished" and run.summary["final_step"] == 4
     assert run.config.train.objective == "grpo" and run.config.rl.group_size == 4
+    assert rundir.read_run_info(str(old)).default_template == 2
     assert list(run.history["step"]) == [1, 2, 3, 4] and "rl_reward" in run.history
 
     def resumed(group_size: int) -> Reinforce:

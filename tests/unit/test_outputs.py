@@ -145,7 +145,8 @@ def lora_run(tmp_path):
     cfg = load_config(None, [f"--model.path={base}", "--lora.rank=4"])
     run = tmp_path / "runs" / "sft"
     run.mkdir(parents=True)
-    (run / RUN_INFO).write_text(json.dumps({"config": cfg.to_dict()}))
+    (run / RUN_INFO).write_text(json.dumps({"config": cfg.to_dict(), "vocab_size": 400,
+                                             "eos_id": 0, "prepared": None}))
     return run, base
 
 

@@ -119,7 +119,8 @@ def test_a_run_keeps_the_default_chat_template_it_started_with(tokenizer_dir, tm
     assert template_version(run) == 2
     new = prepared_fingerprint("corpus", cfg)
     (tmp_path / "chat").mkdir()
-    (tmp_path / "chat" / "run.json").write_text(json.dumps({"config": {}}))
+    before = {"config": {}, "vocab_size": 400, "eos_id": 0, "prepared": ""}  # as 6ef9b7a wrote
+    (tmp_path / "chat" / "run.json").write_text(json.dumps(before))
     assert template_version(run) == 1
     assert prepared_fingerprint("corpus", cfg) == "ebd78dea72dbefa9" != new
     for name, version in (("chat", 1), ("fresh", 2)):  # each start records the version
@@ -127,6 +128,9 @@ def test_a_run_keeps_the_default_chat_template_it_started_with(tokenizer_dir, tm
                        vocab_size=400, eos_id=0, tokenizer_path=str(tokenizer_dir), prepared="")
         recorded = json.loads((tmp_path / name / "run.json").read_text())
         assert recorded["default_template"] == version == template_version(str(tmp_path / name))
-    (tmp_path / "chat" / "run.json").write_text(json.dumps({"default_template": "v9"}))
-    with pytest.raises(ValueError, match="default_template='v9' is no version"):
+    (tmp_path / "chat" / "run.json").write_text(json.dumps({**before, "default_template": "v9"}))
+    with pytest.raises(ValueError, match="default_template is not a template version"):
+        template_version(run)
+    (tmp_path / "chat" / "run.json").write_text(json.dumps({**before, "default_template": 9}))
+    with pytest.raises(ValueError, match="default_template=9 is no version"):
         template_version(run)
