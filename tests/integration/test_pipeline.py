@@ -48,7 +48,8 @@ def test_prepare_counts_add_up_and_blocks_are_the_token_stream(corpus, tokenizer
     m = prepare(cfg, tmp_path / "out", log=lambda s: None)
     assert set(m) == {"documents_read", "documents_kept", "dropped", "bad_records", "tokens",
                       "block_length", "blocks", "tail_tokens_dropped", "pieces",
-                      "tokenizer_path", "fingerprint"}
+                      "tokenizer_path", "fingerprint", "data_identity"}
+    assert m["data_identity"] == m["fingerprint"]  # a text corpus's blocks keep no rows
     assert m["pieces"] == 1
     assert set(m["dropped"]) == set(DROP_REASONS)
     # 41 + 3 JSONL lines, 30 paragraphs, 32 Parquet rows, 20 paragraphs, 1 empty file.
