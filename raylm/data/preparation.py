@@ -580,6 +580,7 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
                            if "split" in table.column_names else None)
         docs: dict[str, list] = {s: [] for s in SPLITS}
         keys: dict[str, list] = {s: [] for s in SPLITS}
+        row_of = table.column("row").to_pylist() if rows is not None else None
         for i, reason in enumerate(reasons):
             res.read += 1
             if reason is not None:
@@ -605,8 +606,8 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
                     doc = (*doc, int(pair_splits[i]))
             docs[split].append(doc)
             keys[split].append(source_key(int(file_ids[i]), int(lines[i])))
-            if rows is not None:
-                rows[keys[split][-1]] = table.column("row")[i].as_py()
+            if row_of is not None:
+                rows[keys[split][-1]] = row_of[i]
         for s in SPLITS:
             if docs[s]:
                 _write(writers[s], packers[s].add(docs[s], np.array(keys[s], np.int64)), rows)
