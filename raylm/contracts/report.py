@@ -73,7 +73,7 @@ class Report:
     figures: dict[str, float] = field(default_factory=dict)
     """The objective's and the validation's figures, by name (``rl_reward``, ``val_loss``)."""
 
-    # The order today's reports have always had (a progress record, and the history read
+    # The order reports had before they were a record (a progress record, and the history read
     # from it, keeps the order): the group's fields less the step, and the step's in two
     # parts, around the objective's figures; a step's validation figures come last.
     GROUP: ClassVar[tuple[str, ...]] = (
