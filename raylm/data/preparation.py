@@ -985,13 +985,13 @@ def prepared_dir(cfg: Config, *, log: Callable[[str], None] = print) -> Path:
                              f"prepare it again with `raylm prepare`.")
         return path
     files = resolve_sources(d.source, builtin_packages=d.builtin_packages, hf_split=d.hf_split)
-    target = cached_prepared_dir(cfg, files)
+    corpus_fp = fingerprint_files(files)
+    target = cache_dir(cfg) / "prepared" / prepared_fingerprint(corpus_fp, cfg)
     if (target / PREPARED_MANIFEST).is_file():
         log(f"data: reusing prepared data {target}")
         return target
     if d.format == "prompt":
-        earlier = target.parent / prepared_fingerprint(fingerprint_files(files), cfg,
-                                                       blocks_only=True)
+        earlier = target.parent / prepared_fingerprint(corpus_fp, cfg, blocks_only=True)
         if (earlier / PREPARED_MANIFEST).is_file():
             log(f"data: preparing these prompts again: their blocks now keep each prompt's row "
                 f"(the columns its reward reads), where the preparation {earlier} left them in "

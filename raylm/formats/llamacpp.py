@@ -183,6 +183,7 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
         parts = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
         for part, data in zip(parts, tensors.pop(key).chunk(len(parts), dim=1), strict=True):
             tensors[f"{key.rsplit('.', 1)[0]}.{part}.weight"] = data
+    shape = Shape.of(c)
     for name, tensor in tensors.items():
         if c.tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -194,8 +195,8 @@ def write_gguf(model_dir: Path, out: Path, *, quantize: str,
         if arch.name == "GPT2" and data.ndim == 2 and ".h." in name:  # Conv1D: (in, out)
             data = data.T
         if arch.name in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
-            data = _interleaved_rotary(data, Shape.of(c).kv_heads if "k_proj" in name
-                                       else Shape.of(c).heads)
+            data = _interleaved_rotary(data, shape.kv_heads if "k_proj" in name
+                                       else shape.heads)
         if arch.name in ("GEMMA2", "GEMMA3") and name.endswith("norm.weight"):
             data = data + 1.0
         types[_add_tensor(writer, target, data.numpy(), quantize)] += 1
