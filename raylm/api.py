@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from raylm import storage
 from raylm.config import Config, load_config
-from raylm.contracts import RUN_INFO, SUMMARY, Event
+from raylm.contracts import RUN_INFO, Event
+from raylm.contracts.summary import Summary
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -63,15 +64,23 @@ class Run:
                              f"runs live in run.storage_path/run.name.")
 
     def __repr__(self) -> str:
-        s = self.summary
-        return (f"Run({self.run_dir!r}, status={s.get('status')}, step={s.get('final_step')}, "
-                f"val_loss={s.get('val_loss')})")
+        s = self.record
+        return (f"Run({self.run_dir!r}, status={s and s.status}, step={s and s.final_step}, "
+                f"val_loss={s and s.val_loss})")
+
+    @property
+    def record(self) -> Summary | None:
+        """``summary.json`` as its record (:class:`raylm.contracts.summary.Summary`); None
+        before the run has written one."""
+        from raylm.rundir import read_summary
+
+        return read_summary(self.run_dir)
 
     @property
     def summary(self) -> dict[str, Any]:
         """``summary.json``: status, final step and losses, throughput, restarts, ..."""
-        path = storage.join(self.run_dir, SUMMARY)
-        return json.loads(storage.read_text(path)) if storage.is_file(path) else {}
+        s = self.record
+        return s.to_dict() if s is not None else {}
 
     @property
     def config(self) -> Config:
@@ -84,11 +93,13 @@ class Run:
     @property
     def checkpoint(self) -> str | None:
         """The newest checkpoint's path."""
-        return self.summary.get("checkpoint_path")
+        s = self.record
+        return s and s.checkpoint_path
 
     @property
     def mlflow_run_id(self) -> str | None:
-        return self.summary.get("mlflow_run_id")
+        s = self.record
+        return s and s.mlflow_run_id
 
     @property
     def history(self) -> pd.DataFrame:

@@ -33,11 +33,13 @@ from raylm.contracts import (
     RAY_TRAIN_STATE,
     RUN_INFO,
     SKIPPED,
+    SUMMARY,
     TUNE_EXPERIMENT,
     Malformed,
     Marker,
     RunInfo,
 )
+from raylm.contracts.summary import Summary
 from raylm.data.packing import SampleOrder, Skips
 
 log = logging.getLogger("raylm.rundir")
@@ -62,6 +64,21 @@ def read_run_info(run_dir: str) -> RunInfo:
         return RunInfo.from_json(storage.read_text(path))
     except Malformed as e:
         raise Malformed(f"{run_dir}: {e}") from None
+
+
+def read_summary(run_dir: str) -> Summary | None:
+    """``RUN_DIR/summary.json``; None where the run has written none yet."""
+    path = storage.join(run_dir, SUMMARY)
+    if not storage.is_file(path):
+        return None
+    try:
+        return Summary.from_json(storage.read_text(path))
+    except Malformed as e:
+        raise Malformed(f"{run_dir}: {e}") from None
+
+
+def write_summary(run_dir: str, summary: Summary) -> None:
+    storage.write_text(storage.join(run_dir, SUMMARY), summary.to_json())
 
 
 def model_shape(config) -> dict[str, Any]:

@@ -9,7 +9,6 @@ Here the scoring runs in this process (no Ray): on its GPU if it has one, else i
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
-from raylm.contracts import RUN_INFO, SUMMARY, Event
+from raylm.contracts import RUN_INFO, Event
 from raylm.run import tracking
 from raylm.run.benchmarks import (
     check_settings,
@@ -83,10 +82,8 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
     steps = sorted(found) if every else [step if step is not None else max(found)]
     out = []
     with hold(src, log=log):
-        summary_path = storage.join(src, SUMMARY)
-        summary = (json.loads(storage.read_text(summary_path))
-                   if storage.is_file(summary_path) else None)
-        tracker = tracking.run_tracker(src, summary or {}, log=log)
+        summary = rundir.read_summary(src)
+        tracker = tracking.run_tracker(src, summary, log=log)
         log_ = EventLog(src, f"{time.time():.6f}")
         for s in steps:
             log(f"raylm: scoring the checkpoint at step {s} ({found[s]}) on "
@@ -103,6 +100,6 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
             out.append(record)
         log_.flush()
         if summary is not None:
-            summary["benchmarks"] = summarize(read(src))
-            storage.write_text(summary_path, json.dumps(summary, indent=2))
+            summary.benchmarks = summarize(read(src))
+            rundir.write_summary(src, summary)
     return out

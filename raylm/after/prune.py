@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from raylm import storage
+from raylm import rundir, storage
 from raylm.config import Config, config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
-from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY
+from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO
 from raylm.data.streams import read_first_blocks, read_val_blocks
 from raylm.formats.exporter import (
     batched,
@@ -198,7 +198,7 @@ def _compressed_bytes(model, layers: list[dict], target: sparsity.Target) -> int
 def _track(run_dir: str, report: dict[str, Any], out: Path, log) -> None:
     """The report in the run's MLflow run: the losses and sparsity as metrics at the step
     pruned, named by method and target, and the whole report as an artifact."""
-    summary_path = storage.join(run_dir, SUMMARY)
-    if storage.is_file(summary_path):
-        tracking.run_tracker(run_dir, json.loads(storage.read_text(summary_path)),
-                             log=log).log_pruning({**report, "output": str(out)})
+    summary = rundir.read_summary(run_dir)
+    if summary is not None:
+        tracking.run_tracker(run_dir, summary, log=log).log_pruning(
+            {**report, "output": str(out)})

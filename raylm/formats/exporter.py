@@ -26,7 +26,7 @@ import torch
 from raylm import rundir, storage
 from raylm.config import config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
-from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, SUMMARY, RunInfo
+from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, RunInfo
 from raylm.data.chat import (
     DEFAULT_VERSION,
     answer_segments,
@@ -44,7 +44,7 @@ from raylm.model.assemble import Built, evaluate
 from raylm.model.build import max_positions
 from raylm.model.spec import ModelSpec
 from raylm.outputs import OutputError, building, check_output, publish
-from raylm.rundir import read_run_info
+from raylm.rundir import read_run_info, read_summary
 from raylm.workers import checkpoint
 
 TOKENIZER_DIR = "tokenizer"
@@ -323,9 +323,8 @@ def validation_batches(run_dir: str | Path, *, log
     # Each of the run's W workers took its share of the first blocks in storage order, so one
     # reader taking W shares reads the same ones, and the unchanged model's figure is the
     # run's own final validation loss.
-    summary = storage.join(storage.normalize(run_dir), SUMMARY)
-    workers = (json.loads(storage.read_text(summary)).get("workers") if storage.is_file(summary)
-               else None) or cfg.scaling.worker_range[0]
+    summary = read_summary(storage.normalize(run_dir))
+    workers = (summary and summary.workers) or cfg.scaling.worker_range[0]
     micro = cfg.train.micro_batch_size
     per_rank = eval_samples_per_rank(PackedSplit.load(prepared, "val"), workers,
                                      cfg.train.eval_batches * micro)

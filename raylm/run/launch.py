@@ -12,6 +12,7 @@ on the Ray Train controller) writes what the run says about itself, to its end.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ from raylm.console import (
     train_log_level,
 )
 from raylm.contracts import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, Event, Marker
+from raylm.contracts.summary import Summary
 from raylm.data.preparation import prepared_dir
 from raylm.data.tokenizer import load_backend
 from raylm.formats.exporter import export, write_run_info
@@ -113,7 +115,8 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
 def train(cfg: Config, *, log=print, callbacks: list | None = None,
           tracking_parent: tracking.Tracker | None = None, bar: bool = False,
           checked: Checked | None = None, lease_owner: str | None = None) -> dict[str, Any]:
-    """Prepare data if needed, fit, and finish ``RUN_DIR/summary.json``. Needs ``ray.init``.
+    """Prepare data if needed, fit, and finish ``RUN_DIR/summary.json``; return its mapping
+    (:meth:`raylm.contracts.summary.Summary.to_dict`). Needs ``ray.init``.
 
     A sweep's trial adds Ray Train ``callbacks`` (its Tune reporter) and nests its MLflow run
     under the sweep's tracker (``tracking_parent``). ``bar``: progress as a bar drawn here
@@ -124,11 +127,11 @@ def train(cfg: Config, *, log=print, callbacks: list | None = None,
     checked = checked or preflight(cfg, tracked=tracking_parent is None)
     with hold(run_dir(checked.cfg), owner=lease_owner, log=log) as held:
         return _train(checked.cfg, log=log, callbacks=callbacks,
-                      tracking_parent=tracking_parent, bar=bar, held=held)
+                      tracking_parent=tracking_parent, bar=bar, held=held).to_dict()
 
 
 def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: tracking.Tracker | None,
-           bar: bool, held: Lease) -> dict[str, Any]:
+           bar: bool, held: Lease) -> Summary:
     """:func:`train`, once the run is checked and its lease (``held``) held."""
     rd = run_dir(cfg)
     quiet_libraries(cfg.run.verbose)
@@ -155,7 +158,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                                  warn=lambda m: log(f"warning: {m}"))
     done = finished(cfg, found)
     if done is not None:
-        log(f"raylm: run {cfg.run.name!r} has trained its {done['final_step']} steps already "
+        log(f"raylm: run {cfg.run.name!r} has trained its {done.final_step} steps already "
             f"(train.steps={cfg.train.steps}): nothing to do; raise train.steps to train on. "
             f"Summary: {storage.join(rd, SUMMARY)}")
         return done
@@ -228,24 +231,24 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     return summary
 
 
-def end_tracked_run(rd: str, summary: dict[str, Any], tracker: tracking.Tracker,
-                    final: FinalModel, *, log=print) -> dict[str, Any]:
+def end_tracked_run(rd: str, summary: Summary, tracker: tracking.Tracker,
+                    final: FinalModel, *, log=print) -> Summary:
     """A finished run's final model logged to MLflow (see :func:`log_final_model`), its URI
     added to summary.json, and then the MLflow run ended. Here, on the driver, rather than on
     the controller as the run ends: the driver has torch and transformers loaded already (the
     preflight built the model), which the controller imported for this alone (the command
     ended 1.0 to 1.7 s later after a tracked tiny run here)."""
-    if summary.get("tracking_lost"):  # the store went away during the run: left alone
+    if summary.tracking_lost:  # the store went away during the run: left alone
         return summary
     try:
-        if summary.get("status") == "finished":
+        if summary.finished:
             model = log_final_model(rd, tracker, final, log=log)
             if model is not None:
-                summary = {**summary, **model}
-                storage.write_text(storage.join(rd, SUMMARY), json.dumps(summary, indent=2))
+                summary = dataclasses.replace(summary, model=model)
+                rundir.write_summary(rd, summary)
                 tracker.log_run_files(rd, (SUMMARY,))
     finally:
-        tracker.finish(failed=summary.get("status") != "finished")
+        tracker.finish(failed=not summary.finished)
     return summary
 
 
@@ -286,31 +289,29 @@ def reference_before_trials(cfg: Config, prepared: str, *, log=print) -> None:
                      vocab_size=backend.get_vocab_size(), eos_id=eos, log=log)
 
 
-def say_how_it_ended(cfg: Config, summary: dict[str, Any], *, error: Exception | None,
+def say_how_it_ended(cfg: Config, summary: Summary, *, error: Exception | None,
                      tracker: tracking.Tracker, log) -> None:
     """The run's last lines; raise what ended it (a mistake in one line, not retried)."""
     rd = run_dir(cfg)
     summary_path = storage.join(rd, SUMMARY)
     mistake = faults.cause(error) if error is not None else None
-    if summary.get("goodput"):
-        log(f"raylm: {goodput.describe(summary['goodput'])}")
+    if summary.goodput:
+        log(f"raylm: {goodput.describe(summary.goodput)}")
     if mistake is not None:
-        log(f"raylm: stopped at step {summary['final_step']}, not retried: the run's input is "
+        log(f"raylm: stopped at step {summary.final_step}, not retried: the run's input is "
             f"wrong, no machine failed. Summary: {summary_path}")
         raise mistake from None
     if error is not None:
-        log(f"raylm: failed at step {summary['final_step']} after {summary['failures']} "
-            f"failures; the latest checkpoint is {summary['checkpoint_path']}; run again with "
+        log(f"raylm: failed at step {summary.final_step} after {summary.failures} "
+            f"failures; the latest checkpoint is {summary.checkpoint_path}; run again with "
             f"the same run.name to resume. Summary: {summary_path}")
         raise error
-    val = (f"val reward {summary['val_reward']:.3f}" if "val_reward" in summary
-           else f"val loss {summary['val_loss']}")
-    log(f"raylm: done: step {summary['final_step']}, {val}, "
-        f"{summary['restarts']} restarts, {summary['resizes']} resizes, checkpoint "
-        f"{summary['checkpoint_path']}, summary {summary_path}")
-    if summary.get("tracking_lost"):
+    log(f"raylm: done: step {summary.final_step}, {objective_of(cfg).outcome(summary)}, "
+        f"{summary.restarts} restarts, {summary.resizes} resizes, checkpoint "
+        f"{summary.checkpoint_path}, summary {summary_path}")
+    if summary.tracking_lost:
         log(f"raylm: MLflow run {tracker.run_id} ({storage.redact(tracker.uri)}) holds the run "
-            f"up to step {summary['tracking_lost']['step']}, where tracking was lost; the run's "
+            f"up to step {summary.tracking_lost['step']}, where tracking was lost; the run's "
             f"own record in {storage.redact(rd)} has all of it")
     elif tracker:
         uri = storage.redact(tracker.uri)
@@ -319,17 +320,14 @@ def say_how_it_ended(cfg: Config, summary: dict[str, Any], *, error: Exception |
 
 
 
-def finished(cfg: Config, found: tuple[str, Marker] | None) -> dict[str, Any] | None:
+def finished(cfg: Config, found: tuple[str, Marker] | None) -> Summary | None:
     """The summary of a run that finished at or beyond ``train.steps`` (``found``: its latest
     verified checkpoint), or None. Running such a run again (a notebook cell run twice)
     returns it instead of starting a worker group that would train nothing and overwrite the
     summary with an empty one."""
-    path = storage.join(run_dir(cfg), SUMMARY)
-    if found is None or not storage.is_file(path):
-        return None
-    summary = json.loads(storage.read_text(path))
-    if (summary.get("status") != "finished" or found[1].step < cfg.train.steps
-            or summary.get("final_step") != found[1].step):
+    summary = rundir.read_summary(run_dir(cfg)) if found is not None else None
+    if (summary is None or not summary.finished or found[1].step < cfg.train.steps
+            or summary.final_step != found[1].step):
         return None
     return summary
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from raylm.config import Config
+from raylm.contracts.summary import Summary
 from raylm.data.corpus import first_row
 from raylm.rollout import rewards
 from raylm.run.trial import METRIC
@@ -48,6 +49,10 @@ class RunObjective:
         """What a step's progress line says of the report's ``figures`` (its own and the
         validation's)."""
         return f"  val {figures['val_loss']:.4f}" if "val_loss" in figures else ""
+
+    def outcome(self, summary: Summary) -> str:
+        """What the run's last line says of its final evaluation."""
+        return f"val loss {summary.val_loss}"
 
 
 class PreferenceObjective(RunObjective):
@@ -108,6 +113,11 @@ class ReinforceObjective(RunObjective):
         if "val_reward" in f:
             line += f"  val reward {f['val_reward']:.3f}"
         return line
+
+    def outcome(self, summary: Summary) -> str:
+        if "val_reward" in summary.figures:
+            return f"val reward {summary.figures['val_reward']:.3f}"
+        return super().outcome(summary)
 
 
 OBJECTIVES: dict[str, RunObjective] = {"sft": RunObjective(), "dpo": PreferenceObjective(),

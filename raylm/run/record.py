@@ -33,6 +33,7 @@ numbered segment at every checkpoint and failure, so nothing is ever read back o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from raylm.contracts import (
     Event,
 )
 from raylm.contracts.report import Report
+from raylm.contracts.summary import Summary
 from raylm.faults import LeaseLost, Mistake, Preempted, Rewind, cause, check_lease
 from raylm.live import LiveMetrics
 from raylm.run import benchmarks as bench
@@ -418,8 +420,7 @@ class RunRecord(UserCallback):
         if not self._ours():
             return
         self.log.flush()
-        storage.write_text(storage.join(self.run_dir, SUMMARY),
-                           json.dumps(self.summary(), indent=2))
+        rundir.write_summary(self.run_dir, self.summary())
 
     def finish(self, failed: bool) -> None:
         """The run ended (``failed``: Ray Train gave up on it): the final summary.json, and
@@ -436,16 +437,16 @@ class RunRecord(UserCallback):
                 self.benchmarks.release()
             self._add(Event.END, status="failed" if failed else "finished")
             self.log.flush()
-            summary = {**self.summary(), "status": "failed" if failed else "finished",
-                       "wall_s": round(time.time() - self.started, 2), "samples": None,
-                       "goodput": self.goodput(every_invocation=True)}
-            self.tracker.log_goodput(summary["goodput"], self.furthest)
+            summary = dataclasses.replace(
+                self.summary(), status="failed" if failed else "finished",
+                wall_s=round(time.time() - self.started, 2),
+                goodput=self.goodput(every_invocation=True))
+            self.tracker.log_goodput(summary.goodput, self.furthest)
             e = self.ending
             if e is not None and self.checkpoint_path is not None:
-                summary["samples"] = sample_accounting(self.checkpoint_path, e,
-                                                       run_dir=self.run_dir)
-            storage.write_text(storage.join(self.run_dir, SUMMARY),
-                               json.dumps(summary, indent=2))
+                summary.samples = sample_accounting(self.checkpoint_path, e,
+                                                    run_dir=self.run_dir)
+            rundir.write_summary(self.run_dir, summary)
             self.tracker.log_run_files(self.run_dir, (SUMMARY, RUN_INFO))
             # The driver logs the final model (torch and transformers are loaded there, not
             # here) and then ends the MLflow run (raylm.run.launch.end_tracked_run).
@@ -455,12 +456,11 @@ class RunRecord(UserCallback):
             if not driver_ends:
                 self.tracker.finish(failed=failed)
 
-    def final_summary(self) -> dict[str, Any] | None:
+    def final_summary(self) -> Summary | None:
         """summary.json as this invocation's record finished it (read on the driver once the
         run has ended); None when it did not (the controller was lost)."""
-        path = storage.join(self.run_dir, SUMMARY)
-        written = json.loads(storage.read_text(path)) if storage.is_file(path) else {}
-        if written.get("invocation") != self.invocation or written.get("status") == "running":
+        written = rundir.read_summary(self.run_dir)
+        if written is None or written.invocation != self.invocation or not written.ended:
             return None
         return written
 
@@ -483,53 +483,42 @@ class RunRecord(UserCallback):
         """The group is placed; its placement group waited ``resources_s`` for resources."""
         self._add(Event.PLACED, resources_s=resources_s)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Summary:
         """summary.json as the record knows it: where the run is now."""
         m = self.latest or Report(step=None, group_started=None, workers=None)
-        return {
-            "status": "running",
-            "invocation": self.invocation,
-            "final_step": m.step,
-            "train_loss": m.loss,
-            "val_loss": self.val_loss,
-            **self.val_figures,
+        tracker = self.tracker
+        counted = summarize(self.records)
+        return Summary(
+            status="running", invocation=self.invocation, final_step=m.step,
+            train_loss=m.loss, val_loss=self.val_loss,
             # Reinforcement learning's figures of the latest step (rl_reward ...).
-            **m.objective_figures("rl_"),
-            "tokens_per_s": m.tokens_per_s,
-            "mfu": m.mfu,
-            "data_wait_fraction": m.data_wait_fraction_run,
-            "checkpoint_path": (storage.redact(self.checkpoint_path)
-                                if self.checkpoint_path else None),
-            "mlflow_run_id": self.tracker.run_id,
-            "mlflow_tracking_uri": storage.redact(self.tracker.uri) if self.tracker.uri
-            else self.tracker.uri,
-            "tracking_lost": self.tracking_lost,
-            "resumed_from_step": self.resumed_from_step,
-            "workers": m.workers, "trainable_params": m.trainable_params,
-            "peak_memory_gb": m.peak_memory_gb, "param_memory_gb": m.param_memory_gb,
-            "optimizer_memory_gb": m.optimizer_memory_gb, "data_parallel": m.data_parallel,
-            "tensor_parallel": m.tensor_parallel, "pipeline_parallel": m.pipeline_parallel,
+            figures={**self.val_figures, **m.objective_figures("rl_")},
+            tokens_per_s=m.tokens_per_s, mfu=m.mfu, data_wait_fraction=m.data_wait_fraction_run,
+            checkpoint_path=(storage.redact(self.checkpoint_path) if self.checkpoint_path
+                             else None),
+            mlflow_run_id=tracker.run_id,
+            mlflow_tracking_uri=storage.redact(tracker.uri) if tracker.uri else tracker.uri,
+            tracking_lost=self.tracking_lost, resumed_from_step=self.resumed_from_step,
+            workers=m.workers, trainable_params=m.trainable_params,
+            peak_memory_gb=m.peak_memory_gb, param_memory_gb=m.param_memory_gb,
+            optimizer_memory_gb=m.optimizer_memory_gb, data_parallel=m.data_parallel,
+            tensor_parallel=m.tensor_parallel, pipeline_parallel=m.pipeline_parallel,
             # GPU energy and time (None on CPUs): see raylm.workers.energy.
-            "joules_per_token": m.joules_per_token, "watts_per_gpu": m.watts_per_gpu,
-            "energy_kwh": m.energy_kwh, "gpu_hours": m.gpu_hours, "cost": m.cost,
-            **summarize(self.records),
-            "numerical_faults": [{k: v for k, v in r.items() if k not in ("invocation", "event")}
-                                 for r in self.records if r["event"] == Event.NUMERICAL_FAULT],
-            # Where the workers ran, and why (scaling.use_gpu, and the cluster).
-            "device": next((r["reason"] for r in reversed(self.records)
-                            if r["event"] == Event.DEVICE), None),
-            "attention_backend": m.attention_backend,
-            "precision": m.precision,
-            # What this invocation resumed with although it changed (checkpoint.accept_changes).
-            "changed_on_resume": sorted({c for r in self.records
-                                         if r["event"] == Event.RESUMED_WITH_CHANGES
-                                         for c in r["changed"]}),
-            # This invocation's while it runs; the whole run's in the final summary.
-            "goodput": self.goodput(),
-            # Every invocation's scores (raylm.run.benchmarks); None when none are asked for.
-            "benchmarks": (bench.summarize(self._every_record())
-                           if self.benchmarks is not None else None),
-        }
+            joules_per_token=m.joules_per_token, watts_per_gpu=m.watts_per_gpu,
+            energy_kwh=m.energy_kwh, gpu_hours=m.gpu_hours, cost=m.cost,
+            restarts=counted["restarts"], resizes=counted["resizes"],
+            failures=counted["failures"], interruptions=counted["interruptions"],
+            numerical_faults=[{k: v for k, v in r.items() if k not in ("invocation", "event")}
+                              for r in self.records if r["event"] == Event.NUMERICAL_FAULT],
+            device=next((r["reason"] for r in reversed(self.records)
+                         if r["event"] == Event.DEVICE), None),
+            attention_backend=m.attention_backend, precision=m.precision,
+            changed_on_resume=sorted({c for r in self.records
+                                      if r["event"] == Event.RESUMED_WITH_CHANGES
+                                      for c in r["changed"]}),
+            goodput=self.goodput(),
+            benchmarks=(bench.summarize(self._every_record())
+                        if self.benchmarks is not None else None))
 
     def _add(self, event: str, *, at: float | None = None, **fields: Any) -> None:
         record = {"invocation": self.invocation, "event": event,

@@ -35,6 +35,7 @@ from raylm import storage
 from raylm.config import Config, run_dir, storage_root
 from raylm.contracts import MLFLOW_RUN
 from raylm.contracts.report import Report
+from raylm.contracts.summary import Summary
 from raylm.run.goodput import table
 from raylm.workers.node_metrics import fail_fast
 
@@ -54,18 +55,19 @@ def resolve_uri(cfg: Config) -> str:
     return f"sqlite:///{os.path.join(storage_root(cfg), 'mlflow.db')}"
 
 
-def run_tracker(run_dir: str, summary: dict[str, Any], *, log) -> Tracker:
+def run_tracker(run_dir: str, summary: Summary | None, *, log) -> Tracker:
     """A finished run's MLflow run, for ``raylm eval`` and ``prune``: in the store
     MLFLOW_TRACKING_URI names, else the default one beside the run directory, never one the
     run directory names (it would get the user's MLflow credentials)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.dirname(run_dir)}/mlflow.db"
-    named = summary.get("mlflow_tracking_uri")
-    if summary.get("mlflow_run_id") and storage.redact(uri) != named:
+    if summary is None or not summary.mlflow_run_id:
+        return Tracker()
+    named = summary.mlflow_tracking_uri
+    if storage.redact(uri) != named:
         log(f"raylm: not logged to MLflow: the run's summary names its store {named}; raylm "
             f"logs only to MLFLOW_TRACKING_URI's (else {uri}): set it there if you trust it")
-    elif summary.get("mlflow_run_id"):
-        return MLflowTracker(summary["mlflow_run_id"], uri)
-    return Tracker()
+        return Tracker()
+    return MLflowTracker(summary.mlflow_run_id, uri)
 
 
 def _param_value(v: Any) -> str:

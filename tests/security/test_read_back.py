@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from raylm import rundir
 from raylm.cli import main
 from raylm.contracts import EVENTS, LEASE, MLFLOW_RUN, RUN_INFO, SKIPPED, SUMMARY
 from raylm.run import tracking
@@ -89,7 +90,7 @@ def test_a_finished_runs_mlflow_store_is_the_users_never_the_run_directorys(
     plant(run / "run.json", tracking__enabled=True, tracking__uri=planted)
     plant(run / "summary.json", mlflow_run_id="0" * 32, mlflow_tracking_uri=planted)
     said: list[str] = []
-    summary = json.loads((run / "summary.json").read_text())
+    summary = rundir.read_summary(str(run))
     tracker = tracking.run_tracker(str(run), summary, log=said.append)
     tracker.log_pruning({"step": 4, "val_loss": 1.0, "method": "magnitude"})
     tracker.log_scores({"eval/x/acc": 1.0}, 4)
@@ -101,10 +102,10 @@ def test_a_finished_runs_mlflow_store_is_the_users_never_the_run_directorys(
     assert planted in line and "MLFLOW_TRACKING_URI" in line and "secret" not in line
     # Where the record names the store the user would log to, that store is used.
     beside = f"sqlite:///{run.parent}/mlflow.db"
-    summary["mlflow_tracking_uri"] = beside
+    summary.mlflow_tracking_uri = beside
     assert tracking.run_tracker(str(run), summary, log=said.append).uri == beside
     monkeypatch.setenv("MLFLOW_TRACKING_URI", planted)
-    summary["mlflow_tracking_uri"] = planted
+    summary.mlflow_tracking_uri = planted
     assert tracking.run_tracker(str(run), summary, log=said.append).uri == planted
     assert len(said) == 1
 

@@ -165,3 +165,40 @@ def test_a_grpo_run_directory_of_cb5e3f1_reads_back_and_resumes_with_its_kept_ro
     other = resumed(8)
     assert other.kept_groups(str(today)) == {} and other.asked == -1
     assert "sampled otherwise than this run samples (group_size 4 -> 8)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("run", [OLD, GRPO], ids=["6ef9b7a", "cb5e3f1-grpo"])
+def test_a_summary_of_an_older_release_reads_as_its_record_and_writes_back_the_same(run):
+    """summary.json of version 1 (no version key): its keys, their order and values come back
+    unchanged through Summary, an objective's and the validation's figures among them."""
+    from raylm.contracts.summary import Summary
+
+    text = (run / "summary.json").read_text()
+    summary = rundir.read_summary(str(run))
+    assert summary.ended and summary.finished and summary.final_step == 4
+    assert list(json.loads(summary.to_json())) == list(json.loads(text))
+    assert summary.to_dict() == json.loads(text)
+    if run == GRPO:
+        assert set(summary.figures) >= {"val_reward", "rl_reward", "rl_kl"}
+    running = dataclasses.replace(summary, status="running", wall_s=None, samples=None)
+    assert list(running.to_dict()) == [k for k in json.loads(text) if k not in Summary.FINAL]
+    assert Summary.from_json(running.to_json()) == running
+
+
+@pytest.mark.parametrize("damage, why", [
+    ({"version": 2}, "of version 2, which this raylm does not read"),
+    ({"status": "paused"}, "status 'paused' is not one of"),
+    ({"final_step": "4"}, "final_step is '4'"),
+    ({"rl_reward": "high"}, "rl_reward is 'high'"),
+    ({"restarts": True}, "restarts is True"),
+    ({"tokens_per_second": 1.0}, "holds 'tokens_per_second', which raylm's Summary does not"),
+])
+def test_a_summary_not_of_its_shape_is_refused_naming_what(tmp_path, damage, why):
+    data = {**json.loads((OLD / "summary.json").read_text()), **damage}
+    (tmp_path / "summary.json").write_text(json.dumps(data))
+    with pytest.raises(Malformed, match=why):
+        rundir.read_summary(str(tmp_path))
+    (tmp_path / "summary.json").write_text('{"invocation": "1"}')
+    with pytest.raises(Malformed, match="status is missing"):
+        rundir.read_summary(str(tmp_path))
+    assert rundir.read_summary(str(tmp_path / "none")) is None

@@ -110,4 +110,4 @@ def test_no_credentials_in_the_run_directory_and_a_partial_tokenizer_copy_is_red
     assert json.loads(written)["config"]["run"]["storage_path"] == "s3://***@bucket/runs"
     record = RunRecord(str(tmp_path), total_steps=2, tracker=Tracker())
     record.checkpoint_path = "s3://AKIA123:s3cr3t@bucket/runs/r/checkpoint_1"
-    assert record.summary()["checkpoint_path"] == "s3://***@bucket/runs/r/checkpoint_1"
+    assert record.summary().checkpoint_path == "s3://***@bucket/runs/r/checkpoint_1"

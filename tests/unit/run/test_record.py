@@ -61,7 +61,7 @@ def test_restarts_and_resizes_come_from_the_reports(tmp_path, capsys):
     assert "step 30/30  loss 4.7000" in out and f"checkpoint {rd}/checkpoint_c" in out
 
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert s == r.summary() and s["status"] == "running"
+    assert s == r.summary().to_dict() and s["status"] == "running"
     assert (s["final_step"], s["val_loss"], s["workers"]) == (30, 4.2, 2)
     assert s["checkpoint_path"] == f"{rd}/checkpoint_c" and s["resumed_from_step"] is None
     assert (s["restarts"], s["resizes"], s["failures"]) == (1, 2, 1)
@@ -83,8 +83,8 @@ def test_a_group_the_controller_never_heard_of_still_makes_a_restart(tmp_path):
     r.report(announce(group=200.0, resumed=5), None)
     r.report(report(10, group=200.0, resumed=5), "checkpoint_a")
     s = r.summary()
-    assert (s["restarts"], s["resizes"], s["failures"]) == (1, 0, 1)
-    (restart,) = s["interruptions"]
+    assert (s.restarts, s.resizes, s.failures) == (1, 0, 1)
+    (restart,) = s.interruptions
     assert restart["from_workers"] is None and restart["to_workers"] == 2
     assert restart["resumed_from_step"] == 5 and restart["time_lost_s"] is None
 
@@ -148,7 +148,7 @@ def test_reports_held_back_reach_the_record_in_order_timed_when_made(tmp_path, c
     assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == [
         "1/4", "2/4", "3/4", "4/4"]
     assert f"checkpoint {tmp_path}/checkpoint_4" in out.splitlines()[-1]
-    assert r.summary()["final_step"] == 4 and r.latest.step == 4
+    assert r.summary().final_step == 4 and r.latest.step == 4
     assert r.goodput()["seconds"]["productive"] == 4.0
 
 
@@ -223,14 +223,14 @@ def test_the_record_alone_writes_the_final_summary_and_closes_the_mlflow_run(tmp
     assert r.final_summary() is None
     r.finish(failed=False)
     final = r.final_summary()
-    assert final["status"] == "finished" and final["final_step"] == 10
-    assert final["val_loss"] == 4.5 and final["wall_s"] >= 0 and final["samples"] is None
+    assert final.status == "finished" and final.final_step == 10
+    assert final.val_loss == 4.5 and final.wall_s >= 0 and final.samples is None
     assert tracker.files == [("summary.json", "run.json")] and tracker.finished == [False]
     # Another invocation's record does not take this summary for its own.
     other = record.RunRecord(rd, total_steps=10, tracker=Tracker(), ending=ending)
     assert other.final_summary() is None
     other.finish(failed=True)
-    assert other.final_summary()["status"] == "failed"
+    assert other.final_summary().status == "failed"
 
 
 def test_failures_that_recur_at_one_step_end_the_run_but_preemptions_do_not(tmp_path):

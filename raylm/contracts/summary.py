@@ -1,0 +1,170 @@
+"""``summary.json``: where a run stands, as its record (:mod:`raylm.run.record`) writes it while
+the run goes and at its end, and as every later reader (the driver, ``raylm export``, ``eval``,
+``prune``, :class:`raylm.api.Run`, a later release) reads it: :class:`Summary`.
+
+Its keys are the names summary.json has always had, in the same order, so scripts reading the
+file see no change: the latest step's figures and the run's state, an objective's ``rl_*`` and
+the validation's ``val_*`` figures (:attr:`Summary.figures`) after the validation loss, and the
+final model's MLflow URI (:attr:`Summary.model`), which the driver adds, last. The version is
+implicit: a summary.json without ``version`` is of version 1 (every one raylm has written); a
+later shape will say its version, and this reader refuses what it does not know.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from raylm.contracts import SUMMARY, Malformed
+from raylm.contracts.report import FIGURE_PREFIXES
+
+STATUSES = ("running", "finished", "failed")
+
+
+@dataclass(kw_only=True)
+class Summary:
+    """summary.json: the latest step's figures, the run's state and, once it ended, its
+    outcome (:attr:`status`), wall time and sample accounting."""
+
+    FILE: ClassVar[str] = SUMMARY
+    VERSION: ClassVar[int] = 1
+    # Known once the run has ended (absent while it runs).
+    FINAL: ClassVar[tuple[str, ...]] = ("wall_s", "samples")
+    # What the driver adds when it logs the final model to MLflow (raylm.run.tracking).
+    MODEL: ClassVar[tuple[str, ...]] = ("mlflow_model_uri", "registered_model",
+                                        "registered_version")
+
+    status: str
+    invocation: str
+    """The invocation (:class:`raylm.run.record.RunRecord`) that wrote it."""
+    final_step: int | None = None
+    train_loss: float | None = None
+    val_loss: float | None = None
+    figures: dict[str, float | None] = field(default_factory=dict)
+    """The latest evaluation's ``val_*`` figures besides its loss, then the latest step's
+    ``rl_*`` figures."""
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    data_wait_fraction: float | None = None
+    checkpoint_path: str | None = None
+    mlflow_run_id: str | None = None
+    mlflow_tracking_uri: str | None = None
+    tracking_lost: dict | None = None
+    """The step and cause, once MLflow failed during the run."""
+    resumed_from_step: int | None = None
+    workers: int | None = None
+    trainable_params: int | None = None
+    peak_memory_gb: float | None = None
+    param_memory_gb: float | None = None
+    optimizer_memory_gb: float | None = None
+    data_parallel: int | None = None
+    tensor_parallel: int | None = None
+    pipeline_parallel: int | None = None
+    joules_per_token: float | None = None
+    watts_per_gpu: float | None = None
+    energy_kwh: float | None = None
+    gpu_hours: float | None = None
+    cost: float | None = None
+    restarts: int = 0
+    resizes: int = 0
+    failures: int = 0
+    interruptions: list = field(default_factory=list)
+    numerical_faults: list = field(default_factory=list)
+    device: str | None = None
+    """Where the workers ran, and why (scaling.use_gpu, and the cluster)."""
+    attention_backend: str | None = None
+    precision: str | None = None
+    changed_on_resume: list = field(default_factory=list)
+    """What this invocation resumed with although it changed (checkpoint.accept_changes)."""
+    goodput: dict | None = None
+    """This invocation's account while it runs; the whole run's in the final summary."""
+    benchmarks: dict | None = None
+    """Every invocation's benchmark scores; None when none are asked for."""
+    wall_s: float | None = None
+    samples: dict | None = None
+    """What the final checkpoint's sample ledger says was trained (None: it keeps none)."""
+    model: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ended(self) -> bool:
+        return self.status != "running"
+
+    @property
+    def finished(self) -> bool:
+        return self.status == "finished"
+
+    def to_dict(self) -> dict[str, Any]:
+        """summary.json's mapping, its keys in their order."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "figures":
+                out.update(self.figures)
+            elif f.name == "model":
+                out.update(self.model)
+            elif f.name not in self.FINAL or self.ended:
+                out[f.name] = getattr(self, f.name)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Summary:
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise Malformed(f"{SUMMARY} is malformed (not a JSON object)")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Summary:
+        """The summary ``data`` holds (every version raylm wrote); a key neither a field, a
+        figure nor the final model's, or a value not of its field's type, is refused."""
+        version = data.get("version", 1)
+        if version != cls.VERSION:
+            raise Malformed(f"{SUMMARY} is of version {version!r}, which this raylm does not "
+                            f"read: upgrade raylm")
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in fields(cls)} - {"figures", "model"}
+        found: dict[str, Any] = {"figures": {}, "model": {}}
+        for key, value in data.items():
+            if key == "version":
+                continue
+            if key in known:
+                if not _fits(value, hints[key]):
+                    raise Malformed(f"{SUMMARY} is malformed ({key} is {value!r})")
+                found[key] = value
+            elif key.startswith(FIGURE_PREFIXES):
+                if not _fits(value, float | None):
+                    raise Malformed(f"{SUMMARY} is malformed ({key} is {value!r})")
+                found["figures"][key] = value
+            elif key in cls.MODEL:
+                found["model"][key] = value
+            else:
+                raise Malformed(f"{SUMMARY} holds {key!r}, which raylm's Summary does not name")
+        for key in ("status", "invocation"):
+            if key not in found:
+                raise Malformed(f"{SUMMARY} is malformed ({key} is missing)")
+        if found["status"] not in STATUSES:
+            raise Malformed(f"{SUMMARY} is malformed (status {found['status']!r} is not one "
+                            f"of {', '.join(STATUSES)})")
+        return cls(**found)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value is of a field's annotated type (an int is a float)."""
+    if isinstance(hint, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    kind = typing.get_origin(hint) or hint
+    if kind is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
