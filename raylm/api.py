@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from raylm import storage
 from raylm.config import Config, load_config
-from raylm.contracts import RUN_INFO, Event
+from raylm.contracts import RUN_INFO
+from raylm.contracts.events import Benchmark, Progress
 from raylm.contracts.summary import Summary
 
 if TYPE_CHECKING:
@@ -115,11 +116,10 @@ class Run:
         rows: dict[int, dict[str, Any]] = {}
         scores: dict[int, dict[str, float]] = {}
         for r in read(self.run_dir):
-            if r["event"] == Event.PROGRESS:
-                rows[r["step"]] = {k: v for k, v in r.items()
-                                   if k not in ("event", "invocation", "clock")}
-            elif r["event"] == Event.BENCHMARK:
-                scores.setdefault(r["step"], {}).update(r["scores"])
+            if isinstance(r, Progress):
+                rows[r.step] = r.history()
+            elif isinstance(r, Benchmark):
+                scores.setdefault(r.step, {}).update(r.scores)
         for step, values in scores.items():
             rows.setdefault(step, {"step": step}).update(values)
         return pd.DataFrame([rows[s] for s in sorted(rows)])
@@ -331,9 +331,8 @@ def evaluate(source: Run | str | os.PathLike, *, overrides: Overrides = None,
                          f"what a run already trained.")
     ev = resolve(None, overrides).eval if overrides else None
     records = evaluate_source(_source(source), ev, step=step, every=every, log=_say)
-    return pd.DataFrame([{"step": r["step"], **r.get("scores", {}),
-                          **({"error": r["error"]} if "error" in r else {})}
-                         for r in records])
+    return pd.DataFrame([{"step": r.step, **(r.scores if isinstance(r, Benchmark)
+                                              else {"error": r.error})} for r in records])
 
 
 def shutdown() -> None:

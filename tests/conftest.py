@@ -227,10 +227,11 @@ def names_since_cb5e3f1(summary: dict, run_dir: Path) -> dict[str, list[str]]:
     unchanged."""
     from mlflow import MlflowClient
 
+    from raylm.contracts.events import Progress
     from raylm.run import record
 
     run = MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_run_id"])
-    progress = [r for r in record.read(str(run_dir)) if r["event"] == "progress"]
+    progress = [r.to_dict() for r in record.read(str(run_dir)) if isinstance(r, Progress)]
     return {"mlflow_metrics": sorted(k for k in run.data.metrics if not k.startswith("system/")),
             "summary": [k for k in summary if k not in ("registered_model", "registered_version")],
             "progress": sorted({k for r in progress for k in r})}

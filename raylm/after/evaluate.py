@@ -16,7 +16,8 @@ from typing import Any
 
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
-from raylm.contracts import RUN_INFO, Event
+from raylm.contracts import RUN_INFO
+from raylm.contracts.events import Benchmark
 from raylm.run import tracking
 from raylm.run.benchmarks import (
     check_settings,
@@ -51,8 +52,8 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
                               "benchmarks with --eval.tasks")
         check_settings(ev)
         scored = score_model(Path(src), ev)
-        return [{"event": Event.BENCHMARK, "step": None, "scores": scored.scores,
-                 "higher": scored.higher, "seconds": scored.seconds}]
+        return [Benchmark(step=None, checkpoint=src, scores=scored.scores,
+                          higher=scored.higher, seconds=scored.seconds)]
     cfg = config_from_dict(read_run_info(src).config)
     if ev is None or not ev.tasks:  # the run's tasks; task code only from a folder named here
         named = ev.include_path if ev is not None else None
@@ -94,9 +95,9 @@ def evaluate_source(source: str, ev: EvalConfig | None, *, step: int | None = No
                 result = e
             record = outcome_record(s, found[s], result)
             log(describe(record))
-            log_.add({"invocation": log_.invocation, "time": time.time(), **record})
-            if record["event"] == Event.BENCHMARK:
-                tracker.log_scores(record["scores"], s)
+            log_.add(record)
+            if isinstance(record, Benchmark):
+                tracker.log_scores(record.scores, s)
             out.append(record)
         log_.flush()
         if summary is not None:

@@ -45,9 +45,11 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from raylm.contracts.events import Ended, EventRecord, Failure, GroupStart, Progress
 from raylm.run.goodput import PHASES, goodput
 
 # cpu_tiny's corpus and model (jobs/configs/cpu_tiny.yaml), written out: the benchmark runs
@@ -141,39 +143,38 @@ def timed_run(argv: list[str], *, env: dict[str, str], run_dir: Path, log: Path,
     return figures(read(str(run_dir)), started=started, kill=kill or None, exited=exited)
 
 
-def figures(records: list[dict[str, Any]], *, started: float,
+def figures(records: list[EventRecord], *, started: float,
             kill: dict[str, Any] | None, exited: float | None = None) -> dict[str, Any]:
     """A run's start, reports and recovery from its records (see the module doc); with
     ``exited`` (when the command's process ended), ``exit_s``: from the run's end record to
     then (the driver's last lines, leaving Ray, the process's exit)."""
-    progress = [r for r in records if r["event"] == "progress"]
+    progress = [r for r in records if isinstance(r, Progress)]
     account = goodput(records)
-    first_group = next(i for i, r in enumerate(records) if r["event"] == "group_start")
-    ready = records[first_group]["time"] + records[first_group]["setup_s"]
-    failure = next((i for i, r in enumerate(records) if r["event"] == "failure"), None)
+    first_group = next(r for r in records if isinstance(r, GroupStart))
+    ready = first_group.time + first_group.setup_s
+    failure = next((i for i, r in enumerate(records) if isinstance(r, Failure)), None)
     before = goodput(records[:failure]) if failure is not None else account
     out = {
-        "first_step_s": round(progress[0]["time"] - started, 2),
-        "phases": {"cli": round(records[0]["time"] - started, 2),
-                   **before["startup_phases"],
-                   "first_step": round(progress[0]["time"] - ready, 2)},
+        "first_step_s": round(progress[0].time - started, 2),
+        "phases": {"cli": round(records[0].time - started, 2), **before.startup_phases,
+                   "first_step": round(progress[0].time - ready, 2)},
         "reports": len(progress),
-        "report_cost_s": round(account["seconds"]["reporting"] / len(progress), 4),
-        "last_step_s": round(progress[-1]["time"] - started, 2),
-        "goodput": account,
+        "report_cost_s": round(account.seconds["reporting"] / len(progress), 4),
+        "last_step_s": round(progress[-1].time - started, 2),
+        "goodput": asdict(account),
     }
-    end = next((r for r in reversed(records) if r["event"] == "end"), None)
+    end = next((r for r in reversed(records) if isinstance(r, Ended)), None)
     if exited is not None and end is not None:
-        out["exit_s"] = round(exited - end["time"], 2)
+        out["exit_s"] = round(exited - end.time, 2)
     if kill is not None and failure is not None:
-        restart = next(r for r in records[failure:] if r["event"] == "group_start")
-        after = next(r for r in progress if r["time"] > restart["time"])
-        out["recovery_s"] = round(after["time"] - kill["killed_at"], 2)
+        restart = next(r for r in records[failure:] if isinstance(r, GroupStart))
+        after = next(r for r in progress if r.time > restart.time)
+        out["recovery_s"] = round(after.time - kill["killed_at"], 2)
         out["recovery_phases"] = {
-            "detect": round(records[failure]["time"] - kill["killed_at"], 2),
-            **{k: round(account["startup_phases"][k] - before["startup_phases"][k], 2)
+            "detect": round(records[failure].time - kill["killed_at"], 2),
+            **{k: round(account.startup_phases[k] - before.startup_phases[k], 2)
                for k in PHASES},
-            "first_step": round(after["time"] - restart["time"] - restart["setup_s"], 2)}
+            "first_step": round(after.time - restart.time - restart.setup_s, 2)}
         out["kill"] = kill
     return out
 

@@ -9,6 +9,8 @@ process imports it.
 """
 
 import json
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import StrEnum
@@ -79,6 +81,23 @@ def _of(test) -> Callable[[Any], bool]:
     """A test of a JSON object whose every value passes ``test``."""
     return lambda v: isinstance(v, dict) and all(isinstance(k, str) and test(x)
                                                  for k, x in v.items())
+
+
+def fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value is of a field's annotated type (an int is a float; ``Any`` is
+    anything; of a list or mapping, only the container is checked)."""
+    if hint is Any:
+        return True
+    if isinstance(hint, types.UnionType):
+        return any(fits(value, h) for h in typing.get_args(hint))
+    kind = typing.get_origin(hint) or hint
+    if kind is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return kind is bool
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
 
 
 class _Record:

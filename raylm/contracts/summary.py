@@ -13,15 +13,37 @@ later shape will say its version, and this reader refuses what it does not know.
 from __future__ import annotations
 
 import json
-import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from raylm.contracts import SUMMARY, Malformed
+from raylm.contracts import SUMMARY, Malformed, fits
+from raylm.contracts.events import Interruption
 from raylm.contracts.report import FIGURE_PREFIXES
 
 STATUSES = ("running", "finished", "failed")
+
+
+@dataclass(kw_only=True)
+class Goodput:
+    """The goodput account (:mod:`raylm.run.goodput`): the wall time (``total_s``) by cause,
+    the productive share of it, a start's phases, the steps trained twice and their energy."""
+
+    total_s: float
+    goodput: float | None
+    seconds: dict[str, float]
+    startup_phases: dict[str, float] | None = None  # None: before 0.4
+    recomputed_steps: int = 0
+    energy_wasted_j: float | None = None
+    """None without an energy counter (CPUs)."""
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Goodput:
+        hints = typing.get_type_hints(cls)
+        if (not isinstance(data, dict) or not set(data) <= set(hints)
+                or not all(fits(v, hints[k]) for k, v in data.items())):
+            raise Malformed(f"{SUMMARY}'s goodput is malformed ({data!r:.200})")
+        return cls(**data)
 
 
 @dataclass(kw_only=True)
@@ -71,7 +93,7 @@ class Summary:
     restarts: int = 0
     resizes: int = 0
     failures: int = 0
-    interruptions: list = field(default_factory=list)
+    interruptions: list[Interruption] = field(default_factory=list)
     numerical_faults: list = field(default_factory=list)
     device: str | None = None
     """Where the workers ran, and why (scaling.use_gpu, and the cluster)."""
@@ -79,7 +101,7 @@ class Summary:
     precision: str | None = None
     changed_on_resume: list = field(default_factory=list)
     """What this invocation resumed with although it changed (checkpoint.accept_changes)."""
-    goodput: dict | None = None
+    goodput: Goodput | None = None
     """This invocation's account while it runs; the whole run's in the final summary."""
     benchmarks: dict | None = None
     """Every invocation's benchmark scores; None when none are asked for."""
@@ -104,6 +126,10 @@ class Summary:
                 out.update(self.figures)
             elif f.name == "model":
                 out.update(self.model)
+            elif f.name == "interruptions":
+                out[f.name] = [asdict(e) for e in self.interruptions]
+            elif f.name == "goodput":
+                out[f.name] = None if self.goodput is None else asdict(self.goodput)
             elif f.name not in self.FINAL or self.ended:
                 out[f.name] = getattr(self, f.name)
         return out
@@ -136,11 +162,12 @@ class Summary:
             if key == "version":
                 continue
             if key in known:
-                if not _fits(value, hints[key]):
-                    raise Malformed(f"{SUMMARY} is malformed ({key} is {value!r})")
+                value = _READ[key](value) if key in _READ else value
+                if not fits(value, hints[key]):
+                    raise Malformed(f"{SUMMARY} is malformed ({key} is {value!r:.200})")
                 found[key] = value
             elif key.startswith(FIGURE_PREFIXES):
-                if not _fits(value, float | None):
+                if not fits(value, float | None):
                     raise Malformed(f"{SUMMARY} is malformed ({key} is {value!r})")
                 found["figures"][key] = value
             elif key in cls.MODEL:
@@ -156,15 +183,7 @@ class Summary:
         return cls(**found)
 
 
-def _fits(value: Any, hint: Any) -> bool:
-    """Whether a JSON value is of a field's annotated type (an int is a float)."""
-    if isinstance(hint, types.UnionType):
-        return any(_fits(value, h) for h in typing.get_args(hint))
-    kind = typing.get_origin(hint) or hint
-    if kind is type(None):
-        return value is None
-    if isinstance(value, bool):
-        return kind is bool
-    if kind is float:
-        return isinstance(value, (int, float))
-    return isinstance(value, kind)
+# The fields summary.json holds as records of their own.
+_READ = {"interruptions": lambda v: [Interruption.from_dict(e) for e in v]
+         if isinstance(v, list) else v,
+         "goodput": lambda v: None if v is None else Goodput.from_dict(v)}

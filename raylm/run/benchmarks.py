@@ -50,7 +50,8 @@ from typing import Any, Protocol
 from raylm import rundir, storage
 from raylm.config import ConfigError, EvalConfig, config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
-from raylm.contracts import BENCHMARKS, Event
+from raylm.contracts import BENCHMARKS
+from raylm.contracts.events import Benchmark, BenchmarkFailed, EventRecord
 
 EXTRA = "pip install 'raylm[eval]'"
 PREFIX = "eval/"
@@ -265,16 +266,15 @@ def due(step: int, *, ev: EvalConfig, checkpoint_every: int, total_steps: int) -
     return step % checkpoint_every == 0 and (step // checkpoint_every) % ev.every == 0
 
 
-def outcome_record(step: int, checkpoint: str, result: Any) -> dict[str, Any]:
-    """The event record of one evaluation's end: ``benchmark`` (its scores) or
-    ``benchmark_failed`` (its reason)."""
+def outcome_record(step: int, checkpoint: str, result: Any) -> Benchmark | BenchmarkFailed:
+    """The event record of one evaluation's end: its scores, or why it failed."""
     name = storage.name(checkpoint)
     if isinstance(result, Scored):
-        return {"event": Event.BENCHMARK, "step": step, "checkpoint": name,
-                "scores": result.scores, "higher": result.higher, "seconds": result.seconds}
+        return Benchmark(step=step, checkpoint=name, scores=result.scores,
+                         higher=result.higher, seconds=result.seconds)
     lines = str(getattr(result, "cause", None) or result).strip().splitlines()
     reason = f"{type(result).__name__}: {lines[-1] if lines else ''}"[:300]
-    return {"event": Event.BENCHMARK_FAILED, "step": step, "checkpoint": name, "error": reason}
+    return BenchmarkFailed(step=step, checkpoint=name, error=reason)
 
 
 class Benchmarks:
@@ -299,13 +299,12 @@ class Benchmarks:
             self.runner = RayRunner(self.run_dir, self.ev)
         return self.runner
 
-    def resume(self, records: list[dict[str, Any]], *, bad: list[str]) -> list[int]:
+    def resume(self, records: list[EventRecord], *, bad: list[str]) -> list[int]:
         """Once, at the invocation's first report: the steps whose evaluations ended in the
         run's ``records``, and the due checkpoints on disk that none scored, started now."""
         self.resumed = True
         self.release()  # what earlier invocations held and left
-        self.ended |= {r["step"] for r in records
-                       if r["event"] in (Event.BENCHMARK, Event.BENCHMARK_FAILED)}
+        self.ended |= {r.step for r in records if isinstance(r, (Benchmark, BenchmarkFailed))}
         started = []
         for path in rundir.candidates(self.run_dir):
             if storage.name(path) in bad:
@@ -329,7 +328,7 @@ class Benchmarks:
         self.pending[step] = (self._runner().start(held), checkpoint)
         return True
 
-    def collect(self, *, timeout: float | None = 0.0) -> list[dict[str, Any]]:
+    def collect(self, *, timeout: float | None = 0.0) -> list[Benchmark | BenchmarkFailed]:
         """The event records of the evaluations that have ended (``timeout`` 0: without
         waiting), oldest step first."""
         if not self.pending:
@@ -342,11 +341,11 @@ class Benchmarks:
             del self.pending[step]
             self.ended.add(step)
             out.append(outcome_record(step, path, result))
-        return sorted(out, key=lambda r: r["step"])
+        return sorted(out, key=lambda r: r.step)
 
-    def wait(self, *, log=print) -> list[dict[str, Any]]:
+    def wait(self, *, log=print) -> list[Benchmark | BenchmarkFailed]:
         """At the run's end: every pending evaluation's record, saying what it waits for."""
-        out: list[dict[str, Any]] = []
+        out: list[Benchmark | BenchmarkFailed] = []
         while self.pending:
             steps = ", ".join(str(s) for s in sorted(self.pending))
             log(f"raylm: waiting for the benchmark evaluations of the checkpoints at steps "
@@ -364,31 +363,30 @@ class Benchmarks:
 # ---- Reading scores back -------------------------------------------------------------------
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(records: list[EventRecord]) -> dict[str, Any]:
     """summary.json's ``benchmarks``: per score the latest and the best (by lm-eval's
     direction) with their steps; and the evaluations that failed."""
+    scored = sorted((r for r in records if isinstance(r, Benchmark)), key=lambda r: r.step)
     scores: dict[str, dict[str, Any]] = {}
-    for r in sorted((r for r in records if r["event"] == Event.BENCHMARK), key=lambda r: r["step"]):
-        for name, value in r["scores"].items():
-            s = scores.setdefault(name, {"best": value, "best_step": r["step"]})
-            s.update(latest=value, latest_step=r["step"])
-            higher = r.get("higher", {}).get(name, True)
-            if (value > s["best"]) if higher else (value < s["best"]):
-                s.update(best=value, best_step=r["step"])
-    failed = [{"step": r["step"], "error": r["error"]} for r in records
-              if r["event"] == Event.BENCHMARK_FAILED]
+    for r in scored:
+        for name, value in r.scores.items():
+            s = scores.setdefault(name, {"best": value, "best_step": r.step})
+            s.update(latest=value, latest_step=r.step)
+            if (value > s["best"]) if r.higher.get(name, True) else (value < s["best"]):
+                s.update(best=value, best_step=r.step)
+    failed = [{"step": r.step, "error": r.error} for r in records
+              if isinstance(r, BenchmarkFailed)]
     return {"scores": scores, "failed": failed,
-            "seconds": round(sum(r["seconds"] for r in records if r["event"] == Event.BENCHMARK),
-                             2)}
+            "seconds": round(sum(r.seconds for r in scored), 2)}
 
 
-def describe(record: dict[str, Any]) -> str:
+def describe(record: Benchmark | BenchmarkFailed) -> str:
     """A benchmark record as one line of the run's output."""
-    if record["event"] == Event.BENCHMARK_FAILED:
-        return (f"raylm: warning: the benchmark evaluation of step {record['step']} failed "
-                f"(after one retry): {record['error']}; training goes on")
-    shown = ", ".join(f"{n[len(PREFIX):]} {v:.4f}" for n, v in list(record["scores"].items())[:6])
-    more = len(record["scores"]) - 6
-    return (f"raylm: benchmarks of step {record['step']} ({record['seconds']:.0f}s): {shown}"
+    if isinstance(record, BenchmarkFailed):
+        return (f"raylm: warning: the benchmark evaluation of step {record.step} failed "
+                f"(after one retry): {record.error}; training goes on")
+    shown = ", ".join(f"{n[len(PREFIX):]} {v:.4f}" for n, v in list(record.scores.items())[:6])
+    more = len(record.scores) - 6
+    return (f"raylm: benchmarks of step {record.step} ({record.seconds:.0f}s): {shown}"
             + (f" and {more} more" if more > 0 else ""))
 

@@ -35,7 +35,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from raylm.contracts import Event
+from raylm.contracts.events import (
+    Benchmark,
+    BenchmarkFailed,
+    Ended,
+    EventRecord,
+    Failure,
+    GroupStart,
+    Placed,
+    Placing,
+    Progress,
+    WaitedForBenchmarks,
+)
+from raylm.contracts.summary import Goodput
 
 CAUSES = ("productive", "recomputed", "data_wait", "generation", "weight_transfer", "checkpoint",
           "evaluation", "preemption", "benchmarks", "resources", "startup", "restart",
@@ -90,7 +102,7 @@ class _Account:
         self.clock: dict[str, float] | None = None  # the current group's last clock
         self.step = 0  # the current group's last reported step
         self.group: float | None = None  # the current group's start time
-        self.lost: dict[str, Any] | None = None  # the failure that ended the current group
+        self.lost: Failure | None = None  # the failure that ended the current group
         self.phases = dict.fromkeys(PHASES, 0.0)
         self.launch_from: float | None = None  # when the wait for the next placing began
         self.placed_from: float | None = None  # the last placing of the group to come
@@ -101,44 +113,44 @@ class _Account:
             self.total += max(0.0, self.end - self.start)
         self.start = self.end = None
 
-    def record(self, r: dict[str, Any]) -> None:
-        if r["event"] in (Event.BENCHMARK, Event.BENCHMARK_FAILED):
+    def record(self, r: EventRecord) -> None:
+        if isinstance(r, (Benchmark, BenchmarkFailed)):
             return  # beside the wall time (see the module doc)
-        if r["invocation"] != self.invocation:
+        if r.invocation != self.invocation:
             self.end_of_lost_group()
             self.close_invocation()
-            self.invocation, self.group_seen = r["invocation"], False
-            self.start, self.gap_from, self.gap_resources = r["time"], r["time"], 0.0
+            self.invocation, self.group_seen = r.invocation, False
+            self.start, self.gap_from, self.gap_resources = r.time, r.time, 0.0
             self.clock, self.placing, self.lost = None, None, None
-            self.launch_from = r["time"]
-        self.end = max(self.end or r["time"], r["time"])
-        getattr(self, "on_" + r["event"], lambda r: None)(r)
+            self.launch_from = r.time
+        self.end = max(self.end or r.time, r.time)
+        getattr(self, "on_" + r.KIND, lambda r: None)(r)
 
-    def on_placing(self, r) -> None:
+    def on_placing(self, r: Placing) -> None:
         if self.placing is not None:  # the attempt before timed out waiting for resources
-            self.gap_resources += r["time"] - self.placing
-        self.placing = self.placed_from = r["time"]
+            self.gap_resources += r.time - self.placing
+        self.placing = self.placed_from = r.time
         if self.launch_from is not None:
-            self.phases["controller"] += max(0.0, r["time"] - self.launch_from)
+            self.phases["controller"] += max(0.0, r.time - self.launch_from)
             self.launch_from = None
 
-    def on_placed(self, r) -> None:
+    def on_placed(self, r: Placed) -> None:
         self.placing = None
-        self.gap_resources += r.get("resources_s") or 0.0
+        self.gap_resources += r.resources_s or 0.0
 
-    def on_group_start(self, r) -> None:
-        ready = r["time"] + (r.get("setup_s") or 0.0)
-        saved = r.get("resumed_clock")
+    def on_group_start(self, r: GroupStart) -> None:
+        ready = r.time + (r.setup_s or 0.0)
+        saved = r.resumed_clock
         if (saved and self.clock is not None and saved.get("group") == self.group
-                and saved["t"] > self.clock["t"] and r["from_step"] > self.step):
+                and saved["t"] > self.clock["t"] and r.from_step > self.step):
             # The checkpoint this group resumed from was saved by the group before after its
             # last report the controller took: the steps up to it count.
-            self.on_progress({"step": r["from_step"], "clock": saved})
+            self.on_progress(Progress(step=r.from_step, step_time=0.0, clock=saved))
         self.end_of_lost_group()
         for w in self.windows:
-            w.cut(r["from_step"])
+            w.cut(r.from_step)
         if self.gap_from is None:  # a resize: the old group ended with its last report
-            self.gap_from = self.clock["t"] if self.clock else r["time"]
+            self.gap_from = self.clock["t"] if self.clock else r.time
         gap = max(0.0, ready - self.gap_from)
         resources = min(self.gap_resources, gap)
         self.s["resources"] += resources
@@ -147,63 +159,63 @@ class _Account:
         self.group_seen = True
         self.gap_from, self.gap_resources = None, 0.0
         self.clock = {"t": ready, **dict.fromkeys(_COUNTERS, 0.0)}
-        self.step, self.group = r["from_step"], r["time"]
+        self.step, self.group = r.from_step, r.time
 
-    def split_phases(self, r, resources: float) -> None:
+    def split_phases(self, r: GroupStart, resources: float) -> None:
         """A group's start in its parts (see the module doc); what a record lacks (older runs,
         a group placed before its invocation's records began) stays in ``setup_other``."""
         p = self.phases
         p["resources"] += resources
-        worker = r.get("phases") or {}
+        worker = r.phases or {}
         before = (worker.get("process_s") or 0.0) + (worker.get("ray_train_s") or 0.0)
         if self.placed_from is not None:
-            p["workers"] += max(0.0, r["time"] - self.placed_from - resources - before)
+            p["workers"] += max(0.0, r.time - self.placed_from - resources - before)
         p["imports"] += worker.get("process_s") or 0.0
         p["ray_train"] += worker.get("ray_train_s") or 0.0
-        setup = r.get("setup_s") or 0.0
+        setup = r.setup_s or 0.0
         parts = {k: worker.get(f"{k}_s") or 0.0 for k in _WORKER_PHASES}
         for k, v in parts.items():
             p[k] += v
         p["setup_other"] += max(0.0, setup - sum(parts.values()))
         self.placed_from = None
 
-    def on_progress(self, r) -> None:
-        c = r.get("clock")
+    def on_progress(self, r: Progress) -> None:
+        c = r.clock
         if c is None or self.clock is None:
             return
         now = {k: c.get(k, 0.0) for k in _COUNTERS}
         d = {k: now[k] - self.clock[k] for k in _COUNTERS}
         self.s["reporting"] += max(0.0, c["t"] - self.clock["t"] - sum(d.values()))
         self.tail_benchmarks = 0.0
-        self.windows.append(_Window(self.step, r["step"], d["compute_s"], d["data_wait_s"],
+        self.windows.append(_Window(self.step, r.step, d["compute_s"], d["data_wait_s"],
                                     c.get("energy_j"), d["generate_s"], d["transfer_s"]))
         self.s["evaluation"] += d["eval_s"]
         self.s["checkpoint"] += d["checkpoint_s"]
-        self.clock, self.step = {"t": c["t"], **now}, r["step"]
+        self.clock, self.step = {"t": c["t"], **now}, r.step
 
-    def on_waited_for_benchmarks(self, r) -> None:
-        self.s["benchmarks"] += r["seconds"]
-        self.tail_benchmarks += r["seconds"]
+    def on_waited_for_benchmarks(self, r: WaitedForBenchmarks) -> None:
+        self.s["benchmarks"] += r.seconds
+        self.tail_benchmarks += r.seconds
 
-    def on_end(self, r) -> None:
-        if r.get("status") == "finished" and self.clock is not None and self.lost is None:
-            self.s["finish"] += max(0.0, r["time"] - self.clock["t"] - self.tail_benchmarks)
+    def on_end(self, r: Ended) -> None:
+        if r.status == "finished" and self.clock is not None and self.lost is None:
+            self.s["finish"] += max(0.0, r.time - self.clock["t"] - self.tail_benchmarks)
 
-    def on_failure(self, r) -> None:
+    def on_failure(self, r: Failure) -> None:
         if self.gap_from is None:
-            self.gap_from = r["time"]
+            self.gap_from = r.time
             if self.clock is not None:
                 self.lost = r
         if self.launch_from is None:
-            self.launch_from = r["time"]
+            self.launch_from = r.time
 
     def end_of_lost_group(self) -> None:
         """A preempted group stops right after its checkpoint: the drain. Any other loss
         takes with it what was trained since its last report (or the checkpoint the next
         group resumed from, when it was saved after that report)."""
         if self.lost is not None:
-            tail = max(0.0, self.lost["time"] - self.clock["t"])
-            preempted = "Preempted" in self.lost.get("error", "")
+            tail = max(0.0, self.lost.time - self.clock["t"])
+            preempted = "Preempted" in self.lost.error
             self.s["preemption" if preempted else "recomputed"] += tail
         self.lost = None
 
@@ -225,15 +237,15 @@ class _Account:
                 wasted_j += lost * w.energy_j
         known = sum(v for k, v in self.s.items() if k != "other")
         self.s["other"] = max(0.0, self.total - known)
-        return {"total_s": round(self.total, 2),
-                "goodput": round(self.s["productive"] / self.total, 4) if self.total else None,
-                "seconds": {k: round(v, 2) for k, v in self.s.items()},
-                "startup_phases": {k: round(v, 2) for k, v in self.phases.items()},
-                "recomputed_steps": int(steps_lost),
-                "energy_wasted_j": wasted_j}
+        return Goodput(
+            total_s=round(self.total, 2),
+            goodput=round(self.s["productive"] / self.total, 4) if self.total else None,
+            seconds={k: round(v, 2) for k, v in self.s.items()},
+            startup_phases={k: round(v, 2) for k, v in self.phases.items()},
+            recomputed_steps=int(steps_lost), energy_wasted_j=wasted_j)
 
 
-def goodput(records: list[dict[str, Any]]) -> dict[str, Any]:
+def goodput(records: list[EventRecord]) -> Goodput:
     """The goodput account of a run's records (every invocation's, in the order they were written):
     ``total_s``, ``goodput``, ``seconds`` by cause (:data:`CAUSES`), ``recomputed_steps``
     (reported steps trained again) and ``energy_wasted_j`` (the energy of those steps' report
@@ -244,22 +256,22 @@ def goodput(records: list[dict[str, Any]]) -> dict[str, Any]:
     return account.finish()
 
 
-def describe(g: dict[str, Any]) -> str:
+def describe(g: Goodput) -> str:
     """The account in one line, largest causes first."""
-    if not g.get("total_s"):
+    if not g.total_s:
         return "goodput: nothing measured"
-    parts = sorted(((v, k) for k, v in g["seconds"].items() if k != "productive" and v >= 0.05),
+    parts = sorted(((v, k) for k, v in g.seconds.items() if k != "productive" and v >= 0.05),
                    reverse=True)
     rest = ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for v, k in parts)
-    line = (f"goodput {100 * g['goodput']:.1f}% of {g['total_s']:.1f}s "
-            f"(productive {g['seconds']['productive']:.1f}s" + (f"; {rest}" if rest else "") + ")")
-    if g["recomputed_steps"]:
-        line += f"; {g['recomputed_steps']} steps trained twice"
+    line = (f"goodput {100 * g.goodput:.1f}% of {g.total_s:.1f}s "
+            f"(productive {g.seconds['productive']:.1f}s" + (f"; {rest}" if rest else "") + ")")
+    if g.recomputed_steps:
+        line += f"; {g.recomputed_steps} steps trained twice"
     return line
 
 
-def table(g: dict[str, Any]) -> dict[str, list]:
+def table(g: Goodput) -> dict[str, list]:
     """The account as columns (cause, seconds, share of the total), for a table artifact."""
-    total = g["total_s"] or 1.0
-    return {"cause": list(CAUSES), "seconds": [g["seconds"][k] for k in CAUSES],
-            "share": [round(g["seconds"][k] / total, 4) for k in CAUSES]}
+    total = g.total_s or 1.0
+    return {"cause": list(CAUSES), "seconds": [g.seconds.get(k, 0.0) for k in CAUSES],
+            "share": [round(g.seconds.get(k, 0.0) / total, 4) for k in CAUSES]}

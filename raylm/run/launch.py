@@ -32,7 +32,8 @@ from raylm.console import (
     quiet_model_io,
     train_log_level,
 )
-from raylm.contracts import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, Event, Marker
+from raylm.contracts import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, Marker
+from raylm.contracts.events import DeviceChosen, ResumedWithChanges, ScheduleMoved
 from raylm.contracts.summary import Summary
 from raylm.data.preparation import prepared_dir
 from raylm.data.tokenizer import load_backend
@@ -196,11 +197,11 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                        objective=objective_of(cfg))
     # A sweep trial's reporter hears each benchmark's scores (raylm.run.sweep).
     record.listeners += [c for c in callbacks or () if hasattr(c, "scored")]
-    record.note(Event.DEVICE, gpu=cfg.scaling.use_gpu, reason=device)
+    record.note(DeviceChosen(gpu=cfg.scaling.use_gpu, reason=device))
     if moved is not None:
-        record.note(Event.SCHEDULE_MOVED, **moved)
+        record.note(ScheduleMoved(**moved))
     if changed:
-        record.note(Event.RESUMED_WITH_CHANGES, changed=changed)
+        record.note(ResumedWithChanges(changed=changed))
     error = None
     try:
         build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,

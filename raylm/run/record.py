@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # The controller-side callback base classes (Ray Train V2, which the pin guarantees).
@@ -52,6 +52,25 @@ from raylm.contracts import (
     RUN_INFO,
     SUMMARY,
     Event,
+)
+from raylm.contracts.events import (
+    Benchmark,
+    BenchmarkFailed,
+    DeviceChosen,
+    Ended,
+    EventRecord,
+    Failure,
+    GroupStart,
+    Interruption,
+    NumericalFault,
+    Placed,
+    Placing,
+    Progress,
+    ResumedWithChanges,
+    Started,
+    TrackingLost,
+    WaitedForBenchmarks,
+    event_from_dict,
 )
 from raylm.contracts.report import Report
 from raylm.contracts.summary import Summary
@@ -75,12 +94,16 @@ class EventLog:
         self.pending: list[str] = []
         self.segments_written = 0
 
-    def add(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record) + "\n"
+    def add(self, record: EventRecord) -> EventRecord:
+        """``record`` added, stamped with this invocation and (unless it has one) now."""
+        record = dataclasses.replace(record, invocation=self.invocation,
+                                     time=time.time() if record.time is None else record.time)
+        line = json.dumps(record.to_dict()) + "\n"
         if self.remote:
             self.pending.append(line)
         else:
             storage.append_text(storage.join(self.run_dir, EVENTS), line)
+        return record
 
     def flush(self) -> None:
         if not self.pending:
@@ -91,7 +114,7 @@ class EventLog:
         self.pending = []
 
 
-def read(run_dir: str, invocation: str | None = None) -> list[dict[str, Any]]:
+def read(run_dir: str, invocation: str | None = None) -> list[EventRecord]:
     """The event records of a run (of one invocation, if given), in order."""
     parts = []
     local = storage.join(run_dir, EVENTS)
@@ -100,84 +123,87 @@ def read(run_dir: str, invocation: str | None = None) -> list[dict[str, Any]]:
     folder = storage.join(run_dir, EVENT_SEGMENTS)
     # Invocation ids are fixed-width times, so names sort in the order they were written.
     parts += [storage.read_text(storage.join(folder, n)) for n in storage.list_files(folder)]
-    records = [json.loads(line) for part in parts for line in part.splitlines() if line.strip()]
-    return [r for r in records if invocation is None or r["invocation"] == invocation]
+    records = [event_from_dict(json.loads(line)) for part in parts
+               for line in part.splitlines() if line.strip()]
+    return [r for r in records if invocation is None or r.invocation == invocation]
 
 
 # ---- Restarts and resizes, derived from the records ----------------------------------------
 
 
-def interruptions(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def interruptions(records: list[EventRecord]) -> list[Interruption]:
     """The restart and resize records of one invocation's events (see the module doc)."""
-    out: list[dict[str, Any]] = []
-    group = None  # the current group's start record
-    last = None  # the last progress record of the current group
+    out: list[Interruption] = []
+    group: GroupStart | None = None  # the current group's start record
+    last: Progress | None = None  # the last progress record of the current group
     step_time = 0.0
-    failures: list[dict[str, Any]] = []
-    pending = None  # an interruption waiting for the new group's first report
+    failures: list[Failure] = []
+    pending = None  # an interruption waiting for the new group's first report, and its since
     for r in records:
-        kind = r["event"]
-        if kind == Event.FAILURE:
+        if isinstance(r, Failure):
             failures.append(r)
-        elif kind == Event.GROUP_START:
+        elif isinstance(r, GroupStart):
             if pending is not None:
-                out.append(pending)
+                out.append(pending[0])
             pending = None
             if group is None and failures:
                 # This invocation's earlier group failed before the controller heard of it.
-                pending = {
-                    "event": Event.RESTART, "from_workers": None, "to_workers": r["workers"],
-                    "at_step": None, "resumed_from_step": r["from_step"],
-                    "steps_redone": None, "time_lost_s": None, "failures": len(failures),
-                    "cause": failures[-1]["error"], "_since": None, "_step_time": 0.0}
+                pending = Interruption(
+                    event=Event.RESTART, from_workers=None, to_workers=r.workers, at_step=None,
+                    resumed_from_step=r.from_step, steps_redone=None, time_lost_s=None,
+                    failures=len(failures), cause=failures[-1].error), None, 0.0
             elif group is not None:
-                at, since = ((last["step"], last["time"]) if last is not None
-                             else (group["from_step"], group["time"]))
-                pending = {
-                    "event": Event.RESTART if failures else Event.RESIZE,
-                    "from_workers": group["workers"], "to_workers": r["workers"],
-                    "at_step": at, "resumed_from_step": r["from_step"],
-                    "steps_redone": max(0, at - r["from_step"]), "time_lost_s": None,
-                    "failures": len(failures),
-                    "cause": failures[-1]["error"] if failures else "resize",
-                    "_since": since, "_step_time": step_time}
+                at, since = ((last.step, last.time) if last is not None
+                             else (group.from_step, group.time))
+                pending = Interruption(
+                    event=Event.RESTART if failures else Event.RESIZE,
+                    from_workers=group.workers, to_workers=r.workers, at_step=at,
+                    resumed_from_step=r.from_step, steps_redone=max(0, at - r.from_step),
+                    time_lost_s=None, failures=len(failures),
+                    cause=failures[-1].error if failures else "resize"), since, step_time
             group, last, failures = r, None, []
-        elif kind == Event.PROGRESS:
+        elif isinstance(r, Progress):
             if pending is not None:
-                if pending["_since"] is not None:
-                    beyond = max(0, r["step"] - pending["at_step"])
-                    lost = r["time"] - pending["_since"] - beyond * pending["_step_time"]
-                    pending["time_lost_s"] = round(max(0.0, lost), 2)
-                out.append(pending)
+                e, since, before = pending
+                if since is not None:
+                    lost = r.time - since - max(0, r.step - e.at_step) * before
+                    e.time_lost_s = round(max(0.0, lost), 2)
+                out.append(e)
                 pending = None
-            last, step_time = r, r["step_time"]
+            last, step_time = r, r.step_time
     if pending is not None:
-        out.append(pending)
-    return [{k: v for k, v in e.items() if not k.startswith("_")} for e in out]
+        out.append(pending[0])
+    return out
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary.json fields for one invocation's records."""
+def summarize(records: list[EventRecord]) -> Counted:
+    """The restarts, resizes and failures of one invocation's records, and its interruptions."""
     inter = interruptions(records)
-    return {
-        "restarts": sum(e["event"] == Event.RESTART for e in inter),
-        "resizes": sum(e["from_workers"] not in (None, e["to_workers"]) for e in inter),
-        "failures": sum(r["event"] == Event.FAILURE for r in records),
-        "interruptions": inter,
-    }
+    return Counted(restarts=sum(e.event == Event.RESTART for e in inter),
+                   resizes=sum(e.from_workers not in (None, e.to_workers) for e in inter),
+                   failures=sum(isinstance(r, Failure) for r in records), interruptions=inter)
 
 
-def by_invocation(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+@dataclass(frozen=True)
+class Counted:
+    restarts: int
+    resizes: int
+    failures: int
+    interruptions: list[Interruption]
+
+
+def by_invocation(records: list[EventRecord]) -> list[list[EventRecord]]:
     """Records (in the order written) grouped by invocation, in the order they ran."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[EventRecord]] = {}
     for r in records:
-        groups.setdefault(r["invocation"], []).append(r)
+        groups.setdefault(r.invocation, []).append(r)
     return list(groups.values())
 
 
-def counts(parts: list[dict[str, Any]]) -> dict[str, int]:
+def counts(parts: list[Counted]) -> dict[str, int]:
     """Restarts, resizes and failures of every invocation's :func:`summarize`."""
-    return {k: sum(p[k] for p in parts) for k in ("restarts", "resizes", "failures")}
+    return {"restarts": sum(p.restarts for p in parts), "resizes": sum(p.resizes for p in parts),
+            "failures": sum(p.failures for p in parts)}
 
 
 # ---- The controller callback ---------------------------------------------------------------
@@ -253,7 +279,7 @@ class RunRecord(UserCallback):
         self.stuck_at = -1  # the furthest step when the failures counted below began
         self.failures_in_place = 0  # failures in a row without training past stuck_at
         # The goodput account counts this invocation's wall time from here (raylm.run.goodput).
-        self._add(Event.INVOCATION, at=self.started)
+        self._add(Started(time=self.started))
 
     # Ray Train's hooks. An exception in a controller callback ends the whole run; the record
     # is not worth that, so each hook reports its own errors and returns.
@@ -289,16 +315,13 @@ class RunRecord(UserCallback):
             if self.group is None:
                 self.resumed_from_step = r.resumed_from_step
             self.group = r.group_started
-            self._add(Event.GROUP_START, at=r.group_started, workers=r.workers,
-                      from_step=r.resumed_from_step or 0, setup_s=r.setup_s, phases=r.phases,
-                      resumed_clock=r.resumed_clock)
+            self._add(GroupStart.of(r))
             self.group_reported = False
         if r.announces:
             return
         step_time = r.elapsed_s / max(1, step - (r.resumed_from_step or 0))
         # Timed when rank 0 made it, which for a report held back is earlier than its arrival.
-        self._add(Event.PROGRESS, at=r.clock["t"] if r.clock else None, step=step,
-                  step_time=step_time, clock=r.clock, **r.history())
+        self._add(Progress.of(r, step_time=step_time))
         first_of_group = not self.group_reported
         if first_of_group:  # an interruption is complete at its group's first step
             self.group_reported = True
@@ -337,7 +360,7 @@ class RunRecord(UserCallback):
         self.live_at = now
         records = self._every_record()
         self.live.record({**counts([summarize(rs) for rs in by_invocation(records)]),
-                          "goodput": goodput(records)["goodput"]})
+                          "goodput": goodput(records).goodput})
 
     def _benchmark(self, step: int, checkpoint: str | None) -> None:
         """Start the evaluation of a due checkpoint (at the invocation's first report, those
@@ -351,12 +374,12 @@ class RunRecord(UserCallback):
             b.start(step, checkpoint)
         self._scored(b.collect())
 
-    def _scored(self, outcomes: list[dict[str, Any]]) -> None:
+    def _scored(self, outcomes: list[Benchmark | BenchmarkFailed]) -> None:
         for r in outcomes:
-            self._add(r["event"], **{k: v for k, v in r.items() if k != "event"})
+            self._add(r)
             print(bench.describe(r), flush=True)
-            if r["event"] == Event.BENCHMARK:
-                self.tracker.log_scores(r["scores"], r["step"])
+            if isinstance(r, Benchmark):
+                self.tracker.log_scores(r.scores, r.step)
                 for listener in self.listeners:
                     listener.scored(r, val_loss=self.val_loss)
         if outcomes:
@@ -376,19 +399,19 @@ class RunRecord(UserCallback):
     def _numerical_fault(self, fault: dict[str, Any]) -> None:
         """A step the numerical check kept from the weights: in the events, said in a line,
         and logged to MLflow with the run's other events."""
-        self._add(Event.NUMERICAL_FAULT, **fault)
-        ranges = ", ".join(f"{a}-{b - 1}" for a, b in fault["positions"])
+        f = self._add(NumericalFault(**fault))
+        ranges = ", ".join(f"{a}-{b - 1}" for a, b in f.positions)
         done = {"skip": "its update skipped", "rewind": "the run rewinds",
-                "stop": "the run stops"}[fault["action"]]
-        loss, norm = (f"{float(v):.4g}" for v in (fault["loss"], fault["grad_norm"]))
-        print(f"raylm: numerical fault at step {fault['step']}: {fault['cause']} (loss {loss}, "
+                "stop": "the run stops"}[f.action]
+        loss, norm = (f"{float(v):.4g}" for v in (f.loss, f.grad_norm))
+        print(f"raylm: numerical fault at step {f.step}: {f.cause} (loss {loss}, "
               f"grad norm {norm}), samples {ranges}: {done}", flush=True)
         if self.tracker:
-            self._log_events(fault["step"])
+            self._log_events(f.step)
 
-    def note(self, event: str, **fields: Any) -> None:
+    def note(self, record: EventRecord) -> None:
         """A record of something the driver saw before the run started (a moved schedule)."""
-        self._add(event, **fields)
+        self._add(record)
 
     def failure(self, worker_exceptions: dict[int, Exception]) -> None:
 
@@ -400,8 +423,8 @@ class RunRecord(UserCallback):
         if not any(cause(e, Preempted) or cause(e, Rewind) for e in worker_exceptions.values()):
             self.failures_in_place += 1
         text = str(error).strip().splitlines()
-        self._add(Event.FAILURE, ranks=sorted(worker_exceptions),
-                  error=f"{type(error).__name__}: {text[0] if text else ''}"[:300])
+        self._add(Failure(ranks=sorted(worker_exceptions),
+                          error=f"{type(error).__name__}: {text[0] if text else ''}"[:300]))
         self.flush()
 
     def _ours(self) -> bool:
@@ -433,9 +456,9 @@ class RunRecord(UserCallback):
                 began = time.time()
                 if self.benchmarks.pending:
                     self._scored(self.benchmarks.wait())
-                    self._add(Event.WAITED_FOR_BENCHMARKS, seconds=round(time.time() - began, 2))
+                    self._add(WaitedForBenchmarks(seconds=round(time.time() - began, 2)))
                 self.benchmarks.release()
-            self._add(Event.END, status="failed" if failed else "finished")
+            self._add(Ended(status="failed" if failed else "finished"))
             self.log.flush()
             summary = dataclasses.replace(
                 self.summary(), status="failed" if failed else "finished",
@@ -469,19 +492,19 @@ class RunRecord(UserCallback):
         run (the earlier invocations' records are read once)."""
         return goodput(self._every_record() if every_invocation else self.records)
 
-    def _every_record(self) -> list[dict[str, Any]]:
+    def _every_record(self) -> list[EventRecord]:
         """Every invocation's records: the earlier ones' read once, when first needed."""
         if self.earlier is None:
-            self.earlier = [r for r in read(self.run_dir) if r["invocation"] != self.invocation]
+            self.earlier = [r for r in read(self.run_dir) if r.invocation != self.invocation]
         return self.earlier + self.records
 
     def placing(self, workers: int) -> None:
         """Ray Train starts placing a worker group of ``workers``."""
-        self._add(Event.PLACING, workers=workers)
+        self._add(Placing(workers=workers))
 
     def placed(self, resources_s: float | None) -> None:
         """The group is placed; its placement group waited ``resources_s`` for resources."""
-        self._add(Event.PLACED, resources_s=resources_s)
+        self._add(Placed(resources_s=resources_s))
 
     def summary(self) -> Summary:
         """summary.json as the record knows it: where the run is now."""
@@ -506,33 +529,30 @@ class RunRecord(UserCallback):
             # GPU energy and time (None on CPUs): see raylm.workers.energy.
             joules_per_token=m.joules_per_token, watts_per_gpu=m.watts_per_gpu,
             energy_kwh=m.energy_kwh, gpu_hours=m.gpu_hours, cost=m.cost,
-            restarts=counted["restarts"], resizes=counted["resizes"],
-            failures=counted["failures"], interruptions=counted["interruptions"],
-            numerical_faults=[{k: v for k, v in r.items() if k not in ("invocation", "event")}
-                              for r in self.records if r["event"] == Event.NUMERICAL_FAULT],
-            device=next((r["reason"] for r in reversed(self.records)
-                         if r["event"] == Event.DEVICE), None),
+            restarts=counted.restarts, resizes=counted.resizes, failures=counted.failures,
+            interruptions=counted.interruptions,
+            numerical_faults=[r.listed() for r in self.records if isinstance(r, NumericalFault)],
+            device=next((r.reason for r in reversed(self.records)
+                         if isinstance(r, DeviceChosen)), None),
             attention_backend=m.attention_backend, precision=m.precision,
             changed_on_resume=sorted({c for r in self.records
-                                      if r["event"] == Event.RESUMED_WITH_CHANGES
-                                      for c in r["changed"]}),
+                                      if isinstance(r, ResumedWithChanges) for c in r.changed}),
             goodput=self.goodput(),
             benchmarks=(bench.summarize(self._every_record())
                         if self.benchmarks is not None else None))
 
-    def _add(self, event: str, *, at: float | None = None, **fields: Any) -> None:
-        record = {"invocation": self.invocation, "event": event,
-                  "time": time.time() if at is None else at, **fields}
+    def _add(self, record: EventRecord) -> EventRecord:
+        record = self.log.add(record)
         self.records.append(record)
-        self.log.add(record)
+        return record
 
     def _announce(self, step: int) -> None:
         found = interruptions(self.records)
         for e in found[self.announced:]:
-            lost = "unknown" if e["time_lost_s"] is None else f"{e['time_lost_s']:.1f}s"
-            print(f"raylm: {e['event']} {e['from_workers']} -> {e['to_workers']} workers, "
-                  f"resumed from step {e['resumed_from_step']} (last report at step "
-                  f"{e['at_step']}), time lost {lost}", flush=True)
+            lost = "unknown" if e.time_lost_s is None else f"{e.time_lost_s:.1f}s"
+            print(f"raylm: {e.event} {e.from_workers} -> {e.to_workers} workers, resumed from "
+                  f"step {e.resumed_from_step} (last report at step {e.at_step}), time lost "
+                  f"{lost}", flush=True)
         # The counts are logged at this invocation's first step even when they are zero, so
         # that runs without faults can be compared with those that had some.
         if (len(found) > self.announced or not self.counts_logged) and self.tracker:
@@ -544,18 +564,18 @@ class RunRecord(UserCallback):
         """Once the tracker has failed (it said so, once): the step and the cause, in the
         record and the summary, so the run's record shows where MLflow's ends."""
         if self.tracker.lost and self.tracking_lost is None:
-            self.tracking_lost = {"step": step, "error": self.tracker.lost}
-            self._add(Event.TRACKING_LOST, **self.tracking_lost)
+            lost = self._add(TrackingLost(step=step, error=self.tracker.lost))
+            self.tracking_lost = {"step": lost.step, "error": lost.error}
             self.flush()
 
     def _log_events(self, step: int) -> None:
         # MLflow's run spans every invocation of the raylm run.
         records = self._every_record()
         parts = [summarize(rs) for rs in by_invocation(records)]
-        faults = [r for r in records if r["event"] == Event.NUMERICAL_FAULT]
+        faults = [r.to_dict() for r in records if isinstance(r, NumericalFault)]
         self.tracker.log_events(
-            {"interruptions": [e for p in parts for e in p["interruptions"]],
-             "failures": [r for r in records if r["event"] == Event.FAILURE],
+            {"interruptions": [asdict(e) for p in parts for e in p.interruptions],
+             "failures": [r.to_dict() for r in records if isinstance(r, Failure)],
              "numerical_faults": faults},
             {**counts(parts), "numerical_faults": len(faults)}, step)
 

@@ -35,7 +35,7 @@ from raylm import storage
 from raylm.config import Config, run_dir, storage_root
 from raylm.contracts import MLFLOW_RUN
 from raylm.contracts.report import Report
-from raylm.contracts.summary import Summary
+from raylm.contracts.summary import Goodput, Summary
 from raylm.run.goodput import table
 from raylm.workers.node_metrics import fail_fast
 
@@ -93,7 +93,7 @@ class Tracker:
     def lose(self, reason: str) -> None: ...  # stop without a word: another copy said it
     def log_report(self, report: Report, checkpoint_path: str | None) -> None: ...
     def log_events(self, events: dict[str, Any], counts: dict[str, int], step: int) -> None: ...
-    def log_goodput(self, account: dict[str, Any], step: int) -> None: ...
+    def log_goodput(self, account: Goodput, step: int) -> None: ...
     def log_scores(self, scores: dict[str, float], step: int) -> None: ...
     def log_pruning(self, report: dict[str, Any]) -> None: ...
     def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None: ...
@@ -186,13 +186,13 @@ class MLflowTracker(Tracker):
     def log_goodput(self, client, account, step) -> None:
         """The goodput account (:mod:`raylm.run.goodput`): ``goodput`` and ``goodput_<cause>_s``
         as metrics at the run's last step, and the table by cause as ``goodput.json``."""
-        if not account.get("total_s"):
+        if not account.total_s:
             return
-        values = {"goodput": account["goodput"], "goodput_total_s": account["total_s"],
-                  "goodput_recomputed_steps": account["recomputed_steps"],
-                  **{f"goodput_{k}_s": v for k, v in account["seconds"].items()}}
-        if account["energy_wasted_j"] is not None:
-            values["energy_wasted_j"] = account["energy_wasted_j"]
+        values = {"goodput": account.goodput, "goodput_total_s": account.total_s,
+                  "goodput_recomputed_steps": account.recomputed_steps,
+                  **{f"goodput_{k}_s": v for k, v in account.seconds.items()}}
+        if account.energy_wasted_j is not None:
+            values["energy_wasted_j"] = account.energy_wasted_j
         client.log_batch(self.run_id, metrics=_metrics(values, max(step, 0)))
         client.log_table(self.run_id, data=table(account), artifact_file="goodput.json")
 

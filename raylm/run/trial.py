@@ -9,10 +9,10 @@ it torch and the training loop) made every trial's controller import those as it
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from ray.train.v2.api.callback import UserCallback
 
+from raylm.contracts.events import Benchmark
 from raylm.contracts.report import Report
 
 METRIC = "val_loss"
@@ -39,9 +39,9 @@ class TrialReporter(UserCallback):
             result["checkpoint_path"] = checkpoint.path
         self.queue.put(result)
 
-    def scored(self, record: dict[str, Any], *, val_loss: float | None) -> None:
+    def scored(self, record: Benchmark, *, val_loss: float | None) -> None:
         if self.by_benchmark:
-            self.queue.put({"step": record["step"], **record["scores"],
+            self.queue.put({"step": record.step, **record.scores,
                             **({} if val_loss is None else {METRIC: val_loss})})
 
 

@@ -79,6 +79,7 @@ def run_and_interfere(run: Callable[[], dict], run_dir: Path, *,
     checkpoint at ``step`` or later and the controller has heard of its k-th worker
     group (reports reach it at its next poll), so each act after the first hits the group
     that the previous one made the run start. Returns the run's summary."""
+    from raylm.contracts.events import GroupStart
     from raylm.run import record
 
     out: dict = {}
@@ -87,7 +88,7 @@ def run_and_interfere(run: Callable[[], dict], run_dir: Path, *,
     deadline = time.time() + timeout
     for k, (when_step, act) in enumerate(acts):
         while time.time() < deadline:
-            groups = [e for e in record.read(str(run_dir)) if e["event"] == "group_start"]
+            groups = [e for e in record.read(str(run_dir)) if isinstance(e, GroupStart)]
             if checkpoint_step(run_dir) >= when_step and len(groups) > k:
                 act()
                 break

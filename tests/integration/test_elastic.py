@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from raylm.config import load_config
+from raylm.contracts.events import Failure, GroupStart, Placing, Progress
 from raylm.data.preparation import prepare
 from raylm.run import record
 from raylm.run.launch import train
@@ -135,15 +136,15 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
         return faults.checkpoint_step(run_dir)
 
     def groups():
-        return [e for e in record.read(str(run_dir)) if e["event"] == "group_start"]
+        return [e for e in record.read(str(run_dir)) if isinstance(e, GroupStart)]
 
     wait_for(lambda: checkpoint_step() >= 5 and groups(),
              "the first checkpoint of 2 workers, and the controller to know of the group")
     c.remove_node(nodes[1])
-    wait_for(lambda: [e for e in groups() if e["workers"] == 1],
+    wait_for(lambda: [e for e in groups() if e.workers == 1],
              "the run to continue on 1 worker")
     c.add_node(num_cpus=1, resources={"trainer": 1})
-    wait_for(lambda: len(g := groups()) >= 3 and checkpoint_step() > g[2]["from_step"],
+    wait_for(lambda: len(g := groups()) >= 3 and checkpoint_step() > g[2].from_step,
              "a checkpoint of the group grown back to 2 workers")
     # Both trainer nodes hold a worker now (a resource with nothing free is left out of the
     # node's available resources); drain one of them.
@@ -160,7 +161,7 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     # Ray Train's elastic policy still counts a draining node's resources (measured: it tried
     # groups of 2 every 4 s for minutes), so the run goes on once the node is gone, as the
     # cloud takes it at its deadline.
-    wait_for(lambda: len([e for e in record.read(str(run_dir)) if e["event"] == "failure"]) >= 2,
+    wait_for(lambda: len([e for e in record.read(str(run_dir)) if isinstance(e, Failure)]) >= 2,
              "the drained group to stop")
     c.remove_node(next(n for n in c.worker_nodes if n.node_id == busy[0]))
     thread.join(300)
@@ -177,8 +178,8 @@ def test_node_lost_added_back_then_drained(cluster, tmp_path, tokenizer_dir, mon
     # saw the lost node gone at the restart (raylm's FreshClusterView), rather than asking
     # again for 2 until Ray's view of the nodes caught up.
     records = record.read(str(run_dir))
-    lost_at = next(i for i, e in enumerate(records) if e["event"] == "failure")
-    assert next(e for e in records[lost_at:] if e["event"] == "placing")["workers"] == 1
+    lost_at = next(i for i, e in enumerate(records) if isinstance(e, Failure))
+    assert next(e for e in records[lost_at:] if isinstance(e, Placing)).workers == 1
     for e in (shrink, grow):
         assert e["resumed_from_step"] % 5 == 0 and e["time_lost_s"] >= 0
         assert 0 <= e["steps_redone"] < 5 + 5  # at most a checkpoint interval plus a report's
@@ -265,8 +266,8 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
         wait_for(lambda: faults.checkpoint_step(run_dir) > 0, "the first checkpoint")
 
         def reported_past_the_checkpoint() -> bool:
-            reported = max((r["step"] for r in record.read(str(run_dir))
-                            if r["event"] == "progress"), default=0)
+            reported = max((r.step for r in record.read(str(run_dir))
+                            if isinstance(r, Progress)), default=0)
             return faults.checkpoint_step(run_dir) < reported < 100
 
         trainers = faults.hold_until(reported_past_the_checkpoint,
@@ -285,10 +286,10 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
     assert (restart["from_workers"], restart["to_workers"], summary["workers"]) == (2, 1, 1)
     groups: list[dict[int, dict]] = []
     for r in record.read(str(run_dir)):
-        if r["event"] == "group_start":
+        if isinstance(r, GroupStart):
             groups.append({})
-        elif r["event"] == "progress":
-            groups[-1][r["step"]] = r
+        elif isinstance(r, Progress):
+            groups[-1][r.step] = r.history()
     first, second = groups
     assert max(r["rl_generators_replaced"] for r in first.values()) >= 1
     # rl.generators=[1, 2]: the steps went on with one while the lost one's replacement

@@ -182,6 +182,7 @@ def test_a_run_on_an_mlflow_server_reads_back_through_the_client(base, server, t
 def test_training_outlives_its_mlflow_server(base, server, capsys):
     """The server is stopped after the step-4 checkpoint: the run trains to the end, records
     that tracking was lost once (step and cause), and logs nothing more."""
+    from raylm.contracts.events import TrackingLost
     from raylm.run import record
 
     uri, kill = server
@@ -194,11 +195,11 @@ def test_training_outlives_its_mlflow_server(base, server, capsys):
         run_dir / "orphaned", acts=[(4, kill)])
     assert out["status"] == "finished" and out["final_step"] == 30
     assert out["samples"]["trained"] == 30 * 4 and out["samples"]["in_order"]
-    lost = [e for e in record.read(str(run_dir / "orphaned")) if e["event"] == "tracking_lost"]
+    lost = [e for e in record.read(str(run_dir / "orphaned")) if isinstance(e, TrackingLost)]
     # The controller hears of reports at its polls, so the first one it failed to log may
     # be older than the checkpoint that the server outlived.
-    assert len(lost) == 1 and lost[0]["step"] < 30, lost
-    assert out["tracking_lost"] == {"step": lost[0]["step"], "error": lost[0]["error"]}
+    assert len(lost) == 1 and lost[0].step < 30, lost
+    assert out["tracking_lost"] == {"step": lost[0].step, "error": lost[0].error}
     assert "mlflow_model_uri" not in out
     # The driver said nothing more about it, in its log or its own prints (the tracker's
     # warnings): the controller's record had said it.

@@ -288,6 +288,7 @@ def check_benchmarks(full: dict, run_dir, merged, store: str, tasks, capsys) -> 
     from raylm import api
     from raylm.cli import main
     from raylm.config import EvalConfig
+    from raylm.contracts.events import Benchmark
     from raylm.run import record
     from raylm.run.benchmarks import Benchmarks, score_checkpoint
 
@@ -311,9 +312,9 @@ def check_benchmarks(full: dict, run_dir, merged, store: str, tasks, capsys) -> 
     capsys.readouterr()
     assert main(["eval", str(run_dir), "--step=10", f"--eval.include_path={tasks}"]) == 0
     assert '"eval/reverse_mc/acc"' in capsys.readouterr().out
-    events = [r for r in record.read(str(run_dir)) if r["event"] == "benchmark"]
-    assert [r["step"] for r in events] == [10, 20, 10]
-    assert events[-1]["scores"] == events[0]["scores"]
+    events = [r for r in record.read(str(run_dir)) if isinstance(r, Benchmark)]
+    assert [r.step for r in events] == [10, 20, 10]
+    assert events[-1].scores == events[0].scores
 
     # lm-eval's own command line on the merged export of step 20: the same scores. Its entry
     # point (`python -m lm_eval` and the `lm_eval` script call it), in this process: a fresh
@@ -345,11 +346,11 @@ def check_benchmarks(full: dict, run_dir, merged, store: str, tasks, capsys) -> 
     records = record.read(str(run_dir))
     b = Benchmarks(str(run_dir), ev, checkpoint_every=10, total_steps=20, runner=Here())
     assert b.resume(records, bad=[]) == []
-    unscored = [r for r in records if not (r["event"] == "benchmark" and r["step"] == 20)]
+    unscored = [r for r in records if not (isinstance(r, Benchmark) and r.step == 20)]
     b = Benchmarks(str(run_dir), ev, checkpoint_every=10, total_steps=20, runner=Here())
     assert b.resume(unscored, bad=[]) == [20]
     (rescored,) = b.collect()
-    assert rescored["scores"][name] == at[20]
+    assert rescored.scores[name] == at[20]
 
 
 def near_miss(words: list[str], rng: random.Random) -> str:
@@ -392,6 +393,7 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
     losses (what an uninterrupted run would have trained: the steps before the kill were
     trained by one). The preference figures reach MLflow, the history and the summary."""
     from raylm import api, rundir
+    from raylm.contracts.events import GroupStart, Progress
     from raylm.run import record
     from raylm.run.launch import train
 
@@ -428,7 +430,7 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
         every worker stopped so that no save can land: one is killed if the newest checkpoint
         is still step 12's."""
         workers = faults.hold_until(lambda: any(
-            r["event"] == "progress" and r["step"] >= 13 for r in record.read(str(run_dir))),
+            isinstance(r, Progress) and r.step >= 13 for r in record.read(str(run_dir))),
             what="the controller to have step 13")
         newest = rundir.latest_verified(run_dir, warn=lambda m: None)[1].step
         if newest == 12:
@@ -447,10 +449,10 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
     # trained again by the second from that checkpoint, gave the same losses.
     by_group: list[dict[int, float]] = []
     for r in record.read(str(run_dir)):
-        if r["event"] == "group_start":
+        if isinstance(r, GroupStart):
             by_group.append({})
-        elif r["event"] == "progress":
-            by_group[-1][r["step"]] = r["loss"]
+        elif isinstance(r, Progress):
+            by_group[-1][r.step] = r.loss
     first, second = by_group
     again = sorted(set(first) & set(second))
     assert again and again[0] == 13, (first, second)

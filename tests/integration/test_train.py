@@ -13,6 +13,7 @@ import pytest
 import raylm
 from raylm import rundir
 from raylm.config import load_config, parse_override
+from raylm.contracts.events import Progress
 from raylm.run.goodput import CAUSES
 from raylm.run.launch import train
 from raylm.run.record import read
@@ -543,9 +544,10 @@ def test_a_killed_then_a_preempted_worker_restart_and_end_like_uninterrupted(bas
     full = trained
     assert out["train_loss"] == pytest.approx(full["train_loss"], abs=1e-5)
     assert out["val_loss"] == pytest.approx(full["val_loss"], abs=1e-5)
-    progress = [r for r in read(str(base_dir(base) / "faults")) if r["event"] == "progress"]
-    assert_live_series(live, run="faults", losses={r["loss"] for r in progress},
-                       evaluated={r["val_loss"] for r in progress if "val_loss" in r})
+    progress = [r for r in read(str(base_dir(base) / "faults")) if isinstance(r, Progress)]
+    assert_live_series(live, run="faults", losses={r.loss for r in progress},
+                       evaluated={r.figures["val_loss"] for r in progress
+                                  if "val_loss" in r.figures})
 
 
 def assert_live_series(live: dict[tuple, list], *, run: str, losses: set[float],

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from raylm.bench.startup import figures
+from raylm.contracts.events import event_from_dict
 
 
 def record(event, t, **fields):
-    return {"invocation": "1", "event": event, "time": t, **fields}
+    return event_from_dict({"invocation": "1", "event": event, "time": t, **fields})
 
 
 def clock(t, compute):

@@ -170,14 +170,18 @@ def test_a_grpo_run_directory_of_cb5e3f1_reads_back_and_resumes_with_its_kept_ro
 @pytest.mark.parametrize("run", [OLD, GRPO], ids=["6ef9b7a", "cb5e3f1-grpo"])
 def test_a_summary_of_an_older_release_reads_as_its_record_and_writes_back_the_same(run):
     """summary.json of version 1 (no version key): its keys, their order and values come back
-    unchanged through Summary, an objective's and the validation's figures among them."""
+    unchanged through Summary, an objective's and the validation's figures among them; what
+    6ef9b7a did not account yet (a start's phases) is written as null."""
     from raylm.contracts.summary import Summary
 
     text = (run / "summary.json").read_text()
     summary = rundir.read_summary(str(run))
     assert summary.ended and summary.finished and summary.final_step == 4
     assert list(json.loads(summary.to_json())) == list(json.loads(text))
-    assert summary.to_dict() == json.loads(text)
+    written = summary.to_dict()
+    if run == OLD:
+        assert written["goodput"].pop("startup_phases") is None
+    assert written == json.loads(text)
     if run == GRPO:
         assert set(summary.figures) >= {"val_reward", "rl_reward", "rl_kl"}
     running = dataclasses.replace(summary, status="running", wall_s=None, samples=None)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 import pytest
 import torch
 
 from raylm.config import ConfigError, batch_plan, load_config
+from raylm.contracts.events import event_from_dict
 from raylm.data.packing import (
     SampleOrder,
     Skips,
@@ -47,7 +50,7 @@ def test_check_positions_accepts_only_the_ranks_slice_of_the_step():
 
 def test_interruptions_tell_restarts_from_resizes_with_steps_and_time_lost():
     def rec(event, time, **fields):
-        return {"invocation": "i", "event": event, "time": time, **fields}
+        return event_from_dict({"invocation": "i", "event": event, "time": time, **fields})
 
     records = [
         rec("group_start", 90.0, workers=2, from_step=0),
@@ -69,15 +72,16 @@ def test_interruptions_tell_restarts_from_resizes_with_steps_and_time_lost():
         rec("group_start", 190.0, workers=2, from_step=35),
     ]
     restart, resize, last = interruptions(records)
-    assert restart == {"event": "restart", "from_workers": 2, "to_workers": 1, "at_step": 20,
-                       "resumed_from_step": 20, "steps_redone": 0, "time_lost_s": 20.0,
-                       "failures": 1, "cause": "ActorDiedError: node lost"}
-    assert resize["event"] == "resize" and resize["steps_redone"] == 5
-    assert (resize["from_workers"], resize["to_workers"]) == (1, 2)
-    assert resize["time_lost_s"] == 20.0
-    assert last["cause"] == "Preempted: SIGTERM" and last["time_lost_s"] is None
+    assert asdict(restart) == {
+        "event": "restart", "from_workers": 2, "to_workers": 1, "at_step": 20,
+        "resumed_from_step": 20, "steps_redone": 0, "time_lost_s": 20.0, "failures": 1,
+        "cause": "ActorDiedError: node lost"}
+    assert resize.event == "resize" and resize.steps_redone == 5
+    assert (resize.from_workers, resize.to_workers) == (1, 2)
+    assert resize.time_lost_s == 20.0
+    assert last.cause == "Preempted: SIGTERM" and last.time_lost_s is None
     s = summarize(records)
-    assert (s["restarts"], s["resizes"], s["failures"]) == (2, 2, 2)
+    assert (s.restarts, s.resizes, s.failures) == (2, 2, 2)
 
 
 def test_ledger_accounting_counts_duplicates_and_gaps():

@@ -10,6 +10,14 @@ from pathlib import Path
 import pytest
 
 from raylm.config import ConfigError, EvalConfig, load_config
+from raylm.contracts.events import (
+    Benchmark,
+    BenchmarkFailed,
+    Ended,
+    GroupStart,
+    Started,
+    WaitedForBenchmarks,
+)
 from raylm.run import benchmarks
 from raylm.run.goodput import goodput
 from raylm.run.launch import plan_benchmarks, plan_resources
@@ -92,9 +100,9 @@ def test_every_kth_periodic_checkpoint_and_the_final_one_are_scored():
 
 
 def record(step, scores, *, higher=None, invocation="1", time=0.0):
-    return {"invocation": invocation, "time": time, "event": "benchmark", "step": step,
-            "checkpoint": f"checkpoint_{step}", "scores": scores, "higher": higher or {},
-            "seconds": 5.0}
+    return Benchmark(invocation=invocation, time=time, step=step,
+                     checkpoint=f"checkpoint_{step}", scores=scores, higher=higher or {},
+                     seconds=5.0)
 
 
 def test_the_summary_keeps_the_latest_and_the_best_score_in_lm_evals_direction():
@@ -102,8 +110,8 @@ def test_the_summary_keeps_the_latest_and_the_best_score_in_lm_evals_direction()
     acc = "eval/arc_easy/acc"
     records = [record(10, {acc: 0.30, ppl: 40.0}, higher={acc: True, ppl: False}),
                record(20, {acc: 0.45, ppl: 33.0}, higher={acc: True, ppl: False}),
-               {"invocation": "1", "time": 0.0, "event": "benchmark_failed", "step": 30,
-                "checkpoint": "checkpoint_30", "error": "OSError: gone"},
+               BenchmarkFailed(invocation="1", time=0.0, step=30, checkpoint="checkpoint_30",
+                               error="OSError: gone"),
                record(40, {acc: 0.40, ppl: 35.0}, higher={acc: True, ppl: False})]
     s = benchmarks.summarize(records)
     assert s["scores"][acc] == {"best": 0.45, "best_step": 20, "latest": 0.40,
@@ -118,18 +126,17 @@ def test_the_summary_keeps_the_latest_and_the_best_score_in_lm_evals_direction()
     # An evaluation's failure keeps the last line of what it raised.
     failed = benchmarks.outcome_record(30, "/runs/r/checkpoint_30",
                                        OSError("reading\nno such file: checkpoint_30"))
-    assert failed["error"] == "OSError: no such file: checkpoint_30"
+    assert failed.error == "OSError: no such file: checkpoint_30"
 
 
 def test_evaluations_run_beside_the_wall_time_and_only_the_end_waiting_for_them_counts():
-    base = [{"invocation": "1", "event": "invocation", "time": 0.0},
-            {"invocation": "1", "event": "group_start", "time": 0.0, "workers": 1,
-             "from_step": 0, "setup_s": 1.0},
+    base = [Started(invocation="1", time=0.0),
+            GroupStart(invocation="1", time=0.0, workers=1, from_step=0, setup_s=1.0),
             record(10, {"eval/x/acc": 0.5}, time=5.0),
-            {"invocation": "1", "event": "waited_for_benchmarks", "time": 9.0, "seconds": 3.0},
-            {"invocation": "1", "event": "end", "time": 10.0}]
+            WaitedForBenchmarks(invocation="1", time=9.0, seconds=3.0),
+            Ended(invocation="1", time=10.0, status="failed")]
     g = goodput(base)
-    assert g["total_s"] == 10.0 and g["seconds"]["benchmarks"] == 3.0
+    assert g.total_s == 10.0 and g.seconds["benchmarks"] == 3.0
     # `raylm eval`'s records, written later under an invocation of their own, add no time.
     later = [*base, record(10, {"eval/x/acc": 0.5}, invocation="2", time=500.0)]
     assert goodput(later) == g

@@ -10,6 +10,7 @@ import pytest
 
 from raylm import storage
 from raylm.contracts import EARLIER_REPORTS, Event
+from raylm.contracts.events import Progress
 from raylm.run import record
 from raylm.run.tracking import Tracker
 
@@ -70,10 +71,10 @@ def test_restarts_and_resizes_come_from_the_reports(tmp_path, capsys):
     assert resize["event"] == "resize" and resize["steps_redone"] == 0
     # Locally every record is appended as it happens, and read back in order.
     events = record.read(rd)
-    assert [e["event"] for e in events] == [
+    assert [e.KIND for e in events] == [
         "invocation", "group_start", "progress", "progress", "failure", "group_start",
         "progress", "progress", "group_start", "progress", "progress"]
-    assert events[5]["time"] == 200.0 and events[5]["from_step"] == 10
+    assert events[5].time == 200.0 and events[5].from_step == 10
 
 
 def test_a_group_the_controller_never_heard_of_still_makes_a_restart(tmp_path):
@@ -85,8 +86,8 @@ def test_a_group_the_controller_never_heard_of_still_makes_a_restart(tmp_path):
     s = r.summary()
     assert (s.restarts, s.resizes, s.failures) == (1, 0, 1)
     (restart,) = s.interruptions
-    assert restart["from_workers"] is None and restart["to_workers"] == 2
-    assert restart["resumed_from_step"] == 5 and restart["time_lost_s"] is None
+    assert restart.from_workers is None and restart.to_workers == 2
+    assert restart.resumed_from_step == 5 and restart.time_lost_s is None
 
 
 def test_object_storage_gets_segments_at_checkpoints_and_linear_traffic(tmp_path, monkeypatch):
@@ -141,15 +142,15 @@ def test_reports_held_back_reach_the_record_in_order_timed_when_made(tmp_path, c
             for step in (1, 2, 3, 4)]
     last = {**made[3], EARLIER_REPORTS: made[:3]}
     r.after_report(None, [last, dict(last)], _Checkpoint(f"{tmp_path}/checkpoint_4"))
-    progress = [e for e in record.read(str(tmp_path)) if e["event"] == "progress"]
-    assert [(e["step"], e["time"]) for e in progress] == [(1, 101.0), (2, 102.0), (3, 103.0),
+    progress = [e for e in record.read(str(tmp_path)) if isinstance(e, Progress)]
+    assert [(e.step, e.time) for e in progress] == [(1, 101.0), (2, 102.0), (3, 103.0),
                                                          (4, 104.0)]
     out = capsys.readouterr().out
     assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == [
         "1/4", "2/4", "3/4", "4/4"]
     assert f"checkpoint {tmp_path}/checkpoint_4" in out.splitlines()[-1]
     assert r.summary().final_step == 4 and r.latest.step == 4
-    assert r.goodput()["seconds"]["productive"] == 4.0
+    assert r.goodput().seconds["productive"] == 4.0
 
 
 class _Checkpoint:
