@@ -37,7 +37,7 @@ from raylm import storage
 from raylm.config import Config, load_config
 from raylm.contracts import RUN_INFO
 from raylm.contracts.events import Benchmark, Progress
-from raylm.contracts.summary import Summary
+from raylm.contracts.summary import Summary, SweepSummary
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -144,16 +144,17 @@ class Sweep:
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.run_dir = str(run_dir)
-        path = storage.join(self.run_dir, "tune_summary.json")
+        path = storage.join(self.run_dir, SweepSummary.FILE)
         if not storage.is_file(path):
-            raise ValueError(f"{self.run_dir} holds no tune_summary.json: not a finished "
+            raise ValueError(f"{self.run_dir} holds no {SweepSummary.FILE}: not a finished "
                              f"raylm sweep.")
-        self.summary: dict[str, Any] = json.loads(storage.read_text(path))
+        self.record = SweepSummary.from_json(storage.read_text(path))
+        self.summary: dict[str, Any] = self.record.to_dict()
 
     def __repr__(self) -> str:
-        best = self.summary["best"]
-        return (f"Sweep({self.run_dir!r}, trials={len(self.summary['trials'])}, "
-                f"best_val_loss={best and best['val_loss']})")
+        best = self.record.best
+        return (f"Sweep({self.run_dir!r}, trials={len(self.record.trials)}, "
+                f"best_val_loss={best and best.val_loss})")
 
     @property
     def trials(self) -> pd.DataFrame:
@@ -161,18 +162,18 @@ class Sweep:
         reported), ``steps``, ``stopped_early``, ``error``, ``checkpoint_path``."""
         import pandas as pd
 
-        return pd.DataFrame([{"trial_id": t["trial_id"], **t["config"],
-                              **{k: t[k] for k in ("val_loss", "steps", "stopped_early",
-                                                   "error", "checkpoint_path")}}
-                             for t in self.summary["trials"]])
+        return pd.DataFrame([{"trial_id": t.trial_id, **t.config, "val_loss": t.val_loss,
+                              "steps": t.steps, "stopped_early": t.stopped_early,
+                              "error": t.error, "checkpoint_path": t.checkpoint_path}
+                             for t in self.record.trials])
 
     @property
     def curves(self) -> pd.DataFrame:
         """Every trial's validation curve: ``trial_id``, ``step``, ``val_loss``."""
         import pandas as pd
 
-        return pd.DataFrame([{"trial_id": t["trial_id"], "step": s, "val_loss": v}
-                             for t in self.summary["trials"] for s, v in t["history"]],
+        return pd.DataFrame([{"trial_id": t.trial_id, "step": s, "val_loss": v}
+                             for t in self.record.trials for s, v in t.history],
                             columns=["trial_id", "step", "val_loss"])
 
     @property

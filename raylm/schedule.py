@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 from raylm.config import OptimConfig
+from raylm.contracts.events import ScheduleMoved
 
 
 def lr_at(step: int, optim: OptimConfig, *, total: int) -> float:
@@ -52,7 +53,7 @@ EXTEND_CLEANLY = ("constant", "wsd")
 
 
 def schedule_change(state: dict[str, Any], optim: OptimConfig, *, total: int
-                    ) -> dict[str, Any] | None:
+                    ) -> ScheduleMoved | None:
     """How the current settings move the learning rate of a run resumed from a checkpoint's
     train ``state``, or None when they give its last step the rate it trained at. Extending
     ``train.steps`` moves every schedule shaped by it (cosine, linear, cyclical, wsd once it
@@ -64,5 +65,5 @@ def schedule_change(state: dict[str, Any], optim: OptimConfig, *, total: int
     now = lr_at(step - 1, optim, total=total)
     if math.isclose(now, trained, rel_tol=1e-6, abs_tol=1e-12):
         return None
-    return {"step": step, "lr_trained": trained, "lr_now": now,
-            "lr_next": lr_at(step, optim, total=total) if step < total else None}
+    return ScheduleMoved(step=step, lr_trained=trained, lr_now=now,
+                         lr_next=lr_at(step, optim, total=total) if step < total else None)

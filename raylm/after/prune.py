@@ -18,7 +18,6 @@ Runs on this process's CPU.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 from raylm import rundir, storage
 from raylm.config import Config, config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
-from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO
+from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, ExportInfo
 from raylm.data.streams import read_first_blocks, read_val_blocks
 from raylm.formats.exporter import (
     batched,
@@ -153,7 +152,8 @@ def _write_pruned(src: str, out: Path, *, cfg: Config, is_run: bool, own_data: b
         "compressed_bytes": _compressed_bytes(model, layers, target),
         "seconds": round(time.perf_counter() - t0, 1), "layers": layers,
     }
-    (out / EXPORT_INFO).write_text(json.dumps(report, indent=1))
+    (out / EXPORT_INFO).write_text(ExportInfo(kind=sparsity.PRUNED_KIND, step=step, details={
+        k: v for k, v in report.items() if k not in ("kind", "step")}).to_json())
     line = (f"pruned {len(layers)} layers ({report['pruned_share_of_weights']:.0%} of the "
             f"weights) to {target.label} by {method}: {zeros / total:.1%} of the model is zero")
     if before is not None:

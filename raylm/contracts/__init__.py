@@ -9,6 +9,7 @@ process imports it.
 """
 
 import json
+import os
 import types
 import typing
 from collections.abc import Callable
@@ -226,3 +227,46 @@ class RunInfo(_Record):
     eos_id: int
     prepared: str | None = None
     default_template: int = 1
+
+
+@dataclass(kw_only=True)
+class ExportInfo:
+    """``raylm_export.json``, beside an export (``raylm export``, ``raylm prune``): its
+    ``kind`` (``model``, ``lora-adapter``, ``model-int8``, ``gguf-<type>``, ``pruned``), the
+    run and step it came from, the default template version it was trained with, and what
+    its kind adds (``details``: a quantization's sizes and losses, a GGUF file's tensors,
+    pruning's report), written beside them."""
+
+    kind: str
+    step: int | None = None
+    run_dir: str | None = None
+    default_template: int = 1
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        head = {k: getattr(self, k) for k in ("run_dir", "step", "kind", "default_template")}
+        return json.dumps({**head, **self.details}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "ExportInfo":
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
+            raise Malformed(f"{EXPORT_INFO} is malformed (not a JSON object with a kind)")
+        hints = typing.get_type_hints(cls)
+        named = {k: data[k] for k in ("kind", "step", "run_dir", "default_template") if k in data}
+        for k, v in named.items():
+            if not fits(v, hints[k]):
+                raise Malformed(f"{EXPORT_INFO} is malformed ({k} is {v!r:.100})")
+        return cls(**named, details={k: v for k, v in data.items() if k not in named})
+
+    @classmethod
+    def read(cls, directory) -> "ExportInfo | None":
+        """The record of the export in ``directory``; None where it has none."""
+        path = os.path.join(directory, EXPORT_INFO)
+        if not os.path.isfile(path):
+            return None
+        with open(path, "rb") as f:
+            return cls.from_json(f.read())

@@ -244,17 +244,17 @@ def event_from_dict(data: Any) -> EventRecord:
             continue
         if key in known:
             if not fits(value, hints[key]):
-                raise Malformed(f"{EVENTS}: a {cls.KIND} record's {key} is {value!r}")
+                raise Malformed(f"{EVENTS}: a record of kind {cls.KIND}: its {key} is {value!r:.100}")
             found[key] = value
         elif cls is Progress and key.startswith(FIGURE_PREFIXES):
             figures[key] = value
         else:
-            raise Malformed(f"{EVENTS}: a {cls.KIND} record holds {key!r}, which raylm's "
-                            f"{cls.__name__} does not name")
+            raise Malformed(f"{EVENTS}: a record of kind {cls.KIND} holds {key!r}, which "
+                            f"raylm's {cls.__name__} does not name")
     missing = [f.name for f in fields(cls) if f.name not in found and (
         f.name in ("invocation", "time") or f.default is f.default_factory is MISSING)]
     if missing:
-        raise Malformed(f"{EVENTS}: a {cls.KIND} record lacks {', '.join(missing)}")
+        raise Malformed(f"{EVENTS}: a record of kind {cls.KIND} lacks {', '.join(missing)}")
     return cls(**found, **({"figures": figures} if cls is Progress else {}))
 
 

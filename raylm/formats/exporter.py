@@ -13,6 +13,7 @@ validation blocks, scored by the assembly's ``evaluate`` as the run scored them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -26,7 +27,7 @@ import torch
 from raylm import rundir, storage
 from raylm.config import config_from_dict
 from raylm.console import quiet_model_io, quiet_torchao
-from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, RunInfo
+from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, ExportInfo, RunInfo
 from raylm.data.chat import (
     DEFAULT_VERSION,
     answer_segments,
@@ -113,8 +114,8 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True,
     built = ModelSpec.from_config(cfg, vocab_size=info.vocab_size,
                                   eos_id=info.eos_id).for_checkpoint()
     model = built.model
-    state = checkpoint.load(found[0], model=model, optimizer=None, config=built.config,
-                            adapters=lora.settings(cfg.lora))
+    checkpoint.load(found[0], model=model, optimizer=None, config=built.config,
+                    adapters=lora.settings(cfg.lora))
     if args and merge:
         lora.merge_adapters(model, keep_zeros=sparsity.is_pruned(cfg.model.path))
     model.eval()
@@ -122,7 +123,7 @@ def load_run_model(run_dir: str | Path, *, merge: bool = True,
     if storage.is_uri(rd):
         tokenizer_dir = str(storage.download(tokenizer_dir,
                                              tempfile.mkdtemp(prefix="raylm-tokenizer-")))
-    return model, Path(tokenizer_dir), int(state["step"])
+    return model, Path(tokenizer_dir), found[1].step
 
 
 def export(run_dir: str | Path, output: str | Path, *, merge: bool = False,
@@ -222,10 +223,11 @@ def _write_gguf(run_dir: str | Path, out: Path, cfg, quantize: str, name: str, *
         plain = Path(tmp) / storage.name(storage.normalize(run_dir))
         plain.mkdir()
         write_export(run_dir, plain, cfg, merge=True)
-        record = {"run_dir": storage.normalize(run_dir), "kind": f"gguf-{quantize}",
-                  "step": json.loads((plain / EXPORT_INFO).read_text())["step"]}
+        info = dataclasses.replace(ExportInfo.read(plain), kind=f"gguf-{quantize}")
+        record = {"run_dir": info.run_dir, "kind": info.kind, "step": info.step}
         report = llamacpp.write_gguf(plain, out / name, quantize=quantize, record=record)
-    (out / EXPORT_INFO).write_text(json.dumps({**record, "file": name, **report}, indent=1))
+    info.details = {"file": name, **report}
+    (out / EXPORT_INFO).write_text(info.to_json())
     types = ", ".join(f"{n} {t}" for t, n in report["tensor_types"].items())
     log(f"GGUF ({report['architecture']}, {quantize}): {name}, {report['bytes'] / 2**20:.1f} MiB "
         f"(tensors: {types})")
@@ -254,10 +256,10 @@ def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     tok.model_max_length = max_positions(model.config)
     tok.save_pretrained(str(out))
-    (out / EXPORT_INFO).write_text(json.dumps(
-        {"run_dir": storage.normalize(run_dir), "step": step,
-         "kind": "lora-adapter" if adapters and not merge else "model",
-         "default_template": template_version(storage.normalize(run_dir))}, indent=1))
+    (out / EXPORT_INFO).write_text(ExportInfo(
+        run_dir=storage.normalize(run_dir), step=step,
+        kind="lora-adapter" if adapters and not merge else "model",
+        default_template=template_version(storage.normalize(run_dir))).to_json())
 
 
 def _write_quantized(run_dir: str | Path, out: Path, cfg, method: str, *, log) -> None:
@@ -291,9 +293,9 @@ def _write_quantized(run_dir: str | Path, out: Path, cfg, method: str, *, log) -
         report.update(unquantized_val_loss=losses[0], val_loss=losses[1])
         line += (f"; validation loss {losses[0]:.4f} -> {losses[1]:.4f} "
                  f"({losses[1] - losses[0]:+.4f})")
-    info = json.loads((out / EXPORT_INFO).read_text())
-    info.update(kind=f"model-{method}", **report)
-    (out / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+    info = ExportInfo.read(out)
+    info.kind, info.details = f"model-{method}", {**info.details, **report}
+    (out / EXPORT_INFO).write_text(info.to_json())
     log(line)
 
 
@@ -387,9 +389,8 @@ class Generator:
             self.model, tok_dir = AutoModelForCausalLM.from_pretrained(
                 str(src), trust_remote_code=False).eval(), src
             # A raylm export says the version it was trained with (none: version 1).
-            record = Path(src) / EXPORT_INFO
-            version = json.loads(record.read_text()).get("default_template", 1) \
-                if record.is_file() else DEFAULT_VERSION
+            info = ExportInfo.read(src)
+            version = info.default_template if info is not None else DEFAULT_VERSION
         else:
             raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
         self.tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)

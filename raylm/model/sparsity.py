@@ -31,7 +31,6 @@ base stays frozen, has them applied to the merged weight (:func:`raylm.model.lor
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from raylm.contracts import EXPORT_INFO
+from raylm.contracts import ExportInfo, Malformed
 from raylm.model.build import decoder_layers
 from raylm.model.lora import block_projections
 
@@ -198,13 +197,11 @@ def is_pruned(model_dir: str | Path | None) -> bool:
     fine-tuned)."""
     if not model_dir:
         return False
-    info = Path(model_dir, EXPORT_INFO)
-    if not info.is_file():
-        return False
     try:
-        return json.loads(info.read_text()).get("kind") == PRUNED_KIND
-    except (OSError, ValueError):
+        info = ExportInfo.read(model_dir)
+    except (OSError, Malformed):
         return False
+    return info is not None and info.kind == PRUNED_KIND
 
 
 def zero_masks(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

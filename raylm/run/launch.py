@@ -32,9 +32,9 @@ from raylm.console import (
     quiet_model_io,
     train_log_level,
 )
-from raylm.contracts import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, Marker
+from raylm.contracts import EXPORT_INFO, LAYOUT, PREPARED_MANIFEST, SUMMARY, ExportInfo, Marker
 from raylm.contracts.events import DeviceChosen, ResumedWithChanges, ScheduleMoved
-from raylm.contracts.summary import Summary
+from raylm.contracts.summary import LoggedModel, Summary
 from raylm.data.preparation import prepared_dir
 from raylm.data.tokenizer import load_backend
 from raylm.formats.exporter import export, write_run_info
@@ -199,7 +199,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     record.listeners += [c for c in callbacks or () if hasattr(c, "scored")]
     record.note(DeviceChosen(gpu=cfg.scaling.use_gpu, reason=device))
     if moved is not None:
-        record.note(ScheduleMoved(**moved))
+        record.note(moved)
     if changed:
         record.note(ResumedWithChanges(changed=changed))
     error = None
@@ -245,7 +245,7 @@ def end_tracked_run(rd: str, summary: Summary, tracker: tracking.Tracker,
         if summary.finished:
             model = log_final_model(rd, tracker, final, log=log)
             if model is not None:
-                summary = dataclasses.replace(summary, model=model)
+                summary = dataclasses.replace(summary, logged_model=model)
                 rundir.write_summary(rd, summary)
                 tracker.log_run_files(rd, (SUMMARY,))
     finally:
@@ -254,7 +254,7 @@ def end_tracked_run(rd: str, summary: Summary, tracker: tracking.Tracker,
 
 
 def log_final_model(run_dir: str, tracker: tracking.Tracker, final: FinalModel, *, log=print
-                    ) -> dict[str, Any] | None:
+                    ) -> LoggedModel | None:
     """The run's final checkpoint, exported (a LoRA run's adapter, or the full model), logged
     to MLflow as the run's model and, with ``register_as``, registered."""
     with (tempfile.TemporaryDirectory(prefix="raylm-final-model-") as tmp,
@@ -265,16 +265,16 @@ def log_final_model(run_dir: str, tracker: tracking.Tracker, final: FinalModel, 
             log(f"raylm: warning: the final model was not logged to MLflow: it could not be "
                 f"exported ({type(e).__name__}: {e}); `raylm export {run_dir}` says why")
             return None
-        step = json.loads((exported / EXPORT_INFO).read_text())["step"]
+        step = ExportInfo.read(exported).step
         model = tracker.log_model(
             exported, adapter=final.adapter, step=step,
             name="adapter" if final.adapter else "model",
             description=f"raylm run {final.run_name!r} ({run_dir}) at step {step}",
             register_as=final.register_as)
     if model is not None:
-        registered = (f", registered as {model['registered_model']} version "
-                      f"{model['registered_version']}" if "registered_model" in model else "")
-        log(f"raylm: final model logged to MLflow as {model['mlflow_model_uri']}{registered}")
+        registered = (f", registered as {model.registered_model} version "
+                      f"{model.registered_version}" if model.registered_model else "")
+        log(f"raylm: final model logged to MLflow as {model.mlflow_model_uri}{registered}")
     return model
 
 
@@ -312,7 +312,7 @@ def say_how_it_ended(cfg: Config, summary: Summary, *, error: Exception | None,
         f"{summary.checkpoint_path}, summary {summary_path}")
     if summary.tracking_lost:
         log(f"raylm: MLflow run {tracker.run_id} ({storage.redact(tracker.uri)}) holds the run "
-            f"up to step {summary.tracking_lost['step']}, where tracking was lost; the run's "
+            f"up to step {summary.tracking_lost.step}, where tracking was lost; the run's "
             f"own record in {storage.redact(rd)} has all of it")
     elif tracker:
         uri = storage.redact(tracker.uri)
@@ -413,7 +413,7 @@ def check_same_run(cfg: Config, found: tuple[str, Marker] | None, identity: dict
 
 
 def check_resumable(cfg: Config, found: tuple[str, Marker] | None, *, vocab_size: int,
-                    eos_id: int, log) -> dict[str, Any] | None:
+                    eos_id: int, log) -> ScheduleMoved | None:
     """A checkpoint the workers would resume from must be for this model: refused here, in one
     line, rather than on every worker. (The workers' restored train state, not this look,
     decides where the run continues.) Returns how the current settings move the learning-rate
@@ -424,16 +424,15 @@ def check_resumable(cfg: Config, found: tuple[str, Marker] | None, *, vocab_size
     model_cfg = ModelSpec.from_config(cfg, vocab_size=vocab_size,
                                       eos_id=eos_id).transformers_config()
     rundir.check_compatible(found[1], model_cfg, str(found[0]), lora.settings(cfg.lora))
-    state = found[1].state
-    log(f"raylm: run {cfg.run.name!r} exists; resuming from step {state['step']} "
+    log(f"raylm: run {cfg.run.name!r} exists; resuming from step {found[1].step} "
         f"of {cfg.train.steps} ({found[0]})")
     o = cfg.optim
-    change = schedule_change(state, o, total=cfg.train.steps)
+    change = schedule_change(found[1].state, o, total=cfg.train.steps)
     if change is not None:
-        nxt = "" if change["lr_next"] is None else f", and {change['lr_next']:.3e} next"
-        log(f"raylm: warning: the learning-rate schedule moved: step {change['step']} trained "
-            f"at lr {change['lr_trained']:.3e}, where the current settings (optim.schedule="
-            f"{o.schedule}, train.steps={cfg.train.steps}) give {change['lr_now']:.3e}{nxt}. "
+        nxt = "" if change.lr_next is None else f", and {change.lr_next:.3e} next"
+        log(f"raylm: warning: the learning-rate schedule moved: step {change.step} trained "
+            f"at lr {change.lr_trained:.3e}, where the current settings (optim.schedule="
+            f"{o.schedule}, train.steps={cfg.train.steps}) give {change.lr_now:.3e}{nxt}. "
             f"Extending train.steps moves every schedule shaped by it; "
             f"{' and '.join(EXTEND_CLEANLY)} (before its decay) extend cleanly.")
     return change

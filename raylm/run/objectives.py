@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from raylm.config import Config
+from raylm.contracts.report import Report
 from raylm.contracts.summary import Summary
 from raylm.data.corpus import first_row
 from raylm.rollout import rewards
@@ -45,10 +46,10 @@ class RunObjective:
         """The objective's own settings a sweep varies, by key, with their values."""
         return {}
 
-    def progress(self, figures: dict[str, float]) -> str:
-        """What a step's progress line says of the report's ``figures`` (its own and the
-        validation's)."""
-        return f"  val {figures['val_loss']:.4f}" if "val_loss" in figures else ""
+    def progress(self, r: Report) -> str:
+        """What a step's progress line says of the report's figures (the objective's own, by
+        name, and the validation's)."""
+        return f"  val {r.val_loss:.4f}" if r.val_loss is not None else ""
 
     def outcome(self, summary: Summary) -> str:
         """What the run's last line says of its final evaluation."""
@@ -69,11 +70,11 @@ class PreferenceObjective(RunObjective):
     def sweep_choices(self, cfg: Config) -> dict[str, list[Any]]:
         return {"dpo.beta": cfg.tune.dpo_betas or [cfg.dpo.beta]}
 
-    def progress(self, figures: dict[str, float]) -> str:
-        f, line = figures, ""
+    def progress(self, r: Report) -> str:
+        f, line = r.figures, ""
         if "dpo_accuracy" in f:
             line += f"  margin {f['dpo_margin']:.3f}  acc {f['dpo_accuracy']:.2f}"
-        line += super().progress(f)
+        line += super().progress(r)
         if "val_accuracy" in f:
             line += f" (acc {f['val_accuracy']:.3f})"
         return line
@@ -105,8 +106,8 @@ class ReinforceObjective(RunObjective):
                 f"rl.generators={rl.generators} of rl.generator_resources="
                 f"{rl.generator_resources}")
 
-    def progress(self, figures: dict[str, float]) -> str:
-        f, line = figures, ""
+    def progress(self, r: Report) -> str:
+        f, line = r.figures, ""
         if "rl_reward" in f:
             line += (f"  reward {f['rl_reward']:.3f} (sd {f['rl_reward_std']:.3f}, no signal "
                      f"{100 * f['rl_no_signal']:.0f}%)  len {f['rl_completion_len']:.1f}")

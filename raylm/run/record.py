@@ -271,7 +271,7 @@ class RunRecord(UserCallback):
         self.val_loss: float | None = None
         self.val_figures: dict[str, float] = {}
         self.checkpoint_path: str | None = None
-        self.tracking_lost: dict[str, Any] | None = None  # step and cause, once MLflow failed
+        self.tracking_lost: TrackingLost | None = None  # once MLflow failed
         self.announced = 0  # interruptions printed and logged so far
         self.counts_logged = False  # restarts/resizes/failures logged to MLflow yet?
         self.earlier: list[dict[str, Any]] | None = None  # earlier invocations' records
@@ -564,8 +564,7 @@ class RunRecord(UserCallback):
         """Once the tracker has failed (it said so, once): the step and the cause, in the
         record and the summary, so the run's record shows where MLflow's ends."""
         if self.tracker.lost and self.tracking_lost is None:
-            lost = self._add(TrackingLost(step=step, error=self.tracker.lost))
-            self.tracking_lost = {"step": lost.step, "error": lost.error}
+            self.tracking_lost = self._add(TrackingLost(step=step, error=self.tracker.lost))
             self.flush()
 
     def _log_events(self, step: int) -> None:
@@ -637,7 +636,7 @@ def progress_line(r: Report, *, total_steps: int, step_time: float, checkpoint: 
     line = (f"step {step}/{total_steps}  loss {r.loss:.4f}  lr {r.lr:.2e}  "
             f"{r.tokens_per_s:,.0f} tok/s  data wait {100 * r.data_wait_fraction:.1f}%  "
             f"ETA {step_time * (total_steps - step):.0f}s")
-    line += objective.progress(r.figures)
+    line += objective.progress(r)
     if checkpoint is not None:
         line += f"  checkpoint {checkpoint}"
     return line

@@ -25,7 +25,6 @@ laid sweeps out before).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import tempfile
 from pathlib import Path
@@ -40,6 +39,7 @@ from raylm import rundir, storage
 from raylm.config import Config, EvalConfig, config_from_dict, run_dir
 from raylm.console import quiet_libraries, tune_verbosity
 from raylm.contracts import TUNE_EXPERIMENT
+from raylm.contracts.summary import SweepSummary, Trial
 from raylm.data.preparation import prepared_dir
 from raylm.run import benchmarks, tracking
 from raylm.run.launch import reference_before_trials, train
@@ -221,7 +221,7 @@ def _sweep(checked: Checked, *, log) -> dict[str, Any]:
         failed = False
     finally:
         parent.finish(failed=failed)
-    return summary
+    return summary.to_dict()
 
 
 def curve(df, name: str) -> list[list[float]]:
@@ -231,7 +231,7 @@ def curve(df, name: str) -> list[list[float]]:
         if not math.isnan(v)]
 
 
-def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
+def summarize(results, cfg: Config, parent: Tracker) -> SweepSummary:
     rd = run_dir(cfg)
     trials = []
     metric, mode = ranking(cfg)
@@ -244,100 +244,91 @@ def summarize(results, cfg: Config, parent: Tracker) -> dict[str, Any]:
         trial_id = r.metrics.get("trial_id")  # Tune adds it to every result
         found = rundir.latest_verified(storage.join(rd, "trials", str(trial_id)),
                                        warn=lambda m: None)
-        trials.append({
-            "trial_id": trial_id, "config": {k: v for k, v in r.config.items()},
-            "val_loss": min((v for _, v in curve(r.metrics_dataframe, METRIC)), default=None),
-            metric: better((v for _, v in ranked), default=None), "steps": steps,
-            "stopped_early": r.error is None and steps < cfg.train.steps,
-            "error": str(r.error).splitlines()[0] if r.error else None,
-            "checkpoint_path": str(found[0]) if found else None,
-            "history": history,
+        trials.append(Trial(
+            trial_id=trial_id, config=dict(r.config),
+            val_loss=min((v for _, v in curve(r.metrics_dataframe, METRIC)), default=None),
+            ranked=better((v for _, v in ranked), default=None), steps=steps,
+            stopped_early=r.error is None and steps < cfg.train.steps,
+            error=str(r.error).splitlines()[0] if r.error else None,
+            checkpoint_path=str(found[0]) if found else None, history=history,
             # A benchmark's [step, score] points, which the plot then draws.
-            **({"scores": ranked} if metric.startswith("eval/") else {}),
-        })
-    done = [t for t in trials if t[metric] is not None]
-    best = better(done, key=lambda t: t[metric]) if done else None
-    return {
-        "trials": trials, "metric": metric,
-        "best": None if best is None else {
-            "trial_id": best["trial_id"], "config": best["config"],
-            **{k: best[k] for k in dict.fromkeys((METRIC, metric))},
-            "checkpoint_path": best["checkpoint_path"]},
-        "mlflow_parent_run_id": parent.run_id, "mlflow_tracking_uri": parent.uri,
-        "trials_dir": storage.join(rd, "trials")}
+            scores=ranked if metric.startswith("eval/") else None))
+    done = [t for t in trials if t.ranked is not None]
+    best = better(done, key=lambda t: t.ranked) if done else None
+    return SweepSummary(trials=trials, metric=metric, best_trial=best and best.trial_id,
+                        mlflow_parent_run_id=parent.run_id, mlflow_tracking_uri=parent.uri,
+                        trials_dir=storage.join(rd, "trials"))
 
 
-def write_outputs(summary: dict[str, Any], cfg: Config, *, log=print,
+def write_outputs(summary: SweepSummary, cfg: Config, *, log=print,
                   plot_path: Path | None = None) -> None:
     """tune_summary.json, best.yaml and val_loss.png into RUN_DIR (the plot is drawn at
     ``plot_path`` first, when given, and copied)."""
     rd = run_dir(cfg)
-    metric = summary.get("metric", METRIC)
-    storage.write_text(storage.join(rd, "tune_summary.json"), json.dumps(summary, indent=2))
-    if summary["best"]:
+    storage.write_text(storage.join(rd, SweepSummary.FILE), summary.to_json())
+    if (best := summary.best) is not None:
         tree = cfg.to_dict()
-        for key, value in summary["best"]["config"].items():
+        for key, value in best.config.items():
             section, name = key.split(".", 1)
             tree[section][name] = value
         tree["run"]["name"] = f"{cfg.run.name}-best"
         storage.write_text(
             storage.join(rd, "best.yaml"),
-            f"# Best trial {summary['best']['trial_id']} of sweep {cfg.run.name}: {metric} "
-            f"{summary['best'][metric]:.4f}\n" + yaml.safe_dump(tree, sort_keys=False))
+            f"# Best trial {best.trial_id} of sweep {cfg.run.name}: {summary.metric} "
+            f"{best.ranked:.4f}\n" + yaml.safe_dump(tree, sort_keys=False))
     with tempfile.TemporaryDirectory(prefix="raylm-plot-") as tmp:
         drawn = plot_path or Path(tmp) / "val_loss.png"
         plot(summary, drawn, total_steps=cfg.train.steps)
         storage.write_bytes(storage.join(rd, "val_loss.png"), drawn.read_bytes())
     log(table(summary))
-    log(f"raylm: sweep done: {storage.join(rd, 'tune_summary.json')}, "
+    log(f"raylm: sweep done: {storage.join(rd, SweepSummary.FILE)}, "
         f"{storage.join(rd, 'best.yaml')}, {storage.join(rd, 'val_loss.png')}")
 
 
-def table(summary: dict[str, Any]) -> str:
-    keys = sorted({k for t in summary["trials"] for k in t["config"]})
-    metric = summary.get("metric", METRIC)
-    figures = [f for f in dict.fromkeys((METRIC, metric))
-               if f == metric or any(t.get(f) is not None for t in summary["trials"])]
-    head = ["trial", *[k.split(".")[1] for k in keys], *figures, "steps", "stopped"]
+def table(summary: SweepSummary) -> str:
+    trials, metric = summary.trials, summary.metric
+    keys = sorted({k for t in trials for k in t.config})
+    # The validation loss, where any trial has one, beside the metric.
+    losses = metric != METRIC and any(t.val_loss is not None for t in trials)
+    head = ["trial", *[k.split(".")[1] for k in keys], *[METRIC] * losses, metric, "steps",
+            "stopped"]
     rows = []
     sign = -1 if metric != METRIC else 1  # the best first: a higher accuracy, a lower loss
-    for t in sorted(summary["trials"],
-                    key=lambda t: (t[metric] is None, sign * (t[metric] or 0))):
-        cells = [str(t["trial_id"])]
+    for t in sorted(trials, key=lambda t: (t.ranked is None, sign * (t.ranked or 0))):
+        cells = [str(t.trial_id)]
         for k in keys:
-            v = t["config"].get(k)
+            v = t.config.get(k)
             cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
-        cells += [f"{t[f]:.4f}" if t[f] is not None else "-" for f in figures]
-        cells += [str(t["steps"]), "early" if t["stopped_early"] else ""]
+        cells += [f"{v:.4f}" if v is not None else "-"
+                  for v in [*[t.val_loss] * losses, t.ranked]]
+        cells += [str(t.steps), "early" if t.stopped_early else ""]
         rows.append(cells)
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True))
                      for r in [head, *rows])
 
 
-def plot(summary: dict[str, Any], path: Path, *, total_steps: int) -> None:
+def plot(summary: SweepSummary, path: Path, *, total_steps: int) -> None:
     # A Figure of its own, outside pyplot: a file needs no backend, and switching the
     # process's backend would stop a notebook's own plots from showing.
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
-    best = summary["best"]["trial_id"] if summary["best"] else None
-    metric = summary.get("metric", METRIC)
+    best, metric, trials = summary.best_trial, summary.metric, summary.trials
     # Beside LR and schedule, the label names the other settings the trials differ in.
-    keys = sorted({k for t in summary["trials"] for k in t["config"]} - {"optim.lr",
-                                                                          "optim.schedule"})
-    varied = [k for k in keys if len({str(t["config"].get(k)) for t in summary["trials"]}) > 1]
-    for t in summary["trials"]:
-        points = t.get("scores", t["history"])
+    keys = sorted({k for t in trials for k in t.config} - {"optim.lr", "optim.schedule"})
+    varied = [k for k in keys if len({str(t.config.get(k)) for t in trials}) > 1]
+    for t in trials:
+        points = t.scores if t.scores is not None else t.history
         if not points:
             continue
         steps, losses = zip(*points, strict=True)
-        lr = t["config"].get("optim.lr")
-        label = " ".join([f"{t['trial_id']}: lr {lr:.2g} {t['config'].get('optim.schedule', '')}",
-                          *(f"{k.split('.', 1)[1]} {t['config'].get(k)}" for k in varied)])
-        ax.plot(steps, losses, marker="o", lw=2.5 if t["trial_id"] == best else 1.2,
-                label=label + (" (best)" if t["trial_id"] == best else ""))
+        lr, c = t.config.get("optim.lr"), t.config
+        label = " ".join([f"{t.trial_id}: lr {lr:.2g} {c.get('optim.schedule', '')}",
+                          *(f"{k.split('.', 1)[1]} {c.get(k)}" for k in varied)])
+        ax.plot(steps, losses, marker="o", lw=2.5 if t.trial_id == best else 1.2,
+                label=label + (" (best)" if t.trial_id == best else ""))
     ax.set_xlabel("step")
     # The curves drawn: a benchmark's scores, a GRPO trial's held-out reward, else the loss.
     ax.set_ylabel(metric if metric.startswith("eval/") else "held-out reward"

@@ -35,7 +35,7 @@ from raylm import storage
 from raylm.config import Config, run_dir, storage_root
 from raylm.contracts import MLFLOW_RUN
 from raylm.contracts.report import Report
-from raylm.contracts.summary import Goodput, Summary
+from raylm.contracts.summary import Goodput, LoggedModel, Summary, SweepSummary
 from raylm.run.goodput import table
 from raylm.workers.node_metrics import fail_fast
 
@@ -96,10 +96,10 @@ class Tracker:
     def log_goodput(self, account: Goodput, step: int) -> None: ...
     def log_scores(self, scores: dict[str, float], step: int) -> None: ...
     def log_pruning(self, report: dict[str, Any]) -> None: ...
-    def log_sweep(self, summary: dict[str, Any], plot_path: Path) -> None: ...
+    def log_sweep(self, summary: SweepSummary, plot_path: Path) -> None: ...
     def log_dataset(self, manifest: dict[str, Any], prepared: str) -> None: ...
     def log_model(self, directory: Path, *, adapter: bool, step: int, name: str,
-                  description: str, register_as: str | None) -> dict[str, Any] | None: ...
+                  description: str, register_as: str | None) -> LoggedModel | None: ...
     def log_run_files(self, run_dir: str, names: tuple[str, ...]) -> None: ...
     def finish(self, *, failed: bool) -> None: ...
 
@@ -213,48 +213,48 @@ class MLflowTracker(Tracker):
         client.log_text(self.run_id, json.dumps(report, indent=1), f"pruning/{tag}.json")
 
     @_guarded("record the sweep summary")
-    def log_sweep(self, client, summary: dict[str, Any], plot_path: Path) -> None:
+    def log_sweep(self, client, summary: SweepSummary, plot_path: Path) -> None:
         """The sweep's run: its summary and plot as artifacts, the best validation loss and
         config, the tag ``raylm.best`` on the best trial's (child) run, and ASHA-stopped
         trials' runs closed as killed."""
         from mlflow.entities import RunTag
 
-        client.log_dict(self.run_id, summary, "tune_summary.json")
+        client.log_dict(self.run_id, summary.to_dict(), SweepSummary.FILE)
         if plot_path.is_file():
             client.log_artifact(self.run_id, str(plot_path))
-        for t in summary["trials"]:
+        for t in summary.trials:
             # A trial that ASHA stopped was ended from outside: close its run as killed.
-            child = saved_run_id(storage.join(summary["trials_dir"], str(t["trial_id"])))
-            if t["stopped_early"] and child:
+            child = saved_run_id(storage.join(summary.trials_dir, str(t.trial_id)))
+            if t.stopped_early and child:
                 client.set_tag(child, "raylm.stopped_early", "true")
                 client.set_terminated(child, status="KILLED")
-        best = summary["best"]
+        best = summary.best
         if best is None:
             return
         # Tags, not params: a resumed sweep may find a better trial, and MLflow params never
         # change once logged.
-        ranked = {f"best_{k}": best[k] for k in ("val_loss", summary.get("metric", "val_loss"))
-                  if best.get(k) is not None}
+        ranked = {f"best_{k}": v for k, v in (("val_loss", best.val_loss),
+                                              (summary.metric, best.ranked)) if v is not None}
         client.log_batch(self.run_id, metrics=_metrics(ranked, 0),
                          tags=[RunTag(f"raylm.best.{k}", _param_value(v))
-                               for k, v in best["config"].items()])
-        child = (saved_run_id(storage.parent(best["checkpoint_path"]))
-                 if best["checkpoint_path"] else None)
+                               for k, v in best.config.items()])
+        child = (saved_run_id(storage.parent(best.checkpoint_path))
+                 if best.checkpoint_path else None)
         if child:
             client.set_tag(child, "raylm.best", "true")
             client.set_tag(self.run_id, "raylm.best_run_id", child)
 
     @_guarded("record the final model")
     def log_model(self, client, directory: Path, adapter: bool, step: int, name: str,
-                   description: str, register_as: str | None) -> dict[str, Any]:
+                   description: str, register_as: str | None) -> LoggedModel:
         """The final model as an MLflow LoggedModel, an output of the run at ``step`` (the
         Models tab of MLflow's UI lists it), and with ``register_as`` a new version of that
         registered model. ``directory`` is raylm's export: a Hugging Face model directory,
         logged in MLflow's transformers flavor (``mlflow.transformers.load_model(uri)`` gives a
         text-generation pipeline), or with ``adapter`` a peft adapter directory, logged as it
         is (``PeftModel.from_pretrained(base, mlflow.artifacts.download_artifacts(uri))``):
-        the flavor would store the whole base model beside every adapter. Returns
-        ``mlflow_model_uri`` and, when registered, ``registered_model`` and its ``version``."""
+        the flavor would store the whole base model beside every adapter. Returns its URI
+        and, when registered, the registered model and its version."""
         import tempfile
 
         from mlflow.entities import LoggedModelOutput, LoggedModelStatus
@@ -270,7 +270,7 @@ class MLflowTracker(Tracker):
             client.log_model_artifacts(model.model_id, str(artifacts))
         client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         client.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step)])
-        logged: dict[str, Any] = {"mlflow_model_uri": model.model_uri}
+        logged = LoggedModel(mlflow_model_uri=model.model_uri)
         if register_as:
             from mlflow.exceptions import MlflowException
 
@@ -286,7 +286,8 @@ class MLflowTracker(Tracker):
                 register_as, source=model.artifact_location, run_id=self.run_id,
                 model_id=model.model_id, tags={"raylm.model_id": model.model_id},
                 description=description)
-            logged.update(registered_model=register_as, registered_version=int(version.version))
+            logged.registered_model = register_as
+            logged.registered_version = int(version.version)
         return logged
 
     @_guarded("record the dataset")

@@ -206,3 +206,90 @@ def test_a_summary_not_of_its_shape_is_refused_naming_what(tmp_path, damage, why
     with pytest.raises(Malformed, match="status is missing"):
         rundir.read_summary(str(tmp_path))
     assert rundir.read_summary(str(tmp_path / "none")) is None
+
+
+@pytest.mark.parametrize("run", [OLD, GRPO], ids=["6ef9b7a", "cb5e3f1-grpo"])
+def test_events_of_an_older_release_read_as_their_records_and_write_back_the_same(run):
+    """Each line of events.jsonl is a record of its kind; written again, it is the line it
+    was, but for a field that release did not write yet, which is written as null."""
+    from raylm.contracts.events import GroupStart, Progress
+    from raylm.run import record
+
+    lines = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    records = record.read(str(run))
+    assert [r.KIND for r in records] == [line["event"] for line in lines]
+    for line, r in zip(lines, records, strict=True):
+        written = r.to_dict()
+        assert {k: v for k, v in written.items() if k in line} == line
+        assert all(written[k] is None for k in set(written) - set(line)), (r.KIND, written)
+        assert [k for k in written if k in line] == list(line)
+    progress = [r for r in records if isinstance(r, Progress)]
+    assert [p.step for p in progress] == ([2, 4] if run == OLD else [1, 2, 3, 4])
+    assert isinstance(records[4], GroupStart) and records[4].from_step == 0
+    if run == GRPO:
+        assert progress[1].figures["val_reward"] is not None and progress[0].loss > 0
+
+
+@pytest.mark.parametrize("line, why", [
+    ({"event": "restarted"}, "of kind 'restarted', which this raylm does not know"),
+    ({"event": "failure", "invocation": "1", "time": 1.0, "cause": "x"},
+     "a record of kind failure holds 'cause', which raylm's Failure does not name"),
+    ({"event": "placed", "invocation": "1", "time": "now"},
+     "a record of kind placed: its time is 'now'"),
+    ({"event": "end", "invocation": "1", "time": 1.0}, "a record of kind end lacks status"),
+    ({"event": "progress", "invocation": "1", "time": 1.0, "step": 2}, "lacks step_time"),
+])
+def test_an_event_not_of_its_kinds_shape_is_refused_naming_what(line, why):
+    from raylm.contracts.events import event_from_dict
+
+    with pytest.raises(Malformed, match=why):
+        event_from_dict(line)
+
+
+def test_the_final_model_the_lost_tracking_and_an_exports_record_round_trip():
+    from raylm.contracts import ExportInfo
+    from raylm.contracts.events import TrackingLost
+    from raylm.contracts.summary import LoggedModel, Summary
+
+    summary = rundir.read_summary(str(OLD))
+    logged = dataclasses.replace(
+        summary, tracking_lost=TrackingLost(step=3, error="ConnectionError: refused"),
+        logged_model=LoggedModel(mlflow_model_uri="models:/m-1", registered_model="tiny",
+                                 registered_version=2))
+    data = json.loads(logged.to_json())
+    assert list(data)[-3:] == ["mlflow_model_uri", "registered_model", "registered_version"]
+    assert data["tracking_lost"] == {"step": 3, "error": "ConnectionError: refused"}
+    back = Summary.from_json(logged.to_json())
+    assert back.logged_model == logged.logged_model and back.tracking_lost.step == 3
+    with pytest.raises(Malformed, match="final model is malformed"):
+        Summary.from_json(json.dumps({**data, "mlflow_model_uri": 3}))
+    info = ExportInfo(kind="gguf-q8_0", step=4, run_dir="/runs/r", default_template=2,
+                      details={"file": "model-q8_0.gguf", "bytes": 10})
+    assert ExportInfo.from_json(info.to_json()) == info
+    assert json.loads(info.to_json())["file"] == "model-q8_0.gguf"
+    with pytest.raises(Malformed, match="step is 'four'"):
+        ExportInfo.from_json(json.dumps({"kind": "model", "step": "four"}))
+
+
+def test_a_sweeps_summary_round_trips_with_its_metric_under_its_name():
+    from raylm.contracts.summary import SweepSummary, Trial
+
+    def trial(i, ranked, scores=None):  # ranked by the loss, its best loss is its figure
+        return Trial(trial_id=i, config={"optim.lr": 1e-3}, ranked=ranked,
+                     val_loss=ranked if metric == "val_loss" else 0.5,
+                     steps=8, stopped_early=False, error=None, checkpoint_path=f"/t/{i}",
+                     history=[[4, 0.6], [8, 0.5]], scores=scores)
+
+    for metric in ("val_loss", "eval/arc_easy/acc"):
+        swept = SweepSummary(trials=[trial("a", 0.5, [[8, 0.3]]), trial("b", 0.4)],
+                             metric=metric, best_trial="b", trials_dir="/t")
+        data = json.loads(swept.to_json())
+        assert data["best"] == {"trial_id": "b", "config": {"optim.lr": 1e-3},
+                                "val_loss": 0.5 if metric != "val_loss" else 0.4,
+                                metric: 0.4, "checkpoint_path": "/t/b"}
+        assert data["trials"][0][metric] == 0.5 and "ranked" not in data["trials"][0]
+        back = SweepSummary.from_json(swept.to_json())
+        assert back.best.trial_id == "b" and back.metric == metric
+        assert [t.ranked for t in back.trials] == [0.5, 0.4]
+    with pytest.raises(Malformed, match="tune_summary.json is malformed"):
+        SweepSummary.from_json('{"trials": [{"trial_id": "a"}]}')

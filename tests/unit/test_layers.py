@@ -42,7 +42,7 @@ def test_ruff_finds_nothing():
 
 
 # The budget docs/development.md states: raising one is a decision made there, with its reason.
-MAX_LINES = 20_300  # raylm/ outside bench/
+MAX_LINES = 20_400  # raylm/ outside bench/
 MAX_CONFIG_KEYS = 145
 
 
@@ -126,39 +126,43 @@ def test_the_driver_asks_the_objective_not_its_name():
     assert found == [], found
 
 
-def test_reports_are_read_through_their_record():
-    """Where the controller and the driver take a worker's report (the record's report,
-    summary and progress line, MLflow's log of it, the progress bar, a trial's result), they
-    read raylm.contracts.report.Report's fields, never its names as strings
-    (``m["tokens_per_s"]``, ``m.get("mfu")``, ``"val_loss" in m``): a renamed figure is then a
-    change every reader sees. (The run's event records, summary.json and run.json are still
-    read by name: their records are to come.)"""
+def test_the_run_records_are_read_through_their_records():
+    """What the controller, the driver and the later commands (raylm/run, raylm/after,
+    raylm/formats, raylm/api.py) read of a worker's report, summary.json, run.json and
+    events.jsonl, they read as raylm.contracts' records' fields, never by their names as
+    strings (``m["tokens_per_s"]``, ``s.get("final_step")``, ``"val_loss" in r``): a renamed
+    field is then a change every reader sees. Building a mapping for another API (MLflow's
+    metric names, a DataFrame's columns, a Tune result) is not reading one; an objective's own
+    figures (``rl_reward``) are read from the report's ``figures`` by name, by design."""
     from dataclasses import fields
 
+    from raylm.contracts import RunInfo
+    from raylm.contracts.events import GroupStart, Progress
     from raylm.contracts.report import Report
+    from raylm.contracts.summary import Summary
 
-    # ``event`` is also every event record's kind, which the summary counts records by.
-    names = {f.name for f in fields(Report)} - {"figures", "event"}
-    readers = {"record.py": ("report", "summary", "_progress", "progress_line"),
-               "tracking.py": ("log_report",), "progress.py": ("update",),
-               "trial.py": ("after_report",)}
+    names = set().union(*({f.name for f in fields(r)} for r in (
+        Report, Summary, RunInfo, GroupStart, Progress))) - {"figures"}
+    # The same names in mappings that are not raylm's records, each with its reason.
+    other = {("run/sweep.py", "step"): "Tune's metrics dataframe, by its time attribute",
+             ("run/tracking.py", "step"): "the pruning report (raylm prune's own figures)"}
+    files = [*(p for d in ("run", "after", "formats") for p in (ROOT / "raylm" / d).rglob("*.py")),
+             ROOT / "raylm" / "api.py"]
     found = []
-    for module, functions in readers.items():
-        tree = ast.parse((ROOT / "raylm" / "run" / module).read_text())
-        for fn in ast.walk(tree):
-            if not isinstance(fn, ast.FunctionDef) or fn.name not in functions:
-                continue
-            for node in ast.walk(fn):
-                key = None
-                if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
-                    key = node.slice.value
-                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                      and node.func.attr == "get" and node.args
-                      and isinstance(node.args[0], ast.Constant)):
-                    key = node.args[0].value
-                elif (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
-                      and isinstance(node.ops[0], (ast.In, ast.NotIn))):
-                    key = node.left.value
-                if key in names:
-                    found.append(f"{module}:{node.lineno} {fn.name} {key!r}")
+    for path in files:
+        module = str(path.relative_to(ROOT / "raylm"))
+        for node in ast.walk(ast.parse(path.read_text())):
+            key = None
+            if (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load)
+                    and isinstance(node.slice, ast.Constant)):
+                key = node.slice.value
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("get", "pop") and node.args
+                  and isinstance(node.args[0], ast.Constant)):
+                key = node.args[0].value
+            elif (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
+                  and isinstance(node.ops[0], (ast.In, ast.NotIn))):
+                key = node.left.value
+            if key in names and (module, key) not in other:
+                found.append(f"{module}:{node.lineno} {key!r}")
     assert found == [], found

@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 
 from raylm.config import load_config
+from raylm.contracts.summary import SweepSummary, Trial
 from raylm.run.sweep import concurrent_trials, search_space, trial_config
 
+
+def ranked_trial(trial_id, config, *, val_loss, ranked):
+    return Trial(trial_id=trial_id, config=config, val_loss=val_loss, ranked=ranked, steps=10,
+                 stopped_early=False, error=None, checkpoint_path=None, history=[])
 
 def test_grid_space_spans_the_lr_range_largest_first():
     cfg = load_config(None, ["--tune.search=grid", "--tune.lr_points=3", "--tune.lr_min=1e-4",
@@ -113,11 +118,9 @@ def test_a_dpo_sweep_varies_beta_and_ranks_trials_by_preference_accuracy(tmp_pat
                          trials_dir=str(tmp_path), trial_id="t_00001", prepared="/data/p")
     assert trial.dpo.beta == 0.5
     # The loss moves with beta; the accuracy decides, the best first.
-    summary = {"metric": "val_accuracy", "trials": [
-        {"trial_id": "a", "config": {"dpo.beta": 0.5}, "val_loss": 0.2, "val_accuracy": 0.7,
-         "steps": 10, "stopped_early": False},
-        {"trial_id": "b", "config": {"dpo.beta": 0.05}, "val_loss": 0.6, "val_accuracy": 0.9,
-         "steps": 10, "stopped_early": False}]}
+    summary = SweepSummary(metric="val_accuracy", trials=[
+        ranked_trial("a", {"dpo.beta": 0.5}, val_loss=0.2, ranked=0.7),
+        ranked_trial("b", {"dpo.beta": 0.05}, val_loss=0.6, ranked=0.9)])
     lines = table(summary).splitlines()
     assert lines[0].split() == ["trial", "beta", "val_loss", "val_accuracy", "steps", "stopped"]
     assert lines[1].startswith("b ")
@@ -164,11 +167,9 @@ def test_a_grpo_sweep_ranks_by_held_out_reward_counts_its_generators_and_sweeps_
     assert trial_resources(cfg, plan_resources(cfg, {"CPU": 8})) == {"CPU": 2.1}
     assert concurrent_trials(cfg, {"CPU": 8}) == 3
     # No validation loss to show: the reward decides, the best first.
-    summary = {"metric": "val_reward", "trials": [
-        {"trial_id": "a", "config": {"rl.clip_high": 0.2}, "val_loss": None,
-         "val_reward": 0.6, "steps": 10, "stopped_early": False},
-        {"trial_id": "b", "config": {"rl.clip_high": 0.28}, "val_loss": None,
-         "val_reward": 0.8, "steps": 10, "stopped_early": False}]}
+    summary = SweepSummary(metric="val_reward", trials=[
+        ranked_trial("a", {"rl.clip_high": 0.2}, val_loss=None, ranked=0.6),
+        ranked_trial("b", {"rl.clip_high": 0.28}, val_loss=None, ranked=0.8)])
     lines = table(summary).splitlines()
     assert lines[0].split() == ["trial", "clip_high", "val_reward", "steps", "stopped"]
     assert lines[1].startswith("b ")

@@ -80,9 +80,9 @@ def test_schedule_change_on_resume():
     # where the 40-step schedule is still at 3.0e-4.
     state, optim = run("cosine", 30)
     moved = schedule_change(state, optim, total=40)
-    assert moved["step"] == 30 and moved["lr_trained"] == pytest.approx(1.0355e-4, rel=1e-4)
-    assert moved["lr_now"] == pytest.approx(lr_at(29, optim, total=40))
-    assert moved["lr_next"] == pytest.approx(lr_at(30, optim, total=40))
+    assert moved.step == 30 and moved.lr_trained == pytest.approx(1.0355e-4, rel=1e-4)
+    assert moved.lr_now == pytest.approx(lr_at(29, optim, total=40))
+    assert moved.lr_next == pytest.approx(lr_at(30, optim, total=40))
     assert schedule_change(state, optim, total=30) is None  # resumed as it was
     # constant and wsd before its decay extend cleanly; wsd inside its decay does not.
     for schedule in ("constant", "wsd"):
@@ -92,8 +92,7 @@ def test_schedule_change_on_resume():
     assert schedule_change(state, optim, total=60) is not None
     # A new peak moves any schedule; a checkpoint without a rate (older) says nothing.
     state, optim = run("constant", 30)
-    assert schedule_change(state, dataclasses.replace(optim, lr=2e-3), total=30)[
-        "lr_now"] == 2e-3
+    assert schedule_change(state, dataclasses.replace(optim, lr=2e-3), total=30).lr_now == 2e-3
     assert schedule_change({"step": 30, "tokens_seen": 0, "data_position": 0}, optim,
                            total=30) is None
     restored = TrainState()
