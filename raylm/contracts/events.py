@@ -244,7 +244,8 @@ def event_from_dict(data: Any) -> EventRecord:
             continue
         if key in known:
             if not fits(value, hints[key]):
-                raise Malformed(f"{EVENTS}: a record of kind {cls.KIND}: its {key} is {value!r:.100}")
+                raise Malformed(f"{EVENTS}: a record of kind {cls.KIND}: its {key} is "
+                                f"{value!r:.100}")
             found[key] = value
         elif cls is Progress and key.startswith(FIGURE_PREFIXES):
             figures[key] = value
