@@ -20,7 +20,7 @@ from typing import NoReturn
 
 from raylm import __version__
 from raylm.config import Config, ConfigError, for_sweep, load_config
-from raylm.contracts import Event
+from raylm.contracts.events import Benchmark
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -244,9 +244,9 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
                           f"nothing: it scores what a run already trained.")
     ev = load_config(args.config, overrides).eval if (args.config or overrides) else None
     records = evaluate_source(args.source, ev, step=args.step, every=args.all)
-    print(json.dumps([{k: r.get(k) for k in ("step", "scores", "error")} for r in records],
-                     indent=2))
-    return 0 if all(r["event"] == Event.BENCHMARK for r in records) else 1
+    print(json.dumps([{"step": r.step, "scores": getattr(r, "scores", None),
+                       "error": getattr(r, "error", None)} for r in records], indent=2))
+    return 0 if all(isinstance(r, Benchmark) for r in records) else 1
 
 
 def dry_run(cfg: Config, *, sweep: bool) -> int:

@@ -29,6 +29,7 @@ import ray
 import torch
 
 from raylm.config import load_config
+from raylm.contracts.events import Benchmark, Progress
 from raylm.run.launch import train
 from raylm.run.record import read
 
@@ -53,8 +54,8 @@ def write_task(root: Path, *, questions: int) -> Path:
 
 
 def window_speeds(run_dir: Path, *, after_step: int) -> list[float]:
-    return [r["tokens_per_s"] for r in read(str(run_dir))
-            if r["event"] == "progress" and r["step"] > after_step]
+    return [r.tokens_per_s for r in read(str(run_dir))
+            if isinstance(r, Progress) and r.step > after_step]
 
 
 def run(*, preset: str, steps: int, checkpoint_every: int, questions: int, cpus: int,
@@ -86,7 +87,7 @@ def run(*, preset: str, steps: int, checkpoint_every: int, questions: int, cpus:
                      "windows": len(speeds), "wall_s": summary["wall_s"]}
         if summary.get("benchmarks"):
             out[name].update(evaluations=len(
-                [r for r in read(str(root / "runs" / name)) if r["event"] == "benchmark"]),
+                [r for r in read(str(root / "runs" / name)) if isinstance(r, Benchmark)]),
                 evaluation_s=summary["benchmarks"]["seconds"],
                 end_wait_s=summary["goodput"]["seconds"]["benchmarks"])
     ray.shutdown()

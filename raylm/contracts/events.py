@@ -164,6 +164,9 @@ class NumericalFault(EventRecord):
     rows: list
     culprits: list[list[int]] | None = None
     """Of a rewound non-finite step: the positions not finite on their own, where found."""
+    documents: list[dict[str, Any]] | None = None
+    """The corpus documents its samples (or culprits) came from, the first 32."""
+    documents_total: int | None = None
 
     def listed(self) -> dict[str, Any]:
         """As summary.json lists it: its time and fields."""

@@ -158,6 +158,10 @@ def test_a_rewind_leaves_out_only_the_samples_at_fault_on_their_own():
     assert [x["line"] for x in d.records[0]["documents"]] == [250, 270]
     assert d.records[1]["documents_total"] == 4 and d.manifest["faults"][0]["documents"]
     assert "leaves out sample positions 25-25, 27-27, 32-35" in d.message
+    # What the run's record keeps of each (raylm.contracts.events), every field named.
+    from raylm.contracts.events import NumericalFault
+
+    assert [NumericalFault(**r).culprits for r in d.records] == [[[25, 26], [27, 28]], None]
     # No sample at fault on its own (a fault of the whole batch): the step is left out.
     d = decide_for([NAN], policy=BOTH, culprits={7: np.array([], dtype=np.int64)})
     assert d.manifest["ranges"] == [[24, 28]] and "culprits" not in d.records[0]
