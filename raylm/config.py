@@ -556,7 +556,9 @@ class RlConfig:
     """Generator actors sampling completions beside the trainers: an int, or [min, max] to
     sample with as many as the cluster places, steps waiting only while fewer than min are
     (one placed later joins with the newest weights). One that dies is replaced while the
-    trainers continue; its prompts go to the others."""
+    trainers continue; its prompts go to the others. 0: colocated, no actor: each trainer
+    samples its own share of the step's groups with the weights it trains (one GPU or one
+    CPU worker runs GRPO), synchronously (rl.max_staleness=0)."""
     generator_resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     """Ray resources each generator actor holds (e.g. {"GPU": 1})."""
     updates_per_step: int = 1
@@ -571,6 +573,11 @@ class RlConfig:
     keeps those generated and not yet trained on."""
 
     @property
+    def colocated(self) -> bool:
+        """The trainers sample their own completions (rl.generators=0)."""
+        return self.generators == 0
+
+    @property
     def generator_range(self) -> tuple[int, int]:
         """(fewest, most) generators."""
         g = self.generators
@@ -578,9 +585,14 @@ class RlConfig:
 
     def __post_init__(self) -> None:
         g = self.generators
-        _check(len(g) == 2 and g[0] <= g[1] if isinstance(g, list) else True, "rl.generators",
-               g, "an integer >= 1 or [min, max] with 1 <= min <= max")
-        _at_least("rl", self, group_size=2, max_completion_tokens=1, generators=1,
+        _check(len(g) == 2 and 1 <= g[0] <= g[1] if isinstance(g, list) else g >= 0,
+               "rl.generators", g, "an integer >= 0 (0: colocated) or [min, max] with "
+               "1 <= min <= max")
+        _check(not (self.colocated and self.max_staleness), "rl.max_staleness",
+               self.max_staleness, "0 with rl.generators=0: colocated trainers sample with "
+               "the weights they train, so nothing is generated ahead; generator actors "
+               "(rl.generators >= 1) sample ahead")
+        _at_least("rl", self, group_size=2, max_completion_tokens=1,
                   reward_timeout_s=0,
                   clip_low=0, clip_high=0, kl_coef=0, max_staleness=0, updates_per_step=1)
         _at_least("rl", self, above=True, temperature=0)

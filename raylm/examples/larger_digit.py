@@ -46,7 +46,7 @@ def _write(out: Path, *, steps: int, seed: int) -> None:
     import torch
     from tokenizers import Tokenizer
 
-    from raylm.console import quiet_torchao
+    from raylm.console import quiet_model_io, quiet_torchao
     from raylm.data.chat import DefaultTemplate, encode
     from raylm.data.tokenizer import save_hf_tokenizer, train_bpe
 
@@ -80,7 +80,8 @@ def _write(out: Path, *, steps: int, seed: int) -> None:
             "position_ids": torch.tensor([r[2] for r in rows])}], accumulation=1,
             grad_clip=1.0, cross_document=False)
     built.model.lm_head.__class__ = torch.nn.Linear  # the plain head, as transformers saves
-    built.model.save_pretrained(out / "model")
+    with quiet_model_io():
+        built.model.save_pretrained(out / "model")
     (out / "prompts.jsonl").write_text("".join(json.dumps(
         {"prompt": question(a, b), "answer": str(max(a, b))}) + "\n" for a, b in PAIRS))
     (out / MARKER).write_text(json.dumps({"task": "larger_digit", "steps": steps,

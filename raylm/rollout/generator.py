@@ -49,7 +49,8 @@ class Generator:
     """The policy for sampling (see the module's docstring); run as a Ray actor."""
 
     def __init__(self, *, config: dict[str, Any], vocab_size: int, eos_id: int,
-                 tokenizer_json: str, reward: str, threads: int = 1) -> None:
+                 tokenizer_json: str, reward: str, threads: int | None = 1,
+                 device: torch.device | None = None) -> None:
         cfg = config_from_dict(config)
         quiet_libraries(cfg.run.verbose)
         from tokenizers import Tokenizer
@@ -60,10 +61,11 @@ class Generator:
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.reward = (rewards.Isolated(reward, timeout_s=cfg.rl.reward_timeout_s)
                        if cfg.rl.reward_timeout_s else rewards.load_reward(reward))
-        if torch.cuda.is_available():
-            device = torch.device("cuda", 0)
-        else:
-            device = torch.device("cpu")
+        # An actor takes its GPU, or sets its CPU threads; a trainer's own generator
+        # (colocated) is given the trainer's device and leaves its threads alone.
+        if device is None:
+            device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cpu" and threads:
             torch.set_num_threads(max(1, threads))
         # The trainers' model (its NF4 base included), with whole logits (sampling reads
         # them) and the plain kernel: each row is one document, and transformers' generate

@@ -54,6 +54,7 @@ from raylm.data.tokenizer import load_backend
 from raylm.faults import Mistake
 from raylm.model.assemble import Built, answer_rows, global_count, row_logps
 from raylm.rollout.buffer import Buffer
+from raylm.rollout.generator import Generator
 from raylm.rollout.pool import GeneratorPool
 from raylm.rollout.rewards import split_row
 from raylm.workers.metrics import flops_per_token
@@ -311,7 +312,14 @@ class Reinforce(Objective):
     """GRPO over completions sampled beside the trainers (``train.objective=grpo``): the loop's
     objective, as :class:`raylm.workers.preference.Preference` is for DPO. Off-policy
     (``rl.max_staleness`` K > 0), each step asks for the groups of the step K ahead before it
-    trains, so that they are generated while it does (:class:`raylm.rollout.buffer.Buffer`)."""
+    trains, so that they are generated while it does (:class:`raylm.rollout.buffer.Buffer`).
+
+    Colocated (``rl.generators=0``), each rank samples its own share of the step's groups
+    with a :class:`raylm.rollout.generator.Generator` of its own, in its process and on its
+    device, loaded with the weights it trains after each update: the code, seeds and weights
+    of an actor's, so its groups are the ones an actor would sample, token for token. That
+    generator holds a plain copy of the model (the weights gathered whole, as an actor's
+    are), besides the trainer's shards: the model's size again in memory."""
 
     checks_first_prediction = False  # prompts, not text to predict
 
@@ -329,6 +337,7 @@ class Reinforce(Objective):
         self.start_timeout_s = cfg.data.first_batch_timeout_s
         self.wait_for_nodes = cfg.scaling.wait_for_nodes
         self.pool: GeneratorPool | None = None
+        self.local: Generator | None = None  # colocated: this rank's own
         self.buffer: Buffer | None = None
         self.upcoming: Upcoming | None = None
         self.version = self.at = 0
@@ -348,14 +357,24 @@ class Reinforce(Objective):
         weights = trainable_weights(built.model)
         self.version = self.at = step
         self.asked = step - 1
+        init = dict(self.init)
+        tokenizer = [None]
         if self.rank == 0:
-            init = dict(self.init)
             manifest = json.loads((Path(init.pop("prepared")) / PREPARED_MANIFEST).read_text())
-            backend, _ = load_backend(manifest["tokenizer_path"], self.init["config"]["model"]
-                                      ["path"])
+            tokenizer[0] = load_backend(manifest["tokenizer_path"], self.init["config"]["model"]
+                                        ["path"])[0].to_str()
+        if self.rl.colocated:
+            if dist.is_initialized():  # the prepared directory may be rank 0's alone
+                dist.broadcast_object_list(tokenizer, src=0)
+            init.pop("prepared", None)
+            self.local = Generator(**init, tokenizer_json=tokenizer[0], threads=None,
+                                   device=built.device)
+            self.local.load(step, weights)
+            return batches
+        if self.rank == 0:
             self.pool = GeneratorPool(
                 count=self.rl.generator_range, resources=self.rl.generator_resources,
-                init={**init, "tokenizer_json": backend.to_str(),
+                init={**init, "tokenizer_json": tokenizer[0],
                       "threads": int(self.rl.generator_resources.get("CPU", 1) or 1)},
                 keep=self.rl.max_staleness + 1, timeout_s=self.start_timeout_s,
                 keep_waiting=self.wait_for_nodes)
@@ -406,6 +425,8 @@ class Reinforce(Objective):
         """This rank's prompts' groups, from the buffer (training) or generated now
         (validation); and on rank 0, every rank's. ``ahead``: the micro-batches of the steps
         whose groups are asked for now, to be trained later."""
+        if self.local is not None:
+            return self.own_groups(micro, sampling, split)
         every = to_rank0([(prompt_items(micro), [x for m in ahead for x in prompt_items(m)])])
         shares, groups = None, None
         if every is not None:
@@ -428,6 +449,29 @@ class Reinforce(Objective):
         rows, mine = from_rank0(shares)
         if split == "train":
             self.tokens = rows
+        return mine, groups
+
+    def own_groups(self, micro: list[dict[str, torch.Tensor]], sampling: Sampling, split: str
+                   ) -> tuple[list[Group], list[Group] | None]:
+        """:meth:`groups`, colocated: rank 0 reads every rank's prompts' rows and hands each
+        rank its prompts; each samples and scores its own with its generator (its RNG state
+        kept: sampling seeds its own generator by prompt position), and rank 0 gathers the
+        groups for the step's figures."""
+        every = to_rank0([prompt_items(micro)])
+        prompts = None
+        if every is not None:
+            prompts = [[self.rows[split].prompt(*item) for item in share] for share in every]
+        t0 = time.perf_counter()
+        device = self.local.built.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            mine = self.local.generate(from_rank0(prompts), sampling,
+                                       version=self.local.version)
+        groups = to_rank0(mine)
+        if split == "train":
+            self.tokens = int(global_count(sum(len(g.prompt_ids) + len(c) for g in mine
+                                               for c in g.completions), device))
+            self.spent["generate_s"] += time.perf_counter() - t0
+        self.seconds["generate_s"] = time.perf_counter() - t0
         return mine, groups
 
     def steps_ahead(self) -> list[list[dict[str, torch.Tensor]]]:
@@ -519,15 +563,19 @@ class Reinforce(Objective):
         weights_now = trainable_weights(built.model)
         figures = {"clip_low": total[1] / total[4], "clip_high": total[2] / total[4],
                    "kl": total[3] / total[4]}
+        if self.local is not None:
+            self.local.load(self.version, weights_now)
         if every is not None:
-            self.pool.load(self.version, weights_now)
+            if self.pool is not None:
+                self.pool.load(self.version, weights_now)
             alike_all = group_advantages(torch.tensor([r for g in every for r in g.rewards]),
                                          group_size=rl.group_size)[1]
             figures |= {k: torch.tensor(v) for k, v in group_figures(every, alike_all).items()}
             figures["transfer_s"] = torch.tensor(time.perf_counter() - t0)
             self.spent["transfer_s"] += float(figures["transfer_s"])
-            figures["generators_replaced"] = torch.tensor(float(self.pool.replaced))
-            figures["generators"] = torch.tensor(float(len(self.pool.actors)))
+            pool = self.pool
+            figures["generators_replaced"] = torch.tensor(float(pool.replaced if pool else 0))
+            figures["generators"] = torch.tensor(float(len(pool.actors) if pool else 0))
             figures["generate_s"] = torch.tensor(self.seconds.get("generate_s", 0.0))
             figures["staleness_max"] = torch.tensor(float(self.version - 1 - min(
                 g.version for g in every)))
