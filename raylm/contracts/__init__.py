@@ -101,6 +101,18 @@ def fits(value: Any, hint: Any) -> bool:
     return isinstance(value, kind)
 
 
+def typed(cls, data: Any, what: str):
+    """``cls`` (a dataclass) of the JSON object ``data``: every key one of its fields, every
+    field without a default there, every value of its field's type; else :class:`Malformed`,
+    naming ``what``."""
+    hints = typing.get_type_hints(cls)
+    needed = {f.name for f in fields(cls) if f.default is f.default_factory is MISSING}
+    if (not isinstance(data, dict) or not needed <= set(data) <= set(hints)
+            or not all(fits(v, hints[k]) for k, v in data.items())):
+        raise Malformed(f"{what} is malformed ({data!r:.200})")
+    return cls(**data)
+
+
 class _Record:
     """A JSON record of version :data:`VERSION`, read back from every earlier one: ``CHECKS``
     says, per field, what its value must be; a field an older version lacks has a default."""

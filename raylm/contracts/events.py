@@ -15,7 +15,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
-from raylm.contracts import EVENTS, Event, Malformed, fits
+from raylm.contracts import EVENTS, Event, Malformed, fits, typed
 from raylm.contracts.report import FIGURE_PREFIXES, Report
 
 
@@ -284,8 +284,4 @@ class Interruption:
 
     @classmethod
     def from_dict(cls, data: Any) -> Interruption:
-        hints = typing.get_type_hints(cls)
-        if (not isinstance(data, dict) or set(data) != set(hints)
-                or not all(fits(v, hints[k]) for k, v in data.items())):
-            raise Malformed(f"an interruption is malformed ({data!r:.200})")
-        return cls(**data)
+        return typed(cls, data, "an interruption")

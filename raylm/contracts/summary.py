@@ -17,7 +17,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from raylm.contracts import SUMMARY, Malformed, fits
+from raylm.contracts import SUMMARY, Malformed, fits, typed
 from raylm.contracts.events import Interruption, TrackingLost
 from raylm.contracts.report import FIGURE_PREFIXES
 
@@ -36,14 +36,6 @@ class Goodput:
     recomputed_steps: int = 0
     energy_wasted_j: float | None = None
     """None without an energy counter (CPUs)."""
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Goodput:
-        hints = typing.get_type_hints(cls)
-        if (not isinstance(data, dict) or not set(data) <= set(hints)
-                or not all(fits(v, hints[k]) for k, v in data.items())):
-            raise Malformed(f"{SUMMARY}'s goodput is malformed ({data!r:.200})")
-        return cls(**data)
 
 
 @dataclass(kw_only=True)
@@ -196,20 +188,16 @@ class Summary:
             raise Malformed(f"{SUMMARY} is malformed (status {found['status']!r} is not one "
                             f"of {', '.join(STATUSES)})")
         if model:
-            hints = typing.get_type_hints(LoggedModel)
-            if "mlflow_model_uri" not in model or not all(
-                    fits(v, hints[k]) for k, v in model.items()):
-                raise Malformed(f"{SUMMARY}'s final model is malformed ({model!r:.200})")
-            found["logged_model"] = LoggedModel(**model)
+            found["logged_model"] = typed(LoggedModel, model, f"{SUMMARY}'s final model")
         return cls(**found)
 
 
 # The fields summary.json holds as records of their own.
 _READ = {"interruptions": lambda v: [Interruption.from_dict(e) for e in v]
          if isinstance(v, list) else v,
-         "goodput": lambda v: None if v is None else Goodput.from_dict(v),
-         "tracking_lost": lambda v: TrackingLost(step=v["step"], error=v["error"])
-         if isinstance(v, dict) and set(v) == {"step", "error"} else v}
+         "goodput": lambda v: None if v is None else typed(Goodput, v, f"{SUMMARY}'s goodput"),
+         "tracking_lost": lambda v: None if v is None else typed(TrackingLost, v,
+                                                                 f"{SUMMARY}'s tracking_lost")}
 
 
 @dataclass(kw_only=True)

@@ -107,20 +107,23 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
                              f"process runs alone")
         index = layout_of(dist.get_rank(), dist.get_world_size(), plan).pp_rank
         model = Stage(model, index=index, num_stages=plan.pipeline)
+    # Each rank reads its own weights: a pipeline stage its stage's, a model alone all of them.
+    own = isinstance(model, Stage)
     if base_quantization == "nf4":
         if not (adapters and path):
             raise ValueError("an NF4 base needs LoRA adapters and a pretrained model.path")
         check_nf4_shapes(model, lora["target_modules"],
-                         dist.get_world_size() if dist.is_initialized() else 1)
+                         dist.get_world_size() if dist.is_initialized() and not plan.alone
+                         else 1)
         if precision == "bf16-true":
             model.to(torch.bfloat16)  # quantized from bf16, as it would be parallelized
-        load_quantized_base(model, path, device, own_stage=isinstance(model, Stage))
+        load_quantized_base(model, path, device, own_stage=own or plan.alone)
         parallelize(model, device_type=device.type, precision=precision, plan=plan)
     else:
         parallelize(model, device_type=device.type, precision=precision, plan=plan)
         materialize(model, device)
         if path:
-            load_pretrained_weights(model, path, own_stage=isinstance(model, Stage))
+            load_pretrained_weights(model, path, own_stage=own, alone=plan.alone)
         else:
             init_weights(model, seed=seed, num_layers=config.num_hidden_layers)
     if adapters:

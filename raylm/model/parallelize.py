@@ -78,10 +78,14 @@ class ParallelPlan:
     prefetch: int = 0
     """Blocks whose all-gather each block issues ahead, forward and backward (0: FSDP2's
     implicit prefetching)."""
+    alone: bool = False
+    """The whole model in this process, each rank reading its own weights, even inside a
+    process group (a trainer's own generator: :mod:`raylm.rollout.generator`)."""
 
 
 DATA_PARALLEL = ParallelPlan()
 """FSDP2 over every rank and nothing else."""
+ALONE = ParallelPlan(alone=True)
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,7 @@ def parallelize(model: nn.Module, *, device_type: str, precision: str,
         raise ValueError("model.float8 does not run under tensor parallelism; set "
                          "parallel.tensor=1 or model.float8=off")
     mesh = None
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1 and not plan.alone:
         mesh = build_mesh(device_type, plan)
     elif plan.tensor > 1 or plan.pipeline > 1:
         raise ValueError(f"parallel.tensor={plan.tensor} x parallel.pipeline={plan.pipeline} "

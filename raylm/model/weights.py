@@ -90,15 +90,16 @@ def _weights_as_transformers_loads(model: nn.Module, path: str | os.PathLike
 
 
 def load_pretrained_weights(model: nn.Module, path: str | os.PathLike, *,
-                            own_stage: bool = False) -> None:
+                            own_stage: bool = False, alone: bool = False) -> None:
     """Read a Hugging Face model directory's weights on rank 0 only and scatter them into the
     (possibly sharded) ``model``: one read from storage, not one per worker. With
     ``own_stage`` (a pipeline stage, holding part of the model) every rank reads the weights
-    of its own stage instead, so no rank reads or receives another stage's."""
+    of its own stage instead, so no rank reads or receives another stage's; ``alone`` (a
+    whole model of this process's, inside a process group), every rank reads them all."""
     from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    reader = not dist.is_initialized() or dist.get_rank() == 0 or own_stage
+    reader = not dist.is_initialized() or dist.get_rank() == 0 or own_stage or alone
     full: dict[str, torch.Tensor] = {}
     if reader and converted_on_load(model.config) and any(_stored_against_model(model, path)):
         full = _weights_as_transformers_loads(model, path)
@@ -126,7 +127,8 @@ def load_pretrained_weights(model: nn.Module, path: str | os.PathLike, *,
     # Adapters are not in the file (raylm.model.lora fills them); every other weight must be.
     adapters = any(".lora_" in n for n, _ in model.named_parameters())
     set_model_state_dict(model, full, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=dist.is_initialized() and not own_stage,
+        full_state_dict=True,
+        broadcast_from_rank0=dist.is_initialized() and not (own_stage or alone),
         strict=not adapters))
     if adapters and reader:
         missing = [n for n, _ in model.named_parameters() if ".lora_" not in n and n not in full

@@ -70,8 +70,10 @@ class Generator:
         # The trainers' model (its NF4 base included), with whole logits (sampling reads
         # them) and the plain kernel: each row is one document, and transformers' generate
         # runs its KV cache through that kernel.
+        from raylm.model.parallelize import ALONE
+
         spec = ModelSpec.from_config(cfg, vocab_size=vocab_size, eos_id=eos_id)
-        self.built = spec.replace(fused_loss=False, cross_document=True).build(device)
+        self.built = spec.replace(fused_loss=False, cross_document=True).build(device, ALONE)
         self.built.model.eval()
         self.names = {n for n, p in self.built.model.named_parameters() if p.requires_grad}
         self.version = 0  # the built weights: the run's start
