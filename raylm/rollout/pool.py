@@ -15,9 +15,10 @@ once and on the same resources), and the groups that come back are the ones the 
 would have returned: they are sampled by the weights the share was asked of (the pool keeps
 the last few versions), and seeded by prompt position (:mod:`raylm.rollout.generator`), so
 which generator samples a prompt, and how many there are, changes no completion. A reward
-function that fails on every completion of a batch raises :class:`raylm.faults.Mistake` in the
-generator, which ends the run here rather than being retried; so do prompts whose generation
-or scoring ends the process of every generator that takes them (a reward that exits or
+call that fails scores 0 (:func:`raylm.rollout.rewards.score`); a reward that cannot run at
+all raises :class:`raylm.faults.Mistake` in the generator, which ends the run here rather than
+being retried; so do prompts whose generation or scoring ends the process of every generator
+that takes them (a reward that exits or
 crashes its interpreter, or runs it out of memory, on them): after
 :data:`DEATHS_PER_SHARE` generators in a row, that is taken for what the prompts do, not for
 machines lost. A generation that does not return is said, with its prompts' positions, every

@@ -24,6 +24,7 @@ code can neither hold a run nor take its generator with it.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import math
@@ -80,9 +81,8 @@ def check_reward(fn: Reward, row: Mapping[str, Any], *, prompt_field: str, spec:
     completion = str(columns.get("answer", ""))
     try:
         value = fn(prompt, completion, **columns)
-    except Exception as e:
-        raise ValueError(f"{key}={spec!r} raised on the data's first row: "
-                         f"{type(e).__name__}: {e}") from e
+    except (Exception, SystemExit) as e:  # a reward's exit is its failure, not the dry run's
+        raise ValueError(f"{key}={spec!r} raised on the data's first row: {said(e)}") from e
     try:
         return parts_of(value)
     except TypeError as e:
@@ -95,22 +95,50 @@ def split_row(row: Mapping[str, Any], *, prompt_field: str) -> tuple[Any, dict[s
     return row[prompt_field], columns
 
 
+# A part is logged as the metric rl_reward_<name>: MLflow's characters, and none of the names
+# of the reward's own figures beside it (rl_reward_std, rl_reward_failures, rl_reward_s).
+PART_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+TAKEN = ("std", "failures", "s")
+# The step trains in float32: a reward past its range would be infinite there.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def parts_of(value: Any) -> dict[str, float]:
     """A reward function's result as named parts (one, ``reward``, for a number); a
-    :class:`TypeError` for anything else or for a part that is not a finite number."""
+    :class:`TypeError` for anything else, for a part that is not a finite number in float32
+    (nor their sum), or for a part name MLflow or the run's own figures would not take."""
     if isinstance(value, Mapping):
         if not value:
             raise TypeError("returned an empty mapping; return a number or named numbers")
         items = list(value.items())
     else:
         items = [("reward", value)]
-    parts = {}
+    parts: dict[str, float] = {}
     for name, v in items:
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-            raise TypeError(f"returned {v!r} for {name!r}: a reward is a finite number "
-                            f"(or a mapping of names to finite numbers)")
-        parts[str(name)] = float(v)
+        if not isinstance(name, str) or not PART_NAME.fullmatch(name) or name in TAKEN:
+            raise TypeError(f"returned a part named {name!r:.80}: a part's name is 1 to 64 "
+                            f"letters, digits, '_', '-' or '.', and not {', '.join(TAKEN)}")
+        try:
+            f = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None
+        except OverflowError:
+            f = None
+        if f is None or not abs(f) <= FLOAT32_MAX:
+            raise TypeError(f"returned {v!r:.80} for {name!r}: a reward is a finite number "
+                            f"(or a mapping of names to finite numbers), within float32's "
+                            f"range")
+        parts[name] = f
+    if not abs(sum(parts.values())) <= FLOAT32_MAX:
+        raise TypeError("returned parts whose sum is past float32's range")
     return parts
+
+
+def said(error: BaseException) -> str:
+    """A reward's error as one line the console can print: its first line, control
+    characters escaped, at most 200 characters (its text is often the model's output)."""
+    text = f"{type(error).__name__}: {error}".strip()
+    line = text.splitlines()[0] if text else type(error).__name__
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in line)
+    return line if len(line) <= 200 else line[:200] + "..."
 
 
 class RewardFailed(Exception):
@@ -167,7 +195,7 @@ class Isolated:
                 raise TimeoutError(f"no result after rl.reward_timeout_s={self.timeout_s:g} s; "
                                    f"its process was ended") from None
             except ray.exceptions.RayTaskError as e:
-                raise RewardFailed(str(e.cause) if e.cause else str(e)) from None
+                raise RewardFailed(str(e.cause) if e.cause else last_line(e)) from None
             except ray.exceptions.RayActorError:  # killed, or the function ended it
                 self.close()
                 if died:
@@ -188,14 +216,14 @@ class _RewardServer:
     def score(self, prompt: Any, completion: str, columns: dict[str, Any]) -> dict[str, float]:
         try:
             return parts_of(self.fn(prompt, completion, **columns))
-        except Exception as e:  # a user's function: its error, as a message
-            raise RewardFailed(f"{type(e).__name__}: {e}") from None
+        except (Exception, SystemExit) as e:  # a user's function: its error, as a message
+            raise RewardFailed(said(e)) from None
 
 
 @dataclass
 class Scores:
     """A batch's rewards, their named parts (absent parts 0), and the completions whose
-    function failed (each scored 0)."""
+    function failed (each scored 0), with the first one's error (one line: :func:`said`)."""
 
     rewards: list[float]
     parts: dict[str, list[float]]
@@ -205,27 +233,38 @@ class Scores:
 
 def score(fn: Reward, prompts: Sequence[Any], completions: Sequence[str],
           columns: Sequence[Mapping[str, Any]], *, spec: str) -> Scores:
-    """The rewards of ``completions`` (each of its prompt and row's columns); a
-    :class:`Mistake` when the function failed on every one."""
+    """The rewards of ``completions`` (each of its prompt and row's columns). A call that
+    fails (any error, a timeout, an exit) scores its completion 0, however many do: one prompt
+    the function cannot score ends no run (see :func:`check_step`). Each call gets its own
+    copy of the prompt and the row: a function that changes them changes nothing for the
+    next."""
     results: list[dict[str, float] | None] = []
     failed, first = 0, None
     for prompt, completion, cols in zip(prompts, completions, columns, strict=True):
         try:
-            results.append(parts_of(fn(prompt, completion, **cols)))
+            results.append(parts_of(fn(copy.deepcopy(prompt), completion,
+                                       **copy.deepcopy(dict(cols)))))
         except Mistake:  # not the completion's: the function cannot run at all
             raise
-        except Exception as e:  # a user's function: any error scores the completion 0
+        except (Exception, SystemExit) as e:  # a user's function: it scores the completion 0
             failed += 1
-            first = first or (str(e) if isinstance(e, RewardFailed)
-                              else f"{type(e).__name__}: {e}")
+            first = first or (str(e) if isinstance(e, RewardFailed) else said(e))
             results.append(None)
-    if results and failed == len(results):
-        raise Mistake(f"rl.reward={spec!r} failed on every completion of a batch "
-                      f"({failed}); the first: {first}")
     names = sorted({name for r in results if r for name in r})
     parts = {n: [(r or {}).get(n, 0.0) for r in results] for n in names}
     rewards = [sum((r or {}).values()) for r in results]
     return Scores(rewards, parts, failed, first)
+
+
+def check_step(groups: Sequence[Any], *, spec: str) -> None:
+    """A training step's groups (:class:`raylm.contracts.rollouts.Group`) whose every
+    completion's reward failed, none for a timeout, is a :class:`Mistake`: the function
+    cannot score this data (a missing column, a bug). Fewer failures score 0 and are counted
+    (``rl_reward_failures``); timeouts never stop a run (a judge's outage passes)."""
+    if groups and all(g.failed == len(g.completions) for g in groups) and not any(
+            (g.first_error or "").startswith("TimeoutError") for g in groups):
+        raise Mistake(f"rl.reward={spec!r} failed on every completion of a step's "
+                      f"{len(groups)} groups; the first: {groups[0].first_error}")
 
 
 def exact_match(prompt: Any, completion: str, *, answer: Any, **row: Any) -> float:

@@ -56,7 +56,7 @@ from raylm.model.assemble import Built, answer_rows, global_count, row_logps
 from raylm.rollout.buffer import Buffer
 from raylm.rollout.generator import Generator
 from raylm.rollout.pool import GeneratorPool
-from raylm.rollout.rewards import split_row
+from raylm.rollout.rewards import check_step, split_row
 from raylm.workers.metrics import flops_per_token
 from raylm.workers.step import Objective, apply_update, clip_grad_norm
 
@@ -532,6 +532,8 @@ class Reinforce(Objective):
         rl = self.rl
         ahead = self.steps_ahead() if self.upcoming is not None else []
         mine, every = self.groups(micro, self.sampling, "train", ahead)
+        if every is not None:
+            check_step(every, spec=rl.reward)
         rewards = torch.tensor([r for g in mine for r in g.rewards])
         advantages, _ = group_advantages(rewards, group_size=rl.group_size,
                                          normalize=rl.normalize_advantages)

@@ -82,14 +82,13 @@ def test_the_preflight_call_refuses_signatures_errors_and_non_numbers(user_modul
                      prompt_field="prompt", spec="c")
 
 
-def test_a_failing_completion_scores_zero_and_a_batch_that_all_fails_is_a_mistake(user_module):
+def test_a_failing_completion_scores_zero_and_a_group_that_all_fails_too(user_module):
     fn = load_reward("my_rewards:fails_on_b")
     scores = score(fn, ["p"] * 3, ["a", "b", "ab"], [{}] * 3, spec="f")
     assert scores.rewards == [1.0, 0.0, 0.0]
     assert scores.failed == 2 and scores.first_error == "RuntimeError: no b"
-    with pytest.raises(Mistake, match=r"failed on every completion of a batch \(2\); the "
-                                      r"first: RuntimeError: no b"):
-        score(fn, ["p"] * 2, ["b", "bb"], [{}] * 2, spec="f")
+    every = score(fn, ["p"] * 2, ["b", "bb"], [{}] * 2, spec="f")
+    assert every.rewards == [0.0, 0.0] and every.failed == 2
 
 
 def test_a_reward_that_cannot_run_at_all_is_a_mistake_at_its_first_completion():
