@@ -517,6 +517,13 @@ class DpoConfig:
         return self.loss != "simpo"
 
 
+# The largest value of each rl setting (see RlConfig.__post_init__), and the lowest temperature.
+RL_CEILINGS = {"group_size": 1024, "generators": 1024, "max_staleness": 64,
+               "max_completion_tokens": 1_048_576, "reward_timeout_s": 86_400.0,
+               "updates_per_step": 1024}
+MIN_TEMPERATURE = 0.01
+
+
 @dataclass(frozen=True, kw_only=True)
 class RlConfig:
     reward: str | None = None
@@ -595,7 +602,15 @@ class RlConfig:
         _at_least("rl", self, group_size=2, max_completion_tokens=1,
                   reward_timeout_s=0,
                   clip_low=0, clip_high=0, kl_coef=0, max_staleness=0, updates_per_step=1)
-        _at_least("rl", self, above=True, temperature=0)
+        # Beyond these, a setting is a typo, not a run: a group is one batch of group_size
+        # copies of its prompt; each generator is an actor; the pool keeps max_staleness + 1
+        # weight copies in the object store; logits / temperature stay finite in float32.
+        for key, most in RL_CEILINGS.items():
+            v = getattr(self, key)
+            _check(all(x <= most for x in (v if isinstance(v, list) else [v])), f"rl.{key}",
+                   v, f"at most {most:g}")
+        _check(self.temperature >= MIN_TEMPERATURE, "rl.temperature", self.temperature,
+               f">= {MIN_TEMPERATURE} (logits / temperature must stay finite)")
         _check(0 < self.top_p <= 1, "rl.top_p", self.top_p, "0 < x <= 1")
         _check(self.clip_low < 1, "rl.clip_low", self.clip_low, "0 <= x < 1")
         _check(all(v >= 0 for v in self.generator_resources.values()),
@@ -1225,6 +1240,8 @@ def _check_reinforcement(cfg: Config) -> None:
            "final_number")
     _check(not d.across_documents, "data.cross_document_attention",
            d.cross_document_attention, "false (or unset) with train.objective=grpo")
+    _check(cfg.rl.max_staleness <= cfg.train.steps, "rl.max_staleness", cfg.rl.max_staleness,
+           f"at most train.steps={cfg.train.steps}: generation is asked for steps ahead")
     n, gb = cfg.rl.updates_per_step, cfg.train.global_batch_size
     fewest, most = cfg.scaling.worker_range
     uneven = [w for w in range(fewest, most + 1) if gb % w == 0 and (gb // w) % n]

@@ -85,3 +85,22 @@ def test_each_call_gets_its_own_row():
 def test_a_part_the_runs_figures_cannot_take_is_refused_by_name(value, says):
     with pytest.raises(TypeError, match=says):
         parts_of(value)
+
+
+@pytest.mark.parametrize("settings, says", [
+    (["--rl.group_size=1e9"], "rl.group_size"),
+    (["--rl.group_size=1000000000"], "'rl.group_size': 1000000000. Allowed: at most 1024"),
+    (["--rl.generators=[1, 1000000]"], "'rl.generators': \\[1, 1000000\\]. Allowed: at most"),
+    (["--rl.max_staleness=1000000000"], "'rl.max_staleness': 1000000000. Allowed: at most 64"),
+    (["--rl.max_staleness=8", "--train.steps=4"], "at most train.steps=4"),
+    (["--rl.temperature=1e-45"], "'rl.temperature': 1e-45. Allowed: >= 0.01"),
+    (["--rl.reward_timeout_s=1e300"], "'rl.reward_timeout_s': 1e\\+300. Allowed: at most"),
+])
+def test_rl_settings_past_what_a_run_can_hold_are_refused_before_ray_starts(settings, says):
+    """Each passed the dry run: the pool then kept 200 weight copies after 200 steps, a
+    temperature of 1e-45 sampled from NaN, and a timeout of 1e300 s never ended a call."""
+    from raylm.config import ConfigError, load_config
+
+    grpo = ["--train.objective=grpo", "--data.format=prompt", "--rl.reward=exact_match"]
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, [*grpo, *settings])
