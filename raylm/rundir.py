@@ -29,6 +29,7 @@ import numpy as np
 from raylm import storage
 from raylm.contracts import (
     CHECKPOINT_MARKER,
+    CHECKPOINT_ROLLOUTS,
     CHECKPOINT_SAMPLES,
     RAY_TRAIN_STATE,
     RUN_INFO,
@@ -119,7 +120,10 @@ def verify(directory: str | os.PathLike, *, every_hash: bool = False) -> Marker:
         if name not in marker.files:
             raise CheckpointError(f"{d}: {CHECKPOINT_MARKER} hashes {name}, which it does not "
                                   f"list")
-        if every_hash or marker.files[name] <= HASHED_ON_RESUME:
+        # What a step reads whole (kept rollouts, the ledger) is checked whole whatever its
+        # size: only the model's and optimizer's shards, read as tensors, go by size.
+        if (every_hash or marker.files[name] <= HASHED_ON_RESUME
+                or name in (CHECKPOINT_ROLLOUTS, CHECKPOINT_SAMPLES)):
             if file_hash(storage.read_chunks(storage.join(d, name))) != digest:
                 raise CheckpointError(f"{d}: {name} does not match its hash (changed or "
                                       f"corrupted since it was written)")

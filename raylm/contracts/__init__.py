@@ -128,7 +128,7 @@ class _Record:
     def _decoded(cls, text: str | bytes) -> dict:
         try:
             data = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             data = None
         if not isinstance(data, dict) or not _count(data.get("version", 1)):
             raise Malformed(f"{cls.FILE} is malformed (not a JSON object of a version)")

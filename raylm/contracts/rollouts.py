@@ -109,6 +109,31 @@ def group_from_dict(d: Any) -> Group:
     return Group(**d)
 
 
+# The most negative log-probability float32 holds: a smaller one is -inf in the step.
+LOWEST_LOGP = -3.4028234663852886e38
+
+
+def unfit(groups: list[Group], *, vocab_size: int, group_size: int, step: int) -> str | None:
+    """What kept ``groups`` hold that a run resumed at ``step`` cannot train on, or None:
+    token ids outside its vocabulary, a log-probability that is positive or not finite in
+    float32, another count of completions than its group size, weights of a later version
+    than the step."""
+    for g in groups:
+        ids = [g.prompt_ids, *g.completions]
+        logps = [x for per in [*g.logps, *(g.ref_logps or [])] for x in per]
+        why = ("a token id outside the vocabulary of " + str(vocab_size)
+               if any(not 0 <= t < vocab_size for seq in ids for t in seq) else
+               "a log-probability that is positive or not finite in float32"
+               if any(not LOWEST_LOGP <= x <= 0 for x in logps) else
+               f"{len(g.completions)} completions, not rl.group_size={group_size}"
+               if len(g.completions) != group_size else
+               f"weights of version {g.version}, after the checkpoint's step {step}"
+               if g.version > step else None)
+        if why:
+            return f"the group of sample position {g.position} holds {why}"
+    return None
+
+
 def _sampling_ok(v: Any) -> bool:
     return v is None or (isinstance(v, dict) and set(v) == {f.name for f in fields(Sampling)}
                          and all(isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -39,17 +39,19 @@ class Buffer:
         wanted = {p.position for p in prompts}
         while any(wanted & positions for positions, _ in self.flight):
             self._land(0)
+        # Kept groups that answer another prompt than the data holds at their position (a
+        # resume on other data, checkpoint.accept_changes=data) are sampled again, not trained.
+        other = [p.position for p in prompts
+                 if p.position in self.ready and self.ready[p.position].prompt_ids != p.ids]
+        if other:
+            print(f"raylm: warning: the rollouts kept for sample positions {other[:8]} answer "
+                  f"other prompts than the data holds there: they are sampled again")
+            for position in other:
+                del self.ready[position]
         missing = [p for p in prompts if p.position not in self.ready]
         for group in self.pool.generate(missing, sampling) if missing else []:
             self.ready[group.position] = group
-        out = []
-        for p in prompts:
-            group = self.ready.pop(p.position)
-            if group.prompt_ids != p.ids:
-                raise RuntimeError(f"the rollouts kept for sample position {p.position} answer "
-                                   f"another prompt than the data holds there")
-            out.append(group)
-        return out
+        return [self.ready.pop(p.position) for p in prompts]
 
     def settle(self) -> None:
         """Wait for every generation in flight."""

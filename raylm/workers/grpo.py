@@ -47,7 +47,7 @@ import torch.distributed as dist
 from raylm import storage
 from raylm.config import Config
 from raylm.contracts import CHECKPOINT_ROLLOUTS, PROMPT_ROW, Malformed
-from raylm.contracts.rollouts import Group, Prompt, Sampling, SavedRollouts
+from raylm.contracts.rollouts import Group, Prompt, Sampling, SavedRollouts, unfit
 from raylm.data.corpus import PREPARED_MANIFEST
 from raylm.data.streams import PackedSplit
 from raylm.data.tokenizer import load_backend
@@ -381,7 +381,7 @@ class Reinforce(Objective):
             self.pool.load(step, weights)
             self.pool.started()  # before the group reports its start
             kept = storage.join(resumed, CHECKPOINT_ROLLOUTS) if resumed else None
-            self.buffer = Buffer(self.pool, ready=self.kept_groups(kept))
+            self.buffer = Buffer(self.pool, ready=self.kept_groups(kept, step=step))
         if dist.is_initialized():  # every rank looks as far ahead as rank 0 has asked
             agreed = [self.asked]
             dist.broadcast_object_list(agreed, src=0)
@@ -391,7 +391,7 @@ class Reinforce(Objective):
         self.upcoming = Upcoming(batches, per_step=accumulation)
         return self.upcoming
 
-    def kept_groups(self, path: str | None) -> dict[int, Group]:
+    def kept_groups(self, path: str | None, *, step: int) -> dict[int, Group]:
         """The groups a checkpoint's ``rollouts.json`` at ``path`` kept, by position (rank 0;
         none where there is no such file), and the last step they were asked for. Groups
         sampled otherwise than this run samples (a changed ``rl.group_size``, temperature,
@@ -408,6 +408,11 @@ class Reinforce(Objective):
             print(f"raylm: warning: the {len(saved.groups)} groups {path} kept were sampled "
                   f"otherwise than this run samples ({changed}): they are sampled again")
             return {}
+        wrong = unfit(saved.groups, vocab_size=self.init["vocab_size"],
+                      group_size=self.sampling.group_size, step=step)
+        if wrong:
+            raise Mistake(f"{path}: {wrong}: not rollouts this run kept, or damaged; resume "
+                          f"from another checkpoint")
         self.asked = saved.through_step
         return {g.position: g for g in saved.groups}
 

@@ -104,3 +104,93 @@ def test_rl_settings_past_what_a_run_can_hold_are_refused_before_ray_starts(sett
     grpo = ["--train.objective=grpo", "--data.format=prompt", "--rl.reward=exact_match"]
     with pytest.raises(ConfigError, match=says):
         load_config(None, [*grpo, *settings])
+
+
+GRPO_RUN = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "run-cb5e3f1-grpo"
+
+
+@pytest.fixture
+def resumed(tmp_path):
+    """The GRPO run of cb5e3f1 (tests/fixtures) as a resumed run's rank 0 reads its kept
+    rollouts, and a way to plant a file of them."""
+    import dataclasses
+    import json
+    import shutil
+
+    from raylm.api import Run
+    from raylm.workers.grpo import Reinforce
+
+    old = shutil.copytree(GRPO_RUN, tmp_path / "old")
+    cfg = Run(old).config
+    kept = json.loads((old / "checkpoint_000002" / "rollouts.json").read_text())
+
+    def plant(change) -> str:
+        data = json.loads(json.dumps(kept))
+        change(data)
+        path = tmp_path / "rollouts.json"
+        path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+        return str(path)
+
+    rl = Reinforce(dataclasses.replace(cfg), prepared=str(old), eos_id=0, vocab_size=300,
+                   rank=1)
+    return rl, plant
+
+
+def _set(path: str, value):
+    def change(data):
+        *where, last = path.split(".")
+        node = data
+        for key in where:
+            node = node[int(key) if key.isdigit() else key]
+        node[int(last) if last.isdigit() else last] = value
+    return change
+
+
+@pytest.mark.parametrize("change, says", [
+    (_set("groups.0.completions.0.0", 300), "a token id outside the vocabulary of 300"),
+    (_set("groups.0.logps.0.0", 1e39), "positive or not finite in float32"),
+    (_set("groups.0.logps.0.0", 0.5), "positive or not finite in float32"),
+    (_set("groups.0.version", 7), "weights of version 7, after the checkpoint's step 2"),
+    (_set("version", 10 ** 400), "newer than this raylm reads"),
+    (lambda d: d["groups"][0].update(completions=[], logps=[], rewards=[], truncated=[]),
+     "malformed"),
+])
+def test_kept_rollouts_a_run_cannot_train_are_refused_in_one_line(resumed, change, says):
+    """Each was accepted and failed inside a step (token ids past the vocabulary, log-probs
+    finite in float64 but not in float32, a version of 10**400, a group of no completions),
+    retried as if a machine had failed."""
+    rl, plant = resumed
+    with pytest.raises(Mistake, match=says):
+        rl.kept_groups(plant(change), step=2)
+
+
+def test_deeply_nested_kept_rollouts_are_one_line_not_a_recursion(resumed):
+    rl, plant = resumed
+    path = plant(lambda d: None)
+    with open(path, "w") as f:
+        f.write("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(Mistake, match="rollouts.json is malformed"):
+        rl.kept_groups(path, step=2)
+
+
+def test_kept_rollouts_are_hashed_whole_at_every_resume(tmp_path, monkeypatch):
+    """A rollouts.json past the size hashed on resume (64 MiB), edited in place, passed; a
+    model shard past it is still checked by size alone."""
+    from raylm import rundir
+    from raylm.contracts import Marker
+
+    ckpt = tmp_path / "checkpoint_000002"
+    ckpt.mkdir()
+    kept = (GRPO_RUN / "checkpoint_000002" / "rollouts.json").read_text()
+    files = {"rollouts.json": kept, "__0_0.distcp": "weights"}
+    for name, text in files.items():
+        (ckpt / name).write_text(text)
+    (ckpt / "raylm_checkpoint.json").write_text(Marker(
+        state={"step": 2}, model={}, files={n: len(t) for n, t in files.items()},
+        hashes={n: rundir.file_hash(iter([t.encode()])) for n, t in files.items()}).to_json())
+    monkeypatch.setattr(rundir, "HASHED_ON_RESUME", 1)  # both files past the limit
+    (ckpt / "__0_0.distcp").write_text("Weights")  # same size, other bytes: not read whole
+    rundir.verify(ckpt)
+    (ckpt / "rollouts.json").write_text(kept.replace('"through_step": 2', '"through_step": 3'))
+    with pytest.raises(rundir.CheckpointError, match="rollouts.json does not match its hash"):
+        rundir.verify(ckpt)
