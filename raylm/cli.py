@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -381,6 +382,9 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
     status waits for it). What must run at exit still does, in its order: the exit handlers
     (Ray's disconnect and its last log lines, MLflow's and logging's flushes), after any
     thread Python would wait for has ended, as at a normal exit."""
+    # As `python -m raylm` does: modules of the directory it runs in (a reward's) import.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         code = main(argv)
     except SystemExit as e:  # argparse's --help and usage errors
@@ -389,7 +393,6 @@ def run(argv: Sequence[str] | None = None) -> NoReturn:
             t.is_alive() and not t.daemon and t is not threading.main_thread()
             for t in threading.enumerate()):
         sys.exit(code)
-    import os
 
     from raylm.compat import _run_exitfuncs
 

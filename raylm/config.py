@@ -1386,10 +1386,15 @@ def load_config(path: str | os.PathLike | Config | None = None,
     path = tree["model"].get("path")
     if isinstance(path, str) and path and not storage.is_uri(path) and not is_hub_id(path):
         tree["model"]["path"] = str(Path(path).expanduser().resolve())
-    # So does eval.include_path: the benchmarks' Ray tasks read it from another directory.
+    # So does eval.include_path: the benchmarks' Ray tasks read it from another directory;
+    # and a reward named by its file (rl.reward=path/to/file.py:function).
     tasks = tree["eval"].get("include_path")
     if isinstance(tasks, str) and tasks:
         tree["eval"]["include_path"] = str(Path(tasks).expanduser().resolve())
+    reward = tree["rl"].get("reward")
+    if isinstance(reward, str) and ".py:" in reward:
+        file, _, fn = reward.rpartition(":")
+        tree["rl"]["reward"] = f"{Path(file).expanduser().resolve()}:{fn}"
     cfg = Config(**{name: _build_section(name, values) for name, values in tree.items()})
     return validate(cfg)
 

@@ -29,6 +29,7 @@ import importlib
 import inspect
 import math
 import numbers
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,21 +43,23 @@ BUILTIN = "raylm.rollout.rewards"
 
 
 def load_reward(spec: str, *, key: str = "rl.reward") -> Reward:
-    """The callable ``spec`` names (``module:function``, or a built-in's name alone); a
-    :class:`ValueError` naming ``key`` and the fix where it cannot be had."""
+    """The callable ``spec`` names (``module:function``, ``path/to/file.py:function``, or a
+    built-in's name alone); a :class:`ValueError` naming ``key`` and the fix where it cannot
+    be had."""
     if ":" not in spec:
         if spec in ("exact_match", "final_number"):
             spec = f"{BUILTIN}:{spec}"
         else:
             raise ValueError(f"{key}={spec!r}: name a function as module:function (a module "
-                             f"importable where the run's workers run), or a built-in: "
-                             f"exact_match, final_number")
-    module_name, _, attr = spec.partition(":")
+                             f"importable where the run's workers run) or file.py:function, "
+                             f"or a built-in: exact_match, final_number")
+    module_name, _, attr = spec.rpartition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
+        module = (_from_file(module_name) if module_name.endswith(".py")
+                  else importlib.import_module(module_name))
+    except (ImportError, OSError) as e:
         raise ValueError(f"{key}={spec!r}: module {module_name!r} does not import ({e}); "
-                         f"install it or put its folder on PYTHONPATH") from e
+                         f"install it, put its folder on PYTHONPATH or name its file") from e
     fn = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
@@ -65,6 +68,22 @@ def load_reward(spec: str, *, key: str = "rl.reward") -> Reward:
     if not callable(fn):
         raise ValueError(f"{key}={spec!r}: {attr} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _from_file(path: str):
+    """The module of a Python file, imported once per process under a name of its path's."""
+    import importlib.util
+    import sys
+
+    name = "raylm_reward_" + re.sub(r"\W", "_", os.path.abspath(path))
+    if name not in sys.modules:
+        found = importlib.util.spec_from_file_location(name, path)
+        if found is None or not os.path.isfile(path):
+            raise ImportError(f"no Python file {path}")
+        module = importlib.util.module_from_spec(found)
+        found.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
 
 
 def check_reward(fn: Reward, row: Mapping[str, Any], *, prompt_field: str, spec: str,

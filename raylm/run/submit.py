@@ -9,7 +9,8 @@ user's ``~/.ray/auth_token``) and log streaming. What raylm adds:
   config that ``raylm config show`` prints on the laptop;
 - the local ``raylm`` package travels with the job (``py_modules``), so the cluster runs the
   submitter's code on the image's dependencies;
-- the job is named after the run (``raylm-<run.name>-<time>``) and tagged with its run name.
+- the job is named after the run (``raylm-<run.name>-<time>``) and tagged with its run name;
+- a GRPO run's reward code goes with it (:func:`ship_reward`).
 
 The job server listens on the head's dashboard port (8265). Reach a remote head through an
 SSH tunnel (``ray dashboard cluster/aws.yaml`` forwards it to 127.0.0.1:8265) or an
@@ -20,6 +21,7 @@ on the cluster.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -120,6 +122,30 @@ def build_runtime_env(staging: str | os.PathLike, *, env: dict[str, str],
     return renv
 
 
+def ship_reward(cfg: Config, staging: Path) -> Config:
+    """``rl.reward``'s own code into the job's working directory (``staging``): a file named
+    by its path, or a module of this directory (a file or a package); the config then names
+    it as a module of that directory, which Ray puts on the job's processes' PYTHONPATH. A
+    module installed as a package is the cluster's image's to have, and a built-in raylm's."""
+    module, _, fn = (cfg.rl.reward or "").rpartition(":")
+    if not module:
+        return cfg
+    if module.endswith(".py"):
+        src, name = Path(module), Path(module).stem
+    else:
+        top = Path.cwd() / module.split(".")[0]
+        src = (top.with_suffix(".py") if top.with_suffix(".py").is_file() else
+               top if (top / "__init__.py").is_file() else None)
+        name = module
+    if src is None:
+        return cfg
+    if src.is_dir():
+        shutil.copytree(src, staging / src.name, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        shutil.copy(src, staging / src.name)
+    return dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, reward=f"{name}:{fn}"))
+
+
 def submit(cfg: Config, *, address: str | None, command: str = "train",
            env: dict[str, str] | None = None, pip: Sequence[str] = (),
            image: str | None = None, ship_code: bool = True, wait: bool = True,
@@ -139,6 +165,7 @@ def submit(cfg: Config, *, address: str | None, command: str = "train",
     jobs = client(address)
     staging = Path(tempfile.mkdtemp(prefix="raylm-submit-"))
     try:
+        cfg = ship_reward(cfg, staging)
         (staging / JOB_CONFIG).write_text(cfg.to_yaml())
         submission_id = f"raylm-{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         job = jobs.submit_job(

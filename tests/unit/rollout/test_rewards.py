@@ -123,3 +123,40 @@ def test_the_builtins_match_answers():
     assert final_number("q", "it is 7.0", answer=7) == 1.0
     assert final_number("q", "it is 8", answer=7) == 0.0
     assert final_number("q", "no idea", answer=7) == 0.0
+
+
+def test_a_reward_is_found_where_users_keep_it(tmp_path, monkeypatch):
+    """Named by its file (made absolute where the config is read, as model.path is), or a
+    module of the directory `raylm` runs in, which `raylm submit` ships with the job: the
+    console script refused one `python -m raylm` accepted, and submit sent none."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from raylm.config import load_config
+    from raylm.run.submit import ship_reward
+
+    (tmp_path / "judge.py").write_text(
+        "def right(prompt, completion, *, answer, **row):\n"
+        "    return float(completion.strip() == str(answer))\n")
+    monkeypatch.chdir(tmp_path)
+    grpo = ["--train.objective=grpo", "--data.format=prompt"]
+    cfg = load_config(None, [*grpo, "--rl.reward=judge.py:right"])
+    assert cfg.rl.reward == f"{tmp_path / 'judge.py'}:right"
+    assert load_reward(cfg.rl.reward)("p", " 3", answer=3) == 1.0
+    staging = tmp_path / "staging"
+    for spec in (cfg.rl.reward, "judge:right"):
+        staging.mkdir()
+        shipped = ship_reward(load_config(None, [*grpo, f"--rl.reward={spec}"]), staging)
+        assert shipped.rl.reward == "judge:right" and (staging / "judge.py").is_file()
+        __import__("shutil").rmtree(staging)
+    assert ship_reward(load_config(None, [*grpo, "--rl.reward=exact_match"]),
+                       tmp_path).rl.reward == "exact_match"
+    # The console script imports the directory's module, as `python -m raylm` does.
+    script = Path(sys.executable).parent / "raylm"
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1 + 2?", "answer": "3"}\n')
+    done = subprocess.run([script, "train", "--dry-run", *grpo, "--rl.reward=judge:right",
+                           "--data.source=prompts.jsonl", "--model.preset=tiny"],
+                          capture_output=True, text=True, timeout=300)
+    assert "does not import" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
