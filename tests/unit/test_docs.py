@@ -143,7 +143,8 @@ def _check(c, sandbox: Path, capsys) -> str | None:
         else:
             parser = {"raylm.bench": "raylm.bench.__main__",
                       "raylm.examples.reverse_words": "raylm.examples.reverse_words",
-                      "raylm.examples.larger_digit": "raylm.examples.larger_digit"}.get(target)
+                      "raylm.examples.larger_digit": "raylm.examples.larger_digit",
+                      "raylm.examples.arithmetic": "raylm.examples.arithmetic"}.get(target)
             if parser is None:
                 return f"no parser known for {target}"
             import importlib
