@@ -61,11 +61,12 @@ def _add_data_and_training(sub) -> None:
     ov.add_argument("--micro-batch", type=int, default=8)
     ov.add_argument("--seq-len", type=int, default=256)
     ov.add_argument("--workdir", default=None)
-    rl = sub.add_parser("rl", help="GRPO's time by part and completions/s, synchronous vs "
-                                   "off-policy")
+    rl = sub.add_parser("rl", help="GRPO's time by part and completions/s: colocated, and "
+                                   "generator actors synchronous vs off-policy")
     rl.add_argument("--output", required=True)
-    rl.add_argument("--staleness", default="0,1", help="rl.max_staleness of each run; the "
-                                                       "first is the baseline")
+    rl.add_argument("--staleness", default="colocated,0,1",
+                    help="the runs: colocated (rl.generators=0), or rl.max_staleness of one "
+                         "with generator actors; the first is the baseline")
     rl.add_argument("--steps", type=int, default=60)
     rl.add_argument("--generators", type=int, default=1)
     rl.add_argument("--group-size", type=int, default=8)
@@ -256,7 +257,8 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
     elif args.name == "rl":
         from raylm.bench.rl import run
 
-        result = run(staleness=[int(k) for k in args.staleness.split(",")], steps=args.steps,
+        result = run(staleness=[k if k == "colocated" else int(k)
+                                for k in args.staleness.split(",")], steps=args.steps,
                      generators=args.generators, group_size=args.group_size,
                      max_completion_tokens=args.max_completion_tokens, workdir=args.workdir)
     elif args.name == "evals":

@@ -1,15 +1,17 @@
-"""Reinforcement learning's time, by part: the same GRPO run synchronous and off-policy.
+"""Reinforcement learning's time, by part: the same GRPO run colocated, and with generator
+actors synchronous and off-policy.
 
-    python -m raylm.bench rl --output runs/bench-rl.json [--staleness 0,1] [--steps 60]
-        [--generators 1] [--group-size 8] [--max-completion-tokens 4] [--workdir DIR]
+    python -m raylm.bench rl --output runs/bench-rl.json [--staleness colocated,0,1]
+        [--steps 60] [--generators 1] [--group-size 8] [--max-completion-tokens 4]
+        [--workdir DIR]
 
 Writes the larger-digit task (:mod:`raylm.examples.larger_digit`: its prompts and its tiny
 model, warmed up in this process; not timed), then trains it with ``raylm train``'s code in
-this process, one run per ``rl.max_staleness`` of ``--staleness``, on one Ray cluster
-(``RAY_ADDRESS``'s, or a local one started here): one training worker, ``--generators``
-generator actors of one CPU each, the recipe's settings (jobs/configs/grpo_larger_digit.yaml)
-otherwise. For each run, from its
-record:
+this process, one run per entry of ``--staleness`` (``colocated``: ``rl.generators=0``, the
+trainer sampling its own; a number: that ``rl.max_staleness`` with ``--generators`` generator
+actors of one CPU each), on one Ray cluster (``RAY_ADDRESS``'s, or a local one started here):
+one training worker, the recipe's settings (jobs/configs/grpo_larger_digit.yaml) otherwise.
+For each run, from its record:
 
 - ``seconds``: the goodput account's split of the steps' time (``training``: computing the
   steps; ``generation``: the trainers waiting for completions; ``weight_transfer``: gathering
@@ -21,8 +23,8 @@ record:
   and ``val_reward``, the held-out greedy reward at the end: what off-policy training costs
   in learning, beside what it saves in time.
 
-``ratio``: each run's rollouts per second over the first's (the synchronous baseline, measured
-in the same invocation). Written by hand: no library times an RL step by its parts on Ray.
+``ratio``: each run's rollouts per second over the first's (the baseline, measured in the same
+invocation). Written by hand: no library times an RL step by its parts on Ray.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ PARTS = {"productive": "training", "generation": "generation",
          "reporting": "reporting"}
 
 
-def run(*, staleness: list[int], steps: int, generators: int, group_size: int,
+def run(*, staleness: list[int | str], steps: int, generators: int, group_size: int,
         max_completion_tokens: int, workdir: str | None) -> dict[str, Any]:
     from raylm.examples.larger_digit import write
     from raylm.run.cluster import connect
@@ -58,13 +60,14 @@ def run(*, staleness: list[int], steps: int, generators: int, group_size: int,
             "max_completion_tokens": max_completion_tokens, "sides": sides}
 
 
-def _side(k: int, *, task: dict[str, str], root: Path, steps: int, generators: int,
+def _side(k: int | str, *, task: dict[str, str], root: Path, steps: int, generators: int,
           group_size: int, max_tokens: int) -> dict[str, Any]:
     from raylm import api
     from raylm.config import load_config, run_dir
     from raylm.run.launch import train
 
     batch = 8
+    colocated = k == "colocated"
     cfg = load_config(None, [
         f"--model.path={task['model']}", f"--data.source={task['prompts']}",
         "--data.format=prompt", "--data.seq_len=40", "--data.val_fraction=0.2",
@@ -73,16 +76,19 @@ def _side(k: int, *, task: dict[str, str], root: Path, steps: int, generators: i
         f"--train.eval_every={steps}", "--train.eval_batches=2", "--train.precision=fp32",
         "--optim.lr=1e-3", "--optim.warmup_steps=2", "--rl.reward=exact_match",
         f"--rl.group_size={group_size}", f"--rl.max_completion_tokens={max_tokens}",
-        f"--rl.generators={generators}", f"--rl.max_staleness={k}",
+        f"--rl.generators={0 if colocated else generators}",
+        f"--rl.max_staleness={0 if colocated else k}",
         "--scaling.num_workers=1", f"--checkpoint.every={steps}", "--tracking.enabled=false",
         f"--run.storage_path={root / 'runs'}", f"--run.cache_dir={root / 'cache'}",
-        f"--run.name=staleness-{k}"])
+        f"--run.name={k if colocated else f'staleness-{k}'}"])
     summary = train(cfg, log=print)
     history = api.Run(run_dir(cfg)).history
     seconds = {name: summary["goodput"]["seconds"][cause] for cause, name in PARTS.items()}
     steps_s = sum(seconds.values())
     rewards = history["rl_reward"].tolist()
-    return {"max_staleness": k, "wall_s": summary["wall_s"], "steps_s": round(steps_s, 2),
+    return {"side": "colocated" if colocated else f"{generators} generators",
+            "max_staleness": 0 if colocated else k, "wall_s": summary["wall_s"],
+            "steps_s": round(steps_s, 2),
             "seconds": {**seconds, "sampling_s": round(float(history["rl_sampling_s"].sum()), 3),
                         "reward_s": round(float(history["rl_reward_s"].sum()), 3)},
             "rollouts_per_s": round(steps * batch * group_size / steps_s, 1) if steps_s else None,
