@@ -63,6 +63,20 @@ def test_a_dry_run_preflights_and_says_what_would_run_where(capsys, ray_never_st
     assert f"run: a new sweep in {tmp_path}/runs/tiny-builtin-sweep" in capsys.readouterr().out
     assert main(["train", "--dry-run", "--data.seq_len=4096"]) == 2
     assert "data.seq_len=4096 is above the 1024 positions" in capsys.readouterr().err
+    # GRPO: where it samples, and what the copies of its weights cost (the tiny preset's
+    # 1.18 M parameters in fp32 are 4.7 MB; three versions kept by the object store).
+    (tmp_path / "q.jsonl").write_text('{"prompt": "1 + 2?", "answer": "3"}\n')
+    grpo = ["train", "--dry-run", "--train.objective=grpo", "--data.format=prompt",
+            "--rl.reward=final_number", "--data.source=q.jsonl", "--train.precision=fp32",
+            "--run.ray_address=local", "--tracking.enabled=false"]
+    assert main([*grpo, "--rl.max_staleness=2"]) == 0
+    assert ("generation: 1 generator actor(s) of {'CPU': 1.0}, each holding the model (4.7 "
+            "MB); the object store keeps up to 3 version(s) of the trainable weights, 14.2 MB"
+            in capsys.readouterr().out)
+    assert main([*grpo, "--rl.generators=0"]) == 0
+    assert ("generation: colocated (rl.generators=0): each trainer samples its own share with "
+            "a generator of its own, a second copy of the model (4.7 MB) beside the trainer's"
+            in capsys.readouterr().out)
 
 
 EXITING = """
