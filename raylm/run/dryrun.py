@@ -19,6 +19,7 @@ from raylm.data.corpus import is_prepared_dir, resolve_sources
 from raylm.data.preparation import cached_prepared_dir
 from raylm.data.streams import READER_CPUS
 from raylm.run import cluster
+from raylm.run.objectives import objective_of
 from raylm.run.preflight import preflight
 
 
@@ -29,8 +30,7 @@ def describe(cfg: Config, *, sweep: bool = False) -> tuple[Config, list[str]]:
     checked = preflight(cfg, sweep=sweep)
     cfg = checked.cfg
     lines = [_cluster(cfg), _device(cfg), _workers(cfg), _data(cfg), _run(cfg, sweep=sweep)]
-    if cfg.train.objective == "grpo":
-        lines.append(_generation(cfg))
+    lines += objective_of(cfg).described(cfg)
     if sweep:
         t = cfg.tune
         trials = "every combination once" if t.search == "grid" else f"{t.num_samples} trials"
@@ -74,33 +74,6 @@ def _workers(cfg: Config) -> str:
             f"reader of {reader} CPU; global batch {t.global_batch_size} sequences of "
             f"{cfg.data.seq_len} tokens ({micro} x {accumulation} accumulation per "
             f"data-parallel rank at {most} worker{'s' if most > 1 else ''})")
-
-
-def _generation(cfg: Config) -> str:
-    """Where GRPO samples, and what its copies of the weights cost: a colocated trainer's
-    generator holds the whole model beside it; actors get each version of the trainable
-    weights through the object store, which keeps ``rl.max_staleness + 1`` of them."""
-    from raylm.model.spec import ModelSpec
-
-    rl = cfg.rl
-    spec = ModelSpec.from_config(cfg, vocab_size=cfg.tokenizer.vocab_size, eos_id=0)
-    params = list(spec.meta_model().parameters())
-    width = 2 if cfg.train.precision == "bf16-true" else 4
-
-    def size(n: float) -> str:
-        return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-    whole = sum(p.numel() for p in params) * width
-    trained = sum(p.numel() for p in params if p.requires_grad) * width
-    if rl.colocated:
-        return (f"generation: colocated (rl.generators=0): each trainer samples its own share "
-                f"with a generator of its own, a second copy of the model ({size(whole)}) "
-                f"beside the trainer's")
-    fewest, most = rl.generator_range
-    count = f"{fewest}" if fewest == most else f"{fewest} to {most}"
-    return (f"generation: {count} generator actor(s) of {rl.generator_resources}, each "
-            f"holding the model ({size(whole)}); the object store keeps up to "
-            f"{rl.max_staleness + 1} version(s) of the trainable weights, "
-            f"{size((rl.max_staleness + 1) * trained)}")
 
 
 def _data(cfg: Config) -> str:

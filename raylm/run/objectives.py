@@ -46,6 +46,10 @@ class RunObjective:
         """The objective's own settings a sweep varies, by key, with their values."""
         return {}
 
+    def described(self, cfg: Config) -> list[str]:
+        """What a dry run says of the objective's own parts, a line each."""
+        return []
+
     def progress(self, r: Report) -> str:
         """What a step's progress line says of the report's figures (the objective's own, by
         name, and the validation's)."""
@@ -105,6 +109,34 @@ class ReinforceObjective(RunObjective):
         return ({name: count * amount for name, amount in rl.generator_resources.items()},
                 f"rl.generators={rl.generators} of rl.generator_resources="
                 f"{rl.generator_resources}")
+
+    def described(self, cfg: Config) -> list[str]:
+        """Where the run samples, and what its copies of the weights cost: a colocated
+        trainer's generator holds the whole model beside it; actors get each version of the
+        trainable weights through the object store, which keeps ``rl.max_staleness + 1``."""
+        from raylm.model.spec import ModelSpec
+
+        rl = cfg.rl
+        # A pretrained model's own vocabulary (one token fits any), else the tokenizer's.
+        vocab = 1 if cfg.model.path else cfg.tokenizer.vocab_size
+        params = list(ModelSpec.from_config(cfg, vocab_size=vocab, eos_id=0).meta_model()
+                      .parameters())
+        width = 2 if cfg.train.precision == "bf16-true" else 4
+
+        def size(n: float) -> str:
+            return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+        whole = size(sum(p.numel() for p in params) * width)
+        if rl.colocated:
+            return [f"generation: colocated (rl.generators=0): each trainer samples its own "
+                    f"share with a generator of its own, a second copy of the model ({whole}) "
+                    f"beside the trainer's"]
+        kept = (rl.max_staleness + 1) * sum(p.numel() for p in params if p.requires_grad)
+        fewest, most = rl.generator_range
+        count = f"{fewest}" if fewest == most else f"{fewest} to {most}"
+        return [f"generation: {count} generator actor(s) of {rl.generator_resources}, each "
+                f"holding the model ({whole}); the object store keeps up to "
+                f"{rl.max_staleness + 1} version(s) of the trainable weights, "
+                f"{size(kept * width)}"]
 
     def progress(self, r: Report) -> str:
         f, line = r.figures, ""
