@@ -8,6 +8,7 @@ record is found where it is read, not as a ``KeyError`` somewhere after. No torc
 process imports it.
 """
 
+import functools
 import json
 import os
 import types
@@ -101,14 +102,20 @@ def fits(value: Any, hint: Any) -> bool:
     return isinstance(value, kind)
 
 
+@functools.cache
+def hints(cls) -> dict[str, Any]:
+    """A record's fields' annotations, resolved once (a run's history reads thousands)."""
+    return typing.get_type_hints(cls)
+
+
 def typed(cls, data: Any, what: str):
     """``cls`` (a dataclass) of the JSON object ``data``: every key one of its fields, every
     field without a default there, every value of its field's type; else :class:`Malformed`,
     naming ``what``."""
-    hints = typing.get_type_hints(cls)
+    types = hints(cls)
     needed = {f.name for f in fields(cls) if f.default is f.default_factory is MISSING}
-    if (not isinstance(data, dict) or not needed <= set(data) <= set(hints)
-            or not all(fits(v, hints[k]) for k, v in data.items())):
+    if (not isinstance(data, dict) or not needed <= set(data) <= set(types)
+            or not all(fits(v, types[k]) for k, v in data.items())):
         raise Malformed(f"{what} is malformed ({data!r:.200})")
     return cls(**data)
 
@@ -267,10 +274,9 @@ class ExportInfo:
             data = None
         if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
             raise Malformed(f"{EXPORT_INFO} is malformed (not a JSON object with a kind)")
-        hints = typing.get_type_hints(cls)
         named = {k: data[k] for k in ("kind", "step", "run_dir", "default_template") if k in data}
         for k, v in named.items():
-            if not fits(v, hints[k]):
+            if not fits(v, hints(cls)[k]):
                 raise Malformed(f"{EXPORT_INFO} is malformed ({k} is {v!r:.100})")
         return cls(**named, details={k: v for k, v in data.items() if k not in named})
 

@@ -11,11 +11,10 @@ Derived from them, not written there: the :class:`Interruption` records summary.
 
 from __future__ import annotations
 
-import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
-from raylm.contracts import EVENTS, Event, Malformed, fits, typed
+from raylm.contracts import EVENTS, Event, Malformed, fits, hints, typed
 from raylm.contracts.report import FIGURE_PREFIXES, Report
 
 
@@ -238,7 +237,7 @@ def event_from_dict(data: Any) -> EventRecord:
         raise Malformed(f"{EVENTS} holds a record of kind {kind!r}, which this raylm does not "
                         f"know")
     cls = KINDS[data["event"]]
-    hints = typing.get_type_hints(cls)
+    types = hints(cls)
     known = {f.name for f in fields(cls)} - {"figures"}
     found: dict[str, Any] = {}
     figures = {}
@@ -246,7 +245,7 @@ def event_from_dict(data: Any) -> EventRecord:
         if key == "event":
             continue
         if key in known:
-            if not fits(value, hints[key]):
+            if not fits(value, types[key]):
                 raise Malformed(f"{EVENTS}: a record of kind {cls.KIND}: its {key} is "
                                 f"{value!r:.100}")
             found[key] = value

@@ -13,11 +13,10 @@ later shape will say its version, and this reader refuses what it does not know.
 from __future__ import annotations
 
 import json
-import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from raylm.contracts import SUMMARY, Malformed, fits, typed
+from raylm.contracts import SUMMARY, Malformed, fits, hints, typed
 from raylm.contracts.events import Interruption, TrackingLost
 from raylm.contracts.report import FIGURE_PREFIXES
 
@@ -160,7 +159,7 @@ class Summary:
         if version != cls.VERSION:
             raise Malformed(f"{SUMMARY} is of version {version!r}, which this raylm does not "
                             f"read: upgrade raylm")
-        hints = typing.get_type_hints(cls)
+        types = hints(cls)
         known = {f.name for f in fields(cls)} - {"figures", "logged_model"}
         found: dict[str, Any] = {"figures": {}}
         model = {}
@@ -170,7 +169,7 @@ class Summary:
                 continue
             if key in known:
                 value = _READ[key](value) if key in _READ else value
-                if not fits(value, hints[key]):
+                if not fits(value, types[key]):
                     raise Malformed(f"{SUMMARY} is malformed ({key} is {value!r:.200})")
                 found[key] = value
             elif key.startswith(FIGURE_PREFIXES):
