@@ -381,7 +381,8 @@ class Reinforce(Objective):
             self.pool.load(step, weights)
             self.pool.started()  # before the group reports its start
             kept = storage.join(resumed, CHECKPOINT_ROLLOUTS) if resumed else None
-            self.buffer = Buffer(self.pool, ready=self.kept_groups(kept, step=step))
+            self.buffer = Buffer(self.pool, ready=self.kept_groups(
+                kept, step=step, vocab_size=built.config.vocab_size))
         if dist.is_initialized():  # every rank looks as far ahead as rank 0 has asked
             agreed = [self.asked]
             dist.broadcast_object_list(agreed, src=0)
@@ -391,9 +392,12 @@ class Reinforce(Objective):
         self.upcoming = Upcoming(batches, per_step=accumulation)
         return self.upcoming
 
-    def kept_groups(self, path: str | None, *, step: int) -> dict[int, Group]:
+    def kept_groups(self, path: str | None, *, step: int, vocab_size: int
+                    ) -> dict[int, Group]:
         """The groups a checkpoint's ``rollouts.json`` at ``path`` kept, by position (rank 0;
-        none where there is no such file), and the last step they were asked for. Groups
+        none where there is no such file), and the last step they were asked for; ``step``:
+        the checkpoint's, ``vocab_size``: the model's embeddings (which sampling draws from,
+        and a tokenizer may use fewer of). Groups
         sampled otherwise than this run samples (a changed ``rl.group_size``, temperature,
         top_p or completion length) are not trained as if they were: they are sampled again,
         and the console says so."""
@@ -408,7 +412,7 @@ class Reinforce(Objective):
             print(f"raylm: warning: the {len(saved.groups)} groups {path} kept were sampled "
                   f"otherwise than this run samples ({changed}): they are sampled again")
             return {}
-        wrong = unfit(saved.groups, vocab_size=self.init["vocab_size"],
+        wrong = unfit(saved.groups, vocab_size=vocab_size,
                       group_size=self.sampling.group_size, step=step)
         if wrong:
             raise Mistake(f"{path}: {wrong}: not rollouts this run kept, or damaged; resume "

@@ -161,7 +161,7 @@ def test_kept_rollouts_a_run_cannot_train_are_refused_in_one_line(resumed, chang
     retried as if a machine had failed."""
     rl, plant = resumed
     with pytest.raises(Mistake, match=says):
-        rl.kept_groups(plant(change), step=2)
+        rl.kept_groups(plant(change), step=2, vocab_size=300)
 
 
 def test_deeply_nested_kept_rollouts_are_one_line_not_a_recursion(resumed):
@@ -170,7 +170,7 @@ def test_deeply_nested_kept_rollouts_are_one_line_not_a_recursion(resumed):
     with open(path, "w") as f:
         f.write("[" * 100_000 + "]" * 100_000)
     with pytest.raises(Mistake, match="rollouts.json is malformed"):
-        rl.kept_groups(path, step=2)
+        rl.kept_groups(path, step=2, vocab_size=300)
 
 
 def test_kept_rollouts_are_hashed_whole_at_every_resume(tmp_path, monkeypatch):

@@ -156,14 +156,14 @@ def test_a_grpo_run_directory_of_cb5e3f1_reads_back_and_resumes_with_its_kept_ro
         return Reinforce(cfg, prepared=str(old), eos_id=0, vocab_size=300, rank=1)
 
     again = resumed(4)
-    kept = again.kept_groups(str(ckpt / "rollouts.json"), step=2)
+    kept = again.kept_groups(str(ckpt / "rollouts.json"), step=2, vocab_size=300)
     assert again.asked == 2 and kept == {g.position: g for g in saved.groups}
     # Written today, the file says how its groups were sampled.
     today = tmp_path / "rollouts.json"
     today.write_text(SavedRollouts(2, saved.groups, again.sampling).to_json())
-    assert resumed(4).kept_groups(str(today), step=2) == kept
+    assert resumed(4).kept_groups(str(today), step=2, vocab_size=300) == kept
     other = resumed(8)
-    assert other.kept_groups(str(today), step=2) == {} and other.asked == -1
+    assert other.kept_groups(str(today), step=2, vocab_size=300) == {} and other.asked == -1
     assert "sampled otherwise than this run samples (group_size 4 -> 8)" in capsys.readouterr().out
 
 
