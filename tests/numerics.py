@@ -126,10 +126,12 @@ def main(argv: list[str]) -> int:
     return 0 if worst <= TOLERANCE else 1
 
 
-# Exact on the same torch build and CPU family; 1e-6 leaves room only for a different vector
+# Exact on the same torch build and CPU family; 5e-6 leaves room only for a different vector
 # unit (AVX2 vs AVX-512 kernels sum in another order) on the CI machine: an fp32 loss near 5
-# has an ulp of 4.8e-7, and any real change of the numerics moves these losses by 1e-4 or more.
-TOLERANCE = 1e-6
+# has an ulp of 4.8e-7, a gradient norm (a sum of squares over every parameter) differed by
+# 2.0e-6 at step 10 on an AVX-512 FP16 Xeon (2026-12-02) from the file's machine, and any real
+# change of the numerics moves these figures by 1e-4 or more.
+TOLERANCE = 5e-6
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

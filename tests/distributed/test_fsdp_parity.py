@@ -203,8 +203,11 @@ def test_dpo_steps_average_over_the_global_batchs_pairs(results):
     for got, want in zip(fsdp["dpo"], ref["dpo"], strict=True):
         assert got == pytest.approx(want, rel=1e-4, abs=1e-5)
     assert fsdp["dpo"][-1][0] < fsdp["dpo"][0][0]
+    # Adam's division by sqrt(v) turns reduction-order noise in near-zero gradients into
+    # updates (see above): the adapters differed by up to 9.1e-5 on an AVX-512 FP16 Xeon
+    # (2026-12-02), while the losses agree to 1e-6 and a wrong average moves them by 1e-2.
     for name, p in ref["dpo_adapters"].items():
-        torch.testing.assert_close(fsdp["dpo_adapters"][name], p, atol=5e-5, rtol=1e-4,
+        torch.testing.assert_close(fsdp["dpo_adapters"][name], p, atol=2e-4, rtol=1e-4,
                                    msg=name)
 
 
