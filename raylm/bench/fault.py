@@ -84,11 +84,12 @@ def run(*, config: str | None, overrides: list[str], kill_after: int, delay_s: f
         "config": config, "overrides": overrides, "kill_after": kill_after, "delay_s": delay_s,
         "kill": kill,
         "uninterrupted": {k: straight.get(k) for k in
-                          ("final_step", "train_loss", "val_loss", "tokens_per_s", "mfu",
-                           "data_wait_fraction", "peak_memory_gb", "wall_s")},
+                          ("final_step", "train_loss", "val_loss", "val_reward",
+                           "tokens_per_s", "mfu", "data_wait_fraction", "peak_memory_gb",
+                           "wall_s")},
         "killed": {k: killed.get(k) for k in
-                   ("final_step", "train_loss", "val_loss", "restarts", "failures",
-                    "interruptions", "wall_s")},
+                   ("final_step", "train_loss", "val_loss", "val_reward", "restarts",
+                    "failures", "interruptions", "goodput", "wall_s")},
         "train_loss_difference": abs(loss_a - loss_b),
         "train_loss_relative_difference": abs(loss_a - loss_b) / abs(loss_a),
         "val_loss_difference": (None if straight.get("val_loss") is None

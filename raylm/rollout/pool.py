@@ -24,9 +24,10 @@ crashes its interpreter, or runs it out of memory, on them): after
 machines lost. A generation that does not return is said, with its prompts' positions, every
 ``timeout_s`` it is waited for.
 
-The pool belongs to the training group's rank 0 (Ray ties an actor's life to the process that
-started it): a group that restarts starts its generators anew, with the weights of the
-checkpoint it resumes from.
+The pool belongs to the training group's rank 0; the generators belong to the run's
+:class:`raylm.rollout.keeper.Keeper`, which the driver made (a pool given none makes its
+own): a group that restarts takes the same generators, which load the weights of the
+checkpoint it resumes from, and goes on.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import ray
 
 from raylm.contracts.rollouts import Group, Prompt, Sampling
 from raylm.faults import Mistake, last_line
-from raylm.rollout.generator import Generator
+from raylm.rollout.keeper import start_keeper
 
 # Generators in a row that die holding the same prompts before those prompts are taken to be
 # what kills them (a lost machine rarely takes two).
@@ -60,13 +61,14 @@ class Submitted:
 
 class GeneratorPool:
     """``count`` generator actors (a number, or ``(fewest, most)``), each made with ``init``
-    (:class:`Generator`'s arguments) and holding ``resources``; while fewer than the fewest
-    are placed, the wait is said after ``timeout_s`` (with ``keep_waiting``) or stops the run
-    (see :meth:`_placed`)."""
+    (:class:`raylm.rollout.generator.Generator`'s arguments) and holding ``resources``, by
+    ``keeper`` (:mod:`raylm.rollout.keeper`; None: one of the pool's own, ended with it);
+    while fewer than the fewest are placed, the wait is said after ``timeout_s`` (with
+    ``keep_waiting``) or stops the run (see :meth:`_placed`)."""
 
     def __init__(self, *, count: int | tuple[int, int], resources: dict[str, float],
                  init: dict[str, Any], keep: int = 1, timeout_s: float = 180.0,
-                 keep_waiting: bool = False, log=print) -> None:
+                 keep_waiting: bool = False, keeper: Any = None, log=print) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.fewest, self.most = (count, count) if isinstance(count, int) else count
@@ -92,12 +94,17 @@ class GeneratorPool:
         # node through many steps would otherwise hold every version in the object store.
         self.waiting: dict[Any, Any] = {}
         self.loading: list[tuple[Any, Any]] = []  # (placed generator, its load's reference)
-        self.replaced = 0
-        for _ in range(self.most):
-            self._start()
+        self.own_keeper = keeper is None
+        self.keeper = start_keeper() if keeper is None else keeper
+        # The keeper's generators: made now, or those a group before this one used (which
+        # may be busy finishing what it asked; each joins once it has loaded these weights).
+        actors, self.replaced = ray.get(self.keeper.generators.remote(
+            self.most, self.options, init))
+        self.waiting.update(dict.fromkeys(actors))
 
-    def _start(self) -> None:
-        actor = ray.remote(Generator).options(**self.options).remote(**self.init)
+    def _start(self, dead: Any) -> None:
+        """A generator in place of ``dead``, asked of the keeper."""
+        actor, self.replaced = ray.get(self.keeper.replace.remote(dead))
         self.waiting[actor] = actor.load.remote(*self.weights) if self.weights else None
 
     def load(self, version: int, weights: dict) -> float:
@@ -213,8 +220,7 @@ class GeneratorPool:
                     if e.actor_init_failed:  # its model or reward: the next would fail alike
                         raise Mistake(f"a generator failed as it started: {last_line(e)}"
                                       ) from None
-                    self.replaced += 1
-                    self._start()
+                    self._start(actor)
                     continue
                 self.actors.append(actor)
                 if joined != self.weights[0]:  # placed versions after its first load
@@ -263,13 +269,13 @@ class GeneratorPool:
             return
         self.actors.remove(actor)
         self.loading = [(a, r) for a, r in self.loading if a is not actor]
-        ray.kill(actor, no_restart=True)
-        self.replaced += 1
-        self._start()
+        self._start(actor)
 
     def shutdown(self) -> None:
-        for actor in [*self.actors, *self.waiting]:
-            ray.kill(actor)
+        """End the generators, if the pool's own keeper holds them (a run's keeper is its
+        driver's to end)."""
+        if self.own_keeper:
+            ray.kill(self.keeper)
 
 
 def positions(share: list[Prompt]) -> str:

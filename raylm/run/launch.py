@@ -80,12 +80,13 @@ def set_poll_interval(max_workers: int) -> None:
 def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
                   record: RunRecord, resources: ResourcePlan, callbacks: list | None = None,
                   identity: dict[str, str] | None = None, reference: str | None = None,
-                  lease: str | None = None) -> TorchTrainer:
+                  lease: str | None = None, keeper: Any = None) -> TorchTrainer:
     """The run's TorchTrainer. ``identity``: what the run trains with, written into every
     checkpoint's marker (:func:`raylm.rundir.check_same_run`); ``reference``: the
     stored reference of a DPO full fine-tune (:mod:`raylm.run.reference`); ``lease``: the
     token of the run directory's lease the driver holds, which the workers check before each
-    checkpoint (:mod:`raylm.run.lease`)."""
+    checkpoint (:mod:`raylm.run.lease`); ``keeper``: the owner of a GRPO run's generators
+    (:mod:`raylm.rollout.keeper`)."""
     sc = cfg.scaling
     workers = tuple(sc.num_workers) if isinstance(sc.num_workers, list) else sc.num_workers
     set_poll_interval(sc.worker_range[1])
@@ -98,7 +99,7 @@ def build_trainer(cfg: Config, prepared: str, *, vocab_size: int, eos_id: int,
             eos_id=eos_id, reader_resources=resources.reader,
             tracking=((record.tracker.uri, record.tracker.run_id)
                       if record.tracker and not record.tracker.lost else None),
-            identity=identity or {}, reference=reference, lease=lease)},
+            identity=identity or {}, reference=reference, lease=lease, keeper=keeper)},
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
                                      resources_per_worker=resources.worker,
                                      elastic_resize_monitor_interval_s=sc.resize_interval_s),
@@ -202,13 +203,10 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
         record.note(moved)
     if changed:
         record.note(ResumedWithChanges(changed=changed))
-    error = None
     try:
-        build_trainer(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
-                      resources=resources, callbacks=callbacks, identity=identity,
-                      reference=reference, lease=held.token).fit()
-    except Exception as e:  # Ray Train raises once max_failures is used up
-        error = e
+        error = fit(cfg, str(prepared), vocab_size=vocab, eos_id=eos, record=record,
+                    resources=resources, callbacks=callbacks, identity=identity,
+                    reference=reference, lease=held.token)
     finally:
         if feed is not None:
             feed.close()
@@ -230,6 +228,22 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
         summary = end_tracked_run(rd, summary, tracker, ending.final_model, log=log)
     say_how_it_ended(cfg, summary, error=error, tracker=tracker, log=log)
     return summary
+
+
+def fit(cfg: Config, prepared: str, **trainer: Any) -> Exception | None:
+    """Fit the run's trainer (:func:`build_trainer`'s arguments); return what ended it, if
+    anything did (Ray Train raises once max_failures is used up). The objective's keeper
+    (GRPO's generators) is made here first, so that what it owns outlives the group's
+    restarts, and ended after."""
+    keeper = objective_of(cfg).keeper(cfg)
+    try:
+        build_trainer(cfg, prepared, keeper=keeper, **trainer).fit()
+    except Exception as e:
+        return e
+    finally:
+        if keeper is not None:
+            ray.kill(keeper)
+    return None
 
 
 def end_tracked_run(rd: str, summary: Summary, tracker: tracking.Tracker,

@@ -42,6 +42,10 @@ class RunObjective:
         (:mod:`raylm.run.reference`)."""
         return False
 
+    def keeper(self, cfg: Config) -> Any:
+        """An actor of the driver's owning what outlives the group's restarts, or None."""
+        return None
+
     def sweep_choices(self, cfg: Config) -> dict[str, list[Any]]:
         """The objective's own settings a sweep varies, by key, with their values."""
         return {}
@@ -109,6 +113,11 @@ class ReinforceObjective(RunObjective):
         return ({name: count * amount for name, amount in rl.generator_resources.items()},
                 f"rl.generators={rl.generators} of rl.generator_resources="
                 f"{rl.generator_resources}")
+
+    def keeper(self, cfg: Config) -> Any:
+        from raylm.rollout.keeper import start_keeper  # the generators' (not colocated)
+
+        return None if cfg.rl.colocated else start_keeper()
 
     def described(self, cfg: Config) -> list[str]:
         """Where the run samples, and what its copies of the weights cost: a colocated

@@ -228,14 +228,17 @@ def from_rank0(shares: list[list] | None) -> list:
     return out[0]
 
 
-def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable parameters whole, on the host (every rank calls it: FSDP2's shards are
-    gathered)."""
+def trainable_weights(model: torch.nn.Module, *, host: bool = True
+                      ) -> dict[str, torch.Tensor]:
+    """The trainable parameters whole, on the host where ``host`` (the rank that hands them
+    over), else none. Every rank calls it: FSDP2's shards are gathered one parameter at a
+    time, and a rank that does not send them frees each as soon as it is gathered."""
     out = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
             whole = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = whole.detach().cpu()
+            if host:
+                out[name] = whole.detach().cpu()
     return out
 
 
@@ -324,7 +327,7 @@ class Reinforce(Objective):
     checks_first_prediction = False  # prompts, not text to predict
 
     def __init__(self, cfg: Config, *, prepared: str, eos_id: int, vocab_size: int,
-                 rank: int) -> None:
+                 rank: int, keeper=None) -> None:
         rl = self.rl = cfg.rl
         self.sampling = Sampling(rl.group_size, rl.temperature, rl.top_p,
                                  rl.max_completion_tokens)
@@ -337,6 +340,7 @@ class Reinforce(Objective):
         self.start_timeout_s = cfg.data.first_batch_timeout_s
         self.wait_for_nodes = cfg.scaling.wait_for_nodes
         self.pool: GeneratorPool | None = None
+        self.keeper = keeper  # the owner of the generators (raylm.rollout.keeper), the driver's
         self.local: Generator | None = None  # colocated: this rank's own
         self.buffer: Buffer | None = None
         self.upcoming: Upcoming | None = None
@@ -354,7 +358,7 @@ class Reinforce(Objective):
         """At the group's start (every rank): the generators, holding the weights the group
         starts from, and the rollouts the checkpoint ``resumed`` kept; returns the training
         stream to draw from."""
-        weights = trainable_weights(built.model)
+        weights = self.weights(built)
         self.version = self.at = step
         self.asked = step - 1
         init = dict(self.init)
@@ -377,7 +381,7 @@ class Reinforce(Objective):
                 init={**init, "tokenizer_json": tokenizer[0],
                       "threads": int(self.rl.generator_resources.get("CPU", 1) or 1)},
                 keep=self.rl.max_staleness + 1, timeout_s=self.start_timeout_s,
-                keep_waiting=self.wait_for_nodes)
+                keep_waiting=self.wait_for_nodes, keeper=self.keeper)
             self.pool.load(step, weights)
             self.pool.started()  # before the group reports its start
             kept = storage.join(resumed, CHECKPOINT_ROLLOUTS) if resumed else None
@@ -391,6 +395,11 @@ class Reinforce(Objective):
             return batches
         self.upcoming = Upcoming(batches, per_step=accumulation)
         return self.upcoming
+
+    def weights(self, built: Built) -> dict[str, torch.Tensor]:
+        """The trainable weights whole, on every rank colocated (each samples with its own
+        generator), else on rank 0 alone, which hands them to the generators."""
+        return trainable_weights(built.model, host=self.rl.colocated or self.rank == 0)
 
     def kept_groups(self, path: str | None, *, step: int, vocab_size: int
                     ) -> dict[int, Group]:
@@ -571,7 +580,7 @@ class Reinforce(Objective):
         self.version += 1
         self.at += 1
         t0 = time.perf_counter()
-        weights_now = trainable_weights(built.model)
+        weights_now = self.weights(built)
         figures = {"clip_low": total[1] / total[4], "clip_high": total[2] / total[4],
                    "kl": total[3] / total[4]}
         if self.local is not None:

@@ -9,6 +9,7 @@ with py-spy, spent while the workers' own imports wait for the same 2 cores).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from raylm.config import Config
 
@@ -38,3 +39,6 @@ class Handoff:
     """The stored reference of a DPO full fine-tune (raylm.run.reference)."""
     lease: str | None = None
     """The token of the run directory's lease its driver holds (raylm.run.lease)."""
+    keeper: Any = None
+    """The actor that owns a GRPO run's generators (raylm.rollout.keeper), the driver's: they
+    outlive the training group's restarts. None: the run has no generator actors."""

@@ -676,7 +676,7 @@ def objective_for(cfg: Config, *, handoff: Handoff, rank: int
         return Preference(cfg.dpo, adapters=bool(cfg.lora.rank))
     if cfg.train.objective == "grpo":
         return Reinforce(cfg, prepared=handoff.prepared, eos_id=handoff.eos_id,
-                         vocab_size=handoff.vocab_size, rank=rank)
+                         vocab_size=handoff.vocab_size, rank=rank, keeper=handoff.keeper)
     return NextToken(cross_document=cfg.data.across_documents)
 
 

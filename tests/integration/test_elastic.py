@@ -254,13 +254,21 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
     run_dir = tmp_path / "runs" / "grpo"
 
     killed_after: list[int] = []
+    generators: dict[str, set[str]] = {}
+
+    def alive_generators() -> dict[str, str]:
+        from ray.util.state import list_actors
+
+        return {a.actor_id: a.node_id for a in list_actors(filters=[
+            ("class_name", "=", "GeneratorActor"), ("state", "=", "ALIVE")], limit=100)}
 
     def kill_a_generator_then_a_trainer_node() -> None:
         """A generator as soon as the group has started; then a trainer's node, once the
         record holds a step after the newest checkpoint, the trainers stopped so that no save
         lands meanwhile (the lost node's raylet kills its worker, stopped or not). From the
         first checkpoint on, the trainers are held (:func:`faults.hold_until`): at 50 ms a
-        step the record would lag past the next checkpoint."""
+        step the record would lag past the next checkpoint. The generators alive then on
+        other nodes are looked for again once the resumed group has trained a step."""
         (victim, *_) = faults.generator_processes()
         victim.send_signal(signal.SIGKILL)
         wait_for(lambda: faults.checkpoint_step(run_dir) > 0, "the first checkpoint")
@@ -273,8 +281,19 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
         trainers = faults.hold_until(reported_past_the_checkpoint,
                                      what="a step reported after a checkpoint")
         killed_after.append(faults.checkpoint_step(run_dir))
-        c.remove_node(next(iter(c.worker_nodes)))
+        lost = next(iter(c.worker_nodes))
+        generators["elsewhere"] = {a for a, node in alive_generators().items()
+                                   if node != lost.node_id}
+        c.remove_node(lost)
         faults.signal_all(trainers, signal.SIGCONT)
+
+        def resumed_a_step() -> bool:
+            records = list(record.read(str(run_dir)))
+            starts = [i for i, r in enumerate(records) if isinstance(r, GroupStart)]
+            return len(starts) > 1 and any(isinstance(r, Progress) for r in records[starts[1]:])
+
+        wait_for(resumed_a_step, "a step of the resumed group")
+        generators["resumed"] = set(alive_generators())
 
     summary = faults.run_and_interfere(lambda: train(cfg, log=print), run_dir,
                                        acts=[(0, kill_a_generator_then_a_trainer_node)])
@@ -284,6 +303,10 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
     (k,) = killed_after
     assert restart["resumed_from_step"] == k
     assert (restart["from_workers"], restart["to_workers"], summary["workers"]) == (2, 1, 1)
+    # The generators are the driver's (raylm.rollout.keeper): those the lost node did not
+    # hold served the resumed group, the same actors, not new ones.
+    assert generators["elsewhere"] and generators["elsewhere"] <= generators["resumed"], \
+        generators
     groups: list[dict[int, dict]] = []
     for r in record.read(str(run_dir)):
         if isinstance(r, GroupStart):

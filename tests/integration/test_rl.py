@@ -81,6 +81,64 @@ def test_off_policy_groups_keep_the_weights_that_asked_for_them_and_a_checkpoint
         pool.shutdown()
 
 
+def test_generators_outlive_the_rank_0_that_drove_them_and_serve_the_next_one(tokenizer_dir):
+    """The generators are the run's keeper's (the driver's), not the rank 0 that drove them: a
+    rank 0 SIGKILLed with a generation in flight (its process, as a trainer dies) leaves them
+    running, models and all; the next group's rank 0 takes the same ones, which finish what
+    the lost one asked and then sample the groups they sampled for it, from the weights it
+    loads. Ending the keeper (the driver, as the run ends) ends them."""
+    import os
+    import signal
+
+    import ray
+
+    from raylm.contracts.rollouts import Prompt, Sampling
+    from raylm.rollout.generator import Generator
+    from raylm.rollout.keeper import start_keeper
+    from raylm.rollout.pool import GeneratorPool
+    from tests.integration.faults import generator_processes
+
+    init = generator_init(tokenizer_dir)
+    weights = {n: p.detach() for n, p in Generator(**init).built.model.named_parameters()}
+    prompts = [Prompt(p, [5, 17, 23, 40 + p], f"say {p}", {"answer": "x"}) for p in range(4)]
+    sampling = Sampling(group_size=3, temperature=1.0, max_tokens=5)
+    long = Sampling(group_size=8, temperature=1.0, max_tokens=200)
+
+    @ray.remote(num_cpus=0)
+    class Rank0:
+        def __init__(self, keeper) -> None:
+            self.pool = GeneratorPool(count=2, resources={"CPU": 0.5}, init=init, keeper=keeper)
+
+        def generate(self, weights, sampling, *, wait: bool = True):
+            self.pool.load(0, weights)
+            if not wait:  # asked, and left in flight
+                self.pool.submit(prompts, sampling)
+                return os.getpid()
+            groups = self.pool.generate(prompts, sampling)
+            return ([g.completions for g in groups], self.pool.replaced,
+                    sorted(a._actor_id.hex() for a in self.pool.actors))
+
+    keeper = start_keeper()
+    try:
+        first = Rank0.remote(keeper)
+        before, replaced, actors = ray.get(first.generate.remote(weights, sampling))
+        pids = {p.pid for p in generator_processes()}
+        assert len(pids) == 2 and replaced == 0
+        os.kill(ray.get(first.generate.remote(weights, long, wait=False)), signal.SIGKILL)
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(first.generate.remote(weights, sampling))
+        after, replaced, again = ray.get(Rank0.remote(keeper).generate.remote(weights, sampling))
+        assert again == actors and replaced == 0
+        assert {p.pid for p in generator_processes()} == pids
+        assert after == before
+    finally:
+        ray.kill(keeper)
+    deadline = time.monotonic() + 30
+    while generator_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not generator_processes(), "the generators outlived their keeper"
+
+
 def test_generators_join_as_the_cluster_places_them_and_the_others_take_a_lost_ones_share(
         tokenizer_dir):
     """rl.generators=[1, 2] on a cluster with room for one: the pool samples with that one,
