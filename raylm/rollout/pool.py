@@ -80,7 +80,6 @@ class GeneratorPool:
                         "num_gpus": resources.pop("GPU", 0.0), "resources": resources,
                         "max_restarts": 0, "scheduling_strategy":
                         PlacementGroupSchedulingStrategy(placement_group=None)}
-        self.init = init
         self.weights: tuple[int, Any] | None = None
         # The newest ``keep`` versions' weights (an off-policy run's asked-for generations
         # are up to rl.max_staleness versions old): a share whose generator died is sampled
