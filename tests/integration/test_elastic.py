@@ -36,12 +36,14 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head (controller, data readers) and two 1-CPU nodes that each hold one training
-    worker: the workers ask for the custom resource `trainer` that only those nodes have."""
+    """A head (controller, data readers, RL generators) and two 1-CPU nodes that each hold one
+    training worker: the workers ask for the custom resource `trainer` that only those nodes
+    have, and the GRPO run's generators for `generator`, which only the head has."""
     import ray
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2,
+                                                      "resources": {"generator": 2}})
     nodes = [c.add_node(num_cpus=1, resources={"trainer": 1}) for _ in range(2)]
     c.wait_for_nodes()
     ray.init(address=c.address, log_to_driver=False)
@@ -235,7 +237,8 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
         f"--model.path={warmed / 'model'}",
         "--data.format=prompt", "--train.objective=grpo", "--rl.reward=exact_match",
         "--data.seq_len=40", "--rl.max_completion_tokens=4", "--rl.group_size=8",
-        "--rl.generators=[1, 2]", '--rl.generator_resources={"CPU": 0.5}', "--rl.max_staleness=1",
+        "--rl.generators=[1, 2]", '--rl.generator_resources={"CPU": 0.5, "generator": 1}',
+        "--rl.max_staleness=1",
         "--rl.updates_per_step=2", "--rl.kl_coef=0.05",
         "--train.global_batch_size=8", "--train.micro_batch_size=4", "--train.steps=100",
         "--train.log_every=1", "--train.eval_every=20", "--train.eval_batches=4",
@@ -303,8 +306,8 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
     (k,) = killed_after
     assert restart["resumed_from_step"] == k
     assert (restart["from_workers"], restart["to_workers"], summary["workers"]) == (2, 1, 1)
-    # The generators are the driver's (raylm.rollout.keeper): those the lost node did not
-    # hold served the resumed group, the same actors, not new ones.
+    # The generators are the driver's (raylm.rollout.keeper), on the head (the `generator`
+    # resource): those alive as the node went served the resumed group, the same actors.
     assert generators["elsewhere"] and generators["elsewhere"] <= generators["resumed"], \
         generators
     groups: list[dict[int, dict]] = []
@@ -315,6 +318,9 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
             groups[-1][r.step] = r.history()
     first, second = groups
     assert max(r["rl_generators_replaced"] for r in first.values()) >= 1
+    # ... and the restart replaced none of them (the count runs across the group's restarts).
+    assert min(r["rl_generators_replaced"] for r in second.values()) == max(
+        r["rl_generators_replaced"] for r in first.values())
     # rl.generators=[1, 2]: the steps went on with one while the lost one's replacement
     # started, and the run ended with two.
     assert min(r["rl_generators"] for r in first.values()) == 1
