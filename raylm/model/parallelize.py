@@ -417,9 +417,8 @@ def shard(model: nn.Module, *, mesh, precision: str, reshard_after_forward: bool
     mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     blocks = owned_blocks(model)
     for i, block in blocks:
-        # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=reshard_after_forward and i < blocks[-1][0])
+                    reshard_after_forward=reshard_after_forward and _regathers(i, blocks))
     # None: FSDP2's default, which keeps the root's parameters gathered after forward.
     fully_shard(model, mesh=mesh, mp_policy=mp,
                 reshard_after_forward=None if reshard_after_forward else False)
@@ -432,3 +431,37 @@ def shard(model: nn.Module, *, mesh, precision: str, reshard_after_forward: bool
             block.set_modules_to_forward_prefetch(order[i + 1:i + 1 + prefetch])
             block.set_modules_to_backward_prefetch(order[max(0, i - prefetch):i][::-1])
     return model
+
+
+def _regathers(i: int, blocks: list[tuple[int, nn.Module]]) -> bool:
+    """Whether block ``i`` of ``blocks`` gives its gathered parameters back after forward: all
+    but the last, whose parameters backward needs again at once."""
+    return i < blocks[-1][0]
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module):
+    """The whole of a data-parallel FSDP2 ``model`` on this rank for the block, in eval mode:
+    each unit's parameters all-gathered once on entering (every rank enters together) and kept
+    through any number of forward passes, so a generation's forward per token issues no
+    collective and ranks may run different numbers of them; given back on leaving, the units'
+    resharding and the training mode as they were. A model that is not sharded is only put in
+    eval mode."""
+    from torch.distributed.fsdp import FSDPModule
+
+    was_training = model.training
+    model.eval()
+    blocks = [(i, b) for i, b in owned_blocks(model) if isinstance(b, FSDPModule)]
+    root = [model] if isinstance(model, FSDPModule) else []
+    try:
+        for unit in root + [b for _, b in blocks]:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        yield model
+    finally:
+        # The root keeps its parameters after forward (FSDP2's default for it, and shard's).
+        for i, block in blocks:
+            block.set_reshard_after_forward(_regathers(i, blocks), recurse=False)
+        for unit in root + [b for _, b in blocks]:
+            unit.reshard()
+        model.train(was_training)

@@ -7,6 +7,14 @@ included, under the trainers' mixed precision), and takes the trainers'
 trainable weights after each optimizer step (:meth:`Generator.load`, a version number with
 them). Sampling runs through transformers' ``generate`` with its KV cache.
 
+Colocated (``rl.generators: 0``), each trainer's generator samples with the trainer's own
+model in place: no second copy of the weights and nothing handed over after a step. For the
+duration of a generation FSDP2's shards are gathered whole once (one all-gather per unit,
+every rank alike, :func:`raylm.model.parallelize.gathered`) rather than per block and token,
+and given back before the step trains; the trainer's compiled blocks decode on a static cache
+on CUDA (:func:`decoding`). A full fine-tune's KL reference is then a model of its own, built
+from the starting weights.
+
 Every completion is a function of the weights, the prompt and its sample position alone: each
 prompt's group is sampled as one batch of ``group_size`` copies of that prompt (no padding, so
 no other prompt shares its batch), under a generator seeded from the run's seed and the
@@ -31,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +48,9 @@ from raylm.console import quiet_libraries
 from raylm.contracts.rollouts import Group, Prompt, Sampling
 from raylm.model.lora import adapters_off
 from raylm.rollout import rewards
+
+if TYPE_CHECKING:
+    from raylm.model.assemble import Built
 
 # Seeds of different prompts' groups differ in their high bits from the run's seed.
 SEED_STRIDE = 1_000_003
@@ -50,7 +61,7 @@ class Generator:
 
     def __init__(self, *, config: dict[str, Any], vocab_size: int, eos_id: int,
                  tokenizer_json: str, reward: str, threads: int | None = 1,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, built: Built | None = None) -> None:
         cfg = config_from_dict(config)
         quiet_libraries(cfg.run.verbose)
         from tokenizers import Tokenizer
@@ -62,7 +73,7 @@ class Generator:
         self.reward = (rewards.Isolated(reward, timeout_s=cfg.rl.reward_timeout_s)
                        if cfg.rl.reward_timeout_s else rewards.load_reward(reward))
         # An actor takes its GPU, or sets its CPU threads; a trainer's own generator
-        # (colocated) is given the trainer's device and leaves its threads alone.
+        # (colocated) samples with the trainer's model on its device, threads left alone.
         if device is None:
             device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if device.type == "cpu" and threads:
@@ -73,16 +84,20 @@ class Generator:
         from raylm.model.parallelize import ALONE
 
         spec = ModelSpec.from_config(cfg, vocab_size=vocab_size, eos_id=eos_id)
-        self.built = spec.replace(fused_loss=False, cross_document=True).build(device, ALONE)
-        self.built.model.eval()
+        spec = spec.replace(fused_loss=False, cross_document=True)
+        self.inplace = built is not None
+        self.built = built if self.inplace else spec.build(device, ALONE)
+        if not self.inplace:  # the trainer's model is in eval mode only while it samples
+            self.built.model.eval()
         self.names = {n for n, p in self.built.model.named_parameters() if p.requires_grad}
         self.version = 0  # the built weights: the run's start
         self.adapters = bool(cfg.lora.rank)
         self.reference = None  # with a KL penalty: what the reference log-probabilities read
         if cfg.rl.kl_coef:
             self.reference = self.built.model
-            if not self.adapters:
-                self.reference = copy.deepcopy(self.built.model).requires_grad_(False)
+            if not self.adapters:  # the starting weights, frozen (a trainer's: built anew)
+                self.reference = (spec.build(device, ALONE).model if self.inplace else
+                                  copy.deepcopy(self.built.model)).requires_grad_(False).eval()
 
     def autocast(self):
         """The trainers' mixed precision, so the generator's numbers are theirs."""
@@ -90,8 +105,12 @@ class Generator:
 
         return autocast(self.built.precision, self.built.device.type)
 
-    def load(self, version: int, weights: dict[str, torch.Tensor]) -> int:
-        """Take the trainers' trainable weights of ``version``; returns it."""
+    def load(self, version: int, weights: dict[str, torch.Tensor] | None) -> int:
+        """Take the trainers' trainable weights of ``version`` (none in place: the model is
+        the trainer's); returns it."""
+        if self.inplace:
+            self.version = version
+            return version
         if set(weights) != self.names:
             raise ValueError(f"weights of version {version} name {len(weights)} tensors, the "
                              f"model trains {len(self.names)}: "
@@ -111,7 +130,12 @@ class Generator:
         if version != self.version:
             raise RuntimeError(f"asked for completions of weights version {version}; this "
                                f"generator holds version {self.version}")
-        return [self.group(p, sampling) for p in prompts]
+        if not self.inplace:
+            return [self.group(p, sampling) for p in prompts]
+        from raylm.model.parallelize import gathered
+
+        with gathered(self.built.model):
+            return [self.group(p, sampling) for p in prompts]
 
     def group(self, prompt: Prompt, sampling: Sampling) -> Group:
         t0 = time.perf_counter()
@@ -141,7 +165,7 @@ class Generator:
             out = model.generate(
                 input_ids=tokens, attention_mask=torch.ones_like(tokens), **sampled,
                 max_new_tokens=s.max_tokens, eos_token_id=self.eos_id, pad_token_id=self.eos_id,
-                use_cache=True)
+                use_cache=True, **decoding(self.built))
         n = len(prompt.ids)
         completions = []
         for row in out[:, n:].tolist():
@@ -165,3 +189,14 @@ class Generator:
         picked = torch.log_softmax(logits[:, prompt_len - 1:] / temperature, dim=-1).gather(
             -1, sequences[:, prompt_len:, None]).squeeze(-1)
         return [picked[i, :len(c)].tolist() for i, c in enumerate(completions)]
+
+
+def decoding(built: Built) -> dict[str, Any]:
+    """How ``generate`` decodes with ``built``: the trainer's compiled blocks (``model.compile``,
+    in place on CUDA) on a static KV cache, whose fixed shapes each decoding step's forward
+    reuses rather than recompiling as a growing cache would; else transformers' default
+    growing cache, eager. transformers' own compilation of the whole forward stays off: the
+    blocks are the compiled part, under FSDP2's hooks."""
+    if built.device.type == "cuda" and built.plan.compile:
+        return dict(cache_implementation="static", disable_compile=True)
+    return {}

@@ -121,8 +121,9 @@ class ReinforceObjective(RunObjective):
 
     def described(self, cfg: Config) -> list[str]:
         """Where the run samples, and what its copies of the weights cost: a colocated
-        trainer's generator holds the whole model beside it; actors get each version of the
-        trainable weights through the object store, which keeps ``rl.max_staleness + 1``."""
+        trainer gathers its own model whole while it samples (and holds a full fine-tune's
+        KL reference beside it); actors get each version of the trainable weights through
+        the object store, which keeps ``rl.max_staleness + 1``."""
         from raylm.model.spec import ModelSpec
 
         rl = cfg.rl
@@ -136,9 +137,11 @@ class ReinforceObjective(RunObjective):
             return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
         whole = size(sum(p.numel() for p in params) * width)
         if rl.colocated:
+            reference = (f", beside a frozen copy for the KL reference ({whole})"
+                         if rl.kl_coef and not cfg.lora.rank else "")
             return [f"generation: colocated (rl.generators=0): each trainer samples its own "
-                    f"share with a generator of its own, a second copy of the model ({whole}) "
-                    f"beside the trainer's"]
+                    f"share with its own model, gathered whole while it samples "
+                    f"({whole}){reference}"]
         kept = (rl.max_staleness + 1) * sum(p.numel() for p in params if p.requires_grad)
         fewest, most = rl.generator_range
         count = f"{fewest}" if fewest == most else f"{fewest} to {most}"

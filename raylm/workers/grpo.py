@@ -358,7 +358,7 @@ class Reinforce(Objective):
         """At the group's start (every rank): the generators, holding the weights the group
         starts from, and the rollouts the checkpoint ``resumed`` kept; returns the training
         stream to draw from."""
-        weights = self.weights(built)
+        weights = None if self.rl.colocated else self.weights(built)
         self.version = self.at = step
         self.asked = step - 1
         init = dict(self.init)
@@ -372,8 +372,8 @@ class Reinforce(Objective):
                 dist.broadcast_object_list(tokenizer, src=0)
             init.pop("prepared", None)
             self.local = Generator(**init, tokenizer_json=tokenizer[0], threads=None,
-                                   device=built.device)
-            self.local.load(step, weights)
+                                   device=built.device, built=built)
+            self.local.load(step, None)
             return batches
         if self.rank == 0:
             self.pool = GeneratorPool(
@@ -397,9 +397,9 @@ class Reinforce(Objective):
         return self.upcoming
 
     def weights(self, built: Built) -> dict[str, torch.Tensor]:
-        """The trainable weights whole, on every rank colocated (each samples with its own
-        generator), else on rank 0 alone, which hands them to the generators."""
-        return trainable_weights(built.model, host=self.rl.colocated or self.rank == 0)
+        """The trainable weights whole on rank 0, which hands them to the generators (every
+        rank joins the gathering)."""
+        return trainable_weights(built.model, host=self.rank == 0)
 
     def kept_groups(self, path: str | None, *, step: int, vocab_size: int
                     ) -> dict[int, Group]:
@@ -580,11 +580,12 @@ class Reinforce(Objective):
         self.version += 1
         self.at += 1
         t0 = time.perf_counter()
-        weights_now = self.weights(built)
+        # Colocated, the trainer's generator samples with the model itself: nothing to hand.
+        weights_now = None if self.local is not None else self.weights(built)
         figures = {"clip_low": total[1] / total[4], "clip_high": total[2] / total[4],
                    "kl": total[3] / total[4]}
         if self.local is not None:
-            self.local.load(self.version, weights_now)
+            self.local.load(self.version, None)
         if every is not None:
             if self.pool is not None:
                 self.pool.load(self.version, weights_now)

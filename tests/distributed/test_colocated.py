@@ -1,9 +1,10 @@
 """Colocated GRPO (rl.generators=0) on two gloo ranks against one: rank 0 reads every rank's
-prompt rows and hands each its prompts, each samples its share with its own generator, and
-the step's groups, losses and tokens are the one rank's. No Ray."""
+prompt rows and hands each its prompts, each samples its share with its FSDP2-sharded model
+gathered whole, and the step's groups, losses and tokens are the one rank's. No Ray."""
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -22,9 +23,9 @@ def _rank(rank: int, world: int, port: int, prepared: str, tokenizer: str, out: 
     from tests.conftest import tokenizer_vocab
     from tests.unit.workers.test_colocated import micro_batch
 
-    if world > 1:
+    if world > 1:  # a rank left waiting in a collective fails in two minutes, not thirty
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
     cfg = load_config(None, [
         "--model.preset=tiny", "--train.precision=fp32", "--train.objective=grpo",
@@ -49,10 +50,32 @@ def _rank(rank: int, world: int, port: int, prepared: str, tokenizer: str, out: 
         seen.append((float(loss), rl.tokens, {k: float(v) for k, v in figures.items()
                                                if k in ("rl_reward", "rl_completion_len")}))
     completions = [g.completions for g in rl.groups(steps[0], rl.sampling, "train")[0]]
-    torch.save({"seen": seen, "completions": completions},
+    logits = gathered_forwards(built.model, forwards=1 + 2 * rank) if world > 1 else None
+    torch.save({"seen": seen, "completions": completions, "logits": logits},
                os.path.join(out, f"{world}-{rank}.pt"))
     if world > 1:
         dist.destroy_process_group()
+
+
+def gathered_forwards(model: torch.nn.Module, *, forwards: int) -> torch.Tensor:
+    """The logits of one input after ``forwards`` passes inside ``gathered`` (ranks run
+    different numbers, as generations of different lengths do: a collective in any pass would
+    leave one rank waiting), checking the shards are given back and training mode restored."""
+    from torch.distributed.tensor import DTensor
+
+    from raylm.model.parallelize import gathered
+
+    def sharded() -> bool:
+        return all(isinstance(p, DTensor) for p in model.parameters())
+
+    assert sharded() and model.training
+    with torch.no_grad(), gathered(model):
+        assert not model.training and not any(isinstance(p, DTensor)
+                                              for p in model.parameters())
+        for _ in range(forwards):
+            logits = model(input_ids=torch.arange(5, 13)[None]).logits
+    assert sharded() and model.training
+    return logits
 
 
 def test_two_colocated_ranks_sample_and_train_as_one(tmp_path, tokenizer_dir):
@@ -71,3 +94,5 @@ def test_two_colocated_ranks_sample_and_train_as_one(tmp_path, tokenizer_dir):
         for their_loss, their_tokens, _ in theirs:
             assert abs(their_loss - loss) < 1e-5 and their_tokens == tokens
         assert theirs[0][2] == figures  # rank 0's figures are of every rank's groups
+    # Gathered whole, both ranks compute with the same weights.
+    assert torch.equal(two[0]["logits"], two[1]["logits"])

@@ -73,10 +73,10 @@ def test_a_dry_run_preflights_and_says_what_would_run_where(capsys, ray_never_st
     assert ("generation: 1 generator actor(s) of {'CPU': 1.0}, each holding the model (4.7 "
             "MB); the object store keeps up to 3 version(s) of the trainable weights, 14.2 MB"
             in capsys.readouterr().out)
-    assert main([*grpo, "--rl.generators=0"]) == 0
+    assert main([*grpo, "--rl.generators=0", "--rl.kl_coef=0.1"]) == 0
     assert ("generation: colocated (rl.generators=0): each trainer samples its own share with "
-            "a generator of its own, a second copy of the model (4.7 MB) beside the trainer's"
-            in capsys.readouterr().out)
+            "its own model, gathered whole while it samples (4.7 MB), beside a frozen copy "
+            "for the KL reference (4.7 MB)" in capsys.readouterr().out)
 
 
 EXITING = """

@@ -1,7 +1,7 @@
-"""Colocated GRPO (rl.generators=0) in this process: the trainer samples its own groups with a
-generator of its own, which are the groups an actor's generator (the same class, built as an
-actor builds it) samples from the same weights, token for token, step after step; and
-sampling leaves the trainer's random state as it was."""
+"""Colocated GRPO (rl.generators=0) in this process: the trainer samples its own groups with
+its own model, which are the groups an actor's generator (the same class, built as an actor
+builds it) samples from the same weights, token for token, step after step; and sampling
+leaves the trainer's random state and training mode as they were."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def test_colocated_groups_are_an_actors_token_for_token_and_leave_the_rng(tmp_pa
         "--model.preset=tiny", "--train.precision=fp32", "--train.objective=grpo",
         "--data.format=prompt", "--rl.reward=exact_match", "--rl.generators=0",
         "--rl.group_size=4", "--rl.max_completion_tokens=6", "--train.global_batch_size=4",
-        "--train.micro_batch_size=4", "--train.steps=3", "--optim.lr=0.05"])
+        "--train.micro_batch_size=4", "--train.steps=3", "--optim.lr=0.05",
+        "--rl.kl_coef=0.05"])
     prepared = str(tmp_path / "prepared")
     built = ModelSpec.from_config(cfg, vocab_size=vocab, eos_id=0).build(torch.device("cpu"))
     optimizer = torch.optim.AdamW(built.model.parameters(), lr=cfg.optim.lr)
@@ -87,13 +88,16 @@ def test_colocated_groups_are_an_actors_token_for_token_and_leave_the_rng(tmp_pa
         assert torch.equal(torch.random.get_rng_state(), state)
         assert [g.completions for g in mine] == [g.completions for g in expected]
         assert [g.logps for g in mine] == [g.logps for g in expected]
+        # The full fine-tune's KL reference: the starting weights, frozen, here built anew.
+        assert [g.ref_logps for g in mine] == [g.ref_logps for g in expected]
+        assert (s == 0) == ([g.ref_logps for g in mine] == [g.logps for g in mine])
         assert [g.position for g in every] == [g.position for g in expected]
         loss, norm, figures = rl.step(built, optimizer, micro, accumulation=1, grad_clip=1.0)
         assert torch.isfinite(loss) and figures["rl_generators"] == 0
         assert figures["rl_staleness_max"] == 0 and rl.tokens > 0
-    # The step's updates reached the trainer's generator: its weights are the trainer's now.
-    for name, p in built.model.named_parameters():
-        assert torch.equal(dict(rl.local.built.model.named_parameters())[name], p), name
+    # The trainer's generator samples with the trainer's model itself (no copy, no weights
+    # handed over), which is back in training mode once it has.
+    assert rl.local.built is built and built.model.training
     assert 0.0 <= rl.evaluate(built, [micro_batch(PromptRows(prepared, "val",
                                                              prompt_field="prompt").split,
                                                   list(range(4)))])["val_reward"] <= 1.0
