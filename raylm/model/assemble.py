@@ -16,6 +16,7 @@ optimizer step with the defaults).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from raylm.model.build import (
     materialize,
     reset_buffers,
 )
+from raylm.model.context import ATTENTION, Context
+from raylm.model.context import use as use_context
 from raylm.model.head_loss import IGNORE, fusable, head_loss, head_rows, use_loss_head
 from raylm.model.lora import add_adapters, check_nf4_shapes, init_adapters, load_quantized_base
 from raylm.model.parallelize import (
@@ -67,6 +70,8 @@ class Built:
     document)."""
     fused_loss: bool = False
     """Whether the output head computes the loss in chunks (:mod:`raylm.model.head_loss`)."""
+    context: Context | None = None
+    """This rank's context-parallel group, where sequences are split over ranks."""
 
     @classmethod
     def on_cpu(cls, model: nn.Module, cross_document: bool = True) -> Built:
@@ -132,8 +137,17 @@ def build_training_model(*, preset: str | None, path: str | None, vocab_size: in
     pipe = None
     if isinstance(model, Stage):
         pipe = Pipeline(model, group=model.pp_group, device=device, schedule=pipeline_schedule)
+    context = None
+    if plan.context > 1:
+        context = Context.start(plan.context)
+        use_context(model, context)
+        # Inside attention each rank runs causal attention over whole documents, unmasked:
+        # the kernel blocks whose documents see each other get.
+        inner = choose_attention(device.type, cross_document=True, precision=precision)
+        choice = dataclasses.replace(inner, implementation=ATTENTION,
+                                     backend=f"all-to-all+{inner.backend}")
     return Built(model, choice, precision, device, config, plan, pipe, cross_document,
-                 fused_loss)
+                 fused_loss, context)
 
 
 def fitted_config(*, preset: str | None, path: str | None, vocab_size: int, eos_id: int,
@@ -195,9 +209,19 @@ def batch_loss(built: Built, batch: dict[str, torch.Tensor], *, cross_document: 
 
 
 def _positions(built: Built, batch: dict[str, torch.Tensor], cross_document: bool) -> dict:
-    """The inputs' positions, restarting at each document unless attention crosses them."""
-    return {} if cross_document else {
+    """The inputs' positions, restarting at each document unless attention crosses them (a
+    context-parallel shard's are its own: :meth:`raylm.model.context.Context.shard`)."""
+    return {} if cross_document and built.context is None else {
         "position_ids": batch["position_ids"][:, :-1].to(built.device, non_blocking=True)}
+
+
+def sequence_shards(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
+                    cross_document: bool) -> list[dict[str, torch.Tensor]]:
+    """``batches`` as this rank trains them: with context parallelism, its shard of each
+    sequence."""
+    if built.context is None:
+        return list(batches)
+    return [built.context.shard(b, cross_document=cross_document) for b in batches]
 
 
 def row_logps(rows: torch.Tensor, targets: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -349,6 +373,7 @@ def evaluate(built: Built, batches: Iterable[dict[str, torch.Tensor]], *,
     built.model.eval()
     if built.pipeline is not None:
         return pipeline_evaluate(built, list(batches), cross_document=cross_document)
+    batches = sequence_shards(built, batches, cross_document=cross_document)
     total = torch.zeros((), device=built.device)
     n = torch.zeros((), device=built.device)
     for batch in batches:

@@ -69,6 +69,9 @@ class ParallelPlan:
     """Tensor-parallel degree: ranks that split every block's weights and activations."""
     pipeline: int = 1
     """Pipeline-parallel degree: ranks that each hold a contiguous run of blocks."""
+    context: int = 1
+    """Context-parallel degree: ranks that each hold a shard of every sequence
+    (:mod:`raylm.model.context`)."""
     float8: str = "off"
     """Float8 matmuls in the blocks' linear layers: off, tensorwise or rowwise (see
     :mod:`raylm.model.float8`)."""
@@ -90,8 +93,9 @@ ALONE = ParallelPlan(alone=True)
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this rank sits on the ``(pp, dp, tp)`` mesh: data is split by ``dp_rank`` over
-    ``dp_size``; ranks with the same ``dp_rank`` see the same samples."""
+    """Where this rank sits on the ``(pp, dp, cp, tp)`` grid: data is split by ``dp_rank``
+    over ``dp_size``; ranks with the same ``dp_rank`` see the same samples (a context-parallel
+    group's each train its shard of them)."""
 
     dp_rank: int = 0
     dp_size: int = 1
@@ -99,23 +103,26 @@ class Layout:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
 
     def data_ranks(self) -> list[int]:
         """One global rank per data-parallel rank, in ``dp_rank`` order (the first of each
-        tensor-parallel group): whose batches make up a global batch."""
-        return [d * self.tp_size for d in range(self.dp_size)]
+        context- and tensor-parallel group): whose batches make up a global batch."""
+        return [d * self.cp_size * self.tp_size for d in range(self.dp_size)]
 
 
 def layout_of(rank: int, world_size: int, plan: ParallelPlan = DATA_PARALLEL) -> Layout:
-    """The position of ``rank`` on the mesh :func:`build_mesh` builds (row-major over
-    ``(pp, dp, tp)``), computed without torch.distributed."""
-    tp, pp = plan.tensor, plan.pipeline
-    if world_size % (tp * pp):
+    """The position of ``rank`` (row-major over ``(pp, dp, cp, tp)``; the mesh
+    :func:`build_mesh` builds is ``(pp, dp x cp, tp)``), computed without torch.distributed."""
+    tp, pp, cp = plan.tensor, plan.pipeline, plan.context
+    if world_size % (tp * pp * cp):
         raise ValueError(f"{world_size} ranks do not split into parallel.tensor={tp} x "
-                         f"parallel.pipeline={pp} groups")
-    dp = world_size // (tp * pp)
-    return Layout(dp_rank=rank // tp % dp, dp_size=dp, tp_rank=rank % tp, tp_size=tp,
-                  pp_rank=rank // (tp * dp), pp_size=pp)
+                         f"parallel.pipeline={pp} x parallel.context={cp} groups")
+    dp = world_size // (tp * pp * cp)
+    return Layout(dp_rank=rank // (tp * cp) % dp, dp_size=dp, tp_rank=rank % tp, tp_size=tp,
+                  pp_rank=rank // (tp * cp * dp), pp_size=pp, cp_rank=rank // tp % cp,
+                  cp_size=cp)
 
 
 def resolve_precision(precision: str, device_type: str) -> str:
@@ -193,11 +200,12 @@ def check_tensor_parallel(config, *, tensor: int, seq_len: int) -> None:
 
 def build_mesh(device_type: str, plan: ParallelPlan = DATA_PARALLEL):
     """The ``(pp, dp, tp)`` mesh over every rank (dimensions of size 1 included, so code
-    can always name them)."""
+    can always name them); ``dp`` holds the context-parallel ranks too, as FSDP2 shards over
+    both (each trains a shard of the same sequences, their gradients summed alike)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     lay = layout_of(dist.get_rank(), dist.get_world_size(), plan)
-    return init_device_mesh(device_type, (lay.pp_size, lay.dp_size, lay.tp_size),
+    return init_device_mesh(device_type, (lay.pp_size, lay.dp_size * lay.cp_size, lay.tp_size),
                             mesh_dim_names=("pp", "dp", "tp"))
 
 

@@ -27,6 +27,7 @@ from raylm.model.assemble import (
     evaluate,
     plain,
     run_pipeline,
+    sequence_shards,
     shared_loss,
     token_loss,
     trained_targets,
@@ -155,6 +156,7 @@ def train_step(built: Built, optimizer: torch.optim.Optimizer,
     if built.pipeline is not None:
         return pipeline_step(built, optimizer, micro_batches, grad_clip=grad_clip,
                              cross_document=cross_document, health=health)
+    micro_batches = sequence_shards(built, micro_batches, cross_document=cross_document)
     total = torch.zeros((), device=built.device)
     if "loss_mask" in micro_batches[0]:
         world = dist.get_world_size() if dist.is_initialized() else 1
