@@ -755,6 +755,14 @@ class ParallelConfig:
     activations at stage boundaries travel, once per micro-batch. Needs untied embeddings
     and at least one layer per stage; layers that do not divide are split as evenly as they
     can be (the split is printed at start)."""
+    context: int = 1
+    """Context-parallel degree: each sequence of a micro-batch is split into this many
+    contiguous shards over as many workers, which hold 1/N of its activations each (the
+    longest sequence that trains grows about N-fold); attention exchanges q, k, v and its
+    output between them (all-to-all: each worker attends over the whole sequence for 1/N of
+    the heads), per-document attention included. It must divide the attention heads and
+    data.seq_len; the data-parallel degree is scaling.num_workers / context, and
+    train.global_batch_size counts whole sequences."""
     pipeline_schedule: PipelineSchedule = "1f1b"
     """Order of the micro-batches' forward and backward passes: gpipe (all forwards, then all
     backwards: every micro-batch's activations held at once) or 1f1b (backward starts as
@@ -1105,9 +1113,9 @@ def model_parallel_group(cfg: Config) -> tuple[int, str]:
     """Workers that share one data-parallel rank (a tensor-parallel group times the pipeline
     stages), and how a message names them."""
     p = cfg.parallel
-    parts = [f"parallel.{k}={v}" for k, v in (("tensor", p.tensor), ("pipeline", p.pipeline))
-             if v > 1]
-    return p.tensor * p.pipeline, " x ".join(parts) or "parallel.tensor=1"
+    parts = [f"parallel.{k}={v}" for k, v in (("tensor", p.tensor), ("pipeline", p.pipeline),
+                                              ("context", p.context)) if v > 1]
+    return p.tensor * p.pipeline * p.context, " x ".join(parts) or "parallel.tensor=1"
 
 
 def _check_layout(cfg: Config) -> None:
@@ -1116,7 +1124,21 @@ def _check_layout(cfg: Config) -> None:
     with groups of more than one worker only a fixed count (or [n, n]) guarantees that. A
     pipeline must have at least one micro-batch per stage."""
     p, sc = cfg.parallel, cfg.scaling
-    _at_least("parallel", p, tensor=1, pipeline=1, pipeline_microbatches=0, prefetch=0)
+    _at_least("parallel", p, tensor=1, pipeline=1, context=1, pipeline_microbatches=0,
+              prefetch=0)
+    if p.context > 1:
+        _check(p.tensor == 1 and p.pipeline == 1, "parallel.context", p.context,
+               "1 with parallel.tensor or parallel.pipeline > 1 (sequences are split over "
+               "data-parallel workers only)")
+        _check(cfg.model.compile is not True, "model.compile", True,
+               "false or auto with parallel.context > 1 (the all-to-all around attention "
+               "runs eagerly; auto leaves the blocks uncompiled)")
+        _check(cfg.model.attention in ("auto", "sdpa"), "model.attention",
+               cfg.model.attention, "auto or sdpa with parallel.context > 1 (each worker "
+               "runs SDPA over whole documents inside its share of the heads)")
+        _check(cfg.data.seq_len % p.context == 0, "data.seq_len", cfg.data.seq_len,
+               f"a multiple of parallel.context={p.context} (each worker holds an equal "
+               f"shard of every sequence)")
     group, named = model_parallel_group(cfg)
     lo, hi = sc.worker_range
     odd = [n for n in range(lo, hi + 1) if n % group]
@@ -1278,9 +1300,11 @@ def _check_choices(cfg: Config) -> None:
 def _data_parallel_only(cfg: Config) -> None:
     """The preference and reinforcement steps run on data-parallel workers only."""
     objective = cfg.train.objective
-    _check(cfg.parallel.tensor == 1 and cfg.parallel.pipeline == 1, "train.objective",
-           objective, "sft with tensor or pipeline parallelism (parallel.tensor, "
-           f"parallel.pipeline > 1); {objective} runs on data-parallel FSDP2 workers")
+    p = cfg.parallel
+    _check(p.tensor == 1 and p.pipeline == 1 and p.context == 1, "train.objective",
+           objective, "sft with tensor, pipeline or context parallelism (parallel.tensor, "
+           f"parallel.pipeline, parallel.context > 1); {objective} runs on data-parallel "
+           f"FSDP2 workers")
 
 
 def validate(cfg: Config) -> Config:

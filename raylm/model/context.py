@@ -80,17 +80,16 @@ def use(model: torch.nn.Module, context: Context) -> None:
     model.config._attn_implementation = ATTENTION
 
 
-def check(config, *, context: int, seq_len: int) -> None:
-    """Refuse a degree the model or the sequence does not split into (before Ray starts)."""
+def check(config, *, context: int) -> None:
+    """Refuse a degree the model's attention does not split into (before Ray starts)."""
     if context == 1:
         return
     from raylm.model.build import Shape
 
     heads = Shape.of(config).heads
-    if heads % context or seq_len % context:
-        raise ValueError(f"parallel.context={context} must divide the model's {heads} "
-                         f"attention heads and data.seq_len={seq_len}; choose a degree that "
-                         f"divides both")
+    if heads % context:
+        raise ValueError(f"parallel.context={context} does not divide the model's {heads} "
+                         f"attention heads; choose a degree that divides them")
     windows = getattr(config, "sliding_window", None) and any(
         t == "sliding_attention" for t in getattr(config, "layer_types", None) or ["sliding"])
     if windows or getattr(config, "attn_logit_softcapping", None):

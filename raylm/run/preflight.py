@@ -20,6 +20,7 @@ from raylm.config import Config, for_sweep
 from raylm.hub import with_hub_snapshots
 from raylm.model import lora
 from raylm.model.build import check_seq_len
+from raylm.model.context import check as check_context
 from raylm.model.parallelize import check_tensor_parallel
 from raylm.model.pipeline import check_pipeline
 from raylm.model.spec import ModelSpec
@@ -55,6 +56,7 @@ def preflight(cfg: Config, *, sweep: bool = False, tracked: bool = True) -> Chec
     check_seq_len(objective.longest_row(cfg), model_config, preset=m.preset, path=m.path)
     objective.check(cfg)
     check_tensor_parallel(model_config, tensor=cfg.parallel.tensor, seq_len=cfg.data.seq_len)
+    check_context(model_config, context=cfg.parallel.context)
     check_pipeline(model_config, pipeline=cfg.parallel.pipeline)
     if m.path:
         # The weight files against the model the config makes (on meta, no memory).

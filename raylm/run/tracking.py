@@ -156,16 +156,21 @@ class MLflowTracker(Tracker):
     @_guarded("log metrics")
     def log_report(self, client, report: Report, checkpoint_path: str | None) -> None:
         """A report's numeric values as metrics at its step; the descriptive ones as params
-        (once); a checkpoint's location as a tag and in ``checkpoints.json``."""
-        from mlflow.entities import Param
+        (what the run started with: MLflow's params never change) and as tags (what the
+        latest invocation runs: a resume may run another kernel or precision), once per
+        invocation; a checkpoint's location as a tag and in ``checkpoints.json``."""
+        from mlflow.entities import Param, RunTag
 
         step = int(report.step)
         values = _metrics(report.logged_metrics(), step)
-        params = []
+        params, tags = [], []
         if not self.params_logged:
-            params = [Param(k, v) for k, v in report.described().items()]
+            held = client.get_run(self.run_id).data.params
+            described = report.described().items()
+            params = [Param(k, v) for k, v in described if k not in held]
+            tags = [RunTag(f"raylm.{k}", v) for k, v in described]
             self.params_logged = True
-        client.log_batch(self.run_id, metrics=values, params=params)
+        client.log_batch(self.run_id, metrics=values, params=params, tags=tags)
         if checkpoint_path is not None:
             self.checkpoints.append({"step": step, "path": checkpoint_path})
             # Ray Train has deleted the older ones (num_to_keep), so the list names only those

@@ -543,11 +543,12 @@ def setup(handoff: Handoff, *, group_started: float) -> Setup:
     energy_since = (time.perf_counter(), energy.read())
     t, par = cfg.train, cfg.parallel
     plan = ParallelPlan(activation_checkpointing=cfg.model.activation_checkpointing,
-                        compile=compile_blocks(cfg.model.compile, device), tensor=par.tensor,
-                        pipeline=par.pipeline, float8=cfg.model.float8,
-                        reduce_dtype=par.reduce_dtype, prefetch=par.prefetch)
-    # Data goes by data-parallel rank: the workers of a tensor-parallel group, and the stages
-    # of a pipeline, train on the same samples.
+                        compile=compile_blocks(cfg.model.compile, device) and par.context == 1,
+                        tensor=par.tensor, pipeline=par.pipeline, context=par.context,
+                        float8=cfg.model.float8, reduce_dtype=par.reduce_dtype,
+                        prefetch=par.prefetch)
+    # Data goes by data-parallel rank: the workers of a tensor- or context-parallel group, and
+    # the stages of a pipeline, train on the same samples.
     lay = layout_of(rank, world, plan)
     # Under pipeline parallelism the accumulation steps are the schedule's micro-batches.
     micro_batch, accumulation = batch_plan(
@@ -739,6 +740,10 @@ def announce(cfg: Config, built: Built, *, world: int, step: int, micro_batch: i
         print(f"raylm: attention runs {built.attention.backend}: "
               f"{built.attention.fallback}", flush=True)
     par = cfg.parallel
+    if par.context > 1:
+        print(f"raylm: each sequence split over {par.context} workers (parallel.context): "
+              f"{cfg.data.seq_len // par.context} tokens each, attention "
+              f"{built.attention.backend}", flush=True)
     if par.pipeline > 1:
         print(f"raylm: {par.pipeline} pipeline stages ({par.pipeline_schedule}, "
               f"{accumulation} micro-batches of {micro_batch} per step): "

@@ -106,7 +106,8 @@ def trained(base):
 def relaid(base, trained):
     """The same 30 steps in two invocations on two layouts, its run directory in object
     storage and its MLflow run in the first run's default store: 10 steps on 4 half-CPU
-    workers at (dp 2, tp 2); the newest checkpoint then cut short, as a save killed half-way
+    workers at (dp 2, cp 2), each sequence split over two of them; the newest checkpoint then
+    cut short, as a save killed half-way
     leaves it; on to 30 on 2 workers at (pp 2), which goes back to the step-5 checkpoint and
     logs the final model. It evaluates twice as many blocks per data-parallel rank there, so
     that its one rank evaluates the blocks the 2 ranks of the other runs did. Returns both
@@ -116,7 +117,7 @@ def relaid(base, trained):
     run = [f"--run.storage_path={bucket(base)}", "--run.name=layouts", "--checkpoint.every=5",
            "--scaling.num_workers=4", "--scaling.cpus_per_worker=0.5",
            f"--tracking.uri={trained['mlflow_tracking_uri']}"]
-    first = train_run(base, *run, "--train.steps=10", "--parallel.tensor=2")
+    first = train_run(base, *run, "--train.steps=10", "--parallel.context=2")
     newest, marker = rundir.latest_verified(f"{bucket(base)}/layouts")
     assert marker.step == 10 and marker.world_size == 4
     shard = max((storage.join(newest, f) for f in storage.list_files(newest)
@@ -190,7 +191,9 @@ def test_mlflow_keeps_one_run_and_one_history_across_invocations(base, trained, 
     mrun = client.get_run(resumed["mlflow_run_id"])
     assert mrun.info.status == "FINISHED" and mrun.info.run_name == "layouts"
     assert mrun.data.params["model.preset"] == "tiny"
-    assert mrun.data.params["attention_backend"] == "sdpa-flash-cpu"
+    # The kernel the run started with (a param), and the one its last invocation ran (a tag).
+    assert mrun.data.params["attention_backend"] == "all-to-all+sdpa-flash-cpu"
+    assert mrun.data.tags["raylm.attention_backend"] == "sdpa-flash-cpu"
     # Step 10 was trained in both invocations (the second went back to step 5): MLflow keeps
     # both reports of it, the run's history the last.
     losses = client.get_metric_history(mrun.info.run_id, "loss")
@@ -681,14 +684,18 @@ def test_a_planted_bad_record_is_rewound_left_out_exactly_and_never_loops(
 
 
 def test_resume_on_another_layout_past_a_truncated_checkpoint(trained, relaid):
-    """The run of ``relaid``: 10 steps at (dp 2, tp 2), the newest checkpoint cut short, on to
-    30 at (pp 2) on half the ranks from the step-5 checkpoint. The same samples per step
-    throughout, so it ends with the uninterrupted dp-only run's losses: DCP reshards the
-    TP-split state onto pipeline stages. (Resuming on fewer ranks under FSDP2 alone:
-    tests/distributed/test_checkpoint.py and the elastic test.)"""
+    """The run of ``relaid``: 10 steps at (dp 2, cp 2), the newest checkpoint cut short, on to
+    30 at (pp 2) on half the ranks from the step-5 checkpoint, its sequences whole again. The
+    same samples per step throughout (a context-parallel pair reads one data slice), so it
+    ends with the uninterrupted dp-only run's losses: DCP reshards the state FSDP2 spread
+    over the 4 ranks onto pipeline stages. (Resuming on fewer ranks under FSDP2 alone:
+    tests/distributed/test_checkpoint.py and the elastic test; a tensor-parallel checkpoint
+    on other layouts: tests/distributed/test_tensor_parallel.py.)"""
     split, staged, logs = relaid
-    assert split["final_step"] == 10 and split["tensor_parallel"] == 2
-    assert split["data_parallel"] == 2 and split["pipeline_parallel"] == 1
+    assert split["final_step"] == 10 and split["workers"] == 4
+    assert split["attention_backend"] == "all-to-all+sdpa-flash-cpu"
+    assert split["data_parallel"] == 2 and split["tensor_parallel"] == 1
+    assert split["pipeline_parallel"] == 1
     assert_exact_samples(split, 10)
     assert any("skipping incomplete checkpoint" in m and "truncated" in m for m in logs), logs
     assert staged["resumed_from_step"] == 5 and staged["pipeline_parallel"] == 2
@@ -701,7 +708,7 @@ def test_resume_on_another_layout_past_a_truncated_checkpoint(trained, relaid):
     full = trained
     assert staged["train_loss"] == pytest.approx(full["train_loss"], abs=1e-4)
     assert staged["val_loss"] == pytest.approx(full["val_loss"], abs=1e-4)
-    # Each rank of (dp 2, tp 2) holds half of what FSDP2 alone over 2 ranks leaves it; a stage
+    # Each rank of (dp 2, cp 2) holds half of what FSDP2 alone over 2 ranks leaves it; a stage
     # of (pp 2) holds half the model, as much as FSDP2 over 2 ranks: weights and Adam state.
     for held in ("param_memory_gb", "optimizer_memory_gb"):
         assert 0.4 < split[held] / full[held] < 0.6, held

@@ -43,7 +43,7 @@ def test_ruff_finds_nothing():
 
 # The budget docs/development.md states: raising one is a decision made there, with its reason.
 MAX_LINES = 20_900  # raylm/ outside bench/
-MAX_CONFIG_KEYS = 145
+MAX_CONFIG_KEYS = 146
 
 
 def test_the_codebase_keeps_its_budget(capsys):
