@@ -8,6 +8,8 @@
     float8    one GPU: raylm's step with float8 linears (tensorwise, rowwise) vs bf16:
               tokens/s, memory, loss after the same steps
     layouts   per-rank memory and step time under FSDP2, tensor and pipeline layouts
+    context   sequences split over ranks (parallel.context): tokens/s, peak memory per rank,
+              the all-to-all's bytes and time, by length; the longest within a memory cap
     comm      bytes FSDP2 gathers and reduces per step and rank, time in collectives and its
               share hidden behind compute, for parallel.reduce_dtype and parallel.prefetch;
               and DDP's all-reduce in fp32, bf16 and PowerSGD
@@ -41,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="name", required=True)
     _add_data_and_training(sub)
     _add_layouts_and_scale(sub)
+    _add_context(sub)
     return p
 
 
@@ -120,6 +123,25 @@ def _add_data_and_training(sub) -> None:
     lo.add_argument("--workers", type=int, default=2)
     lo.add_argument("--micro-batch", type=int, default=2)
     lo.add_argument("--workdir", default=None)
+
+
+def _add_context(sub) -> None:
+    cx = sub.add_parser("context", help="tokens/s, peak memory per rank and the all-to-all's "
+                                        "bytes of sequences split over ranks (parallel."
+                                        "context), by length (torch + transformers only)")
+    cx.add_argument("--output", required=True)
+    cx.add_argument("--presets", default="tiny,125m")
+    cx.add_argument("--lengths", default="tiny:2048,8192,32768;125m:2048,4096",
+                    help="sequence lengths, per preset (preset:a,b;preset:c) or for all")
+    cx.add_argument("--contexts", default="1,2", help="degrees; the first is the baseline")
+    cx.add_argument("--steps", type=int, default=3)
+    cx.add_argument("--cap-gb", type=float, default=2.0,
+                    help="the memory per rank the longest sequence must stay within")
+    cx.add_argument("--documents", choices=("packed", "whole"), default="packed",
+                    help="four documents per sequence attending within themselves, or one")
+    cx.add_argument("--checkpointing", choices=("on", "off"), default="on",
+                    help="activation checkpointing (off: every activation held at once)")
+    cx.add_argument("--workdir", default=None)
 
 
 def _add_layouts_and_scale(sub) -> None:
@@ -300,6 +322,9 @@ def measure(args: argparse.Namespace, extra: list[str]) -> dict:
         result = run(presets=args.presets.split(","), recipes=args.recipes.split(","),
                      seq_len=args.seq_len, micro_batch=args.micro_batch, warmup=args.warmup,
                      steps=args.steps, log_every=args.log_every, output=args.output)
+    elif args.name == "context":
+        from raylm.bench.context import from_args
+        result = from_args(args)
     elif args.name == "layouts":
         from raylm.bench.layouts import run
 

@@ -19,6 +19,7 @@ and is the one attention implementation transformers' models call through its re
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -90,8 +91,9 @@ def check(config, *, context: int) -> None:
     if heads % context:
         raise ValueError(f"parallel.context={context} does not divide the model's {heads} "
                          f"attention heads; choose a degree that divides them")
-    windows = getattr(config, "sliding_window", None) and any(
-        t == "sliding_attention" for t in getattr(config, "layer_types", None) or ["sliding"])
+    types = getattr(config, "layer_types", None)  # a family without them: every layer alike
+    windows = bool(getattr(config, "sliding_window", None)) and (
+        types is None or "sliding_attention" in types)
     if windows or getattr(config, "attn_logit_softcapping", None):
         raise ValueError(f"parallel.context={context}: {type(config).__name__}'s attention "
                          f"(sliding windows or soft-capped logits) is not split over ranks; "
@@ -113,11 +115,19 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, group, gather, scatter), None, None, None
 
 
+EXCHANGED = {"bytes": 0, "seconds": 0.0}
+"""What this process's all-to-alls sent and how long they took (``python -m raylm.bench
+context`` resets and reads it)."""
+
+
 def _exchange(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
     n = dist.get_world_size(group)
     sent = torch.stack(x.chunk(n, dim=scatter)).contiguous()
     received = torch.empty_like(sent)
+    t0 = time.perf_counter()
     dist.all_to_all_single(received, sent, group=group)
+    EXCHANGED["seconds"] += time.perf_counter() - t0
+    EXCHANGED["bytes"] += sent.numel() * sent.element_size() * (n - 1) // n
     return torch.cat(received.unbind(0), dim=gather)
 
 

@@ -30,6 +30,8 @@ def describe(cfg: Config, *, sweep: bool = False) -> tuple[Config, list[str]]:
     checked = preflight(cfg, sweep=sweep)
     cfg = checked.cfg
     lines = [_cluster(cfg), _device(cfg), _workers(cfg), _data(cfg), _run(cfg, sweep=sweep)]
+    if cfg.parallel.context > 1:
+        lines.append(_context(cfg))
     lines += objective_of(cfg).described(cfg)
     if sweep:
         t = cfg.tune
@@ -74,6 +76,26 @@ def _workers(cfg: Config) -> str:
             f"reader of {reader} CPU; global batch {t.global_batch_size} sequences of "
             f"{cfg.data.seq_len} tokens ({micro} x {accumulation} accumulation per "
             f"data-parallel rank at {most} worker{'s' if most > 1 else ''})")
+
+
+def _context(cfg: Config) -> str:
+    """How a sequence splits over a context-parallel group, and what attention holds."""
+    from raylm.model.build import Shape
+    from raylm.model.spec import ModelSpec
+
+    n, length = cfg.parallel.context, cfg.data.seq_len
+    shape = Shape.of(ModelSpec.from_config(cfg, vocab_size=1, eos_id=0)
+                     .transformers_config("eager"))
+    width = 4 if cfg.train.precision == "fp32" else 2
+    # q and the output for heads / n, k and v for as many key/value heads (repeated to one
+    # per head where they do not split), over the whole sequence.
+    kv = shape.kv_heads if shape.kv_heads % n == 0 else shape.heads
+    held = length * shape.head_dim * (2 * shape.heads + 2 * kv) // n * width
+    return (f"context: each sequence's {length} tokens over {n} workers (parallel.context="
+            f"{n}), {length // n} each; inside attention each holds the whole sequence for "
+            f"{shape.heads // n} of {shape.heads} heads: q, k, v and the output "
+            f"{held / 2**20:.1f} MB per block and sequence, exchanged (all-to-all) twice "
+            f"forward and twice backward")
 
 
 def _data(cfg: Config) -> str:

@@ -127,3 +127,19 @@ def test_the_shards_positions_are_the_blocks():
     assert across["position_ids"][0].tolist() == list(range(16, 33))
     with pytest.raises(ValueError, match="does not divide the blocks' 32 tokens"):
         Context(None, 3, 0).shard(batch, cross_document=True)
+
+
+def test_attention_that_does_not_split_is_refused_before_ray_starts():
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
+
+    from raylm.model.context import check
+
+    shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                 num_hidden_layers=2, intermediate_size=128)
+    check(LlamaConfig(**shape), context=4)
+    check(Qwen3Config(**shape), context=2)  # a window it does not use
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        check(LlamaConfig(**shape), context=3)
+    for config in (Gemma3TextConfig(**shape), MistralConfig(sliding_window=16, **shape)):
+        with pytest.raises(ValueError, match="sliding windows or soft-capped logits"):
+            check(config, context=2)

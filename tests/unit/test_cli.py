@@ -63,6 +63,20 @@ def test_a_dry_run_preflights_and_says_what_would_run_where(capsys, ray_never_st
     assert f"run: a new sweep in {tmp_path}/runs/tiny-builtin-sweep" in capsys.readouterr().out
     assert main(["train", "--dry-run", "--data.seq_len=4096"]) == 2
     assert "data.seq_len=4096 is above the 1024 positions" in capsys.readouterr().err
+    # A sequence split over workers: its shards, and what attention holds of it (the tiny
+    # preset: 4 heads of 16, 256 tokens in fp32: 32 KB for q, k, v and the output each).
+    assert main(["train", "--dry-run", "--parallel.context=2", "--scaling.num_workers=2",
+                 "--scaling.use_gpu=false", "--train.precision=fp32",
+                 "--run.ray_address=local", "--tracking.enabled=false"]) == 0
+    out = capsys.readouterr().out
+    assert "workers: 2 x 1 CPU, parallel.context=2, each with" in out
+    assert ("context: each sequence's 256 tokens over 2 workers (parallel.context=2), 128 "
+            "each; inside attention each holds the whole sequence for 2 of 4 heads: q, k, v "
+            "and the output 0.1 MB per block and sequence" in out)
+    assert main(["train", "--dry-run", "--parallel.context=3", "--scaling.num_workers=3",
+                 "--data.seq_len=255"]) == 2
+    assert "parallel.context=3 does not divide the model's 4 attention heads" in (
+        capsys.readouterr().err)
     # GRPO: where it samples, and what the copies of its weights cost (the tiny preset's
     # 1.18 M parameters in fp32 are 4.7 MB; three versions kept by the object store).
     (tmp_path / "q.jsonl").write_text('{"prompt": "1 + 2?", "answer": "3"}\n')
