@@ -274,6 +274,7 @@ def logit_spread(built: Built, batch: dict[str, torch.Tensor], *, cross_document
     equal), and clearly above 0 for any other, trained or randomly initialized (0.16 for a
     tiny random-weight Qwen3). One forward of the micro-batch as :func:`evaluate` runs it
     (the same shapes and mode, so compiled blocks compile nothing new for it)."""
+    (batch,) = sequence_shards(built, [batch], cross_document=cross_document)
     tokens = batch["input_ids"][:, :-1].to(built.device, non_blocking=True)
     kwargs = _positions(built, batch, cross_document)
     built.model.eval()

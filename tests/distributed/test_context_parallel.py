@@ -2,9 +2,9 @@
 sequence, against one process holding them whole (fp32, CPU, no Ray): the gradients of one
 backward and the losses of AdamW steps, on packed blocks of several documents (a document
 across the shards' boundary included) with per-document attention and without, blocks with
-a loss mask (chat rows), and evaluation; for the tiny Llama, a grouped-query Llama whose two
-key/value heads split over the ranks, one whose single key/value head must be repeated, and
-a Qwen3 (its query/key norms)."""
+a loss mask (chat rows), evaluation and the first batch's check of pretrained weights; for
+the tiny Llama, a grouped-query Llama whose two key/value heads split over the ranks, one
+whose single key/value head must be repeated, and a Qwen3 (its query/key norms)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def save_models(root) -> dict[str, str]:
 
 
 def run(world: int, rank: int, out: dict, models: dict[str, str]) -> None:
-    from raylm.model.assemble import build_training_model, evaluate
+    from raylm.model.assemble import build_training_model, evaluate, logit_spread
     from raylm.workers.optim import build_optimizer
     from raylm.workers.step import train_step
 
@@ -74,7 +74,9 @@ def run(world: int, rank: int, out: dict, models: dict[str, str]) -> None:
             got["masked"] = [float(x) for x in train_step(built, opt, [chat], grad_clip=1.0,
                                                           **step)]
             got["val"] = [evaluate(built, [packed(9)], cross_document=across),
-                          evaluate(built, [chat], cross_document=across)]
+                          evaluate(built, [chat], cross_document=across),
+                          # The first batch's check that pretrained weights loaded.
+                          logit_spread(built, packed(0), cross_document=across)]
 
 
 @pytest.fixture(scope="module")
