@@ -93,6 +93,28 @@ class DefaultTemplate:
         sep = "\n\n" if messages else ""
         return [*self.segments(messages), Segment(f"{sep}{self.header}", False)]
 
+    @property
+    def jinja(self) -> str:
+        """This version as a Hugging Face chat template, which an export carries so that
+        clients render what training rendered: the text of :meth:`segments` (the EOS
+        written as its token), and with ``add_generation_prompt`` that of :meth:`prompt`."""
+        return (DEFAULT_JINJA.replace("ANSWER", json.dumps(self.header + self.answer_prefix))
+                .replace("HEADER", json.dumps(self.header)))
+
+
+# DefaultTemplate as Jinja; ANSWER and HEADER are its version's (tests/unit/data/test_chat.py
+# renders both versions against the segments).
+DEFAULT_JINJA = (
+    "{%- for message in messages -%}"
+    "{%- if not loop.first -%}{{ '\\n\\n' }}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ ANSWER + message['content'] + eos_token }}"
+    "{%- elif message['role'] == 'user' -%}{{ 'User: ' + message['content'] }}"
+    "{%- elif message['role'] == 'system' -%}{{ 'System: ' + message['content'] }}"
+    "{%- else -%}{{ raise_exception('raylm\\'s default template takes system, user and "
+    "assistant turns') }}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{%- if messages -%}{{ '\\n\\n' }}{%- endif -%}"
+    "{{ HEADER }}{%- endif -%}")
+
 
 class JinjaTemplate:
     """A Hugging Face chat template (the Jinja source a tokenizer carries), rendered with
@@ -188,11 +210,17 @@ class JinjaTemplate:
         return [Segment(self._render(messages, generation=True), False)]
 
 
+DEFAULT_JINJAS = frozenset(DefaultTemplate(v).jinja for v in (1, 2))
+
+
 def template_args(hf_tokenizer) -> dict[str, Any] | None:
     """What :class:`JinjaTemplate` takes from a Hugging Face tokenizer, as plain strings (they
-    travel to Ray Data tasks); None when it has no chat template (raylm's trained BPEs)."""
+    travel to Ray Data tasks); None when it has no chat template of its own (raylm's trained
+    BPEs, and exports of runs trained with raylm's default)."""
     source = getattr(hf_tokenizer, "chat_template", None) if hf_tokenizer is not None else None
-    if not source or not isinstance(source, str):
+    # raylm's default as an export carries it is raylm's default: rendered as before, by
+    # segments, in the version the run that reads it records.
+    if not source or not isinstance(source, str) or source in DEFAULT_JINJAS:
         return None
     # Only special tokens mark turns; an added ordinary word must not move a cut.
     added = [t.content for t in getattr(hf_tokenizer, "added_tokens_decoder", {}).values()

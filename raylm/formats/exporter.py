@@ -30,9 +30,11 @@ from raylm.console import quiet_model_io, quiet_torchao
 from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, ExportInfo, RunInfo
 from raylm.data.chat import (
     DEFAULT_VERSION,
+    DefaultTemplate,
     answer_segments,
     encode,
     generation_prompt,
+    template_args,
     template_for,
 )
 from raylm.data.corpus import normalize, parse_answer, parse_prompt
@@ -255,11 +257,17 @@ def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,
     # rule kept a whole model directory as their tokenizer).
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     tok.model_max_length = max_positions(model.config)
+    version = template_version(storage.normalize(run_dir))
+    if template_args(tok) is None:
+        # Trained with raylm's default template: carried as the tokenizer's own, so that
+        # transformers, vLLM, llama.cpp (the GGUF's tokenizer.chat_template) and lm-eval
+        # render a conversation as training did.
+        tok.chat_template = DefaultTemplate(version).jinja
     tok.save_pretrained(str(out))
     (out / EXPORT_INFO).write_text(ExportInfo(
         run_dir=storage.normalize(run_dir), step=step,
         kind="lora-adapter" if adapters and not merge else "model",
-        default_template=template_version(storage.normalize(run_dir))).to_json())
+        default_template=version).to_json())
 
 
 def _write_quantized(run_dir: str | Path, out: Path, cfg, method: str, *, log) -> None:

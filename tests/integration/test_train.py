@@ -327,6 +327,19 @@ def test_export_loads_with_from_pretrained_and_generates(base, trained, tmp_path
     assert pipe.tokenizer.model_max_length == 1024
     out = pipe("The river", max_new_tokens=12, do_sample=False, return_full_text=False)
     assert out[0]["generated_text"] == text
+    # It carries the template the run trained with, so a chat client that renders the
+    # conversation through it gets the answer `raylm generate --chat` gives.
+    from raylm.formats.exporter import Generator
+
+    messages = [{"role": "user", "content": "Where did the river go?"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
+                                     return_tensors="pt")
+    with torch.no_grad():
+        answer = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    plain = tok.decode(answer[0, prompt.shape[1]:], skip_special_tokens=True)
+    ours = Generator(run_dir).answer(messages, max_new_tokens=8, temperature=0)
+    assert ours and plain.removeprefix(" ") == ours == Generator(tmp_path / "hf").answer(
+        messages, max_new_tokens=8, temperature=0)
 
 
 def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
@@ -362,9 +375,12 @@ def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
     for _ in range(2):  # the second replaces the first
         assert main(["export", str(run_dir), "--output", str(files["q8_0"]), "--format",
                      "gguf", "--quantize", "q8_0"]) == 0
-    field = gguf.GGUFReader(files["q8_0"]).fields[RECORD]
-    assert json.loads(field.contents()) == {"run_dir": str(run_dir), "kind": "gguf-q8_0",
-                                            "step": 30}
+    fields = gguf.GGUFReader(files["q8_0"]).fields
+    assert json.loads(fields[RECORD].contents()) == {"run_dir": str(run_dir),
+                                                     "kind": "gguf-q8_0", "step": 30}
+    # The template the run trained with, as llama.cpp's chat mode reads it.
+    template = AutoTokenizer.from_pretrained(str(hf)).chat_template
+    assert template and fields["tokenizer.chat_template"].contents() == template
     assert main(["export", str(run_dir), "--output", str(files["q4_k_m"]), "--format", "gguf",
                  "--quantize", "q4_k_m"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f16", "hf", "tiny-q4_k_m.gguf",
@@ -380,6 +396,7 @@ def test_the_gguf_export_runs_in_llama_cpp_as_transformers_runs_the_export(
     reference = model_losses([model], batches, cross)[0]
     llm = llama_cpp.Llama(str(files["f16"]), n_ctx=64, verbose=False, n_threads=2)
     try:
+        assert llm.metadata["tokenizer.chat_template"] == template
         got = []
         for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
             got.append(token)

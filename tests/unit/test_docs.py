@@ -22,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 NOT_KEYS = {"run.history", "run.summary", "run.checkpoint", "run.config", "run.mlflow_run_id",
             "train.stpes",
             # a Hugging Face decoder's modules
-            "model.embed_tokens", "model.layers", "model.norm"}
+            "model.embed_tokens", "model.layers", "model.norm",
+            # a transformers tokenizer's method, and a GGUF file's metadata key
+            "tokenizer.apply_chat_template", "tokenizer.chat_template"}
 FILE_SUFFIXES = (".py", ".json", ".md", ".yaml", ".jsonl", ".npy", ".ipynb")
 
 

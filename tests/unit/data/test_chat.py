@@ -15,6 +15,7 @@ from raylm.data.chat import (
     encode,
     generation_prompt,
     prompt_completion_segments,
+    template_args,
     template_for,
 )
 from raylm.data.corpus import parse_messages, parse_prompt_completion
@@ -161,6 +162,38 @@ def test_a_template_that_is_not_incremental_is_refused_by_name(tokenizer_dir):
     # Training on every token needs no split: the template is rendered whole.
     (whole,) = conversation_segments(template, messages, loss_on="all")
     assert whole.trained and whole.text.endswith("assistant: Rome. (last)\n")
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_default_template_as_an_export_carries_it_renders_what_training_did(
+        tokenizer_dir, version):
+    """An export of a run trained with raylm's default template carries it as the
+    tokenizer's Jinja template: transformers' own renderer gives, byte for byte and id for
+    id, the text raylm trained on (a chat, a preference pair's half) and the prompt raylm
+    generates from (a chat's next turn, a prompt row's one user turn); raylm reads it back
+    as its own default."""
+    template = DefaultTemplate(version)
+    hf = hf_tokenizer(tokenizer_dir, template.jinja)
+    eos_id = hf.eos_token_id
+    preference = [{"role": "user", "content": "Which is larger, 3 or 7?"},
+                  {"role": "assistant", "content": "7"}]
+    for messages in (CHAT, preference):
+        segments = template.segments(messages)
+        assert hf.apply_chat_template(messages, tokenize=False) == "".join(
+            s.text + (hf.eos_token if s.eos else "") for s in segments)
+        ids, _ = encode(segments, hf.backend_tokenizer, eos_id=eos_id, loss_on="all")
+        assert hf.apply_chat_template(messages, return_dict=False) == ids.tolist()
+    for messages in (CHAT[:4], preference[:1], [CHAT[0], CHAT[1]]):
+        want = generation_prompt(messages, hf.backend_tokenizer, template, eos_id=eos_id)
+        assert hf.apply_chat_template(messages, add_generation_prompt=True,
+                                      return_dict=False) == want.tolist()
+    # raylm reads it back as its default, not a tokenizer's own: rendered by segments, in
+    # the version of the run that reads it (a fine-tune of the export prepares as before).
+    assert template_args(hf) is None
+    back = template_for(hf, version)
+    assert isinstance(back, DefaultTemplate) and back.version == version
+    with pytest.raises(Exception, match="system, user and assistant turns"):
+        hf.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 
 def test_tokenizers_without_a_template_get_the_default(tokenizer_dir):
