@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from raylm.bench.layouts import VOCAB, _free_port
+from raylm.bench.layouts import VOCAB, _free_port, start_rank
 
 
 def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
@@ -50,14 +50,8 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> N
     from raylm.workers.optim import build_optimizer
     from raylm.workers.step import train_step
 
-    cuda = spec["device"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    device = start_rank(rank, world, port, spec["device"])
+    cuda = device.type == "cuda"
     plan = ParallelPlan(context=world, activation_checkpointing=spec["checkpointing"])
     across = spec["documents"] == "whole"
     built = build_training_model(preset=spec["preset"], path=None, vocab_size=VOCAB, eos_id=0,

@@ -56,6 +56,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_rank(rank: int, world: int, port: int, device_type: str) -> torch.device:
+    """This benchmark process's device (GPU ``rank`` on CUDA), its share of the CPU threads,
+    and, with other ranks, its process group (NCCL on CUDA, else gloo) on loopback."""
+    import torch.distributed as dist
+
+    cuda = device_type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    return torch.device(f"cuda:{rank}" if cuda else "cpu")
+
+
 def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> None:
     import torch.distributed as dist
 
@@ -64,14 +79,7 @@ def _rank(rank: int, world: int, port: int, spec: dict[str, Any], out: str) -> N
     from raylm.workers.optim import build_optimizer
     from raylm.workers.step import train_step
 
-    cuda = spec["device"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    device = start_rank(rank, world, port, spec["device"])
     plan = ParallelPlan(tensor=spec["tp"], pipeline=spec["pp"])
     lay = layout_of(rank, world, plan)
     built = build_training_model(preset=spec["preset"], path=None, vocab_size=VOCAB, eos_id=0,
