@@ -226,33 +226,45 @@ class LeaseRecord(_Record):
         return None if data.get("released") is True else cls._checked(data)
 
 
+#: How a run renders a prompt given as a string (``RunInfo.string_prompts``): ``as_written``,
+#: the text as it is with no template, in every format (the ecosystem's rule, TRL's; a list of
+#: messages goes through the chat template); ``user_turn``, a preference or prompt row's string
+#: as one user turn through the template, the rule of runs started before ``as_written``, which
+#: keep it.
+STRING_PROMPTS = ("as_written", "user_turn")
+
+
 @dataclass(frozen=True)
 class RunInfo(_Record):
     """``run.json``, which the driver writes at each start
     (:func:`raylm.formats.exporter.write_run_info`): the run's resolved config (secrets
     redacted), its tokenizer's vocabulary and EOS id, the prepared data it trains on, and the
     version of raylm's default chat template it renders with (1 where a run.json names none: a
-    run started before version 2). Those of version 1 carry no version."""
+    run started before version 2), and how it renders string prompts (:data:`STRING_PROMPTS`;
+    ``user_turn`` where it names none). Those of version 1 carry no version."""
 
     FILE = RUN_INFO
     CHECKS = {"config": (_of(lambda x: isinstance(x, dict)), "an object of config sections"),
               "vocab_size": (lambda v: _count(v) and v > 0, "a number of tokens"),
               "eos_id": (_count, "a token id"),
               "prepared": (lambda v: v is None or isinstance(v, str), "a path"),
-              "default_template": (_count, "a template version")}
+              "default_template": (_count, "a template version"),
+              "string_prompts": (lambda v: v in STRING_PROMPTS, " or ".join(STRING_PROMPTS))}
 
     config: dict
     vocab_size: int
     eos_id: int
     prepared: str | None = None
     default_template: int = 1
+    string_prompts: str = "user_turn"
 
 
 @dataclass(kw_only=True)
 class ExportInfo:
     """``raylm_export.json``, beside an export (``raylm export``, ``raylm prune``): its
     ``kind`` (``model``, ``lora-adapter``, ``model-int8``, ``gguf-<type>``, ``pruned``), the
-    run and step it came from, the default template version it was trained with, and what
+    run and step it came from, the default template version and string-prompt rule it was
+    trained with (:class:`RunInfo`'s), and what
     its kind adds (``details``: a quantization's sizes and losses, a GGUF file's tensors,
     pruning's report), written beside them."""
 
@@ -260,10 +272,13 @@ class ExportInfo:
     step: int | None = None
     run_dir: str | None = None
     default_template: int = 1
+    string_prompts: str = "user_turn"
     details: dict[str, Any] = field(default_factory=dict)
 
+    HEAD = ("run_dir", "step", "kind", "default_template", "string_prompts")
+
     def to_json(self) -> str:
-        head = {k: getattr(self, k) for k in ("run_dir", "step", "kind", "default_template")}
+        head = {k: getattr(self, k) for k in self.HEAD}
         return json.dumps({**head, **self.details}, indent=1)
 
     @classmethod
@@ -274,7 +289,7 @@ class ExportInfo:
             data = None
         if not isinstance(data, dict) or not isinstance(data.get("kind"), str):
             raise Malformed(f"{EXPORT_INFO} is malformed (not a JSON object with a kind)")
-        named = {k: data[k] for k in ("kind", "step", "run_dir", "default_template") if k in data}
+        named = {k: data[k] for k in cls.HEAD if k in data}
         for k, v in named.items():
             if not fits(v, hints(cls)[k]):
                 raise Malformed(f"{EXPORT_INFO} is malformed ({k} is {v!r:.100})")

@@ -30,9 +30,10 @@ Two renderers:
   without it. A template that does not render prefixes as prefixes of the whole otherwise
   cannot be split this way and is refused, by name.
 
-With ``loss_on: all`` every segment is trained. A prompt/completion pair is the prompt
-(untrained) followed by the completion and EOS (trained), with no template: that is the
-plain-text fine-tuning format.
+With ``loss_on: all`` every segment is trained. A prompt given as a string, in any format
+(prompt/completion, preference, prompt), is used as it is written: the prompt (untrained)
+followed by the answer and EOS (trained), with no template, the plain-text fine-tuning
+format; a prompt given as messages goes through the template (:func:`pair_segments`).
 """
 
 from __future__ import annotations
@@ -258,10 +259,54 @@ def answer_segments(template: DefaultTemplate | JinjaTemplate,
             for i, s in enumerate(segments)]
 
 
-def prompt_completion_segments(messages: Sequence[dict[str, str]]) -> list[Segment]:
-    """A prompt/completion pair, untemplated: the prompt as it is, then the completion and EOS."""
-    user, assistant = messages
-    return [Segment(user["content"], False), Segment(assistant["content"], True, eos=True)]
+def pair_segments(template: DefaultTemplate | JinjaTemplate, prompt: str | Sequence[dict[str, str]],
+                  answer: str | Sequence[dict[str, str]]) -> list[Segment]:
+    """A prompt and its answer as training renders them, by one rule for every format: a
+    string prompt as it is written, then its answer (a string) and EOS, with no template
+    (the plain-text fine-tuning format); a conversation through the template, only the
+    answer's turns trained (:func:`answer_segments`)."""
+    if isinstance(prompt, str):
+        return [Segment(prompt, False), Segment(answer, True, eos=True)]
+    return answer_segments(template, prompt, answer)
+
+
+def prompt_segments(template: DefaultTemplate | JinjaTemplate,
+                    prompt: str | Sequence[dict[str, str]]) -> list[Segment]:
+    """What a model is given to answer ``prompt``: a string as it is written, a conversation as
+    the template's generation prompt."""
+    return [Segment(prompt, False)] if isinstance(prompt, str) else template.prompt(prompt)
+
+
+def example_pair(example: list | dict) -> tuple[Any, Any]:
+    """A prepared prompt/completion example (:func:`raylm.data.corpus.parse_prompt_completion`)
+    as its prompt and answer: two strings (kept as two messages) or message lists."""
+    if isinstance(example, dict):
+        return example["prompt"], example["completion"]
+    user, assistant = example
+    return user["content"], assistant["content"]
+
+
+def example_text(value: str | list | dict) -> str:
+    """A prepared example as raylm's default template renders it, what a tokenizer trained on
+    the examples learns from: a conversation; a string prompt as written; a prompt and each of
+    its answers (a pair's halves)."""
+    template = DefaultTemplate()
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(s.text for s in template.segments(value))
+    return "".join(s.text for name, answer in value.items() if name != "prompt"
+                   for s in pair_segments(template, value["prompt"], answer))
+
+
+def turns(value: str | list | dict) -> list[dict[str, str]]:
+    """Every message of a prepared example (a string, a conversation or a dict of them), a
+    string standing as one user message: what the control-token and length checks read."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, dict):
+        return [m for part in value.values() for m in turns(part)]
+    return list(value)
 
 
 # ---- Encoding ------------------------------------------------------------------------------

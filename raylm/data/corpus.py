@@ -249,11 +249,14 @@ def read_records(
 
 def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "messages",
                   prompt_field: str = "prompt", completion_field: str = "completion",
-                  chosen_field: str = "chosen", rejected_field: str = "rejected"
-                  ) -> Iterator[Record]:
+                  chosen_field: str = "chosen", rejected_field: str = "rejected",
+                  strings: str = "user_turn") -> Iterator[Record]:
     """Every fine-tuning example of one JSONL/Parquet/Arrow file, once: its text is the checked,
     normalized conversation as JSON (what is hashed for deduplication and the split, and
-    rendered later by :mod:`raylm.data.chat`), or it has the reason it was dropped."""
+    rendered later by :mod:`raylm.data.chat`), or it has the reason it was dropped.
+    ``strings``: how a string prompt is read (:data:`raylm.contracts.STRING_PROMPTS`); a run
+    that does not say is one started before the rule (``user_turn``), as its fingerprints
+    keep."""
     if f.format not in EXAMPLE_FORMATS:
         raise SourceError(f"data.format={example_format} reads examples from "
                           f"{', '.join(EXAMPLE_FORMATS)} files; {f.path} is {f.format}.")
@@ -271,14 +274,14 @@ def read_examples(f: SourceFile, *, example_format: str, messages_field: str = "
                 messages, reason = ((None, "missing_field") if value is None
                                     else parse_messages(value))
             elif example_format == "preference":
-                messages, reason = parse_preference(*(row[k] for k in fields))
+                messages, reason = parse_preference(*(row[k] for k in fields), strings)
             elif example_format == "prompt":
                 value = row[prompt_field]
                 messages, reason = ((None, "missing_field") if value is None
-                                    else parse_prompt(value))
+                                    else parse_prompt(value, strings))
             else:
-                messages, reason = parse_prompt_completion(row[prompt_field],
-                                                           row[completion_field])
+                messages, reason = parse_prompt_completion(
+                    row[prompt_field], row[completion_field], strings)
         text = None if reason is not None else json.dumps(messages, ensure_ascii=False)
         kept = whole and reason is None
         yield Record(text, reason, line, row_json(row, where=f"{f.path}:{line}") if kept else None)
@@ -602,35 +605,50 @@ def parse_messages(value: Any, *, needs_assistant: bool = True
     return messages, None
 
 
-def parse_prompt_completion(prompt: Any, completion: Any
-                            ) -> tuple[list[dict[str, str]] | None, str | None]:
-    """A prompt/completion pair as the messages it stands for (one user turn, one assistant
-    turn), or ``(None, reason)``: ``missing_field``, ``malformed`` (not strings), ``empty``
-    (an empty completion: nothing to train on)."""
+def parse_prompt_completion(prompt: Any, completion: Any, strings: str = "as_written"
+                            ) -> tuple[list | dict | None, str | None]:
+    """A prompt/completion pair, normalized: two strings as ``[user, assistant]`` messages
+    (rendered as written: the prompt, then the completion and EOS); a conversation (not ending
+    with an assistant turn) and its completion (a string: one assistant turn, or assistant
+    turns) as ``{prompt, completion}`` message lists, rendered with the chat template (runs of
+    the ``user_turn`` rule read only strings). Or ``(None, reason)``: ``missing_field``,
+    ``malformed``, ``unknown_role``, ``empty`` (an empty completion: nothing to train on)."""
     if prompt is None or completion is None:
         return None, "missing_field"
-    if not isinstance(prompt, str) or not isinstance(completion, str):
-        return None, "malformed"
-    completion = normalize(completion)
-    if not completion:
-        return None, "empty"
-    return [{"role": "user", "content": normalize(prompt)},
-            {"role": "assistant", "content": completion}], None
-
-
-def parse_prompt(prompt: Any) -> tuple[list[dict[str, str]] | None, str | None]:
-    """A preference prompt as messages: a string is one user turn; a conversation must not end
-    with an assistant turn (the answer comes next)."""
     if isinstance(prompt, str):
-        return [{"role": "user", "content": normalize(prompt)}], None
+        answer, reason = parse_answer(completion, written=True)
+        return (None, reason) if reason else ([{"role": "user", "content": normalize(prompt)},
+                                               {"role": "assistant", "content": answer}], None)
+    if strings == "user_turn":
+        return None, "malformed"
+    return parse_pair(prompt, {"completion": completion}, strings)
+
+
+def parse_prompt(prompt: Any, strings: str = "as_written"
+                 ) -> tuple[str | list[dict[str, str]] | None, str | None]:
+    """A prompt, normalized: a string as written (``empty`` if it holds nothing), or under
+    the ``user_turn`` rule as one user turn; a conversation, which must not end with an
+    assistant turn (the answer comes next)."""
+    if isinstance(prompt, str):
+        text = normalize(prompt)
+        if strings == "user_turn":
+            return [{"role": "user", "content": text}], None
+        return (text, None) if text.strip() else (None, "empty")
     turns, reason = parse_messages(prompt, needs_assistant=False)
     if reason is None and turns[-1]["role"] == "assistant":
         return None, "malformed"
     return turns, reason
 
 
-def parse_answer(value: Any) -> tuple[list[dict[str, str]] | None, str | None]:
-    """A preference answer as assistant turns: a string is one."""
+def parse_answer(value: Any, *, written: bool = False
+                 ) -> tuple[str | list[dict[str, str]] | None, str | None]:
+    """An answer to a prompt, normalized: after a prompt used as written (``written``) a
+    string, as written; after a conversation assistant turns, of which a string is one."""
+    if written:
+        if not isinstance(value, str):
+            return None, "malformed"
+        text = normalize(value)
+        return (text, None) if text else (None, "empty")
     if isinstance(value, str):
         value = [{"role": "assistant", "content": value}]
     answer, reason = parse_messages(value, needs_assistant=False)
@@ -643,21 +661,33 @@ def parse_answer(value: Any) -> tuple[list[dict[str, str]] | None, str | None]:
     return answer, None
 
 
-def parse_preference(prompt: Any, chosen: Any, rejected: Any
-                     ) -> tuple[dict[str, list[dict[str, str]]] | None, str | None]:
-    """A preference pair as ``{prompt, chosen, rejected}`` message lists, normalized, or
-    ``(None, reason)``. The prompt is a string (one user turn) or a conversation that does not
-    end with an assistant turn; each answer is a string or a list of assistant turns.
-    Reasons: ``missing_field``, ``malformed``, ``unknown_role``, ``empty`` (an answer with
-    nothing to train on), ``identical_answers`` (nothing to prefer)."""
-    if prompt is None or chosen is None or rejected is None:
-        return None, "missing_field"
-    pair: dict[str, list[dict[str, str]]] = {}
-    for name, value, parse in (("prompt", prompt, parse_prompt), ("chosen", chosen, parse_answer),
-                               ("rejected", rejected, parse_answer)):
-        pair[name], reason = parse(value)
+def parse_pair(prompt: Any, answers: dict[str, Any], strings: str
+               ) -> tuple[dict[str, Any] | None, str | None]:
+    """``{"prompt": ..., **answers}`` parsed: the prompt by :func:`parse_prompt`, each answer
+    by :func:`parse_answer` (as written after a prompt used as written), or
+    ``(None, reason)``."""
+    turns, reason = parse_prompt(prompt, strings)
+    if reason is not None:
+        return None, reason
+    pair: dict[str, Any] = {"prompt": turns}
+    for name, value in answers.items():
+        pair[name], reason = parse_answer(value, written=isinstance(turns, str))
         if reason is not None:
             return None, reason
+    return pair, None
+
+
+def parse_preference(prompt: Any, chosen: Any, rejected: Any, strings: str = "as_written"
+                     ) -> tuple[dict[str, Any] | None, str | None]:
+    """A preference pair as ``{prompt, chosen, rejected}``, normalized (:func:`parse_pair`:
+    strings as written, or messages), or ``(None, reason)``: ``missing_field``, ``malformed``,
+    ``unknown_role``, ``empty`` (an answer with nothing to train on), ``identical_answers``
+    (nothing to prefer)."""
+    if prompt is None or chosen is None or rejected is None:
+        return None, "missing_field"
+    pair, reason = parse_pair(prompt, {"chosen": chosen, "rejected": rejected}, strings)
+    if reason is not None:
+        return None, reason
     if pair["chosen"] == pair["rejected"]:
         return None, "identical_answers"
     return pair, None

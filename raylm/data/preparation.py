@@ -63,13 +63,15 @@ from raylm.data.chat import (
     DEFAULT_VERSION,
     DefaultTemplate,
     JinjaTemplate,
-    answer_segments,
     control_text,
     conversation_segments,
     encode,
+    example_pair,
     forged,
     longest_token_chars,
-    prompt_completion_segments,
+    pair_segments,
+    prompt_segments,
+    turns,
     within_chars,
 )
 from raylm.data.corpus import (
@@ -186,7 +188,8 @@ class ExampleRenderer:
                  completion_field: str, chat_template: dict[str, Any] | None, loss_on: str,
                  block_length: int, long_examples: str, tokenizer, eos_id: int,
                  chosen_field: str | None = None, rejected_field: str | None = None,
-                 default_template: int = DEFAULT_VERSION) -> None:
+                 default_template: int = DEFAULT_VERSION, strings: str = "user_turn") -> None:
+        # (``strings``: how rows were read; each example's stored form says how it renders.)
 
         self.format, self.loss_on = example_format, loss_on
         self.template = (JinjaTemplate(**chat_template) if chat_template
@@ -207,23 +210,24 @@ class ExampleRenderer:
             return self._prompts(table)
         texts = table.column("text").to_pylist()
         reasons = table.column("reason").to_pylist()
-        ids_out, masks_out, truncated = [], [], []
+        ids_out, masks_out, truncated, written = [], [], [], []
         for i, text in enumerate(texts):
             ids = mask = np.zeros(0, np.int32)
             cut = False
-            if text is not None and forged(messages := json.loads(text), self.control):
-                reasons[i], text = "control_text", None
-            if text is not None and len(messages) > self.block_length:
+            example = json.loads(text) if text is not None else None
+            if example is not None and forged(turns(example), self.control):
+                reasons[i], example = "control_text", None
+            if example is not None and len(turns(example)) > self.block_length:
                 # Every turn renders to a token at least: longer than a block, unrendered.
-                reasons[i], text = "too_long", None
-            if text is not None and self.max_chars is not None:
-                messages, over = within_chars(messages, self.max_chars)
+                reasons[i], example = "too_long", None
+            if example is not None and self.max_chars is not None:
+                example, over = self._within(example)
                 if over and self.long_examples == "drop":
-                    reasons[i], text = "too_long", None
-            if text is not None:
-                segments = (prompt_completion_segments(messages)
+                    reasons[i], example = "too_long", None
+            if example is not None:
+                segments = (pair_segments(self.template, *example_pair(example))
                             if self.format == "prompt_completion" else
-                            conversation_segments(self.template, messages, loss_on=self.loss_on))
+                            conversation_segments(self.template, example, loss_on=self.loss_on))
                 ids, mask = encode(segments, self.tok, eos_id=self.eos_id, loss_on=self.loss_on)
                 if len(ids) > self.block_length:
                     if self.long_examples == "drop":
@@ -238,42 +242,55 @@ class ExampleRenderer:
             ids_out.append(ids)
             masks_out.append(mask)
             truncated.append(cut)
-        return self._table(table, reasons, ids_out, masks_out, truncated)
+            written.append(self.format == "prompt_completion" and isinstance(example, list))
+        return self._table(table, reasons, ids_out, masks_out, truncated, written)
+
+    def _within(self, example: list | dict) -> tuple[list | dict, bool]:
+        """``example`` cut to ``max_chars`` (:func:`raylm.data.chat.within_chars`); a
+        conversation and its completion are cut as one conversation."""
+        if not isinstance(example, dict):
+            return within_chars(example, self.max_chars)
+        prompt = example["prompt"]
+        kept, over = within_chars([*prompt, *example["completion"]], self.max_chars)
+        return {"prompt": kept[:len(prompt)], "completion": kept[len(prompt):]}, over
 
     @staticmethod
     def _table(table: pa.Table, reasons: list, ids: list, masks: list, truncated: list,
-               splits: list | None = None) -> pa.Table:
+               written: list, splits: list | None = None) -> pa.Table:
         out = (table.drop_columns(["text", "reason"])
                .append_column("reason", pa.array(reasons, pa.string()))
                .append_column("ids", _list_array(ids, pa.int32()))
                .append_column("loss_mask", _list_array(masks, pa.uint8()))
-               .append_column("truncated", pa.array(truncated, pa.bool_())))
+               .append_column("truncated", pa.array(truncated, pa.bool_()))
+               .append_column("as_written", pa.array(written, pa.bool_())))
         if splits is not None:
             out = out.append_column("split", pa.array(splits, pa.int32()))
         return out
 
     def _prompts(self, table: pa.Table) -> pa.Table:
         """Prompts for reinforcement learning: each rendered as the model is asked to answer
-        it (the template's generation prompt), nothing trained. A prompt is never cut: one
+        it (:func:`raylm.data.chat.prompt_segments`: a string as written, a conversation as
+        the template's generation prompt), nothing trained. A prompt is never cut: one
         longer than a block is dropped (``too_long``)."""
         reasons = table.column("reason").to_pylist()
-        ids_out = []
+        ids_out, written = [], []
         for i, text in enumerate(table.column("text").to_pylist()):
             ids = np.zeros(0, np.int32)
-            messages = json.loads(text) if text is not None else None
-            if messages is not None and forged(messages, self.control):
-                reasons[i], messages = "control_text", None
-            if messages is not None and self.max_chars is not None and \
-                    within_chars(messages, self.max_chars)[1]:
-                reasons[i], messages = "too_long", None
-            if messages is not None:
-                ids, _ = encode(self.template.prompt(messages), self.tok, eos_id=self.eos_id,
-                                loss_on="all")
+            prompt = json.loads(text) if text is not None else None
+            if prompt is not None and forged(turns(prompt), self.control):
+                reasons[i], prompt = "control_text", None
+            if prompt is not None and self.max_chars is not None and \
+                    within_chars(turns(prompt), self.max_chars)[1]:
+                reasons[i], prompt = "too_long", None
+            if prompt is not None:
+                ids, _ = encode(prompt_segments(self.template, prompt), self.tok,
+                                eos_id=self.eos_id, loss_on="all")
                 if len(ids) > self.block_length:
                     reasons[i], ids = "too_long", np.zeros(0, np.int32)
             ids_out.append(ids)
+            written.append(isinstance(prompt, str))
         masks = [np.zeros(len(ids), np.uint8) for ids in ids_out]
-        return self._table(table, reasons, ids_out, masks, [False] * len(ids_out))
+        return self._table(table, reasons, ids_out, masks, [False] * len(ids_out), written)
 
     def _pairs(self, table: pa.Table) -> pa.Table:
         """Preference pairs: the chosen half (answer targets marked 1) then the rejected half
@@ -281,19 +298,18 @@ class ExampleRenderer:
         that does not fit a block whole is dropped (``too_long``)."""
 
         reasons = table.column("reason").to_pylist()
-        ids_out, masks_out, splits = [], [], []
+        ids_out, masks_out, splits, written = [], [], [], []
         for i, text in enumerate(table.column("text").to_pylist()):
             ids, mask, split = np.zeros(0, np.int32), np.zeros(0, np.uint8), 0
             pair = json.loads(text) if text is not None else None
-            if pair is not None and forged([*pair["prompt"], *pair["chosen"], *pair["rejected"]],
-                                           self.control):
+            if pair is not None and forged(turns(pair), self.control):
                 reasons[i], pair = "control_text", None
             if pair is not None and self.max_chars is not None and any(
-                    within_chars([*pair["prompt"], *pair[a]], self.max_chars)[1]
+                    within_chars(turns(pair["prompt"]) + turns(pair[a]), self.max_chars)[1]
                     for a in ("chosen", "rejected")):
                 reasons[i], pair = "too_long", None
             if pair is not None:
-                halves = [encode(answer_segments(self.template, pair["prompt"], pair[a]),
+                halves = [encode(pair_segments(self.template, pair["prompt"], pair[a]),
                                  self.tok, eos_id=self.eos_id, loss_on="assistant")
                           for a in ("chosen", "rejected")]
                 (c_ids, c_mask), (r_ids, r_mask) = halves
@@ -308,7 +324,9 @@ class ExampleRenderer:
             ids_out.append(ids)
             masks_out.append(mask)
             splits.append(split)
-        return self._table(table, reasons, ids_out, masks_out, [False] * len(splits), splits)
+            written.append(pair is not None and isinstance(pair["prompt"], str))
+        return self._table(table, reasons, ids_out, masks_out, [False] * len(splits), written,
+                           splits)
 
 
 def _list_array(pieces: list[np.ndarray], value_type) -> pa.ListArray:
@@ -520,6 +538,8 @@ class PieceResult:
     read: int = 0
     kept: int = 0
     truncated: int = 0
+    as_written: int = 0
+    """Kept examples whose prompt is a string, used as written (the others are messages)."""
     dropped: dict[str, int] = field(default_factory=dict)
     bad_records: list[dict[str, Any]] = field(default_factory=list)
     splits: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -576,6 +596,7 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
             mask_list = table.column("loss_mask").combine_chunks()
             masks, mask_offsets = mask_list.values.to_numpy(), mask_list.offsets.to_numpy()
             cut = table.column("truncated").to_numpy(zero_copy_only=False)
+            as_written = table.column("as_written").to_numpy(zero_copy_only=False)
             pair_splits = (table.column("split").to_numpy()
                            if "split" in table.column_names else None)
         docs: dict[str, list] = {s: [] for s in SPLITS}
@@ -601,6 +622,7 @@ def pack_piece(piece: int, files: list[tuple[SourceFile, int]], *duplicates: np.
             doc = flat[offsets[i]:offsets[i + 1]]
             if renderer:
                 res.truncated += int(cut[i])
+                res.as_written += int(as_written[i])
                 doc = (doc, masks[mask_offsets[i]:mask_offsets[i + 1]])
                 if pair_splits is not None:  # a preference pair: two documents
                     doc = (*doc, int(pair_splits[i]))
@@ -666,7 +688,7 @@ def prepared_fingerprint(corpus_fp: str, cfg: Config, *, blocks_only: bool = Fal
     examples = {}
     if d.examples:
         # render=2: a template's assistant turn is trained up to its end-of-turn token.
-        examples = dict(**example_fields(d), loss_on=d.trains_on,
+        examples = dict(**example_fields(cfg), loss_on=d.trains_on,
                         long_examples=d.long_examples, render=2)
         if (version := template_version(run_dir(cfg))) != 1:  # 1's fingerprints kept
             examples["default_template"] = version
@@ -698,6 +720,16 @@ def template_version(run: str) -> int:
     return version
 
 
+def string_prompts(run: str) -> str:
+    """How the run directory ``run`` renders a prompt given as a string
+    (:data:`raylm.contracts.STRING_PROMPTS`): as its ``run.json`` says (``user_turn`` where it
+    says nothing: a run started before the rule), ``as_written`` for a run not started yet."""
+    info = storage.join(run, RUN_INFO)
+    if not storage.is_file(info):
+        return "as_written"
+    return RunInfo.from_json(storage.read_text(info)).string_prompts
+
+
 def resolve_tokenizer(cfg: Config, files: list[SourceFile], corpus_fp: str, log) -> Path:
     t = cfg.tokenizer
     given = given_tokenizer(cfg)
@@ -708,19 +740,23 @@ def resolve_tokenizer(cfg: Config, files: list[SourceFile], corpus_fp: str, log)
         files, corpus_fingerprint=corpus_fp, cache_dir=cache_dir(cfg),
         vocab_size=t.vocab_size, min_frequency=t.min_frequency, train_chars=t.train_chars,
         text_field=cfg.data.text_field, text_unit=cfg.data.text_unit,
-        examples=example_fields(cfg.data), log=log,
+        examples=example_fields(cfg), log=log,
     )
 
 
-def example_fields(d) -> dict[str, str] | None:
+def example_fields(cfg: Config) -> dict[str, str] | None:
     """How fine-tuning examples are read (:func:`raylm.data.corpus.read_examples`); None for
-    text."""
+    text. Each key is part of the preparation's fingerprint, so a run started before a key
+    existed reads without it, as it did."""
+    d = cfg.data
     if not d.examples:
         return None
     fields = dict(example_format=d.format, messages_field=d.messages_field,
                   prompt_field=d.prompt_field, completion_field=d.completion_field)
     if d.format == "preference":  # only here: the other formats' fingerprints stay as they were
         fields |= dict(chosen_field=d.chosen_field, rejected_field=d.rejected_field)
+    if d.format != "chat" and string_prompts(run_dir(cfg)) != "user_turn":
+        fields |= dict(strings=string_prompts(run_dir(cfg)))
     return fields
 
 
@@ -781,7 +817,7 @@ def _prepare_into(out: Path, cfg: Config, files: list[SourceFile], *,
     log(f"prepare: {len(files)} files in {n} pieces, tokenizer {tok_path}, blocks of {L} "
         f"tokens")
     t0 = time.monotonic()
-    reading = Reading(d.text_field, d.text_unit, d.min_chars, example_fields(d))
+    reading = Reading(d.text_field, d.text_unit, d.min_chars, example_fields(cfg))
     # SPREAD: the pieces' reads and writes go to every node (or every data node, with
     # scaling.data_resources), not first to the driver's.
     options = dict(resources=dict(cfg.scaling.data_resources) or None,
@@ -800,7 +836,7 @@ def _prepare_into(out: Path, cfg: Config, files: list[SourceFile], *,
         del parts  # the partition tasks hold what they need
     render = None
     if d.examples:
-        render = dict(**example_fields(d), chat_template=chat_template(tok_path),
+        render = dict(**example_fields(cfg), chat_template=chat_template(tok_path),
                       loss_on=d.trains_on, block_length=L, long_examples=d.long_examples,
                       default_template=template_version(run_dir(cfg)))
     pack_task = ray.remote(pack_piece).options(**options)
@@ -922,6 +958,13 @@ def _finish(out: Path, results: list[PieceResult], *, cfg: Config, eos: int, tok
             "format": d.format, "loss_on": d.trains_on,
             "trained_tokens": total(None, "trained_tokens"),
             "padding_tokens": padding, "truncated": sum(r.truncated for r in results)})
+    if d.format != "chat" and d.examples:
+        written = manifest["prompts_as_written"] = sum(r.as_written for r in results)
+        if 0 < written < kept:
+            log(f"data: warning: {written:,} of {kept:,} {d.format} rows give the prompt as a "
+                f"string, used as written with no chat template, and {kept - written:,} as "
+                f"messages, rendered with it: the model sees two renderings. Give every row "
+                f"one form (docs/data.md, 'Strings and messages').")
     layout = {
         "block_length": L, "eos_id": eos, "seq_len": d.seq_len, "loss_mask": d.examples,
         "sources": sources, "prompt_rows": d.format == "prompt",

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from raylm.data.chat import DefaultTemplate, template_args
+from raylm.data.chat import example_text, template_args
 from raylm.data.corpus import SourceFile, read_examples, read_records
 
 EOS_TOKEN = "<|endoftext|>"
@@ -49,7 +49,7 @@ def sample_texts(
                 continue
             text = rec.text
             if examples:
-                text = "".join(s.text for s in DefaultTemplate().segments(json.loads(text)))
+                text = example_text(json.loads(text))
             yield text
             seen += len(rec.text)
             if seen >= num_chars:

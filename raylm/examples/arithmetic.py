@@ -1,6 +1,7 @@
 """A GSM8K-style prompt set the project makes itself: two- and three-number sums and products
 ("What is 17 + 25 * 3?"), each row's ``answer`` the number, for the ``final_number`` reward
 (the completion's last number against the answer), as GRPO recipes for reasoning models train.
+Each prompt is one user turn (a list of messages), rendered with the model's chat template.
 
     python -m raylm.examples.arithmetic write --output data/arithmetic
     raylm train --config jobs/configs/grpo_one_gpu.yaml   # needs a GPU and the network
@@ -33,7 +34,7 @@ def value(terms: list[int], ops: list[str]) -> int:
     return sum(parts)
 
 
-def questions(rows: int, *, largest: int = 99, seed: int = 0) -> list[dict[str, str]]:
+def questions(rows: int, *, largest: int = 99, seed: int = 0) -> list[dict]:
     """``rows`` distinct questions with their answers, in a seeded order."""
     rng = random.Random(seed)
     seen: dict[str, str] = {}
@@ -43,7 +44,8 @@ def questions(rows: int, *, largest: int = 99, seed: int = 0) -> list[dict[str, 
         text = " ".join([str(terms[0]), *(f"{o} {t}" for o, t in zip(ops, terms[1:],
                                                                        strict=True))])
         seen.setdefault(text, str(value(terms, ops)))
-    return [{"prompt": f"What is {q}? {INSTRUCTION}", "answer": a} for q, a in seen.items()]
+    return [{"prompt": [{"role": "user", "content": f"What is {q}? {INSTRUCTION}"}], "answer": a}
+            for q, a in seen.items()]
 
 
 def write(output: str | Path, *, rows: int = 2000, largest: int = 99, seed: int = 0

@@ -5,8 +5,9 @@ tiny model that knows the answer's form but not the rule.
     raylm train --config jobs/configs/grpo_larger_digit.yaml
 
 ``write`` puts two things under ``--output``: ``prompts.jsonl``, the 90 questions over two
-different digits with their answers (``{"prompt": ..., "answer": "7"}`` rows, rewarded by
-``exact_match``), and ``model/``, the tiny Llama preset (2 layers of width 64) with a BPE
+different digits with their answers (``{"prompt": [{"role": "user", ...}], "answer": "7"}``
+rows: one user turn each, as the model was taught, rendered with its chat template; rewarded
+by ``exact_match``), and ``model/``, the tiny Llama preset (2 layers of width 64) with a BPE
 tokenizer trained on the task's text, taught in this process for 150 steps to answer with one
 of the question's two digits, at random. It starts about half right; only the reward can teach
 it which digit. Seconds on a CPU; the model is what a fine-tuned model's format is to
@@ -83,7 +84,8 @@ def _write(out: Path, *, steps: int, seed: int) -> None:
     with quiet_model_io():
         built.model.save_pretrained(out / "model")
     (out / "prompts.jsonl").write_text("".join(json.dumps(
-        {"prompt": question(a, b), "answer": str(max(a, b))}) + "\n" for a, b in PAIRS))
+        {"prompt": [{"role": "user", "content": question(a, b)}], "answer": str(max(a, b))})
+        + "\n" for a, b in PAIRS))
     (out / MARKER).write_text(json.dumps({"task": "larger_digit", "steps": steps,
                                           "seed": seed}))
 

@@ -31,14 +31,14 @@ from raylm.contracts import EXPORT_INFO, LAYOUT, RUN_INFO, ExportInfo, RunInfo
 from raylm.data.chat import (
     DEFAULT_VERSION,
     DefaultTemplate,
-    answer_segments,
     encode,
     generation_prompt,
+    pair_segments,
     template_args,
     template_for,
 )
-from raylm.data.corpus import normalize, parse_answer, parse_prompt
-from raylm.data.preparation import template_version
+from raylm.data.corpus import normalize, parse_pair
+from raylm.data.preparation import string_prompts, template_version
 from raylm.data.streams import PackedSplit, eval_samples_per_rank, read_val_blocks
 from raylm.data.tokenizer import load_tokenizer
 from raylm.formats import llamacpp
@@ -73,7 +73,8 @@ def write_run_info(run_dir: str, *, config: dict, vocab_size: int, eos_id: int,
                    tokenizer_path: str, prepared: str) -> None:
     storage.write_text(storage.join(run_dir, RUN_INFO), RunInfo(
         config=_redacted(config), vocab_size=vocab_size, eos_id=eos_id, prepared=prepared,
-        default_template=template_version(run_dir)).to_json())
+        default_template=template_version(run_dir),
+        string_prompts=string_prompts(run_dir)).to_json())
     # The tokenizer's own files only: it is often a whole model directory (model.path's),
     # whose weights must not travel with every run, nor land in its exports. Written at every
     # start whose tokenizer differs from the one there (a resume with accept_changes: [tokenizer],
@@ -267,7 +268,7 @@ def write_export(run_dir: str | Path, out: Path, cfg, *, merge: bool,
     (out / EXPORT_INFO).write_text(ExportInfo(
         run_dir=storage.normalize(run_dir), step=step,
         kind="lora-adapter" if adapters and not merge else "model",
-        default_template=version).to_json())
+        default_template=version, string_prompts=string_prompts(run_dir)).to_json())
 
 
 def _write_quantized(run_dir: str | Path, out: Path, cfg, method: str, *, log) -> None:
@@ -392,13 +393,15 @@ class Generator:
         if storage.is_file(storage.join(src, RUN_INFO)):
             with quiet_model_io():
                 self.model, tok_dir, _ = load_run_model(src)
-            version = template_version(src)
+            version, self.strings = template_version(src), string_prompts(src)
         elif storage.is_file(storage.join(src, "config.json")) and not storage.is_uri(src):
             self.model, tok_dir = AutoModelForCausalLM.from_pretrained(
                 str(src), trust_remote_code=False).eval(), src
-            # A raylm export says the version it was trained with (none: version 1).
-            info = ExportInfo.read(src)
-            version = info.default_template if info is not None else DEFAULT_VERSION
+            # A raylm export says the rules it was trained with (an older one, the older
+            # rules); a model raylm did not write gets the newest.
+            info = ExportInfo.read(src) or ExportInfo(
+                kind="model", default_template=DEFAULT_VERSION, string_prompts="as_written")
+            version, self.strings = info.default_template, info.string_prompts
         else:
             raise ValueError(f"{src} is neither a raylm run directory nor an exported model.")
         self.tok = AutoTokenizer.from_pretrained(str(tok_dir), trust_remote_code=False)
@@ -422,13 +425,13 @@ class Generator:
     def answer_logp(self, prompt: list[dict[str, str]] | str,
                     answer: list[dict[str, str]] | str) -> float:
         """The summed log-probability of ``answer``'s trained tokens after ``prompt``, rendered
-        as preference training renders a pair's half (:func:`raylm.data.chat.answer_segments`);
-        strings stand for one user turn and one assistant turn."""
-        (turns, bad), (reply, wrong) = parse_prompt(prompt), parse_answer(answer)
-        if bad or wrong:
-            raise ValueError(f"answer_logp: the {'prompt' if bad else 'answer'} is "
-                             f"{bad or wrong}")
-        ids, mask = encode(answer_segments(self.template, turns, reply),
+        as preference training renders a pair's half (:func:`raylm.data.chat.pair_segments`,
+        by the rule the model was trained with: a string prompt as written, or one user turn in
+        a run started before that rule)."""
+        pair, bad = parse_pair(prompt, {"answer": answer}, self.strings)
+        if bad:
+            raise ValueError(f"answer_logp: the prompt or its answer is {bad}")
+        ids, mask = encode(pair_segments(self.template, pair["prompt"], pair["answer"]),
                            self.tok.backend_tokenizer, eos_id=self.tok.eos_token_id,
                            loss_on="assistant")
         tokens = torch.from_numpy(ids.astype("int64"))[None]

@@ -252,7 +252,8 @@ def test_grpo_learns_loses_a_generator_then_a_trainer_node_and_resumes_on_one_ex
             log=print)
     rows = [json.loads(line) for line in source.read_text().splitlines()]
     source.write_text("".join(json.dumps({**r, "answer": next(
-        c for c in r["prompt"] if c.isdigit() and c != r["answer"])}) + "\n" for r in rows))
+        c for c in r["prompt"][0]["content"] if c.isdigit() and c != r["answer"])}) + "\n"
+        for r in rows))
     cfg = load_config(None, [*settings, f"--data.source={tmp_path / 'prepared'}"])
     run_dir = tmp_path / "runs" / "grpo"
 

@@ -362,8 +362,9 @@ def near_miss(words: list[str], rng: random.Random) -> str:
 
 @pytest.fixture(scope="module")
 def preference_pairs(tmp_path_factory):
-    """160 pairs (the right reversal chosen, two words swapped rejected), then one of each bad
-    kind (lines 161-165)."""
+    """160 pairs (the right reversal chosen, two words swapped rejected; about half of the
+    prompts a conversation, the others a string, used as written), then one of each bad kind
+    (lines 161-165)."""
     rng = random.Random(2)
     rows = []
     for _ in range(160):
@@ -405,8 +406,15 @@ def test_dpo_with_lora_on_two_workers_resumes_exactly(preference_pairs, tokenize
             "--train.steps=24", "--run.name=split", "--tracking.enabled=true",
             f"--tracking.uri=sqlite:///{tmp_path}/mlflow.db", "--tracking.log_model=false"]
     cfg = load_config(None, args)
-    m = prepare(cfg, tmp_path / "prepared", log=lambda s: None)
+    lines: list[str] = []
+    m = prepare(cfg, tmp_path / "prepared", log=lines.append)
     assert m["format"] == "preference" and m["documents_read"] == 165
+    # About half the prompts are strings (used as written), the rest messages (templated):
+    # the console says the data mixes the two, with the counts.
+    written = m["prompts_as_written"]
+    assert written == 79, written  # of the fixture's seeded draw
+    (warning,) = [x for x in lines if "two renderings" in x]
+    assert f"{written:,} of {m['documents_kept']:,} preference rows" in warning
     assert sorted((b["line"], b["reason"]) for b in m["bad_records"]) == [
         (161, "missing_field"), (162, "identical_answers"), (163, "malformed"),
         (165, "malformed")]

@@ -142,7 +142,7 @@ def test_an_interrupted_dpo_lora_sweep_resumes_its_trial_from_its_checkpoint(
     with pairs.open("w") as f:
         for _ in range(200):
             w = rng.sample(words, 3)
-            f.write(json.dumps({"prompt": "Reverse: " + " ".join(w),
+            f.write(json.dumps({"prompt": [{"role": "user", "content": "Reverse: " + " ".join(w)}],
                                 "chosen": " ".join(reversed(w)), "rejected": " ".join(w)})
                     + "\n")
     # The benchmark: 16 more pairs as lm-eval multiple choice, rendered as training renders a

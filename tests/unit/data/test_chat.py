@@ -11,14 +11,22 @@ from raylm.data.chat import (
     JinjaTemplate,
     Segment,
     TemplateError,
+    answer_segments,
     conversation_segments,
     encode,
+    example_pair,
     generation_prompt,
-    prompt_completion_segments,
+    pair_segments,
+    prompt_segments,
     template_args,
     template_for,
 )
-from raylm.data.corpus import parse_messages, parse_prompt_completion
+from raylm.data.corpus import (
+    parse_messages,
+    parse_preference,
+    parse_prompt,
+    parse_prompt_completion,
+)
 
 CHAT = [{"role": "system", "content": "Answer briefly."},
         {"role": "user", "content": "What is the capital of France?"},
@@ -81,8 +89,82 @@ def test_prompt_completion_pairs():
     assert parse_prompt_completion("q", 3) == (None, "malformed")
     assert parse_prompt_completion("q", "  ") == (None, "empty")
     messages, _ = parse_prompt_completion("2+2=", " 4")
-    assert prompt_completion_segments(messages) == [Segment("2+2=", False),
-                                                    Segment("4", True, eos=True)]
+    assert pair_segments(DefaultTemplate(), *example_pair(messages)) == [
+        Segment("2+2=", False), Segment("4", True, eos=True)]
+
+
+USER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_string_prompt_is_written_as_it_is_and_messages_are_templated_in_every_format(version):
+    """One rule for prompt/completion, preference and prompt rows: a string prompt (and its
+    string answers) as written, no template; a list of messages through the template, its
+    answer's turns alone trained. Runs started before the rule (``user_turn``) keep theirs."""
+    t = DefaultTemplate(version)
+    written = [Segment("2+2?", False), Segment("4", True, eos=True)]
+    templated = answer_segments(t, USER, [{"role": "assistant", "content": "4"}])
+    assert [s.trained for s in templated][-1] and sum(s.trained for s in templated) == 1
+    # prompt/completion
+    pc, _ = parse_prompt_completion("2+2?", "4")
+    assert pair_segments(t, *example_pair(pc)) == written
+    pc, _ = parse_prompt_completion(USER, "4")
+    assert pc == {"prompt": USER, "completion": [{"role": "assistant", "content": "4"}]}
+    assert pair_segments(t, *example_pair(pc)) == templated
+    assert parse_prompt_completion(USER, "4", "user_turn") == (None, "malformed")
+    assert parse_prompt_completion("2+2?", [{"role": "assistant", "content": "4"}]) == (
+        None, "malformed")
+    assert parse_prompt_completion([*USER, {"role": "assistant", "content": "4"}], "5") == (
+        None, "malformed")
+    # preference
+    pair, _ = parse_preference("2+2?", "4", "5")
+    assert pair == {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
+    assert pair_segments(t, pair["prompt"], pair["chosen"]) == written
+    pair, _ = parse_preference(USER, "4", [{"role": "assistant", "content": "5"}])
+    assert pair_segments(t, pair["prompt"], pair["chosen"]) == templated
+    assert parse_preference("2+2?", "4", [{"role": "assistant", "content": "5"}]) == (
+        None, "malformed")
+    old, _ = parse_preference("2+2?", "4", "5", "user_turn")
+    assert pair_segments(t, old["prompt"], old["chosen"]) == answer_segments(
+        t, [{"role": "user", "content": "2+2?"}], [{"role": "assistant", "content": "4"}])
+    # prompt (reinforcement learning): what the model is given to answer
+    assert parse_prompt("2+2?") == ("2+2?", None)
+    assert prompt_segments(t, "2+2?") == [Segment("2+2?", False)]
+    assert parse_prompt("  ") == (None, "empty")
+    assert prompt_segments(t, parse_prompt(USER)[0]) == t.prompt(USER)
+    assert parse_prompt("2+2?", "user_turn") == ([{"role": "user", "content": "2+2?"}], None)
+
+
+def test_prompt_completion_rows_of_both_forms_render_by_the_rule(tok):
+    """The renderer's side of the rule: a string row as written, a conversation row through
+    the template with only its completion trained, also when cut (``truncate``)."""
+    import json
+
+    import pyarrow as pa
+
+    from raylm.data.preparation import ExampleRenderer
+
+    eos = tok.token_to_id("<|endoftext|>")
+    rows = [parse_prompt_completion("2+2=", "4")[0], parse_prompt_completion(USER, "4")[0],
+            parse_prompt_completion(USER, "word " * 200)[0]]
+    out = ExampleRenderer(
+        example_format="prompt_completion", messages_field="messages", prompt_field="prompt",
+        completion_field="completion", chat_template=None, loss_on="assistant",
+        block_length=48, long_examples="truncate", tokenizer=tok, eos_id=eos,
+        strings="as_written",
+    )(pa.table({"text": [json.dumps(r) for r in rows],
+                "reason": pa.array([None] * 3, pa.string())}))
+    assert out.column("reason").to_pylist() == [None, None, None]
+    ids = [np.array(x.as_py()) for x in out.column("ids")]
+    masks = [np.array(x.as_py()) for x in out.column("loss_mask")]
+    assert tok.decode(ids[0].tolist()[:-1]) == "2+2=4" and trained_text(
+        tok, ids[0], masks[0], eos) == ["4<eos>"]
+    assert tok.decode(ids[1].tolist()[:-1]) == "System: Be brief.\n\nUser: 2+2?\n\nAssistant: 4"
+    assert trained_text(tok, ids[1], masks[1], eos) == [" 4<eos>"]
+    assert out.column("truncated").to_pylist() == [False, False, True] and len(ids[2]) == 48
+    prompt = int(np.argmax(masks[1]))  # the prompt's tokens, then the trained answer
+    assert ids[2][:prompt].tolist() == ids[1][:prompt].tolist() and masks[2][prompt:].all()
+    assert out.column("as_written").to_pylist() == [True, False, False]
 
 
 def test_default_template_trains_every_assistant_turn_and_its_eos(tok):

@@ -28,7 +28,8 @@ CONTEXT = [{"role": "user", "content": "Reverse: a b"},
     (([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "x", "y"),
      "malformed"),  # the prompt ends with an answer already
     (([{"role": "tool", "content": "q"}], "x", "y"), "unknown_role"),
-    (("q", [{"role": "user", "content": "x"}], "y"), "malformed"),  # answers are assistant turns
+    ((CONTEXT, [{"role": "user", "content": "x"}], "y"), "malformed"),  # answers: assistant turns
+    (("q", [{"role": "assistant", "content": "x"}], "y"), "malformed"),  # a string's: strings
     (("q", " ", "y"), "empty"),
     (("q", "Paris.", " Paris.\n"), "identical_answers"),  # the same once normalized
 ])
@@ -38,6 +39,10 @@ def test_each_bad_pair_has_its_reason(row, reason):
 
 def test_string_and_conversation_prompts_and_answers():
     pair, reason = parse_preference("Capital of France?", "Paris.", "Lyon.")
+    assert reason is None and pair == {"prompt": "Capital of France?", "chosen": "Paris.",
+                                       "rejected": "Lyon."}
+    # A run started before strings were used as written reads them as one turn each.
+    pair, reason = parse_preference("Capital of France?", "Paris.", "Lyon.", "user_turn")
     assert reason is None and pair == {
         "prompt": [{"role": "user", "content": "Capital of France?"}],
         "chosen": [{"role": "assistant", "content": "Paris."}],
@@ -71,7 +76,8 @@ def renderer(tok, block_length: int) -> ExampleRenderer:
 
 
 def test_a_pair_renders_as_two_halves_and_is_never_cut(tok):
-    rows = [parse_preference("Reverse: a b c", "c b a", "c a b")[0],
+    user = [{"role": "user", "content": "Reverse: a b c"}]
+    rows = [parse_preference(user, "c b a", "c a b")[0],
             parse_preference("Reverse: " + "word " * 40, "x", "y")[0]]
     table = pa.table({"text": [json.dumps(r) for r in rows],
                       "reason": pa.array([None, None], pa.string())})

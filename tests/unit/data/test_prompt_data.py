@@ -27,11 +27,16 @@ def test_prompts_are_read_as_conversations_and_rows_keep_every_column(tmp_path):
             {"question": "no prompt"}]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    got = list(read_examples(SourceFile(str(path), "jsonl"), example_format="prompt"))
+    got = list(read_examples(SourceFile(str(path), "jsonl"), example_format="prompt",
+                             strings="as_written"))
     assert [r.reason for r in got] == [None, None, "malformed", "missing_field"]
-    assert json.loads(got[0].text) == [{"role": "user", "content": "2+2?"}]
+    assert json.loads(got[0].text) == "2+2?"  # a string prompt is used as written
     assert json.loads(got[1].text)[0]["role"] == "system"
     assert [json.loads(r.row) if r.row else None for r in got] == [*rows[:2], None, None]
+    # A run started before that rule read a string as one user turn, and still does.
+    old = list(read_examples(SourceFile(str(path), "jsonl"), example_format="prompt"))
+    assert json.loads(old[0].text) == [{"role": "user", "content": "2+2?"}]
+    assert [r.text for r in old[1:]] == [r.text for r in got[1:]]
     day = datetime.date(2026, 12, 1)
     pq.write_table(pa.Table.from_pylist([{**rows[0], "day": day, "n": 1},
                                          {"prompt": "3+3?", "answer": "6", "day": day, "n": 2}]),
@@ -64,6 +69,12 @@ def test_a_prompt_renders_as_the_generation_prompt_untrained_and_fills_a_block(t
     assert ids.tolist() == want.tolist()
     assert tok.decode(ids.tolist()).endswith("Assistant:")
     assert not any(out.column("loss_mask")[0].as_py())
+    # A string prompt is given to the model as it is written; the column says which is which.
+    out = renderer(pa.table({"text": [json.dumps("Reverse: a b"), json.dumps(prompts[0])],
+                             "reason": pa.array([None, None], pa.string())}))
+    assert tok.decode(out.column("ids")[0].as_py()) == "Reverse: a b"
+    assert out.column("ids")[1].as_py() == ids.tolist()
+    assert out.column("as_written").to_pylist() == [True, False]
 
     packer = ExamplePacker(32, pad_id=eos, one_per_block=True)
     short = (ids[:5], np.zeros(5, np.uint8))

@@ -12,9 +12,12 @@ from raylm.rollout.rewards import final_number
 
 def test_questions_are_distinct_and_answered_by_their_value(tmp_path):
     rows = questions(500, largest=20, seed=3)
-    assert len({r["prompt"] for r in rows}) == 500 and rows == questions(500, largest=20, seed=3)
-    for r in rows:
-        terms = re.match(r"What is (.+)\?", r["prompt"]).group(1).split()
+    texts = [r["prompt"][0]["content"] for r in rows]
+    assert all(r["prompt"] == [{"role": "user", "content": t}]
+               for r, t in zip(rows, texts, strict=True))
+    assert len(set(texts)) == 500 and rows == questions(500, largest=20, seed=3)
+    for r, text in zip(rows, texts, strict=True):
+        terms = re.match(r"What is (.+)\?", text).group(1).split()
         # Products first, then sums and differences, as arithmetic reads them.
         total, sign, product = 0, 1, int(terms[0])
         for op, t in zip(terms[1::2], map(int, terms[2::2]), strict=True):
