@@ -755,8 +755,8 @@ def example_fields(cfg: Config) -> dict[str, str] | None:
                   prompt_field=d.prompt_field, completion_field=d.completion_field)
     if d.format == "preference":  # only here: the other formats' fingerprints stay as they were
         fields |= dict(chosen_field=d.chosen_field, rejected_field=d.rejected_field)
-    if d.format != "chat" and string_prompts(run_dir(cfg)) != "user_turn":
-        fields |= dict(strings=string_prompts(run_dir(cfg)))
+    if d.format != "chat" and (rule := string_prompts(run_dir(cfg))) != "user_turn":
+        fields |= dict(strings=rule)
     return fields
 
 
