@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -58,6 +59,7 @@ def _cpu_jiffies() -> tuple[int, int] | None:
 
 
 _cpu_busy: dict[str, tuple[float, float]] = {}
+_EXIT_STATUS = pytest.StashKey[int]()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -82,6 +84,36 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("slowest tests: wall time and how busy the CPUs were")
     for nodeid, (wall, busy) in slowest:
         terminalreporter.write_line(f"{wall:8.1f}s  {busy:4.0%} busy  {nodeid}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the suite's process as ``raylm`` ends its own (:func:`raylm.cli.run`): the exit
+    handlers run (Ray's disconnect, MLflow's and logging's flushes) and the interpreter's
+    teardown is skipped. That teardown frees every object of a process that has run Ray, torch,
+    Arrow and llama.cpp in it, and a native library's destructor once crashed there (SIGSEGV
+    after "815 passed"), failing a suite that had passed; a crash in an exit handler still
+    prints its stack."""
+    import faulthandler
+    import threading
+
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is None or any(t.is_alive() and not t.daemon and t is not threading.main_thread()
+                             for t in threading.enumerate()):
+        return  # no session ran, or a thread Python would wait for: the normal exit
+    from raylm.compat import _run_exitfuncs
+
+    faulthandler.enable(file=sys.__stderr__)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 @pytest.fixture
