@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--dry-run", action="store_true",
                         help="run the whole preflight without starting Ray: print the resolved "
                              "config and what would run where, then exit 0, or the refusal")
+        sp.add_argument("--json", action="store_true",
+                        help="at the end, print the run's summary (a sweep: its best trial) as "
+                             "JSON on stdout, as summary.json (tune_summary.json) holds it")
     sb = with_config(sub, "submit", "run `raylm train` (or tune) as a job on a Ray cluster's "
                                     "job server and follow its logs")
     sb.add_argument("--address", help="job server, e.g. http://127.0.0.1:8265 (default: "
@@ -225,13 +228,16 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
-    """``raylm train`` and ``raylm tune``: the run's summary (the sweep's best) at the end."""
+    """``raylm train`` and ``raylm tune``: the run ends in a few lines a person reads; with
+    ``--json``, its summary (the sweep's best trial) follows as JSON for a script."""
     from raylm import api
 
     sweep = args.command == "tune"
     if args.dry_run:
         return dry_run(cfg, sweep=sweep)
-    print(json.dumps(api.tune(cfg).best if sweep else api.train(cfg).summary, indent=2))
+    result = api.tune(cfg).best if sweep else api.train(cfg).summary
+    if args.json:
+        print(json.dumps(result, indent=2))
     return 0
 
 

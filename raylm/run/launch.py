@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shlex
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -226,7 +227,8 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
                            f"finishing its record; see its log")
     if error is None and ending.final_model is not None and tracker:
         summary = end_tracked_run(rd, summary, tracker, ending.final_model, log=log)
-    say_how_it_ended(cfg, summary, error=error, tracker=tracker, log=log)
+    say_how_it_ended(cfg, summary, error=error, tracker=tracker, log=log,
+                     trial=tracking_parent is not None)
     return summary
 
 
@@ -305,7 +307,7 @@ def reference_before_trials(cfg: Config, prepared: str, *, log=print) -> None:
 
 
 def say_how_it_ended(cfg: Config, summary: Summary, *, error: Exception | None,
-                     tracker: tracking.Tracker, log) -> None:
+                     tracker: tracking.Tracker, log, trial: bool = False) -> None:
     """The run's last lines; raise what ended it (a mistake in one line, not retried)."""
     rd = run_dir(cfg)
     summary_path = storage.join(rd, SUMMARY)
@@ -321,9 +323,14 @@ def say_how_it_ended(cfg: Config, summary: Summary, *, error: Exception | None,
             f"failures; the latest checkpoint is {summary.checkpoint_path}; run again with "
             f"the same run.name to resume. Summary: {summary_path}")
         raise error
-    log(f"raylm: done: step {summary.final_step}, {objective_of(cfg).outcome(summary)}, "
-        f"{summary.restarts} restarts, {summary.resizes} resizes, checkpoint "
-        f"{summary.checkpoint_path}, summary {summary_path}")
+    outcome = (f"raylm: done: step {summary.final_step}, {objective_of(cfg).outcome(summary)}, "
+               f"{summary.restarts} restarts, {summary.resizes} resizes")
+    if trial:  # one line of many in a sweep's console; the sweep ends with its own lines
+        log(f"{outcome}, summary {summary_path}")
+        return
+    log(outcome)
+    log(f"raylm: checkpoint {summary.checkpoint_path}")
+    log(f"raylm: summary {summary_path} (raylm train --json prints it too)")
     if summary.tracking_lost:
         log(f"raylm: MLflow run {tracker.run_id} ({storage.redact(tracker.uri)}) holds the run "
             f"up to step {summary.tracking_lost.step}, where tracking was lost; the run's "
@@ -332,7 +339,19 @@ def say_how_it_ended(cfg: Config, summary: Summary, *, error: Exception | None,
         uri = storage.redact(tracker.uri)
         log(f"raylm: MLflow run {tracker.run_id} ({uri}); browse with: mlflow ui "
             f"--backend-store-uri {uri}")
+    log(f"raylm: next: {next_commands(cfg, rd)}")
 
+
+def next_commands(cfg: Config, rd: str) -> str:
+    """What a person tries after a run: sample from it, then export it for other tools (a
+    LoRA run merged, which plain transformers loads)."""
+    if not storage.is_uri(rd) and Path(rd).resolve().is_relative_to(Path.cwd()):
+        rd = os.path.relpath(rd)  # runs/NAME, as a person types it from where the run began
+    here = shlex.quote(rd)
+    ask = '--chat "Hello"' if cfg.data.format == "chat" else '--prompt "The"'
+    out = shlex.quote(f"{storage.name(rd) if storage.is_uri(rd) else rd}-hf")
+    merge = " --merge" if cfg.lora.rank else ""
+    return f"raylm generate {here} {ask}, or raylm export {here} --output {out}{merge}"
 
 
 def finished(cfg: Config, found: tuple[str, Marker] | None) -> Summary | None:

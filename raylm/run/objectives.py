@@ -60,8 +60,13 @@ class RunObjective:
         return f"  val {r.val_loss:.4f}" if r.val_loss is not None else ""
 
     def outcome(self, summary: Summary) -> str:
-        """What the run's last line says of its final evaluation."""
-        return f"val loss {summary.val_loss}"
+        """What the run's last line says of its final evaluation: the figure it is ranked by,
+        then its validation loss, where it has them."""
+        ranked = summary.figures.get(self.metric)
+        said = [f"{self.metric.replace('_', ' ')} {ranked:.3f}"] if ranked is not None else []
+        if summary.val_loss is not None:
+            said.append(f"val loss {summary.val_loss:.4f}")
+        return ", ".join(said) or "no validation loss"
 
 
 class PreferenceObjective(RunObjective):
@@ -158,11 +163,6 @@ class ReinforceObjective(RunObjective):
         if "val_reward" in f:
             line += f"  val reward {f['val_reward']:.3f}"
         return line
-
-    def outcome(self, summary: Summary) -> str:
-        if "val_reward" in summary.figures:
-            return f"val reward {summary.figures['val_reward']:.3f}"
-        return super().outcome(summary)
 
 
 OBJECTIVES: dict[str, RunObjective] = {"sft": RunObjective(), "dpo": PreferenceObjective(),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import shlex
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -281,8 +282,13 @@ def write_outputs(summary: SweepSummary, cfg: Config, *, log=print,
         plot(summary, drawn, total_steps=cfg.train.steps)
         storage.write_bytes(storage.join(rd, "val_loss.png"), drawn.read_bytes())
     log(table(summary))
+    best_yaml = storage.join(rd, "best.yaml")
     log(f"raylm: sweep done: {storage.join(rd, SweepSummary.FILE)}, "
-        f"{storage.join(rd, 'best.yaml')}, {storage.join(rd, 'val_loss.png')}")
+        f"{best_yaml if best else 'no best.yaml (no trial was ranked)'}, "
+        f"{storage.join(rd, 'val_loss.png')}")
+    if best is not None:
+        log(f"raylm: next: train with the best trial's settings as a run of their own: "
+            f"raylm train --config {shlex.quote(best_yaml)}")
 
 
 def table(summary: SweepSummary) -> str:

@@ -6,8 +6,9 @@ command; its run name, derived from the job, is checked in tests/unit/test_confi
 What differs from the page is what a test must change, each through a documented override:
 the hub model (the network) becomes a raylm-made local model (`python -m
 raylm.examples.reverse_words model`, as cpu_sft.yaml's header makes it), steps are 1/25 of the
-page's, the sweep runs one trial (tests/integration/test_tune.py sweeps several), and the
-commands marked `# needs a cluster` are left to tests/integration/test_jobs.py.
+page's, the sweep runs one trial (tests/integration/test_tune.py sweeps several) and prints its
+best as JSON (`--json`), and the commands marked `# needs a cluster` are left to
+tests/integration/test_jobs.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -91,7 +93,7 @@ def as_tested(argv: list[str], root: Path) -> list[str]:
             word = "--tune.num_samples=1"
         out.append(word)
     if argv[:2] == ["raylm", "tune"]:
-        out += ["--train.steps=4", "--train.eval_every=2"]
+        out += ["--train.steps=4", "--train.eval_every=2", "--json"]
     if argv[0].startswith("python"):
         out[0] = sys.executable
     return out
@@ -121,6 +123,14 @@ def test_the_readme_tour_runs_as_written(reader):
         ran.append(c.where)
     assert len(ran) >= 9, ran
     text = "\n".join(outputs.values())
+    # A run ends in a few lines a person reads, the last the commands to try next; the first
+    # of them runs as printed.
+    first = next(iter(outputs.values())).splitlines()
+    done = next(i for i, line in enumerate(first) if line.startswith("raylm: done: step 4,"))
+    hint = next(line for line in first[done:done + 6] if line.startswith("raylm: next: "))
+    generate = shlex.split(hint.removeprefix("raylm: next: ").split(", or ")[0])
+    assert generate[:3] == ["raylm", "generate", "runs/cpu-tiny"], hint
+    assert type_in(reader, [*generate, "--max-new-tokens", "4"]).startswith("The")
     # The second pretraining command resumed the first; every run had a directory of its own.
     assert "raylm: run 'cpu-tiny' exists; resuming from step 4 of 8" in text
     # Every run joined the reader's head, which `ray start` recorded, with its token.
@@ -132,7 +142,13 @@ def test_the_readme_tour_runs_as_written(reader):
     for name, step in (("cpu-tiny", 8), ("sft", 12), ("dpo", 4)):
         summary = json.loads((root / "runs" / name / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["final_step"] == step, name
-    assert json.loads((root / "runs" / "lr-sweep" / "tune_summary.json").read_text())["best"]
+    best = json.loads((root / "runs" / "lr-sweep" / "tune_summary.json").read_text())["best"]
+    # With --json, the sweep's best trial follows its last lines on stdout, for a script.
+    (sweep,) = [out for out in outputs.values() if "raylm: sweep done" in out]
+    lines = sweep.splitlines()
+    start = max(i for i, line in enumerate(lines) if line == "{")
+    printed, _ = json.JSONDecoder().raw_decode("\n".join(lines[start:]))
+    assert best and printed["trial_id"] == best["trial_id"], sweep[-3000:]
     assert (root / "runs" / "sft-merged" / "config.json").is_file()
     # A dry run reads the run directory as the run would: finished, or another model's. (The
     # two side by side: each is a fresh interpreter's imports, on one core.)
