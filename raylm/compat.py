@@ -22,6 +22,7 @@ _HOME = {
     "_set_torch_distributed_env_vars": "ray.train.torch.config",
     "_setup_torch_process_group": "ray.train.torch.config",
     "_shutdown_torch": "ray.train.torch.config",
+    "GcsClient": "ray._raylet",
 }
 
 

@@ -153,6 +153,7 @@ def join(choice: Choice, **init) -> None:
 
     import ray
 
+    refused_token(choice)
     try:
         # Warnings and up from Ray itself; raylm prints its own progress.
         ray.init(address="auto" if choice.recorded else choice.address or "local",
@@ -163,6 +164,32 @@ def join(choice: Choice, **init) -> None:
             f"answers: {e}; if its head has token authentication on (`ray start`'s default), "
             f"export RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, or ~/.ray/auth_token "
             f"as on the machine that made it)") from None
+
+
+def refused_token(choice: Choice) -> None:
+    """Refuse a head that refuses this process's token (or its lack of one) at once: one
+    client asks it, where ``ray.init`` would ask again for 20 s, printing a warning each time,
+    and then say only that it could not connect. (A head found through ``ray start``'s record
+    is left to ``ray.init``, which turns token authentication on for it where a token exists.)"""
+    if choice.address is None or choice.recorded or "://" in choice.address:
+        return
+    from ray.exceptions import AuthenticationError
+
+    from raylm import compat
+
+    try:
+        compat.GcsClient(address=choice.address)
+    except AuthenticationError:
+        token = os.environ.get("RAY_AUTH_MODE") == "token"
+        whose = "this process's token" if token else "a process without a token"
+        raise ValueError(
+            f"the Ray cluster at {choice.address} ({choice.origin}) refuses {whose}: its head "
+            f"has token authentication on (`ray start`'s default); "
+            f"{'' if token else 'export RAY_AUTH_MODE=token and '}give its token as "
+            f"RAY_AUTH_TOKEN or in ~/.ray/auth_token (`ray get-auth-token` prints it on the "
+            f"head node)") from None
+    except Exception:  # noqa: BLE001 - anything else is ray.init's to report
+        return
 
 
 def connect(address: str | None, *, log: Callable[[str], None],

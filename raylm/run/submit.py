@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import shutil
 import tempfile
@@ -163,6 +164,12 @@ def submit(cfg: Config, *, address: str | None, command: str = "train",
                          f"absolute path on the cluster (a shared mount for several nodes) or "
                          f"object storage, e.g. --run.storage_path=s3://BUCKET/runs.")
     jobs = client(address)
+    if not cfg.run.verbose:
+        # The client's INFO lines (each package uploaded, the log stream's socket closed)
+        # say nothing the lines around them do not.
+        for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
+                     "ray._private.runtime_env.packaging"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     staging = Path(tempfile.mkdtemp(prefix="raylm-submit-"))
     try:
         cfg = ship_reward(cfg, staging)

@@ -89,6 +89,9 @@ def test_raylm_submit_runs_the_job_and_follows_it(head):
     for detail in ("Reporting training result", "Execution plan of Dataset",
                    "Started training worker group", "Progress bars disabled", " INFO mlflow"):
         assert detail not in p.stdout, detail
+    for detail in ("Uploading package", "Creating a file package", "WebSocket closed"):
+        assert detail not in p.stderr, detail
+    assert "raylm: next: raylm generate " in p.stdout
 
     s = summary(head, "via-raylm")
     assert s["status"] == "finished" and s["final_step"] == 10 and s["workers"] == 2
@@ -146,7 +149,7 @@ def test_plain_ray_job_submit_of_the_entrypoint_trains_and_a_stop_frees_the_clus
     assert have == total, free.stdout + free.stderr
 
 
-def test_submit_refuses_bad_input_before_contacting_the_cluster(head):
+def test_bad_input_and_a_missing_token_are_refused_in_one_line(head):
     from concurrent.futures import ThreadPoolExecutor
 
     # Without the token, the message says how to provide it.
@@ -164,12 +167,18 @@ def test_submit_refuses_bad_input_before_contacting_the_cluster(head):
     }
     # Each call is a fresh interpreter that imports raylm and Ray (seconds, mostly waiting on
     # the disk): they run side by side.
-    with ThreadPoolExecutor(len(calls) + 1) as pool:
+    with ThreadPoolExecutor(len(calls) + 3) as pool:
         done = {name: pool.submit(raylm, head, *args) for name, args in calls.items()}
         tokenless = pool.submit(subprocess.run, [BIN / "raylm", "jobs", "list", "--address",
                                                  head["address"]], env=no_token, text=True,
                                 capture_output=True, timeout=60)
-        p = {name: f.result() for name, f in done.items()}
+        # A run joining the head itself (RAY_ADDRESS) without its token, or with another.
+        joins = {name: pool.submit(subprocess.run, [
+            BIN / "raylm", "train", "--config", TINY, *head["overrides"]],
+            env={**env, "RAY_ADDRESS": head["gcs"]}, text=True, capture_output=True,
+            timeout=120) for name, env in (("join without token", no_token), (
+                "join with another token", {**head["env"], "RAY_AUTH_TOKEN": "0" * 32}))}
+        p = {name: f.result() for name, f in (done | joins).items()}
         p["no token"] = tokenless.result()
     assert all(r.returncode == 2 for r in p.values()), {k: r.stderr for k, r in p.items()}
     assert "http://127.0.0.1:8265" in p["no job server"].stderr
@@ -178,3 +187,10 @@ def test_submit_refuses_bad_input_before_contacting_the_cluster(head):
     assert "KEY=VALUE" in p["bad env"].stderr
     assert "job 'raylm-no-such-job'" in p["no such job"].stderr, p["no such job"].stderr
     assert "RAY_AUTH_MODE=token" in p["no token"].stderr, p["no token"].stderr
+    # A head refusing the run's token is said at once, in one line naming what to set (not
+    # after ray.init's 20 s of retries, each a warning, and a traceback).
+    for name, fix in (("join without token", "export RAY_AUTH_MODE=token and give its token"),
+                      ("join with another token", "refuses this process's token")):
+        err = p[name].stderr
+        assert "(RAY_ADDRESS) refuses" in err and fix in err, err
+        assert "Traceback" not in err and err.count("InvalidAuthToken") <= 1, err

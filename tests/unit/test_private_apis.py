@@ -59,6 +59,9 @@ PRIVATE = [
      "raylm/run/group.py"),
     ("ray.train.torch.config", "_shutdown_torch",
      "the process group left when a worker group ends", "raylm/run/group.py"),
+    ("ray._raylet", "GcsClient",
+     "a head that refuses the token is said at once, not after ray.init's 20 s of retries",
+     "raylm/run/cluster.py"),
 ]
 
 
