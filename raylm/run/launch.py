@@ -164,7 +164,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
         log(f"raylm: run {cfg.run.name!r} has trained its {done.final_step} steps already "
             f"(train.steps={cfg.train.steps}): nothing to do; raise train.steps to train on. "
             f"Summary: {storage.join(rd, SUMMARY)}")
-        return done
+        return end_left_running(cfg, rd, done, final_model_of(cfg, tracking_parent), log=log)
     identity = run_identity(cfg, manifest, backend)
     changed = check_same_run(cfg, found, identity, log=log)
     moved = check_resumable(cfg, found, vocab_size=vocab, eos_id=eos, log=log)
@@ -187,10 +187,7 @@ def _train(cfg: Config, *, log, callbacks: list | None, tracking_parent: trackin
     ending = Ending(row_group_sizes=layout["splits"]["train"]["row_group_sizes"],
                     seed=cfg.train.seed, window=cfg.data.shuffle_window,
                     skip_positions=cfg.train.skip_positions,
-                    final_model=(FinalModel(adapter=bool(cfg.lora.rank), run_name=cfg.run.name,
-                                            register_as=cfg.tracking.register_as)
-                                 if cfg.tracking.log_model and tracking_parent is None
-                                 else None))
+                    final_model=final_model_of(cfg, tracking_parent))
     record = RunRecord(rd, total_steps=cfg.train.steps, tracker=tracker,
                        verbose=cfg.run.verbose, progress=feed and feed.queue, ending=ending,
                        lease=held.token, benchmarks=Benchmarks(
@@ -246,6 +243,28 @@ def fit(cfg: Config, prepared: str, **trainer: Any) -> Exception | None:
         if keeper is not None:
             ray.kill(keeper)
     return None
+
+
+def final_model_of(cfg: Config, tracking_parent: tracking.Tracker | None) -> FinalModel | None:
+    """What the run logs to MLflow as its model when it ends (a sweep's trials: nothing)."""
+    if not cfg.tracking.log_model or tracking_parent is not None:
+        return None
+    return FinalModel(adapter=bool(cfg.lora.rank), run_name=cfg.run.name,
+                      register_as=cfg.tracking.register_as)
+
+
+def end_left_running(cfg: Config, rd: str, summary: Summary, final: FinalModel | None, *,
+                     log=print) -> Summary:
+    """A finished run whose command ended (killed) after the record's end and before its final
+    model reached MLflow leaves the MLflow run RUNNING, without the model: running it again
+    logs the model and ends the MLflow run, as that command would have."""
+    if (final is None or not cfg.tracking.enabled or summary.logged_model is not None
+            or summary.tracking_lost or not tracking.left_running(cfg, summary.mlflow_run_id)):
+        return summary
+    log("raylm: the run's final model never reached MLflow (the command that trained it "
+        "ended first): logging it now")
+    tracker = tracking.start(cfg, log=log)
+    return end_tracked_run(rd, summary, tracker, final, log=log) if tracker else summary
 
 
 def end_tracked_run(rd: str, summary: Summary, tracker: tracking.Tracker,

@@ -417,6 +417,19 @@ def start(cfg: Config, *, log=print, parent: Tracker | None = None) -> Tracker:
     return MLflowTracker(run_id, uri, keep=cfg.checkpoint.keep)
 
 
+def left_running(cfg: Config, run_id: str | None) -> bool:
+    """Whether the MLflow run ``run_id`` is still RUNNING in ``cfg``'s store (False where it
+    cannot be read)."""
+    from mlflow import MlflowClient
+
+    fail_fast()
+    try:
+        return bool(run_id) and MlflowClient(tracking_uri=resolve_uri(cfg)).get_run(
+            run_id).info.status == "RUNNING"
+    except Exception:  # noqa: BLE001 - an unreachable store: nothing to mend from here
+        return False
+
+
 def check_access(cfg: Config) -> None:
     """ValueError for a store that cannot exist, or a tracking server that answers but
     refuses this client (see :func:`refusal`); one request, only to http(s) servers. A server

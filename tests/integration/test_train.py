@@ -265,6 +265,25 @@ def test_the_final_model_is_logged_in_the_transformers_flavor(base, relaid):
         torch.testing.assert_close(pipe.model(input_ids=ids).logits,
                                    run_model(input_ids=ids).logits, atol=0, rtol=0)
 
+    # A command killed after the record's end and before that logging leaves the MLflow run
+    # RUNNING and summary.json without the model (as here); running the run again logs the
+    # model and ends the MLflow run, and trains nothing.
+    from raylm import storage
+
+    rd = f"{bucket(base)}/layouts"
+    written = json.loads(storage.read_text(f"{rd}/summary.json"))
+    storage.write_text(f"{rd}/summary.json", json.dumps(
+        {k: v for k, v in written.items() if k != "mlflow_model_uri"}))
+    client.update_run(mrun.info.run_id, status="RUNNING")
+    said: list[str] = []
+    again = train(raylm.Run(rd).config, log=said.append)
+    assert any("final model never reached MLflow" in line for line in said), said
+    assert client.get_run(mrun.info.run_id).info.status == "FINISHED"
+    models = client.get_run(mrun.info.run_id).outputs.model_outputs
+    assert [o.step for o in models] == [30, 30]
+    assert again["mlflow_model_uri"] not in (None, resumed["mlflow_model_uri"])
+    assert again["final_step"] == 30 and again["checkpoint_path"] == resumed["checkpoint_path"]
+
 
 def test_the_python_api_reads_the_run_back(base, trained, relaid):
     full = trained
