@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -247,12 +248,22 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse(argv)
+    quiet_console()
     result = measure(args, extra)
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0
+
+
+def quiet_console() -> None:
+    """A benchmark's console holds its own lines and its JSON: the libraries' progress bars
+    (each model shard read or written, each MLflow artifact downloaded) are left out, here and
+    in the processes it starts, which inherit the environment; a value the user set is kept.
+    Before the libraries are imported: they read these once."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 def measure(args: argparse.Namespace, extra: list[str]) -> dict:

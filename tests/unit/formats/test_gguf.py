@@ -63,7 +63,10 @@ FAMILY_SETTINGS = {
     # Qwen3-MoE as released (transformers' default leaves the top-k weights unnormalized).
     "qwen3_moe": {"norm_topk_prob": True},
     "gemma2": {"query_pre_attn_scalar": 16, "sliding_window": 8, "attn_logit_softcapping": 0.05,
-               "final_logit_softcapping": 0.5}}
+               "final_logit_softcapping": 0.5},
+    # A GPT-2 config that also carries a key/value head count, which transformers ignores
+    # (GPT-2 has one per head): the file says 4, as transformers computes.
+    "gpt2": {"num_key_value_heads": 2}}
 
 
 def assert_runs_as_in_transformers(model_dir: Path, path: Path, texts=tuple(TEXTS)) -> None:
