@@ -121,7 +121,23 @@ def test_the_readme_tour_runs_as_written(reader):
         argv = as_tested(c.argv, root)
         outputs[c.where] = type_in(reader, argv)
         ran.append(c.where)
+        if argv[:3] == ["raylm", "generate", "runs/sft-merged"] and "--chat" in argv:
+            chat = (argv[argv.index("--chat") + 1], outputs[c.where])
     assert len(ran) >= 9, ran
+    # The SFT run's export answers a plain transformers client that renders the conversation
+    # with the export's chat template as `raylm generate --chat` answered.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = str(root / "runs" / "sft-merged")
+    tok, model = AutoTokenizer.from_pretrained(merged), AutoModelForCausalLM.from_pretrained(merged)
+    prompt = tok.apply_chat_template([{"role": "user", "content": chat[0]}],
+                                     add_generation_prompt=True, return_dict=False,
+                                     return_tensors="pt")
+    with torch.no_grad():
+        answer = model.generate(prompt, max_new_tokens=64, do_sample=False)
+    plain = tok.decode(answer[0, prompt.shape[1]:], skip_special_tokens=True).removeprefix(" ")
+    assert plain and chat[1].startswith(plain + "\n"), (plain, chat[1][:500])
     text = "\n".join(outputs.values())
     # A run ends in a few lines a person reads, the last the commands to try next; the first
     # of them runs as printed.
