@@ -364,8 +364,11 @@ def say_how_it_ended(cfg: Config, summary: Summary, *, error: Exception | None,
 def next_commands(cfg: Config, rd: str) -> str:
     """What a person tries after a run: sample from it, then export it for other tools (a
     LoRA run merged, which plain transformers loads)."""
-    if not storage.is_uri(rd) and Path(rd).resolve().is_relative_to(Path.cwd()):
-        rd = os.path.relpath(rd)  # runs/NAME, as a person types it from where the run began
+    try:  # runs/NAME, as a person types it from where the run began
+        if not storage.is_uri(rd) and Path(rd).resolve().is_relative_to(Path.cwd()):
+            rd = os.path.relpath(rd)
+    except OSError:  # the working directory is gone (a job's, removed as it ended)
+        pass
     here = shlex.quote(rd)
     ask = '--chat "Hello"' if cfg.data.format == "chat" else '--prompt "The"'
     out = shlex.quote(f"{storage.name(rd) if storage.is_uri(rd) else rd}-hf")

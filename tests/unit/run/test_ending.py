@@ -70,3 +70,15 @@ def test_a_dpo_run_ends_with_its_accuracy(tmp_path, monkeypatch):
     line = ending(cfg, finished(val_loss=0.41234, figures={"val_accuracy": 0.8125}))[0]
     assert line == ("raylm: done: step 200, val accuracy 0.812, val loss 0.4123, 0 restarts, "
                     "0 resizes")
+
+
+def test_the_next_commands_outlive_a_removed_working_directory(tmp_path, monkeypatch):
+    """A job's working directory can be gone by the time it ends: the run's path as given."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    cfg = load_config(None, ["--run.name=job", f"--run.storage_path={tmp_path}/runs"])
+    gone.rmdir()
+    from raylm.config import run_dir
+
+    assert next_commands(cfg, run_dir(cfg)).startswith(f"raylm generate {tmp_path}/runs/job ")
