@@ -42,7 +42,7 @@ def test_ruff_finds_nothing():
 
 
 # The budget docs/development.md states: raising one is a decision made there, with its reason.
-MAX_LINES = 21_410  # raylm/ outside bench/
+MAX_LINES = 21_440  # raylm/ outside bench/
 MAX_CONFIG_KEYS = 146
 
 
